@@ -1,0 +1,104 @@
+"""Hopper GEMM backends for `megatron_jetrl.fp8.gemm.blockwise_gemm`: cuBLASLt (through torch) and DeepGEMM.
+
+Both want K-major operands ([M, K] and [N, K] row-major) whose K is a whole number of 128-blocks.
+A partial last K block is padded with zero bytes, which is exact: a zero contributes nothing to any
+dot product and leaves the scales (computed over the real elements) untouched.
+
+cuBLASLt through `torch.nn.functional.scaled_mm` (torch >= 2.10), scale layouts as torch's
+`ScaledBlas.cpp` checks them (pytorch commit 0174dfab):
+    A 1x128    [M, K/128]      strides (1, M)    (outer-dim-major)
+    B 128x128  [L4, N/128]     strides (1, L4)   L4 = round_up(K/128, 4): cuBLASLt takes no leading
+                                                dimension for block scales and reads this pitch, which
+                                                is why an unpadded transposed view with K/128 = 5 gave
+                                                silently wrong results through `torch._scaled_mm`
+    B 1x128    [N, K/128]      strides (1, N)
+The old `torch._scaled_mm` entry point is not used for blockwise scales for that reason, and the first
+use in a process checks the backend against the emulated reference on a K/128 = 5 shape.
+
+DeepGEMM (deepseek-ai/DeepGEMM @0274ad7b, `fp8_gemm_nt`; not installable here, so written against its
+source and never run by our CI): FP32 scales on sm90; FProp/DGrad recipe (1, 128, 128) with BF16 output;
+WGrad recipe (1, 1, 128) needs an FP32 output and accumulator `c`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def _pad_k(q: torch.Tensor) -> torch.Tensor:
+    """Row-major copy of an [R, K] E4M3 operand with K padded by zero bytes to a multiple of 128."""
+    k = q.shape[1]
+    pad = -k % 128
+    if pad == 0 and q.is_contiguous():
+        return q
+    out = torch.zeros(q.shape[0], k + pad, dtype=q.dtype, device=q.device)
+    out[:, :k] = q
+    return out
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """[R, L] scales stored column-major: strides (1, R)."""
+    return s.t().contiguous().t()
+
+
+def _block_scales_l4(s: torch.Tensor) -> torch.Tensor:
+    """[N/128, K/128] block scales -> [L4, N/128] view with strides (1, L4), K-blocks padded to 4."""
+    nb, kb = s.shape
+    padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=s.dtype, device=s.device)
+    padded[:, :kb] = s
+    return padded.t()
+
+
+def gemm_cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
+    _self_test_cublaslt(a_q.device)
+    return _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype)
+
+
+def _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
+    from torch.nn.functional import ScalingType
+
+    a, b = _pad_k(a_q), _pad_k(b_q)
+    if b_block == (128, 128):
+        scale_b, recipe_b = _block_scales_l4(b_s), ScalingType.BlockWise128x128
+    else:
+        scale_b, recipe_b = _outer_major(b_s), ScalingType.BlockWise1x128
+    return F.scaled_mm(
+        a, b.t(), _outer_major(a_s), ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype
+    )
+
+
+@functools.cache
+def _self_test_cublaslt(device: torch.device) -> None:
+    """Refuse cuBLASLt if it is wrong on a K/128 = 5, N/128 = 2 product (the stride trap)."""
+    from megatron_jetrl.fp8.gemm import _gemm_emulated
+    from megatron_jetrl.fp8.quant import quantize_blockwise
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a_q, a_s = quantize_blockwise(torch.randn(64, 640, device=device, generator=g), (1, 128))
+    for b_block in ((128, 128), (1, 128)):
+        b_q, b_s = quantize_blockwise(torch.randn(256, 640, device=device, generator=g), b_block)
+        want = _gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float32)
+        got = _cublaslt(a_q, a_s, b_q, b_s, b_block, torch.float32)
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 1e-3:
+            raise RuntimeError(
+                f"cuBLASLt blockwise FP8 GEMM ({b_block} B scales) is wrong on this torch/cuBLAS "
+                f"(relative error {err:.3g} at K/128=5): use backend='emulated' or 'triton', and report the torch version"
+            )
+
+
+def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype):
+    import deep_gemm
+
+    a, b = _pad_k(a_q), _pad_k(b_q)
+    m, n = a.shape[0], b.shape[0]
+    if b_block == (128, 128):
+        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        deep_gemm.fp8_gemm_nt((a, a_s.contiguous()), (b, b_s.contiguous()), d, disable_ue8m0_cast=True)
+        return d if out_dtype == torch.bfloat16 else d.to(out_dtype)
+    d = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    deep_gemm.fp8_gemm_nt((a, a_s.contiguous()), (b, b_s.contiguous()), d, c=d, recipe=(1, 1, 128), disable_ue8m0_cast=True)
+    return d if out_dtype == torch.float32 else d.to(out_dtype)

@@ -1,0 +1,133 @@
+"""`PrecisionFlow`: the one frozen object that decides quantization for the trainer and the rollout."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from megatron_jetrl.fp8.gemm import BACKENDS as GEMM_BACKENDS
+from megatron_jetrl.fp8.quant import EPS, SCALE_MODES
+
+MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+@dataclass(frozen=True)
+class PrecisionFlow:
+    """Precision of every linear GEMM in training and rollout (see `megatron_jetrl.fp8` for the numerics)."""
+
+    mode: str = "jetrl"
+    """`bf16` (baseline), `bf16-train-fp8-rollout` (the unstable foil: two forward graphs) or `jetrl`
+    (FP8 FProp/DGrad/WGrad in training and the identical FP8 forward in rollout)."""
+
+    fmt: str = "e4m3"
+    """FP8 format of activations, weights and gradients. Only E4M3 (max 448): the rollout checkpoint
+    format (`fmt: e4m3`) and the paper use it for all three."""
+
+    act_group: int = 128
+    """Group size of the 1x128 activation/gradient quantization (and of the 128x1 WGrad groups)."""
+
+    weight_block: tuple[int, int] = (128, 128)
+    """Weight tile; 128x128 so that DGrad reuses the forward's weight bytes, and the block the
+    rollout checkpoint declares in `weight_block_size`."""
+
+    scale_mode: str = "fp32"
+    """`fp32`: s = amax / 448. `ue8m0`: s rounded up to a power of two (InfiR2; what DeepGEMM's UE8M0
+    path and Blackwell MXFP8 want)."""
+
+    eps: float = EPS
+    """Floor of a group's amax before the scale is taken (vLLM uses 1e-10). Changing it breaks bit
+    identity with a vLLM rollout, which always uses 1e-10."""
+
+    check_finite: bool = True
+    """Refuse NaN/inf input to the quantizer with an error that names the element (one host sync
+    per quantization on GPU). Off: NaN/inf propagates as NaN instead (never as a silent 448)."""
+
+    backend: str = "auto"
+    """FP8 GEMM backend: `auto` (deepgemm > cublaslt > emulated, what the device has),
+    or one of those by name."""
+
+    gemms: tuple[str, ...] = field(init=False)
+    """Derived: the training GEMMs that run in FP8."""
+
+    def __post_init__(self):
+        weight_block = tuple(self.weight_block)
+        object.__setattr__(self, "weight_block", weight_block)
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.fmt != "e4m3":
+            problems.append(f"fmt {self.fmt!r} is not supported: the rollout format is E4M3 for weights and activations; use fmt='e4m3'")
+        if self.act_group != 128:
+            problems.append(f"act_group must be 128 (1x128 groups align with the 128x128 weight blocks DGrad reuses), got {self.act_group}")
+        if weight_block != (128, 128):
+            problems.append(f"weight_block must be (128, 128) (vLLM's and DeepGEMM's block), got {weight_block}")
+        if self.scale_mode not in SCALE_MODES:
+            problems.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        elif self.mode == "bf16" and self.scale_mode != "fp32":
+            problems.append("scale_mode='ue8m0' has no effect in mode='bf16' (nothing is quantized): pick an FP8 mode or leave scale_mode='fp32'")
+        if not (isinstance(self.eps, float) and math.isfinite(self.eps) and 0 < self.eps < 1e-3):
+            problems.append(f"eps must be a small positive float (vLLM uses 1e-10), got {self.eps!r}")
+        if self.backend not in GEMM_BACKENDS:
+            problems.append(f"backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
+        if problems:
+            raise ValueError("invalid PrecisionFlow: " + "; ".join(problems))
+        object.__setattr__(self, "gemms", GEMMS if self.mode == "jetrl" else ())
+
+    @property
+    def train_fp8(self) -> bool:
+        """Whether the trainer's linears run FP8 GEMMs."""
+        return bool(self.gemms)
+
+    @property
+    def rollout_fp8(self) -> bool:
+        """Whether the rollout engine runs FP8 linears (on FP8 weights shipped by the trainer)."""
+        return self.mode != "bf16"
+
+    @property
+    def same_forward(self) -> bool:
+        """Whether rollout's forward is a subgraph of training's (the Jet-RL property)."""
+        return self.train_fp8 == self.rollout_fp8
+
+    def quantization_config(self) -> dict | None:
+        """`quantization_config` of the rollout checkpoint's config.json (None: a plain BF16 checkpoint)."""
+        if not self.rollout_fp8:
+            return None
+        config = {
+            "quant_method": "fp8",
+            "fmt": self.fmt,
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block),
+        }
+        if self.scale_mode == "ue8m0":
+            config["scale_fmt"] = "ue8m0"
+        return config
+
+    def vllm_env(self) -> dict[str, str]:
+        """Environment for a vLLM engine so it runs this flow's forward and re-quantizes nothing.
+
+        vLLM's `is_deep_gemm_e8m0_used()` turns on UE8M0 activation scales and re-quantizes 128x128
+        weight scales to UE8M0 at load on Hopper when DeepGEMM is used with E8M0; with FP32 scales that
+        would change the weight bytes and the activation scales, so it is switched off. With `ue8m0`
+        scales the re-quantization is the identity (already powers of two) and DeepGEMM may use them.
+        """
+        if not self.rollout_fp8:
+            return {}
+        e8m0 = "1" if self.scale_mode == "ue8m0" else "0"
+        return {"VLLM_USE_DEEP_GEMM_E8M0": e8m0}
+
+    def te_env(self) -> dict[str, str]:
+        """Environment Transformer Engine reads once at import for its default block-scaling QParams."""
+        return {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1" if self.scale_mode == "fp32" else "0"}
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PrecisionFlow":
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown PrecisionFlow keys {sorted(unknown)}; known keys: {sorted(known)}")
+        return cls(**data)
+

@@ -1,0 +1,185 @@
+"""The Jet-RL FP8 linear: GEMM numerics, forward/backward against FP64 references, flow properties."""
+
+import pytest
+import torch
+
+from megatron_jetrl.fp8 import (
+    FP8Linear,
+    PrecisionFlow,
+    QuantizedWeight,
+    blockwise_gemm,
+    dequantize_blockwise,
+    fp8_linear,
+    fp8_linear_forward,
+    quantize_blockwise,
+)
+
+JETRL = PrecisionFlow(mode="jetrl")
+
+
+def deq64(q, s, block):
+    """Exact dequantization: an E4M3 value times an FP32 scale fits in FP64."""
+    bm, bk = block
+    m, k = q.shape
+    return q.double() * s.double().repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def quantized_pair(m, n, k, b_block, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * 3
+    b = torch.randn(n, k, generator=g) * 0.05
+    a_q, a_s = quantize_blockwise(a, (1, 128))
+    b_q, b_s = quantize_blockwise(b, b_block)
+    return a_q, a_s, b_q, b_s
+
+
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+@pytest.mark.parametrize("shape", [(5, 7, 128), (33, 130, 300), (64, 256, 640)])
+def test_emulated_gemm_is_the_fp64_product_of_the_dequantized_operands(shape, b_block):
+    m, n, k = shape
+    a_q, a_s, b_q, b_s = quantized_pair(m, n, k, b_block)
+    exact = deq64(a_q, a_s, (1, 128)) @ deq64(b_q, b_s, b_block).T
+    out = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=b_block, out_dtype=torch.float32, backend="emulated")
+    # Block products are exact; scaling and summing K/128 blocks in FP64 add ~K/128 * 2**-53 relative to
+    # sum |terms|; the FP32 output rounding is at most 2**-24 of |out|.
+    magnitude = deq64(a_q, a_s, (1, 128)).abs() @ deq64(b_q, b_s, b_block).abs().T
+    assert torch.all((out.double() - exact).abs() <= exact.abs() * 2.0**-24 + magnitude * 1e-14)
+    bf16 = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=b_block, out_dtype=torch.bfloat16, backend="emulated")
+    assert torch.all((bf16.double() - exact).abs() <= exact.abs() * 2.0**-8 + magnitude * 1e-14)
+
+
+def test_emulated_gemm_is_batch_invariant():
+    a_q, a_s, b_q, b_s = quantized_pair(48, 96, 384, (128, 128), seed=3)
+    full = blockwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.bfloat16, backend="emulated")
+    for rows in (slice(0, 1), slice(7, 8), slice(10, 40)):
+        part = blockwise_gemm(a_q[rows], a_s[rows], b_q, b_s, out_dtype=torch.bfloat16, backend="emulated")
+        assert torch.equal(part.view(torch.int16), full[rows].view(torch.int16))
+
+
+def test_gemm_refuses_bad_operands():
+    a_q, a_s, b_q, b_s = quantized_pair(4, 128, 256, (128, 128))
+    with pytest.raises(ValueError, match="scales must be"):
+        blockwise_gemm(a_q, a_s[:, :1], b_q, b_s)
+    with pytest.raises(ValueError, match="b_block"):
+        blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(128, 1))
+    with pytest.raises(RuntimeError, match="not available"):
+        blockwise_gemm(a_q, a_s, b_q, b_s, backend="cublaslt")
+    with pytest.raises(ValueError, match="unknown FP8 GEMM backend"):
+        blockwise_gemm(a_q, a_s, b_q, b_s, backend="cutlass")
+
+
+def fp64_reference(x, weight, bias, dy):
+    """Forward and gradients from the same quantized operands the Jet-RL flow defines, in FP64."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    wq, ws = quantize_blockwise(weight, (128, 128))
+    w_hat = deq64(wq, ws, (128, 128))
+    x_q, x_s = quantize_blockwise(x2, (1, 128))
+    y = deq64(x_q, x_s, (1, 128)) @ w_hat.T + bias.double()
+    dx = deq64(*quantize_blockwise(dy2, (1, 128)), (1, 128)) @ w_hat
+    dy_tok = deq64(*quantize_blockwise(dy2, (128, 1)), (128, 1))
+    # WGrad re-quantizes the saved FP8 activation, dequantized in FP32 as the contract says
+    x_tok = deq64(*quantize_blockwise(dequantize_blockwise(x_q, x_s, (1, 128)), (128, 1)), (128, 1))
+    dw = dy_tok.T @ x_tok
+    return y, dx, dw, dy2.double().sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k,n", [(3 * 50, 256, 384), (300, 384, 256), (7, 128, 130)])
+def test_forward_backward_match_fp64_reference_of_the_quantized_operands(tokens, k, n, dtype):
+    torch.manual_seed(tokens + k)
+    lin = FP8Linear(k, n, flow=JETRL, dtype=dtype)
+    x = torch.randn(tokens, k, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, n, dtype=dtype) * 1e-2
+    y = lin(x)
+    y.backward(dy)
+    y_ref, dx_ref, dw_ref, db_ref = fp64_reference(x.detach(), lin.weight.detach(), lin.bias.detach(), dy)
+    # Only the output rounding separates us from the FP64 product (see the GEMM test above):
+    # 2**-24 relative in FP32, 2**-8 in BF16 (the bias add in the output dtype adds one more rounding).
+    tol = 2.0**-22 if dtype == torch.float32 else 2.0**-7
+    for got, want in ((y, y_ref), (x.grad, dx_ref), (lin.weight.grad, dw_ref), (lin.bias.grad, db_ref)):
+        assert got.dtype == dtype
+        assert rel_err(got, want) <= tol, (got.shape, rel_err(got, want))
+
+
+def test_fp8_linear_stays_within_quantization_bounds_of_the_unquantized_op():
+    torch.manual_seed(0)
+    k, n, tokens = 512, 384, 256
+    lin = FP8Linear(k, n, flow=JETRL, dtype=torch.float32)
+    x = torch.randn(tokens, k, requires_grad=True)
+    dy = torch.randn(tokens, n)
+    lin(x).backward(dy)
+    xd, wd = x.detach().double(), lin.weight.detach().double()
+    y = xd @ wd.T + lin.bias.detach().double()
+    # RNE onto 3 mantissa bits errs by at most 2**-4 relative, uniformly spread: RMS 2**-4/sqrt(3) = 3.6%.
+    # A GEMM of two independently quantized operands has relative Frobenius error ~ the root-sum-square of
+    # theirs (5.1%); WGrad re-quantizes X once more (three terms, 6.3%). Bounds: those RMS figures, with
+    # no credit taken for averaging over K.
+    y_fp8 = fp8_linear_forward(x.detach(), lin.quantized_weight(), lin.bias.detach(), flow=JETRL)
+    assert 0.01 < rel_err(y_fp8, y) < 0.051
+    assert 0.01 < rel_err(x.grad, dy.double() @ wd) < 0.051
+    assert 0.01 < rel_err(lin.weight.grad, dy.double().T @ xd) < 0.063
+
+
+def test_training_and_rollout_forward_are_byte_equal():
+    lin = FP8Linear(256, 384, flow=JETRL, dtype=torch.bfloat16)
+    x = torch.randn(2, 9, 256, dtype=torch.bfloat16)
+    train = lin(x.clone().requires_grad_())
+    rollout = lin.rollout_forward(x)
+    functional = fp8_linear_forward(x, lin.quantized_weight(), lin.bias, flow=JETRL)
+    assert torch.equal(train.detach().view(torch.int16), rollout.view(torch.int16))
+    assert torch.equal(rollout.view(torch.int16), functional.view(torch.int16))
+
+
+def test_fp8_activation_not_bf16_is_saved_for_backward():
+    saved = []
+    lin = FP8Linear(256, 256, flow=JETRL, dtype=torch.bfloat16)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lin(x)
+    assert {t.dtype for t in saved} == {torch.float8_e4m3fn, torch.float32}
+    assert all(t.numel() <= x.numel() // 128 for t in saved if t.dtype == torch.float32)
+
+
+def test_weight_is_quantized_once_per_optimizer_step(monkeypatch):
+    import megatron_jetrl.fp8.linear as linear_mod
+
+    calls = []
+    real = linear_mod.QuantizedWeight.quantize.__func__
+    monkeypatch.setattr(linear_mod.QuantizedWeight, "quantize", classmethod(lambda cls, w, f: calls.append(1) or real(cls, w, f)))
+    lin = FP8Linear(128, 256, flow=JETRL)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for _ in range(3):  # three micro-batches, one weight version
+        lin(torch.randn(4, 128)).sum().backward()
+    assert len(calls) == 1
+    before = lin.quantized_weight().q.view(torch.uint8).clone()
+    opt.step()
+    lin(torch.randn(4, 128))
+    assert len(calls) == 2 and not torch.equal(before, lin.quantized_weight().q.view(torch.uint8))
+    lin.weight.data = lin.weight.data.clone()  # a swapped tensor invalidates too
+    lin(torch.randn(4, 128))
+    assert len(calls) == 3
+
+
+def test_functional_api_takes_a_prequantized_weight():
+    w = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    wq = QuantizedWeight.quantize(w, JETRL)
+    assert torch.equal(fp8_linear(x, w, flow=JETRL, weight_q=wq), fp8_linear(x, w, flow=JETRL))
+
+
+def test_bf16_mode_is_a_plain_linear_and_the_foil_quantizes_only_rollout():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    for mode in ("bf16", "bf16-train-fp8-rollout"):
+        lin = FP8Linear(256, 128, flow=PrecisionFlow(mode=mode), dtype=torch.bfloat16)
+        plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        assert torch.equal(lin(x), plain)
+        rollout = lin.rollout_forward(x)
+        assert torch.equal(rollout, plain) == (mode == "bf16")
+    foil = FP8Linear(256, 128, flow=PrecisionFlow(mode="bf16-train-fp8-rollout"), dtype=torch.bfloat16)
+    jet = FP8Linear(256, 128, flow=JETRL, dtype=torch.bfloat16)
+    jet.load_state_dict(foil.state_dict())
+    assert torch.equal(foil.rollout_forward(x), jet.rollout_forward(x))

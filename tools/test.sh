@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up a CPU environment (idempotent) and run the test suite: bash tools/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${JETRL_VENV:-.venv}
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" torch==2.13.0              # first and pinned, so nothing below pulls a CUDA build
+"${pip[@]}" -r requirements.txt
+# Transformer Engine's pure-Python wheel: its recipe module is read by tests/unit/test_flow.py
+# (the full TE needs CUDA and cannot be installed on CPU machines).
+export JETRL_WHEEL_CACHE=${JETRL_WHEEL_CACHE:-.cache/wheels}
+if ! ls "$JETRL_WHEEL_CACHE"/transformer_engine-2.20.2-*.whl >/dev/null 2>&1; then
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps transformer-engine==2.20.2 -d "$JETRL_WHEEL_CACHE"
+fi
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
