@@ -1,0 +1,59 @@
+"""The (hf_name, tensor) stream that feeds both the on-disk converter and the live weight sync.
+
+One mapping (megatron_jetrl.models.mapping) plus one quantizer: FP8 linears come out as
+`<name>.weight` (E4M3) + `<name>.weight_scale_inv` (FP32, [ceil(N/128), ceil(K/128)]), the rest in BF16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.models.mapping import Entry, gather_ranks, to_hf
+
+RankTensors = Callable[[str], list[torch.Tensor]]
+RankFP8 = Callable[[str], list[QuantizedWeight]]
+
+
+def quantize_ranks(fetch: RankTensors, flow: PrecisionFlow) -> RankFP8:
+    """FP8 weights for each TP rank's shard, quantized as the trainer's forward quantizes them."""
+    return lambda name: [QuantizedWeight.quantize(t, flow) for t in fetch(name)]
+
+
+def _gather(entry: Entry, arch: ModelArch, per_rank: list[torch.Tensor], unit: int, hf_rows: int | None):
+    pieces = [to_hf(entry, arch, t, unit) for t in per_rank]
+    for name in entry.hf:
+        yield name, gather_ranks(entry, [p[name] for p in pieces], hf_rows)
+
+
+def hf_tensors(
+    arch: ModelArch,
+    flow: PrecisionFlow,
+    entries: list[Entry],
+    fetch: RankTensors,
+    fetch_fp8: RankFP8 | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield HF (name, tensor) pairs for `entries`.
+
+    `fetch(megatron_name)` returns that parameter's tensor on every TP rank, in rank order;
+    `fetch_fp8(megatron_name)` the FP8 weights the trainer used (default: quantize `fetch`'s shards,
+    which gives the same bytes: the quantizer is deterministic and shards are block-aligned).
+    """
+    fetch_fp8 = fetch_fp8 or quantize_ranks(fetch, flow)
+    for entry in entries:
+        hf_rows = arch.vocab_size if entry.vocab else None
+        if entry.fp8 and flow.rollout_fp8:
+            weights = fetch_fp8(entry.megatron)
+            data = _gather(entry, arch, [w.q.view(torch.uint8) for w in weights], 1, hf_rows)
+            scales = _gather(entry, arch, [w.s for w in weights], 128, hf_rows)
+            for (name, q), (_, s) in zip(data, scales):
+                yield name, q.view(torch.float8_e4m3fn)
+                yield name.removesuffix("weight") + "weight_scale_inv", s
+        else:
+            for name, tensor in _gather(entry, arch, fetch(entry.megatron), 1, hf_rows):
+                yield name, tensor.to(dtype)

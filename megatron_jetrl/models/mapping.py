@@ -1,0 +1,147 @@
+"""The one Megatron <-> HF mapping table of the Qwen2/Qwen3/Llama families, for import, export and live sync.
+
+Megatron-core (local and TE layer specs, 0.16) stores per layer:
+    linear_qkv   [groups x (q_per_group*hd + hd + hd), hidden]   q/k/v fused per query group
+    linear_fc1   [gate; up] on every TP rank                       gated MLP fused
+    linear_proj, linear_fc2                                         row-parallel (input dim split)
+A tensor-parallel rank holds whole query groups of `linear_qkv`, its share of gate and of up in
+`linear_fc1`, and a slice of the input dim of the row-parallel linears.
+
+Everything here works on *one TP rank's* tensor at a time: `to_hf` cuts a rank's tensor into its pieces
+of each HF tensor, `from_hf` fuses a rank's pieces back. The HF tensor is the concatenation of the ranks'
+pieces along `tp_dim`. The same code cuts BF16 weights, FP8 bytes (`unit=1`) and their 128x128 scale
+grids (`unit=128`: rows counted in blocks), which is what makes converter and weight sync agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_jetrl.models.arch import ModelArch
+
+FP8_SUFFIX = ("weight", "weight_scale_inv")
+
+
+@dataclass(frozen=True)
+class Entry:
+    megatron: str
+    """Megatron-core parameter name; `{i}` is the layer index (local to a pipeline stage)."""
+    hf: tuple[str, ...]
+    """HF tensor names this parameter holds, in fused order; `{i}` is the global layer index."""
+    fuse: str = "none"
+    """`none`, `qkv` (per-query-group interleave) or `gate_up` ([gate; up] on every rank)."""
+    tp_dim: int | None = None
+    """Dimension split across TP ranks (0: column-parallel/vocab, 1: row-parallel input), None: replicated."""
+    fp8: bool = False
+    """A linear weight that the FP8 rollout checkpoint stores as E4M3 + `weight_scale_inv`."""
+    vocab: bool = False
+    """Rows are the (padded) vocabulary."""
+
+    def at(self, local_layer: int, global_layer: int) -> "Entry":
+        return Entry(
+            self.megatron.format(i=local_layer), tuple(h.format(i=global_layer) for h in self.hf),
+            self.fuse, self.tp_dim, self.fp8, self.vocab,
+        )
+
+
+def layer_entries(arch: ModelArch, spec: str = "local") -> list[Entry]:
+    """Per-layer entries. `spec="te"` names the norms as TE's fused LayerNormLinear does."""
+    a, m, h = "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp.", "model.layers.{i}."
+    qkv = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
+    te = spec == "te"
+    entries = [
+        Entry(f"{a}linear_qkv.layer_norm_weight" if te else "decoder.layers.{i}.input_layernorm.weight", (f"{h}input_layernorm.weight",)),
+        Entry(f"{a}linear_qkv.weight", qkv, "qkv", 0, fp8=True),
+        Entry(f"{a}linear_proj.weight", (f"{h}self_attn.o_proj.weight",), tp_dim=1, fp8=True),
+        Entry(f"{m}linear_fc1.layer_norm_weight" if te else "decoder.layers.{i}.pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",)),
+        Entry(f"{m}linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up", 0, fp8=True),
+        Entry(f"{m}linear_fc2.weight", (f"{h}mlp.down_proj.weight",), tp_dim=1, fp8=True),
+    ]
+    if arch.qkv_bias:
+        entries.insert(2, Entry(f"{a}linear_qkv.bias", tuple(n.replace(".weight", ".bias") for n in qkv), "qkv", 0))
+    if arch.qk_norm:
+        entries += [
+            Entry(f"{a}q_layernorm.weight", (f"{h}self_attn.q_norm.weight",)),
+            Entry(f"{a}k_layernorm.weight", (f"{h}self_attn.k_norm.weight",)),
+        ]
+    return entries
+
+
+def model_entries(arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local") -> list[Entry]:
+    """All entries a pipeline stage holds, with layer indices filled in."""
+    if arch.num_layers % pp_size:
+        raise ValueError(f"PP={pp_size} does not divide num_hidden_layers={arch.num_layers}")
+    per_stage = arch.num_layers // pp_size
+    entries = []
+    if pp_rank == 0:
+        entries.append(Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True))
+    for local in range(per_stage):
+        entries += [e.at(local, pp_rank * per_stage + local) for e in layer_entries(arch, spec)]
+    if pp_rank == pp_size - 1:
+        entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",)))
+        if not arch.tie_word_embeddings:
+            entries.append(Entry("output_layer.weight", ("lm_head.weight",), tp_dim=0, vocab=True))
+    return entries
+
+
+def _piece_rows(entry: Entry, arch: ModelArch, rows: int, unit: int) -> list[int]:
+    """Row counts of the pieces in one rank's fused tensor (in units of `unit` rows)."""
+    if entry.fuse == "gate_up":
+        return [rows // 2, rows // 2]
+    hd = arch.head_dim // unit
+    group = (arch.q_per_group + 2) * hd
+    if rows % group:
+        raise ValueError(f"{entry.megatron}: {rows} rows are not whole query groups of {group} (head_dim={arch.head_dim}, unit={unit})")
+    return [arch.q_per_group * hd, hd, hd]
+
+
+def to_hf(entry: Entry, arch: ModelArch, local: torch.Tensor, unit: int = 1) -> dict[str, torch.Tensor]:
+    """Cut one TP rank's tensor into that rank's pieces of each HF tensor."""
+    if entry.fuse == "none":
+        return {entry.hf[0]: local}
+    sizes = _piece_rows(entry, arch, local.shape[0], unit)
+    if entry.fuse == "gate_up":
+        return dict(zip(entry.hf, local.split(sizes, dim=0)))
+    groups = local.shape[0] // sum(sizes)
+    grouped = local.reshape(groups, sum(sizes), *local.shape[1:])
+    return {name: part.reshape(-1, *local.shape[1:]) for name, part in zip(entry.hf, grouped.split(sizes, dim=1))}
+
+
+def from_hf(entry: Entry, arch: ModelArch, pieces: dict[str, torch.Tensor], unit: int = 1) -> torch.Tensor:
+    """Fuse one TP rank's pieces of the HF tensors into that rank's Megatron tensor."""
+    parts = [pieces[name] for name in entry.hf]
+    if entry.fuse == "none":
+        return parts[0]
+    if entry.fuse == "gate_up":
+        return torch.cat(parts, dim=0)
+    hd = arch.head_dim // unit
+    groups = parts[1].shape[0] // hd
+    grouped = [p.reshape(groups, -1, *p.shape[1:]) for p in parts]
+    return torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:])
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: a multiple of `divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def rank_slice(entry: Entry, full: torch.Tensor, tp_rank: int, tp: int, padded_rows: int | None = None) -> torch.Tensor:
+    """This TP rank's slice of a full HF tensor (the vocabulary padded with zero rows first)."""
+    if entry.vocab and padded_rows is not None and padded_rows > full.shape[0]:
+        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    if entry.tp_dim is None or tp == 1:
+        return full
+    if full.shape[entry.tp_dim] % tp:
+        raise ValueError(f"{entry.hf}: dim {entry.tp_dim} of size {full.shape[entry.tp_dim]} does not split into TP={tp} parts")
+    return full.chunk(tp, dim=entry.tp_dim)[tp_rank]
+
+
+def gather_ranks(entry: Entry, rank_pieces: list[torch.Tensor], hf_rows: int | None = None) -> torch.Tensor:
+    """The full HF tensor from every TP rank's piece (vocabulary padding stripped)."""
+    full = rank_pieces[0] if len(rank_pieces) == 1 or entry.tp_dim is None else torch.cat(rank_pieces, dim=entry.tp_dim)
+    if entry.vocab and hf_rows is not None:
+        full = full[:hf_rows]
+    return full

@@ -1,0 +1,126 @@
+"""Model families, TP/FP8 alignment checks, and the one mapping table feeding export and sync."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
+from megatron_jetrl.models import ModelArch, from_hf, hf_tensors, model_entries, padded_vocab_size, rank_slice
+
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+
+
+def tiny(model_type="qwen3", **overrides):
+    config = dict(model_type=model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300)
+    config.update(overrides)
+    return ModelArch.from_hf_config(config)
+
+
+def test_families_from_hf_config():
+    q2, q3, ll = (ModelArch.from_hf_config(c) for c in (QWEN25_7B, QWEN3_8B, LLAMA31_8B))
+    assert (q2.qkv_bias, q2.qk_norm, q2.head_dim, q2.q_per_group) == (True, False, 128, 7)
+    assert (q3.qkv_bias, q3.qk_norm) == (False, True)
+    assert (ll.family, ll.qkv_bias, ll.head_dim) == ("llama", False, 128)
+    with pytest.raises(ValueError, match="model_type='mistral'.*supports"):
+        ModelArch.from_hf_config(dict(QWEN3_8B, model_type="mistral"))
+
+
+def test_fp8_tp_alignment_of_real_models():
+    q2 = ModelArch.from_hf_config(QWEN25_7B)
+    for tp in (1, 2, 4):
+        q2.check_fp8_tp(tp)
+    with pytest.raises(ValueError, match="TP=8 does not divide num_key_value_heads=4"):
+        q2.check_fp8_tp(8)
+    for tp in (1, 2, 4, 8):
+        ModelArch.from_hf_config(QWEN3_8B).check_fp8_tp(tp)
+        ModelArch.from_hf_config(LLAMA31_8B).check_fp8_tp(tp)
+
+
+def test_misaligned_model_is_refused_with_layer_dimension_and_working_tp():
+    arch = tiny(intermediate_size=384)
+    arch.check_fp8_tp(1)
+    with pytest.raises(ValueError, match=r"mlp.linear_fc1 gate/up rows.*384 / 2 = 192.*TP sizes that work for it: \[1\]"):
+        arch.check_fp8_tp(2)
+    with pytest.raises(ValueError, match=r"k and v rows of one query group \(head_dim\): 64"):
+        tiny(head_dim=64).check_fp8_tp(1)
+
+
+def random_hf_state(arch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {}
+    for e in model_entries(arch):
+        for name in e.hf:
+            shapes[name] = None
+    state = {}
+    hd, h = arch.head_dim, arch.hidden_size
+    for name in shapes:
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            shape = (hd,) if ("q_norm" in name or "k_norm" in name) else (h,)
+        elif "embed_tokens" in name or "lm_head" in name:
+            shape = (arch.vocab_size, h)
+        elif "q_proj" in name:
+            shape = (arch.num_heads * hd, h) if name.endswith("weight") else (arch.num_heads * hd,)
+        elif "k_proj" in name or "v_proj" in name:
+            shape = (arch.num_kv_heads * hd, h) if name.endswith("weight") else (arch.num_kv_heads * hd,)
+        elif "o_proj" in name:
+            shape = (h, arch.num_heads * hd)
+        elif "gate_proj" in name or "up_proj" in name:
+            shape = (arch.intermediate_size, h)
+        else:
+            shape = (h, arch.intermediate_size)
+        state[name] = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+    return state
+
+
+def import_ranks(arch, hf, tp):
+    """HF -> Megatron for every TP rank: each rank slices only its part of each HF tensor."""
+    padded = padded_vocab_size(arch.vocab_size, tp)
+    ranks = []
+    for r in range(tp):
+        local = {}
+        for e in model_entries(arch):
+            local[e.megatron] = from_hf(e, arch, {n: rank_slice(e, hf[n], r, tp, padded) for n in e.hf})
+        ranks.append(local)
+    return ranks
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_import_then_bf16_export_round_trips(family, tp):
+    arch = tiny(family)
+    hf = random_hf_state(arch)
+    ranks = import_ranks(arch, hf, tp)
+    assert ranks[0]["embedding.word_embeddings.weight"].shape[0] == padded_vocab_size(300, tp) // tp
+    out = dict(hf_tensors(arch, PrecisionFlow(mode="bf16"), model_entries(arch), lambda n: [r[n] for r in ranks]))
+    assert out.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(out[name], tensor), name
+
+
+@settings(max_examples=10, deadline=None)
+@given(family=st.sampled_from(["qwen2", "qwen3", "llama"]), scale_mode=st.sampled_from(["fp32", "ue8m0"]), seed=st.integers(0, 999))
+def test_fp8_export_is_the_trainer_bytes_and_tp_invariant(family, scale_mode, seed):
+    arch = tiny(family)
+    hf = random_hf_state(arch, seed)
+    flow = PrecisionFlow(scale_mode=scale_mode)
+    exports = []
+    for tp in (1, 2):
+        ranks = import_ranks(arch, hf, tp)
+        exports.append(dict(hf_tensors(arch, flow, model_entries(arch), lambda n: [r[n] for r in ranks])))
+    one, two = exports
+    assert one.keys() == two.keys()
+    for name in one:
+        assert one[name].dtype == two[name].dtype and torch.equal(one[name].view(torch.uint8), two[name].view(torch.uint8)), name
+    fp8_names = [n for n in one if n.endswith("weight_scale_inv")]
+    assert len(fp8_names) == 7 * arch.num_layers
+    for scale_name in fp8_names:
+        name = scale_name.removesuffix("_scale_inv")
+        q, s = quantize_blockwise(hf[name], (128, 128), scale_mode)
+        assert torch.equal(one[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(one[scale_name], s)
