@@ -16,7 +16,7 @@ import torch
 
 from megatron_jetrl.fp8.quant import E4M3, scale_shape
 
-BACKENDS = ("auto", "emulated", "cublaslt", "deepgemm")
+BACKENDS = ("auto", "emulated", "cublaslt", "deepgemm", "triton")
 B_BLOCKS = ((128, 128), (1, 128))
 
 
@@ -74,6 +74,11 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
             found.append("deepgemm")
         if hasattr(torch.nn.functional, "scaled_mm"):  # torch >= 2.10: blockwise scales with checked layouts
             found.append("cublaslt")
+    if device.type == "cuda":
+        from megatron_jetrl.fp8.kernels import supported
+
+        if supported(device):  # Triton blockwise GEMM: portable fallback on any sm89+ GPU
+            found.append("triton")
     found.append("emulated")
     return found
 
@@ -96,6 +101,10 @@ def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bf
     name = resolve_backend(backend, a_q.device)
     if name == "emulated":
         return _gemm_emulated(a_q, a_s, b_q, b_s, b_block, out_dtype)
+    if name == "triton":
+        from megatron_jetrl.fp8.kernels import gemm
+
+        return gemm(a_q, a_s, b_q, b_s, b_block, out_dtype)
     if name == "cublaslt":
         from megatron_jetrl.fp8.backends import gemm_cublaslt
 

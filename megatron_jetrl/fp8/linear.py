@@ -7,7 +7,7 @@ X being the FP8 activation saved by the forward, re-quantized along tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +27,37 @@ class QuantizedWeight:
 
     q: torch.Tensor
     s: torch.Tensor
+    _t: tuple | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow) -> "QuantizedWeight":
-        q, s = quantize_blockwise(weight.detach(), WEIGHT, flow.scale_mode, eps=flow.eps, check_finite=flow.check_finite)
+        q, s = _quantize(weight.detach(), WEIGHT, flow)
         return cls(q, s)
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^T's bytes [K, N] (contiguous, K-major for DGrad) and scales: a byte copy, cached with this weight.
+
+        A 128x128 tile has one scale, so these are exactly the bytes and scales of quantizing W^T.
+        """
+        if self._t is None:
+            object.__setattr__(self, "_t", (self.q.t().contiguous(), self.s.t().contiguous()))
+        return self._t
+
+
+def _fast(x: torch.Tensor) -> bool:
+    """Whether the Triton quantizers (byte-identical to the reference, tests/gpu) serve this tensor."""
+    if x.device.type != "cuda":
+        return False
+    from megatron_jetrl.fp8 import kernels
+
+    return kernels.supported(x.device)
 
 
 def _quantize(x, block, flow):
+    if _fast(x) and (x.dim() == 2 or tuple(block) == ACT):
+        from megatron_jetrl.fp8 import kernels
+
+        return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=flow.check_finite)
     return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=flow.check_finite)
 
 
@@ -54,10 +77,11 @@ def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, f
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_q, weight_s, flow):
+    def forward(ctx, x, weight, bias, weight_q, weight_s, flow, qweight=None):
         x2d = x.reshape(-1, x.shape[-1])
         y, x_q, x_s = _fprop(x2d, QuantizedWeight(weight_q, weight_s), bias, flow, x.dtype)
         ctx.save_for_backward(x_q, x_s, weight_q, weight_s)
+        ctx.qweight = qweight  # the cached QuantizedWeight (holds W^T bytes for DGrad once made)
         ctx.flow, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = flow, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], weight_q.shape[0])
@@ -68,20 +92,37 @@ class _FP8LinearFunction(torch.autograd.Function):
         flow = ctx.flow
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # DGrad: dY(1x128 along N) . W, W's blocks used transposed
-            dy_q, dy_s = _quantize(dy2d, ACT, flow)
-            dx = blockwise_gemm(dy_q, dy_s, w_q.t(), w_s.t(), b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # WGrad: both operands grouped along tokens
-            dyt_q, dyt_s = _quantize(dy2d, TOKENS, flow)
-            x_hat = dequantize_blockwise(x_q, x_s, ACT)
-            xt_q, xt_s = _quantize(x_hat, TOKENS, flow)
-            dw = blockwise_gemm(
-                dyt_q.t(), dyt_s.t(), xt_q.t(), xt_s.t(), b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend
-            )
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if _fast(dy2d):
+            # One pass over dY gives both its 1x128 (DGrad) and its transposed 128x1 (WGrad) bytes, and X is
+            # re-quantized along tokens straight from its saved E4M3 bytes and scales; the bytes are those of
+            # the reference path below (tests/gpu/test_kernels.py).
+            from megatron_jetrl.fp8 import kernels
+
+            q_kw = dict(eps=flow.eps, check_finite=flow.check_finite)
+            dy_q, dy_s, dyt_q, dyt_s = kernels.quantize_dual(dy2d, flow.scale_mode, rows=need_dx, cols=need_dw, **q_kw)
+            if need_dx:
+                wt_q, wt_s = ctx.qweight.transposed() if ctx.qweight is not None else (w_q.t().contiguous(), w_s.t())
+                dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
+                dx = dx.reshape(ctx.x_shape)
+            if need_dw:
+                _, _, xt_q, xt_s = kernels.quantize_dual(x_q, flow.scale_mode, rows=False, x_scale=x_s, **q_kw)
+                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend)
+        else:
+            if need_dx:  # DGrad: dY(1x128 along N) . W, W's blocks used transposed
+                dy_q, dy_s = _quantize(dy2d, ACT, flow)
+                dx = blockwise_gemm(dy_q, dy_s, w_q.t(), w_s.t(), b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
+                dx = dx.reshape(ctx.x_shape)
+            if need_dw:  # WGrad: both operands grouped along tokens
+                dyt_q, dyt_s = _quantize(dy2d, TOKENS, flow)
+                x_hat = dequantize_blockwise(x_q, x_s, ACT)
+                xt_q, xt_s = _quantize(x_hat, TOKENS, flow)
+                dw = blockwise_gemm(
+                    dyt_q.t(), dyt_s.t(), xt_q.t(), xt_s.t(), b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend
+                )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None):
@@ -93,7 +134,7 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
         return F.linear(x, weight, bias)
     if weight_q is None:
         weight_q = QuantizedWeight.quantize(weight, flow)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q.q, weight_q.s, flow)
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q.q, weight_q.s, flow, weight_q)
 
 
 class FP8Linear(torch.nn.Module):

@@ -1,0 +1,544 @@
+"""Triton kernels for the FP8 flow on CUDA: blockwise quantizers and blockwise GEMMs.
+
+Every quantizer here reproduces the bytes of the reference `megatron_jetrl.fp8.quant.quantize_blockwise`
+(the contract is in the package docstring), which tests/gpu checks on random and adversarial inputs:
+
+* amax over the group in FP32 (masked-out elements of a partial group read as 0, as the reference's
+  zero padding), `s = max(amax, eps) / 448` and `x / s` as true IEEE divisions (`div.rn.f32` through
+  inline PTX: Triton's `/` is an approximate division and libdevice's `div_rn` flushes subnormals),
+  UE8M0 by exponent bumping, clamp to +-448 keeping NaN, `cvt.rn.satfinite` to E4M3 (round to nearest
+  even).  A non-finite group gets a NaN/inf scale and NaN bytes; the Python wrappers raise
+  `NonFiniteInputError` (the reference's message) when `check_finite` is on.
+
+Kernels
+-------
+quantize_1x128(x)          1x128 groups along the last dim; scales written outer-dim-major (strides (1, M))
+                           which is what cuBLASLt and the Triton GEMM read without a copy.  Optional
+                           SwiGLU prologue (`swiglu_quantize_1x128`): quantizes silu(gate) * up of a
+                           [M, 2I] tensor without writing the BF16 product.
+quantize_dual(x)           one pass over a [T, N] gradient: 1x128 (along N) bytes/scales and the 128x1
+                           (along T) bytes/scales written *transposed*, [N, T] K-major, as WGrad wants.
+                           Also takes E4M3 bytes + 1x128 scales (the saved activation): dequantizes in
+                           FP32 (q * s, as `dequantize_blockwise`) and re-quantizes along tokens, with no
+                           FP32/BF16 copy in memory.
+quantize_128x128(w)        weight tiles; optionally also the transposed copy (bytes of W^T, scales of
+                           W^T: identical to quantizing W^T, since a 128x128 tile has one scale).
+gemm(a, sa, b, sb)         dequant(a) @ dequant(b)^T, a 1x128, b 128x128 or 1x128 (WGrad), both K-major.
+                           Each 128-deep K block is one tensor-core product in FP32, scaled by
+                           sa * sb and added to an FP32 accumulator (DeepSeek-style promotion).
+
+Triton is imported lazily: the CPU package never needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from megatron_jetrl.fp8.quant import (
+    E4M3,
+    EPS,
+    INPUT_DTYPES,
+    SCALE_MODES,
+    UE8M0_FLOOR,
+    _raise_non_finite,
+    scale_shape,
+)
+
+GROUP = 128
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def supported(device) -> bool:
+    """Whether the Triton kernels can run on `device` (CUDA with FP8 tensor cores, sm89+, and Triton)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not triton_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _k():
+    """Build the kernels on first use (imports triton)."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def div_rn(a, b):
+        return tl.inline_asm_elementwise(
+            "div.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def scale_of(amax, has_nan, eps, UE8M0: tl.constexpr):
+        """amax >= 0 (may be inf) -> dequant scale; NaN when the group had a NaN."""
+        s = div_rn(tl.maximum(amax, eps), tl.zeros_like(amax) + 448.0)
+        if UE8M0:
+            s = tl.maximum(s, 1e-10)
+            bits = s.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            r = (e << 23).to(tl.float32, bitcast=True)
+            s = tl.where(((bits >> 23) & 0xFF) != 0xFF, r, s)  # inf/NaN stay visible
+        return tl.where(has_nan, float("nan"), s)
+
+    @triton.jit
+    def to_e4m3(x, s):
+        """x / s (broadcast), clamped to +-448 with NaN kept, rounded to E4M3."""
+        v = div_rn(x, s)
+        c = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        c = tl.where(v != v, v, c)
+        return c.to(tl.float8e4nv)
+
+    @triton.jit
+    def _quant_1x128(
+        x_ptr, q_ptr, s_ptr, M, K,
+        stride_xm, stride_qm, stride_sm, stride_sk,
+        eps,
+        BLOCK_M: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pid_k * 128 + tl.arange(0, 128)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        if SWIGLU:  # x holds [gate | up], each K wide; the product is rounded to x's dtype, as torch does
+            if EVEN:
+                g = tl.load(ptrs)
+                u = tl.load(ptrs + K)
+            else:
+                g = tl.load(ptrs, mask=mask, other=0.0)
+                u = tl.load(ptrs + K, mask=mask, other=0.0)
+            g32 = g.to(tl.float32)
+            act = div_rn(g32, 1.0 + libdevice.exp(-g32)).to(g.dtype)  # torch: x / (1 + expf(-x))
+            x = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        else:
+            if EVEN:
+                x = tl.load(ptrs).to(tl.float32)
+            else:
+                x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        s = scale_of(amax, has_nan, eps, UE8M0)
+        q = to_e4m3(x, s[:, None])
+        q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :]
+        s_ptrs = s_ptr + offs_m.to(tl.int64) * stride_sm + pid_k * stride_sk
+        if EVEN:
+            tl.store(q_ptrs, q)
+            tl.store(s_ptrs, s)
+        else:
+            tl.store(q_ptrs, q, mask=mask)
+            tl.store(s_ptrs, s, mask=offs_m < M)
+
+    @triton.jit
+    def _quant_dual(
+        x_ptr, xs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, T, N,
+        stride_xt, stride_xst, stride_xsn, stride_qt, stride_st, stride_sn,
+        stride_qtn, stride_stn, stride_stt,
+        eps,
+        FP8_IN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, UE8M0: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_t = pid_t * 128 + tl.arange(0, 128)
+        offs_n = pid_n * 128 + tl.arange(0, 128)
+        mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
+        ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_n[None, :]
+        if EVEN:
+            x = tl.load(ptrs).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FP8_IN:  # dequantize the saved activation: q * s (1x128 along N), one FP32 rounding
+            xs = tl.load(xs_ptr + offs_t.to(tl.int64) * stride_xst + pid_n * stride_xsn, mask=offs_t < T, other=1.0)
+            x = x * xs[:, None]
+        isnan = (x != x).to(tl.int32)
+        if ROWS:
+            amax_r = tl.max(tl.abs(x), axis=1)
+            s_r = scale_of(amax_r, tl.max(isnan, axis=1) > 0, eps, UE8M0)
+            q_r = to_e4m3(x, s_r[:, None])
+            q_ptrs = q_ptr + offs_t[:, None].to(tl.int64) * stride_qt + offs_n[None, :]
+            s_ptrs = s_ptr + offs_t.to(tl.int64) * stride_st + pid_n * stride_sn
+            if EVEN:
+                tl.store(q_ptrs, q_r)
+                tl.store(s_ptrs, s_r)
+            else:
+                tl.store(q_ptrs, q_r, mask=mask)
+                tl.store(s_ptrs, s_r, mask=offs_t < T)
+        if COLS:
+            amax_c = tl.max(tl.abs(x), axis=0)
+            s_c = scale_of(amax_c, tl.max(isnan, axis=0) > 0, eps, UE8M0)
+            q_c = tl.trans(to_e4m3(x, s_c[None, :]))  # [N-tile, T-tile]
+            qt_ptrs = qt_ptr + offs_n[:, None].to(tl.int64) * stride_qtn + offs_t[None, :]
+            st_ptrs = st_ptr + offs_n.to(tl.int64) * stride_stn + pid_t * stride_stt
+            if EVEN:
+                tl.store(qt_ptrs, q_c)
+                tl.store(st_ptrs, s_c)
+            else:
+                tl.store(qt_ptrs, q_c, mask=(offs_n[:, None] < N) & (offs_t[None, :] < T))
+                tl.store(st_ptrs, s_c, mask=offs_n < N)
+
+    @triton.jit
+    def _quant_128x128(
+        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+        stride_xm, stride_qm, stride_sm, stride_sk, stride_qtk, stride_stk, stride_stm,
+        eps,
+        UE8M0: tl.constexpr, TRANSPOSED: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * 128 + tl.arange(0, 128)
+        offs_k = pid_k * 128 + tl.arange(0, 128)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
+        s = scale_of(amax, has_nan, eps, UE8M0)
+        q = to_e4m3(x, s)
+        tl.store(q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :], q, mask=mask)
+        tl.store(s_ptr + pid_m * stride_sm + pid_k * stride_sk, s)
+        if TRANSPOSED:
+            qt_ptrs = qt_ptr + offs_k[:, None].to(tl.int64) * stride_qtk + offs_m[None, :]
+            tl.store(qt_ptrs, tl.trans(q), mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
+            tl.store(st_ptr + pid_k * stride_stk + pid_m * stride_stm, s)
+
+    @triton.jit
+    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        group_id = pid // width
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % width) % group_size)
+        pid_n = (pid % width) // group_size
+        return pid_m, pid_n
+
+    @triton.jit
+    def _gemm_ptr(
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+        stride_am, stride_bn, stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
+        B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = offs_m % M  # wrapped rows/cols: loads stay in bounds, the store is masked
+        rn = offs_n % N
+        offs_k = tl.arange(0, 128)
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [128, BLOCK_N], K-major
+        as_ptrs = as_ptr + rm * stride_asm
+        if B_TILE:
+            bs_ptrs = bs_ptr + (rn // 128) * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + rn * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_tiles = tl.cdiv(K, 128)
+        for kb in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kb * 128, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < K - kb * 128, other=0.0)
+            sa = tl.load(as_ptrs + kb * stride_ask)
+            sb = tl.load(bs_ptrs + kb * stride_bsk)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            a_ptrs += 128
+            b_ptrs += 128
+        c = acc.to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    @triton.jit
+    def _gemm_tma(
+        a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K,
+        stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
+        B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        rm = offs_m % M
+        rn = offs_n % N
+        as_ptrs = as_ptr + rm * stride_asm
+        if B_TILE:
+            bs_ptrs = bs_ptr + (rn // 128) * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + rn * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_tiles = tl.cdiv(K, 128)
+        for kb in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+            a = a_desc.load([off_m, kb * 128])  # out-of-bounds (partial K, M, N) reads as zero
+            b = b_desc.load([off_n, kb * 128])
+            sa = tl.load(as_ptrs + kb * stride_ask)
+            sb = tl.load(bs_ptrs + kb * stride_bsk)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        c = acc.to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    return {
+        "quant_1x128": _quant_1x128,
+        "quant_dual": _quant_dual,
+        "quant_128x128": _quant_128x128,
+        "gemm_ptr": _gemm_ptr,
+        "gemm_tma": _gemm_tma,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantizer wrappers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_args(x, scale_mode, fp8_ok=False):
+    if x.dtype not in INPUT_DTYPES and not (fp8_ok and x.dtype == E4M3):
+        raise TypeError(f"the FP8 quantizer takes {', '.join(map(str, INPUT_DTYPES))}, got {x.dtype}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    if not supported(x.device):
+        raise RuntimeError(f"the Triton FP8 kernels need a CUDA GPU with sm89+ and Triton; got {x.device}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view [rows, K] with unit stride along K (copies only when the layout needs it)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.shape[-1] > 0 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _outer_major_empty(m, kb, device):
+    """[m, kb] FP32 with strides (1, m): the layout cuBLASLt wants for 1x128 scales (no copy later)."""
+    return torch.empty(kb, m, dtype=torch.float32, device=device).t()
+
+
+def _finite_or_raise(x, s, block, check_finite):
+    if check_finite and not bool(torch.isfinite(s).all()):
+        _raise_non_finite(x, block)
+
+
+QUANT_1X128_BLOCK_M = int(os.environ.get("JETRL_Q1X128_BLOCK_M", "32"))
+QUANT_1X128_WARPS = int(os.environ.get("JETRL_Q1X128_WARPS", "4"))
+QUANT_DUAL_WARPS = int(os.environ.get("JETRL_QDUAL_WARPS", "8"))
+
+
+def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None):
+    """1x128 quantization of `x[..., K]` (bytes of `quantize_blockwise(x, (1, 128))`).
+
+    Returns `(q, s)`: q `[..., K]` E4M3, s `[..., ceil(K/128)]` FP32; for 2-D input s has strides
+    (1, M) (outer-dim-major). With `swiglu=True`, x is `[..., 2I]` = [gate | up] and the quantized
+    tensor is `silu(gate) * up` rounded to x's dtype (see tests/gpu for the byte check against torch).
+    """
+    _check_args(x, scale_mode)
+    shape = x.shape
+    x2 = _rows(x)
+    m, k = x2.shape
+    if swiglu:
+        if k % 2:
+            raise ValueError(f"swiglu quantization needs an even last dim ([gate | up]), got {k}")
+        k //= 2
+    kb = -(-k // GROUP)
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    s = _outer_major_empty(m, kb, x.device)
+    bm = block_m or QUANT_1X128_BLOCK_M
+    if m and k:
+        _k()["quant_1x128"][(triton_cdiv(m, bm), kb)](
+            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+            BLOCK_M=bm, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % GROUP == 0),
+            num_warps=num_warps or QUANT_1X128_WARPS,
+        )
+    out_shape = shape[:-1] + (k,)
+    if check_finite and not bool(torch.isfinite(s).all()):
+        if swiglu:
+            g, u = x2[:, :k], x2[:, k:]
+            _raise_non_finite(torch.nn.functional.silu(g) * u, (1, 128))
+        _raise_non_finite(x, (1, 128))
+    if len(shape) == 2:
+        return q, s
+    return q.reshape(out_shape), s.contiguous().reshape(scale_shape(out_shape, (1, 128)))
+
+
+def swiglu_quantize_1x128(gate_up, scale_mode="fp32", **kw):
+    return quantize_1x128(gate_up, scale_mode, swiglu=True, **kw)
+
+
+def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None):
+    """One pass over a 2-D `x[T, N]`: 1x128 groups along N and 128x1 groups along T, the latter transposed.
+
+    Returns `(q, s, qt, st)`: q `[T, N]` and s `[T, ceil(N/128)]` (strides (1, T)) are
+    `quantize_blockwise(x, (1, 128))`; qt `[N, T]` contiguous and st `[N, ceil(T/128)]` (strides (1, N))
+    are `quantize_blockwise(x, (128, 1))` transposed: the K-major WGrad operand with its 1x128 scales.
+    `rows=False` / `cols=False` skip one output (returned as None). With `x_scale` given, x is E4M3
+    bytes with 1x128 scales `x_scale[T, ceil(N/128)]` and the quantized tensor is their FP32
+    dequantization (`dequantize_blockwise(x, x_scale, (1, 128))`).
+    """
+    fp8_in = x_scale is not None
+    _check_args(x, scale_mode, fp8_ok=fp8_in)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_dual takes a 2-D [tokens, features] tensor, got shape {tuple(x.shape)}")
+    if fp8_in and (x.dtype != E4M3 or tuple(x_scale.shape) != scale_shape(x.shape, (1, 128))):
+        raise ValueError("x_scale must come with E4M3 x and have the 1x128 scale shape")
+    if not fp8_in and x.dtype == E4M3:
+        raise TypeError("E4M3 input needs its x_scale")
+    x2 = _rows(x)
+    t, n = x2.shape
+    tb, nb = -(-t // GROUP), -(-n // GROUP)
+    dev = x.device
+    q = torch.empty(t, n, dtype=E4M3, device=dev) if rows else None
+    s = _outer_major_empty(t, nb, dev) if rows else None
+    qt = torch.empty(n, t, dtype=E4M3, device=dev) if cols else None
+    st = _outer_major_empty(n, tb, dev) if cols else None
+    dummy8 = qt if q is None else q
+    dummy32 = st if s is None else s
+    xs = x_scale if fp8_in else dummy32
+    if t and n and (rows or cols):
+        _k()["quant_dual"][(tb, nb)](
+            x2, xs, q if rows else dummy8, s if rows else dummy32, qt if cols else dummy8, st if cols else dummy32, t, n,
+            x2.stride(0), xs.stride(0), xs.stride(1),
+            (q if rows else dummy8).stride(0), (s if rows else dummy32).stride(0), (s if rows else dummy32).stride(1),
+            (qt if cols else dummy8).stride(0), (st if cols else dummy32).stride(0), (st if cols else dummy32).stride(1),
+            float(eps),
+            FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=scale_mode == "ue8m0", EVEN=(t % GROUP == 0 and n % GROUP == 0),
+            num_warps=num_warps or QUANT_DUAL_WARPS,
+        )
+    if check_finite:
+        for sc, blk in ((s, (1, 128)), (st, (128, 1))):
+            if sc is not None and not bool(torch.isfinite(sc).all()):
+                from megatron_jetrl.fp8.quant import dequantize_blockwise
+
+                _raise_non_finite(dequantize_blockwise(x, x_scale, (1, 128)) if fp8_in else x, blk)
+    return q, s, qt, st
+
+
+def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transposed=False):
+    """128x128 tiles of a 2-D `w[N, K]` (bytes of `quantize_blockwise(w, (128, 128))`).
+
+    Returns `(q, s)` or, with `transposed=True`, `(q, s, qt, st)` where `qt = q.t().contiguous()` and
+    `st = s.t().contiguous()` (the bytes and scales of quantizing `w.t()`: a tile has a single scale).
+    """
+    _check_args(w, scale_mode)
+    if w.dim() != 2:
+        raise ValueError(f"quantize_128x128 takes a 2-D weight, got shape {tuple(w.shape)}")
+    w2 = _rows(w)
+    n, k = w2.shape
+    nb, kb = -(-n // GROUP), -(-k // GROUP)
+    q = torch.empty(n, k, dtype=E4M3, device=w.device)
+    s = torch.empty(nb, kb, dtype=torch.float32, device=w.device)
+    qt = torch.empty(k, n, dtype=E4M3, device=w.device) if transposed else q
+    st = torch.empty(kb, nb, dtype=torch.float32, device=w.device) if transposed else s
+    if n and k:
+        _k()["quant_128x128"][(nb, kb)](
+            w2, q, s, qt, st, n, k, w2.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
+            float(eps), UE8M0=scale_mode == "ue8m0", TRANSPOSED=transposed, num_warps=8,
+        )
+    _finite_or_raise(w, s, (128, 128), check_finite)
+    return (q, s, qt, st) if transposed else (q, s)
+
+
+def quantize(x, block, scale_mode="fp32", *, eps=EPS, check_finite=True):
+    """`quantize_blockwise` semantics (same shapes, same bytes) through the Triton kernels for 2-D input."""
+    block = tuple(block)
+    if block == (1, 128):
+        return quantize_1x128(x, scale_mode, eps=eps, check_finite=check_finite)
+    if x.dim() != 2:
+        raise ValueError(f"the Triton {block} quantizer takes 2-D input, got shape {tuple(x.shape)}")
+    if block == (128, 128):
+        return quantize_128x128(x, scale_mode, eps=eps, check_finite=check_finite)
+    if block == (128, 1):
+        _, _, qt, st = quantize_dual(x, scale_mode, eps=eps, check_finite=check_finite, rows=False)
+        return qt.t(), st.t()
+    raise ValueError(f"block must be one of (1, 128), (128, 1), (128, 128); got {block}")
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMM
+# ----------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench_fp8.py
+GEMM_CONFIG = {
+    "tile": (128, 128, 8, 8, 4, True),
+    "rows": (128, 128, 8, 8, 4, True),
+}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, config=None, out=None):
+    """`dequant(a) @ dequant(b)^T` (operands as in `megatron_jetrl.fp8.gemm.blockwise_gemm`), on Triton.
+
+    a [M, K] and b [N, K] need unit stride along K (K-major); any scale strides work, outer-dim-major
+    1x128 scales are read coalesced.
+    """
+    b_tile = tuple(b_block) == (128, 128)
+    cfg = config or GEMM_CONFIG["tile" if b_tile else "rows"]
+    bm, bn, gm, warps, stages, use_tma = cfg
+    if a_q.stride(1) != 1:
+        a_q = a_q.contiguous()
+    if b_q.stride(1) != 1:
+        b_q = b_q.contiguous()
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    kern = _k()
+    grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
+    if use_tma and _tma_ok(a_q) and _tma_ok(b_q):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a_q, [bm, 128])
+        b_desc = TensorDescriptor.from_tensor(b_q, [bn, 128])
+        kern["gemm_tma"][grid](
+            a_desc, b_desc, c, a_s, b_s, m, n, k, c.stride(0), c.stride(1),
+            a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, NUM_STAGES=stages, num_warps=warps,
+        )
+    else:
+        kern["gemm_ptr"][grid](
+            a_q, b_q, c, a_s, b_s, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0), c.stride(1),
+            a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, EVEN_K=(k % 128 == 0), NUM_STAGES=stages,
+            num_warps=warps,
+        )
+    return c
+
+
+__all__ = [
+    "GEMM_CONFIG",
+    "gemm",
+    "quantize",
+    "quantize_128x128",
+    "quantize_1x128",
+    "quantize_dual",
+    "supported",
+    "swiglu_quantize_1x128",
+    "triton_available",
+]

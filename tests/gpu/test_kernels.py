@@ -1,0 +1,288 @@
+"""GPU checks of the FP8 kernels and GEMM backends (skipped without CUDA; run tools/run_gpu_tests.sh on the H200).
+
+Quantizers: bytes and scales identical to the reference quantizer (itself checked on CUDA against its CPU
+bytes) on fresh random and adversarial inputs, partial blocks, bf16/fp16/fp32. GEMM backends: against the
+emulated (exact per-block FP64) reference on fresh inputs, into poisoned outputs, including K/128 = 5 and
+N/128 >= 2 (the cuBLASLt scale-pitch trap). The FP8 linear on CUDA: bit-identical to the CPU reference path.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.fp8 import FP8Linear, NonFiniteInputError, PrecisionFlow, blockwise_gemm, quantize_blockwise
+from megatron_jetrl.fp8.gemm import _gemm_emulated, available_backends
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MODES = ("fp32", "ue8m0")
+
+
+def kernels():
+    from megatron_jetrl.fp8 import kernels as k
+
+    return k
+
+
+def gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def adversarial(m, k, dtype, seed):
+    """Random data with planted hard cases: ties on the E4M3 grid, saturation, tiny/subnormal values, zero groups."""
+    g = gen(seed)
+    x = torch.randn(m, k, device=DEV, generator=g) * torch.exp(torch.randn(m, 1, device=DEV, generator=g) * 3)
+    if m == 0 or k == 0:
+        return x.to(dtype)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].sort().values.to(DEV)
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties once the scale is a power of two
+    r = torch.randint(0, 6, (m,), device=DEV, generator=g)
+    for i in range(min(m, 64)):
+        kind = int(r[i])
+        if kind == 0:  # ties: amax 448 * 2**e makes s = 2**e exactly
+            lo, hi = (-10, 5) if dtype == torch.float16 else (-20, 20)
+            e = int(torch.randint(lo, hi, (1,), device=DEV, generator=g))
+            idx = torch.randint(0, mids.numel(), (k,), device=DEV, generator=g)
+            row = mids[idx] * torch.where(torch.rand(k, device=DEV, generator=g) < 0.5, -1.0, 1.0)
+            row[::128] = 448.0
+            x[i] = row * 2.0**e
+        elif kind == 1:
+            x[i] = 0.0
+            x[i, ::7] = -0.0
+        elif kind == 2:  # huge dynamic range inside a group: most values underflow to E4M3 subnormals/zero
+            x[i] = torch.randn(k, device=DEV, generator=g) * 1e-6
+            x[i, ::128] = 3e4 if dtype != torch.float16 else 6e4
+        elif kind == 3:  # tiny groups: amax below eps (and below bf16/fp16 normal range for fp32)
+            x[i] = torch.randn(k, device=DEV, generator=g) * (1e-12 if dtype == torch.float32 else 1e-7)
+        elif kind == 4 and dtype != torch.float16:
+            x[i] = torch.randn(k, device=DEV, generator=g) * 1e30
+    return x.to(dtype)
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def same_scales(a, b):
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+SHAPES = [(1, 128), (7, 100), (128, 128), (130, 385), (256, 640), (300, 1000), (1024, 4096)]
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 1), (128, 128)])
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_quantizer_on_cuda_gives_the_cpu_bytes(block, mode):
+    for i, (dtype, (m, k)) in enumerate(itertools.product(DTYPES, SHAPES[:6])):
+        x = adversarial(m, k, dtype, seed=100 + i)
+        q_gpu, s_gpu = quantize_blockwise(x, block, mode)
+        q_cpu, s_cpu = quantize_blockwise(x.cpu(), block, mode)
+        assert same(q_gpu.cpu(), q_cpu), (dtype, m, k)
+        assert same_scales(s_gpu.cpu(), s_cpu), (dtype, m, k)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_1x128_bytes(dtype, mode):
+    k = kernels()
+    for i, (m, n) in enumerate(SHAPES):
+        for seed in (i, 1000 + i):
+            x = adversarial(m, n, dtype, seed)
+            q, s = k.quantize_1x128(x, mode)
+            rq, rs = quantize_blockwise(x, (1, 128), mode)
+            assert same(q, rq) and same_scales(s, rs), (m, n, seed)
+            assert s.stride() == (1, m) or m == 1
+    x = adversarial(6 * 40, 300, dtype, 7).reshape(6, 40, 300)  # leading batch dims
+    q, s = k.quantize_1x128(x, mode)
+    rq, rs = quantize_blockwise(x, (1, 128), mode)
+    assert q.shape == rq.shape and s.shape == rs.shape and same(q, rq) and same_scales(s, rs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_dual_bytes_both_layouts(dtype, mode):
+    k = kernels()
+    for i, (m, n) in enumerate(SHAPES + [(257, 128), (100, 1)]):
+        x = adversarial(m, n, dtype, 50 + i)
+        q, s, qt, st = k.quantize_dual(x, mode)
+        rq, rs = quantize_blockwise(x, (1, 128), mode)
+        tq, ts = quantize_blockwise(x, (128, 1), mode)
+        assert same(q, rq) and same_scales(s, rs), (m, n)
+        assert qt.shape == (n, m) and qt.is_contiguous() and same(qt, tq.t()), (m, n)
+        assert st.shape == (n, ts.shape[0]) and same_scales(st, ts.t()), (m, n)
+        _, _, qt2, st2 = k.quantize_dual(x, mode, rows=False)
+        assert same(qt2, qt) and same_scales(st2, st)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_requantize_saved_activation_along_tokens(mode):
+    """X's E4M3 bytes + 1x128 scales -> 128x1 along tokens, as dequantize_blockwise then quantize_blockwise."""
+    from megatron_jetrl.fp8 import dequantize_blockwise
+
+    k = kernels()
+    for i, (m, n) in enumerate(SHAPES):
+        x = adversarial(m, n, torch.bfloat16, 300 + i)
+        xq, xs = k.quantize_1x128(x, mode)
+        _, _, qt, st = k.quantize_dual(xq, mode, rows=False, x_scale=xs)
+        tq, ts = quantize_blockwise(dequantize_blockwise(xq, xs, (1, 128)), (128, 1), mode)
+        assert same(qt, tq.t()) and same_scales(st, ts.t()), (m, n)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_128x128_bytes_and_transposed_copy(dtype, mode):
+    k = kernels()
+    for i, (m, n) in enumerate(SHAPES + [(384, 640)]):
+        w = adversarial(m, n, dtype, 500 + i)
+        q, s, qt, st = k.quantize_128x128(w, mode, transposed=True)
+        rq, rs = quantize_blockwise(w, (128, 128), mode)
+        assert same(q, rq) and same_scales(s, rs), (m, n)
+        tq, ts = quantize_blockwise(w.t().contiguous(), (128, 128), mode)
+        assert same(qt, tq) and same_scales(st, ts), (m, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_fused_quantization_equals_quantizing_torch_swiglu(dtype):
+    k = kernels()
+    for i, (m, n) in enumerate([(64, 256), (100, 300), (1024, 2048)]):
+        gu = torch.randn(m, 2 * n, device=DEV, generator=gen(900 + i), dtype=torch.float32).mul(3).to(dtype)
+        h = F.silu(gu[:, :n]) * gu[:, n:]
+        q, s = k.swiglu_quantize_1x128(gu)
+        rq, rs = quantize_blockwise(h, (1, 128))
+        assert same(q, rq) and same_scales(s, rs), (m, n)
+
+
+def test_non_finite_raises_or_poisons():
+    k = kernels()
+    x = torch.randn(256, 512, device=DEV)
+    x[3, 200] = float("inf")
+    x[130, 7] = float("nan")
+    for fn in (lambda: k.quantize_1x128(x), lambda: k.quantize_dual(x), lambda: k.quantize_128x128(x)):
+        with pytest.raises(NonFiniteInputError):
+            fn()
+    q, s = k.quantize_1x128(x, check_finite=False)
+    rq, rs = quantize_blockwise(x, (1, 128), check_finite=False)
+    assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(torch.isinf(s), torch.isinf(rs))
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(rq.float()))
+    assert not torch.isfinite(s[3, 1]) and torch.isnan(s[130, 0])
+    _, _, qt, st = k.quantize_dual(x, check_finite=False)
+    assert torch.isnan(qt[200, :128].float()).any() and not torch.isfinite(st[200, 0])
+    assert (qt[:, 128:].float().abs() <= 448).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMM backends
+# ----------------------------------------------------------------------------------------------------
+
+GEMM_SHAPES = [(64, 256, 640), (200, 384, 640), (128, 256, 896), (256, 512, 1024), (33, 130, 300), (1000, 777, 1408), (512, 1024, 4096)]
+
+
+def fast_backends():
+    have = [b for b in available_backends(DEV) if b != "emulated"]
+    assert "triton" in have
+    return have
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_backends_match_emulated_with_fresh_inputs(b_block):
+    for i, (m, n, kk) in enumerate(GEMM_SHAPES):
+        g = gen(2000 + i)
+        a = torch.randn(m, kk, device=DEV, generator=g) * 2
+        b = torch.randn(n, kk, device=DEV, generator=g) * 0.03
+        a_q, a_s = quantize_blockwise(a, (1, 128))
+        b_q, b_s = quantize_blockwise(b, b_block)
+        want = _gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float64)
+        for backend in fast_backends():
+            if backend == "cublaslt" and (kk % 16 or m % 16 or n % 16):
+                continue  # cuBLASLt wants dims that are multiples of 16 (torch checks)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                got = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=b_block, out_dtype=out_dtype, backend=backend)
+                assert got.dtype == out_dtype and got.shape == (m, n)
+                assert torch.isfinite(got).all(), (backend, m, n, kk)
+                tol = 1e-3 if out_dtype == torch.float32 else 4e-3  # FP8 tensor-core sums: ~2e-4 (FACTS.md)
+                assert rel(got, want) < tol, (backend, out_dtype, m, n, kk, rel(got, want))
+
+
+def test_triton_gemm_configs_write_every_element():
+    k = kernels()
+    configs = [(128, 128, 8, 8, 4, True), (128, 128, 8, 8, 3, False), (128, 256, 8, 8, 3, True), (64, 128, 4, 4, 3, True)]
+    for i, ((m, n, kk), b_block, cfg) in enumerate(itertools.product([(300, 640, 640), (129, 256, 1000)], [(128, 128), (1, 128)], configs)):
+        g = gen(3000 + i)
+        a_q, a_s = quantize_blockwise(torch.randn(m, kk, device=DEV, generator=g), (1, 128))
+        b_q, b_s = quantize_blockwise(torch.randn(n, kk, device=DEV, generator=g), b_block)
+        out = torch.full((m, n), float("nan"), device=DEV)
+        k.gemm(a_q, a_s, b_q, b_s, b_block, torch.float32, config=cfg, out=out)
+        want = _gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float64)
+        assert torch.isfinite(out).all() and rel(out, want) < 1e-3, (cfg, m, n, kk, b_block)
+
+
+def test_cublaslt_k_blocks_not_multiple_of_4_with_transposed_weight():
+    """The DGrad operand is W^T: K/128 = N_w/128; check 5 and 7 K-blocks, N/128 = 2..3, against emulated."""
+    if "cublaslt" not in available_backends(DEV):
+        pytest.skip("no cuBLASLt blockwise on this device")
+    for i, (m, n_w, k_w) in enumerate([(128, 640, 256), (256, 896, 384), (64, 640, 512)]):
+        g = gen(4000 + i)
+        w_q, w_s = quantize_blockwise(torch.randn(n_w, k_w, device=DEV, generator=g) * 0.05, (128, 128))
+        dy_q, dy_s = quantize_blockwise(torch.randn(m, n_w, device=DEV, generator=g), (1, 128))
+        want = _gemm_emulated(dy_q, dy_s, w_q.t().contiguous(), w_s.t().contiguous(), (128, 128), torch.float64)
+        for backend in fast_backends():
+            got = blockwise_gemm(dy_q, dy_s, w_q.t(), w_s.t(), out_dtype=torch.float32, backend=backend)
+            assert rel(got, want) < 1e-3, (backend, m, n_w, k_w, rel(got, want))
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 linear on CUDA
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_linear_on_cuda_is_bit_identical_to_the_cpu_reference(mode):
+    """Triton quantizers in forward and backward + emulated GEMM on CUDA == the CPU reference path, bit for bit."""
+    flow = PrecisionFlow(mode="jetrl", backend="emulated", scale_mode=mode)
+    for i, (t, cin, cout) in enumerate([(256, 384, 640), (300, 640, 256)]):
+        torch.manual_seed(i)
+        cpu = FP8Linear(cin, cout, bias=True, flow=flow, dtype=torch.bfloat16)
+        gpu = FP8Linear(cin, cout, bias=True, flow=flow, dtype=torch.bfloat16, device=DEV)
+        gpu.load_state_dict(cpu.state_dict())
+        x = torch.randn(t, cin).to(torch.bfloat16)
+        if t % 2 == 0:
+            x = x.reshape(2, t // 2, cin)  # leading batch dims
+        dy = torch.randn(*x.shape[:-1], cout).to(torch.bfloat16)
+        outs = []
+        for mod, dev in ((cpu, "cpu"), (gpu, DEV)):
+            xx = x.to(dev).requires_grad_(True)
+            y = mod(xx)
+            y.backward(dy.to(dev))
+            outs.append([y.detach().cpu(), xx.grad.cpu(), mod.weight.grad.cpu(), mod.bias.grad.cpu()])
+        for a, b, name in zip(outs[0][:3], outs[1][:3], ("y", "dx", "dw")):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, t, cin, cout)
+        assert rel(outs[0][3], outs[1][3]) < 1e-2  # db: an FP32 sum whose order differs between devices
+
+
+def test_fp8_linear_fast_backends_close_to_emulated():
+    for backend in fast_backends():
+        flow = PrecisionFlow(mode="jetrl", backend=backend, check_finite=False)
+        ref_flow = PrecisionFlow(mode="jetrl", backend="emulated")
+        torch.manual_seed(0)
+        mod = FP8Linear(640, 896, bias=False, flow=flow, dtype=torch.bfloat16, device=DEV)
+        ref = FP8Linear(640, 896, bias=False, flow=ref_flow, dtype=torch.bfloat16, device=DEV)
+        ref.load_state_dict(mod.state_dict())
+        x = torch.randn(512, 640, device=DEV, dtype=torch.bfloat16)
+        dy = torch.randn(512, 896, device=DEV, dtype=torch.bfloat16)
+        res = []
+        for m in (mod, ref):
+            xx = x.clone().requires_grad_(True)
+            y = m(xx)
+            y.backward(dy)
+            res.append((y, xx.grad, m.weight.grad))
+        for a, b in zip(*res):
+            assert rel(a, b) < 5e-3, backend
