@@ -1,0 +1,268 @@
+"""Actor checkpoint (Megatron TP x PP shards, models.shards layout) -> HF safetensors directory.
+
+The converter is a *sink* of `models.export.hf_tensors`, the same (hf_name, tensor) iterator the live
+weight sync feeds to a rollout engine: FP8 linears are quantized per TP shard with
+`QuantizedWeight.quantize` -- the trainer's forward quantizer -- and the shards' bytes and scale grids
+are concatenated, so the exported bytes are the trainer's and do not depend on the trainer's TP.
+
+Everything that can be wrong with the input (family, shards, TP/PP metadata, FP8 block alignment at
+the trainer's and the rollout's TP) is checked by `plan()` before any output exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+from megatron_jetrl.convert.hf_writer import HFCheckpointWriter, parse_size
+from megatron_jetrl.convert.layout import local_shapes
+from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.models.export import hf_tensors
+from megatron_jetrl.models.mapping import Entry, model_entries
+from megatron_jetrl.models.shards import CheckpointError, ShardedCheckpoint, shard_name
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+IGNORED_SUFFIXES = ("._extra_state",)  # TE/Megatron FP8 metadata, not parameters
+DTYPES = ("fp8", "bf16")
+
+
+class ConversionError(ValueError):
+    """The input cannot be converted as asked; nothing was written."""
+
+
+@dataclass
+class Plan:
+    checkpoint: ShardedCheckpoint
+    arch: ModelArch
+    flow: PrecisionFlow
+    """The flow of the export (`bf16` for --dtype bf16)."""
+    source_flow: PrecisionFlow
+    dtype: str
+    rollout_tp: int
+    stages: list[list[Entry]] = field(default_factory=list)
+
+    @property
+    def fp8(self) -> bool:
+        return self.flow.rollout_fp8
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(e.hf) * (2 if (e.fp8 and self.fp8) else 1) for stage in self.stages for e in stage)
+
+    def hf_config(self) -> dict:
+        config = dict(self.checkpoint.meta["hf_config"])
+        config.pop("quantization_config", None)
+        config.setdefault("architectures", [ARCHITECTURES[self.arch.family]])
+        config["torch_dtype"] = "bfloat16"
+        if self.fp8:
+            config["quantization_config"] = self.flow.quantization_config()
+        return config
+
+    def tensors(self):
+        """The (hf_name, tensor) stream of the whole model, pipeline stage after pipeline stage."""
+        for pp_rank, entries in enumerate(self.stages):
+            yield from hf_tensors(self.arch, self.flow, entries, self.checkpoint.fetch(pp_rank))
+
+
+def _export_flow(source: PrecisionFlow, dtype: str) -> PrecisionFlow:
+    if dtype == "bf16":
+        return PrecisionFlow(mode="bf16")
+    if source.rollout_fp8:
+        return source  # jetrl / bf16-train-fp8-rollout: the rollout quantizer is the trainer's flow's
+    # a BF16-trained actor exported for an FP8 rollout: the standard quantizer (fp32 scales, vLLM eps)
+    return PrecisionFlow(mode="bf16-train-fp8-rollout", eps=source.eps)
+
+
+def plan(checkpoint_dir: str | Path, *, dtype: str = "fp8", rollout_tp: int = 1, verify_sha256: bool = True) -> Plan:
+    """Open and check an actor checkpoint for conversion. Raises ConversionError naming the problem."""
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if rollout_tp < 1:
+        raise ConversionError(f"rollout TP must be >= 1, got {rollout_tp}")
+    try:
+        ckpt = ShardedCheckpoint.open(checkpoint_dir, verify=verify_sha256)
+    except CheckpointError as e:
+        raise ConversionError(f"cannot read the actor checkpoint: {e}") from e
+    meta = ckpt.meta
+    for key in ("tp", "pp", "hf_config", "flow", "spec"):
+        if key not in meta:
+            raise ConversionError(f"{ckpt.directory}/meta.json has no {key!r}")
+    tp, pp, spec = meta["tp"], meta["pp"], meta["spec"]
+    if not (isinstance(tp, int) and tp >= 1 and isinstance(pp, int) and pp >= 1):
+        raise ConversionError(f"meta.json: tp={tp!r}, pp={pp!r}; both must be positive integers")
+    if spec not in ("local", "te"):
+        raise ConversionError(f"meta.json: layer spec {spec!r}; expected 'local' or 'te'")
+    try:
+        arch = ModelArch.from_hf_config(meta["hf_config"])
+    except (ValueError, KeyError) as e:
+        raise ConversionError(f"{ckpt.directory}: {e}") from e
+    try:
+        source_flow = PrecisionFlow.from_dict(meta["flow"])
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"meta.json flow: {e}") from e
+    flow = _export_flow(source_flow, dtype)
+    if flow.rollout_fp8:
+        # the trainer's shards are quantized one by one: their blocks must be the full tensor's blocks
+        for what, size in (("trainer", tp), ("rollout", rollout_tp)):
+            try:
+                arch.check_fp8_tp(size)
+            except ValueError as e:
+                raise ConversionError(f"FP8 export refused at {what} TP={size}: {e}") from e
+    if arch.num_layers % pp:
+        raise ConversionError(f"meta.json says PP={pp}, which does not divide num_hidden_layers={arch.num_layers}")
+    stages = [model_entries(arch, pp_rank=p, pp_size=pp, spec=spec) for p in range(pp)]
+    for p, entries in enumerate(stages):
+        expected = {e.megatron: e for e in entries}
+        shapes = {e.megatron: local_shapes(arch, e, tp) for e in entries}
+        for t in range(tp):
+            name = shard_name(t, p)
+            try:
+                with safe_open(ckpt.directory / name, framework="pt") as f:
+                    got = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            except Exception as e:  # noqa: BLE001 - safetensors raises several types on a bad header
+                raise ConversionError(f"{ckpt.directory / name}: not a readable safetensors file ({e})") from e
+            got = {k: v for k, v in got.items() if not k.endswith(IGNORED_SUFFIXES)}
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            if missing or extra:
+                raise ConversionError(
+                    f"{name} does not hold what a {arch.family} model with {arch.num_layers} layers at TP={tp} x PP={pp} "
+                    f"(layer spec {spec!r}) puts on TP rank {t}, PP rank {p}: "
+                    + (f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}; " if missing else "")
+                    + (f"unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}" if extra else "")
+                    + " -- is meta.json's tp/pp/spec the one the checkpoint was saved with?"
+                )
+            for key, entry in expected.items():
+                shape, st_dtype = got[key]
+                want = shapes[key][t]
+                if st_dtype not in ("BF16", "F16", "F32"):
+                    raise ConversionError(f"{name}: {key} has dtype {st_dtype}; expected BF16/F16/F32 parameters")
+                if entry.vocab:
+                    ok = len(shape) == 2 and shape[1] == want[1] and shape[0] * tp >= arch.vocab_size
+                else:
+                    ok = shape == want
+                if not ok:
+                    raise ConversionError(
+                        f"{name}: {key} has shape {list(shape)}, but TP rank {t} of TP={tp} holds {list(want)} "
+                        f"for this {arch.family} config -- TP/PP metadata and shards disagree"
+                    )
+    return Plan(ckpt, arch, flow, source_flow, dtype, rollout_tp, stages)
+
+
+@dataclass
+class ConvertResult:
+    output: Path
+    files: list[str]
+    total_size: int
+    num_tensors: int
+    seconds: float
+    peak_pending_bytes: int
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in requirements
+        return None
+    return tqdm(total=total, unit="tensor", desc="convert", dynamic_ncols=True)
+
+
+def convert(
+    checkpoint_dir: str | Path,
+    output: str | Path,
+    *,
+    dtype: str = "fp8",
+    rollout_tp: int = 1,
+    max_shard_size: str | int = "5GB",
+    force: bool = False,
+    tokenizer_dir: str | Path | None = None,
+    progress: bool = False,
+    verify_sha256: bool = True,
+) -> ConvertResult:
+    """Convert an actor checkpoint to an HF directory (see the module docstring and tools/convert_checkpoint.py)."""
+    start = time.perf_counter()
+    output = Path(output).resolve()
+    source = Path(checkpoint_dir).resolve()
+    if output == source or source in output.parents:
+        raise ConversionError(f"output {output} is inside the input checkpoint {source}")
+    if output.exists() and not force:
+        raise ConversionError(f"{output} exists; pass --force to replace it (it is replaced only once the new one is complete)")
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConversionError(f"bad shard size {max_shard_size!r}: {e}") from e
+    copies = []
+    if tokenizer_dir is not None:
+        tokenizer_dir = Path(tokenizer_dir)
+        if not tokenizer_dir.is_dir():
+            raise ConversionError(f"tokenizer directory {tokenizer_dir} does not exist")
+        copies = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+        if not copies:
+            raise ConversionError(f"{tokenizer_dir} holds none of the tokenizer files {list(TOKENIZER_FILES)}")
+    p = plan(checkpoint_dir, dtype=dtype, rollout_tp=rollout_tp, verify_sha256=verify_sha256)
+
+    writer = HFCheckpointWriter(output, max_shard_bytes=max_bytes, overwrite=force)
+    bar = _progress(p.num_tensors, progress)
+    count = 0
+    try:
+        for name, tensor in p.tensors():
+            writer.add(name, tensor)
+            count += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{writer.total_size / 2**20:.0f} MiB", refresh=False)
+        if count != p.num_tensors:  # a mapping/export bug, not an input problem
+            raise RuntimeError(f"export yielded {count} tensors, the mapping says {p.num_tensors}")
+        config = p.hf_config()
+        writer.write_json("config.json", config)
+        gen = tokenizer_dir / "generation_config.json" if tokenizer_dir is not None else None
+        if gen is not None and gen.is_file():
+            writer.copy_file(gen)
+        else:
+            writer.write_json("generation_config.json", {
+                "_from_model_config": True,
+                **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None},
+            })
+        for src in copies:
+            writer.copy_file(src)
+        meta = p.checkpoint.meta
+        out = writer.finish(
+            index_metadata={"format": "fp8-block128" if p.fp8 else "bf16"},
+            manifest_extra={
+                "dtype": dtype,
+                "quantization_config": p.flow.quantization_config(),
+                "flow": p.flow.to_dict(),
+                "rollout_tp_checked": rollout_tp,
+                "source": {"directory": str(source), "iteration": meta.get("iteration"), "tp": meta["tp"], "pp": meta["pp"],
+                           "spec": meta["spec"], "flow": meta["flow"],
+                           "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]]},
+            },
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    files = sorted(x.name for x in out.iterdir())
+    return ConvertResult(out, files, writer.total_size, count, time.perf_counter() - start, writer.peak_pending_bytes)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    from megatron_jetrl.convert.hf_writer import MANIFEST_NAME
+
+    return json.loads((Path(directory) / MANIFEST_NAME).read_text())
+
+
+__all__ = ["ConversionError", "ConvertResult", "Plan", "convert", "plan", "read_manifest"]
