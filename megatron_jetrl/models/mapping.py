@@ -139,6 +139,26 @@ def rank_slice(entry: Entry, full: torch.Tensor, tp_rank: int, tp: int, padded_r
     return full.chunk(tp, dim=entry.tp_dim)[tp_rank]
 
 
+def rank_slice_lazy(entry: Entry, get, shape: tuple[int, ...], tp_rank: int, tp: int, padded_rows: int | None = None) -> torch.Tensor:
+    """`rank_slice` without reading the full tensor: `get(index)` returns `full[index]` (e.g. a safetensors
+    `safe_open(...).get_slice(name)`, which reads only those bytes); `shape` is the full tensor's shape."""
+    full_rows = shape[0]
+    rows = padded_rows if entry.vocab and padded_rows is not None and padded_rows > full_rows else full_rows
+    dim = entry.tp_dim if entry.tp_dim is not None and tp > 1 else None
+    size = rows if dim == 0 else (shape[dim] if dim is not None else None)
+    if dim is not None and size % tp:
+        raise ValueError(f"{entry.hf}: dim {dim} of size {size} does not split into TP={tp} parts")
+    if dim == 1:
+        part = size // tp
+        return get((slice(None), slice(tp_rank * part, (tp_rank + 1) * part)))
+    start, stop = (tp_rank * rows // tp, (tp_rank + 1) * rows // tp) if dim == 0 else (0, rows)
+    end = min(stop, full_rows)  # rows past the HF vocabulary are zero padding
+    if start >= end:  # all padding; one row read gives the dtype
+        return get(slice(0, 1)).new_zeros(stop - start, *shape[1:])
+    data = get(slice(start, end))
+    return torch.cat([data, data.new_zeros(stop - end, *shape[1:])]) if stop > end else data
+
+
 def gather_ranks(entry: Entry, rank_pieces: list[torch.Tensor], hf_rows: int | None = None) -> torch.Tensor:
     """The full HF tensor from every TP rank's piece (vocabulary padding stripped)."""
     full = rank_pieces[0] if len(rank_pieces) == 1 or entry.tp_dim is None else torch.cat(rank_pieces, dim=entry.tp_dim)

@@ -1,0 +1,109 @@
+"""The actor's model provider: a megatron-core GPTModel for a Qwen2/Qwen2.5, Qwen3 or Llama-3 `ModelArch`.
+
+`build_model(arch, flow)` validates first (FP8 block alignment for the model x TP, before any weight is
+allocated), then builds the GPTModel for this rank's pipeline stage with the layer spec of the flow:
+`spec="native"` (megatron's local layer with `fp8_layers`' FP8 linears in mode `jetrl`, plain linears
+otherwise; runs on CPU and on GPUs without TE) or `spec="te"` (TE layers with the Jet-RL quantizers,
+`te_recipe`). Parallel sizes come from megatron's parallel state (`actor.parallel.init_parallel`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.models.mapping import padded_vocab_size
+
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    """How the actor model is built (everything not fixed by the model's config.json)."""
+
+    spec: str = "native"
+    """`native` (megatron local layers + megatron_jetrl FP8 linears) or `te` (Transformer Engine layers)."""
+    params_dtype: torch.dtype = torch.float32
+    """Parameter dtype. On CPU keep float32: megatron's bf16 optimizer and DistributedOptimizer need CUDA."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1); the native spec's RMSNorm supports it."""
+    max_sequence_length: int | None = None
+    """RoPE table length; default: the config's max_position_embeddings."""
+
+    def __post_init__(self):
+        if self.spec not in ("native", "te"):
+            raise ValueError(f"spec must be 'native' or 'te', got {self.spec!r}")
+
+
+def rope_kwargs(arch: ModelArch) -> dict:
+    """GPTModel RoPE arguments; llama3 rope_scaling only with megatron's fixed low/high/original factors."""
+    kwargs = {"position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_base": arch.rope_theta}
+    scaling = arch.rope_scaling
+    if not scaling:
+        return kwargs
+    kind = scaling.get("rope_type", scaling.get("type"))
+    odd = {k: scaling.get(k) for k, v in LLAMA3_ROPE_DEFAULTS.items() if float(scaling.get(k, v)) != v}
+    if kind != "llama3" or odd:
+        raise ValueError(f"rope_scaling {scaling} is not supported: megatron-core 0.16 implements llama3 scaling with {LLAMA3_ROPE_DEFAULTS} only")
+    return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+
+
+def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int, options: ActorOptions = ActorOptions()):
+    """megatron TransformerConfig for the arch; refuses FP8-misaligned TP (names layer, dimension, working TP sizes)."""
+    if flow.train_fp8:
+        arch.check_fp8_tp(tp)
+    elif arch.num_kv_heads % tp:
+        raise ValueError(f"TP={tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+    if arch.num_layers % pp:
+        raise ValueError(f"PP={pp} does not divide num_hidden_layers={arch.num_layers}")
+    from megatron.core.transformer import TransformerConfig
+
+    te_kwargs = {}
+    if options.spec == "te":
+        from megatron_jetrl.actor.te_recipe import te_config_kwargs
+
+        te_kwargs = te_config_kwargs(flow)
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
+        params_dtype=options.params_dtype, pipeline_dtype=options.params_dtype, bf16=options.params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(), **te_kwargs,
+    )
+
+
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str):
+    if spec == "te":
+        from megatron_jetrl.actor.te_recipe import te_layer_spec
+
+        return te_layer_spec(arch.qk_norm)
+    from megatron_jetrl.actor.fp8_layers import native_layer_spec
+
+    return native_layer_spec(flow, arch.qk_norm)
+
+
+def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
+    """This rank's GPTModel (pipeline stage from megatron's parallel state). Vocabulary padded per `padded_vocab_size`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, flow, options.spec),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        **rope_kwargs(arch),
+    )

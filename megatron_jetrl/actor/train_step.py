@@ -1,0 +1,82 @@
+"""One optimizer step of the actor through megatron's `forward_backward_func`, with a logprob loss callback.
+
+`wrap_for_training` puts the GPTModel under megatron DDP and builds megatron's optimizer (FP32 params and
+optimizer on CPU: megatron's bf16 optimizer and DistributedOptimizer need CUDA; on GPU pass bf16=True).
+`train_step` runs the micro-batches (pipeline schedule included) and the step; the loss callback sees the
+per-token logprobs `[b, s-1]` of each micro-batch (GRPO builds its clipped loss from them). After the step
+the FP8 weights are re-quantized lazily on the next forward (`fp8_layers.fp8_weights` returns them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The actor optimizer (megatron `OptimizerConfig` subset)."""
+
+    lr: float = 1e-6
+    """Learning rate (constant; schedule it by setting `param_groups[i]['lr']`)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0: off)."""
+    bf16: bool = False
+    """Megatron's mixed-precision optimizer with BF16 params (GPU only)."""
+
+
+def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
+    """(megatron DDP-wrapped model, megatron optimizer) for `model` (a GPTModel of this stage)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = model.config
+    ddp = DistributedDataParallel(
+        config=config, module=model,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+                        adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=optim.bf16, use_distributed_optimizer=False),
+        [ddp],
+    )
+    return ddp, optimizer
+
+
+def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, vocab_size: int, micro_batch_size: int,
+               extras: dict | None = None, temperature: float = 1.0) -> dict:
+    """Forward/backward over this DP rank's `tokens[B, S]` in micro-batches, then one optimizer step.
+
+    `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
+    micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
+    per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks.
+    Returns {"ok", "grad_norm", and on the last stage the micro-batch mean of "loss" and each metric}.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro = micro_batches(tokens, extras, micro_batch_size)
+    ddp_model.train()
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro), model=ddp_model,
+        num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    result = {"ok": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm)}
+    if out:
+        result.update({k: torch.stack([o[k] for o in out]).mean().item() for k in out[0]})
+    return result
