@@ -1,0 +1,100 @@
+"""Train/rollout mismatch: how far the rollout's sampling distribution is from the trainer's.
+
+Inputs are per-token logprobs of the *sampled* tokens: `train` from the trainer's forward (the old
+policy), `rollout` from the engine that sampled them, as ragged lists or padded `[B, T]` tensors with a
+mask. With `d = train - rollout` (log of the importance ratio r = pi_train / pi_rollout):
+
+    logprob_abs_diff   mean |d|
+    k3_kl              mean (r - 1) - log r      (k3 estimator of KL(rollout || train), tokens ~ rollout)
+    exp_abs_diff       mean exp(|d|)             (1 when identical)
+    ratio_mean/min/max r statistics; ratio_clip_frac = fraction of tokens with r > tis_cap (truncated
+                       importance sampling weights min(r, cap)); tis_weight_mean = mean min(r, cap)
+
+All means are over tokens. `by_position` buckets the same statistics by the token's index in its
+response (0-based), with bucket edges `position_edges` (the last bucket is open-ended).
+In `jetrl` on the native CPU engine these are exactly 0 / 1; report them against the `bf16` floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _as_padded(values, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        v = values.double()
+        m = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.bool()
+        if v.dim() == 1:
+            v, m = v[None], m[None]
+        return v, m
+    rows = [list(map(float, r)) for r in values]
+    t = max((len(r) for r in rows), default=0)
+    v = torch.zeros(len(rows), t, dtype=torch.float64)
+    m = torch.zeros(len(rows), t, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        v[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        m[i, : len(r)] = True
+    if mask is not None:
+        m &= _as_padded(mask)[0].bool() if not isinstance(mask, torch.Tensor) else mask.bool()
+    return v, m
+
+
+def _stats(d: torch.Tensor, cap: float) -> dict[str, float]:
+    n = d.numel()
+    if n == 0:
+        return {"tokens": 0}
+    r = torch.exp(d)
+    return {
+        "tokens": n,
+        "logprob_abs_diff": float(d.abs().mean()),
+        "logprob_diff_max": float(d.abs().max()),
+        "k3_kl": float((r - 1 - d).mean()),
+        "exp_abs_diff": float(torch.exp(d.abs()).mean()),
+        "ratio_mean": float(r.mean()),
+        "ratio_min": float(r.min()),
+        "ratio_max": float(r.max()),
+        "ratio_clip_frac": float((r > cap).double().mean()),
+        "tis_weight_mean": float(r.clamp(max=cap).mean()),
+    }
+
+
+def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: float = 2.0,
+                     position_edges: Sequence[int] = DEFAULT_EDGES) -> dict:
+    """Token-level mismatch statistics (module docstring), overall and `by_position`.
+
+    `train_logprobs`/`rollout_logprobs`: ragged lists (one list per response) or `[B, T]` tensors;
+    `mask` (optional, same layout) selects the tokens that count (e.g. response tokens only).
+    """
+    t, m1 = _as_padded(train_logprobs, mask)
+    r, m2 = _as_padded(rollout_logprobs, mask)
+    if t.shape != r.shape or not torch.equal(m1, m2):
+        raise ValueError(f"train and rollout logprobs disagree in layout: {tuple(t.shape)} vs {tuple(r.shape)} "
+                         "(or different lengths per response)")
+    if tis_cap <= 0:
+        raise ValueError(f"tis_cap must be positive, got {tis_cap}")
+    d = t - r
+    out = _stats(d[m1], tis_cap)
+    pos = torch.arange(d.shape[1])[None].expand_as(d)
+    edges = list(position_edges)
+    if edges != sorted(edges) or not edges or edges[0] != 0:
+        raise ValueError(f"position_edges must be increasing and start at 0, got {edges}")
+    buckets = []
+    for lo, hi in zip(edges, edges[1:] + [None]):
+        sel = m1 & (pos >= lo) & ((pos < hi) if hi is not None else True)
+        if sel.any():
+            buckets.append({"start": lo, "end": hi, **_stats(d[sel], tis_cap)})
+    out["by_position"] = buckets
+    return out
+
+
+def flat_metrics(metrics: dict, prefix: str = "mismatch/") -> dict[str, float]:
+    """Scalars for a logger: overall stats and `<prefix>pos<start>-<end>/<stat>` per position bucket."""
+    flat = {f"{prefix}{k}": v for k, v in metrics.items() if k != "by_position"}
+    for b in metrics.get("by_position", []):
+        tag = f"pos{b['start']}-{b['end'] if b['end'] is not None else 'inf'}"
+        flat.update({f"{prefix}{tag}/{k}": v for k, v in b.items() if k not in ("start", "end")})
+    return flat

@@ -1,0 +1,447 @@
+"""The native rollout engine: a small, exact PyTorch engine on the HF FP8 block format.
+
+It reads what the converter writes and what live sync streams (`megatron_jetrl.models.hf_tensors`):
+FP8 linears as E4M3 `<name>.weight` + FP32 `<name>.weight_scale_inv` (128x128 blocks), the rest BF16.
+Its linears call `fp8_linear_forward(x, QuantizedWeight(q, s), bias, flow=flow)` -- the trainer's FProp --
+whenever `flow.rollout_fp8`, and a BF16 linear otherwise. Nothing is dequantized or re-quantized here.
+
+Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Llama-3 (llama3 rope scaling) share one forward.
+Sequences are right-padded; each row has its own KV-cache length and positions. With
+`batch_invariant=True` (default) every BF16 piece uses `megatron_jetrl.rollout.ops`, and the FP8 GEMM's
+emulated backend is batch invariant by construction, so on CPU a token's logprob is the same bits in
+prefill, in KV-cache decode, in teacher-forced `score()`, and whatever its batch neighbours are.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear_forward, scale_shape
+from megatron_jetrl.models import ModelArch, model_entries
+from megatron_jetrl.rollout import ops
+from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
+from megatron_jetrl.rollout.sampling import sample_token, sequence_generator
+
+E4M3 = torch.float8_e4m3fn
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+class WeightUpdateError(ValueError):
+    """A weight batch was refused; nothing of it was applied."""
+
+
+def _hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
+    h, hd = arch.hidden_size, arch.head_dim
+    q_rows, kv_rows = arch.num_heads * hd, arch.num_kv_heads * hd
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return (arch.vocab_size, h)
+    if "q_norm" in name or "k_norm" in name:
+        return (hd,)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return (h,)
+    bias = name.endswith(".bias")
+    table = {
+        "q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
+        "gate_proj": (arch.intermediate_size, h), "up_proj": (arch.intermediate_size, h),
+        "down_proj": (h, arch.intermediate_size),
+    }
+    for key, shape in table.items():
+        if f".{key}." in name:
+            return shape[:1] if bias else shape
+    raise KeyError(f"no shape rule for HF tensor {name!r}")
+
+
+def expected_tensors(arch: ModelArch, flow: PrecisionFlow) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every HF tensor the engine holds: name -> (shape, dtype), from the one mapping table."""
+    specs = {}
+    for entry in model_entries(arch):
+        for name in entry.hf:
+            shape = _hf_shape(arch, name)
+            if entry.fp8 and flow.rollout_fp8:
+                specs[name] = (shape, E4M3)
+                specs[name.removesuffix(".weight") + SCALE_SUFFIX] = (scale_shape(shape, (128, 128)), torch.float32)
+            else:
+                specs[name] = (shape, torch.bfloat16)
+    return specs
+
+
+def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Materialize a weight stream; a name sent twice is refused."""
+    batch: dict[str, torch.Tensor] = {}
+    twice = []
+    for name, tensor in weights:
+        if name in batch:
+            twice.append(name)
+        batch[name] = tensor
+    if twice:
+        raise WeightUpdateError(f"refused a weight update: {twice[:5]} sent twice in one batch; nothing was applied")
+    return batch
+
+
+def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_complete: bool = False, family: str = "") -> list[str]:
+    """Every problem of a weight batch against `expected_tensors` specs (empty list: acceptable).
+
+    Unknown names, wrong dtypes or shapes, non-positive/non-finite scales, an FP8 weight without its
+    scales (or scales without their weight) in the same batch, and -- with `require_complete` -- missing tensors.
+    """
+    problems: list[str] = []
+    for name, tensor in batch.items():
+        spec = specs.get(name)
+        if spec is None:
+            close = difflib.get_close_matches(name, specs, n=1)
+            problems.append(f"{name}: not a tensor of this {family} model".replace("  ", " ") + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        shape, dtype = spec
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            continue
+        if tensor.dtype != dtype:
+            hint = (" (an FP8 byte view must be viewed back as float8_e4m3fn: megatron_jetrl.rollout.sync.from_wire)"
+                    if dtype == E4M3 and tensor.dtype == torch.uint8 else "")
+            problems.append(f"{name}: dtype {tensor.dtype}, expected {dtype}{hint}")
+        if tuple(tensor.shape) != shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
+        if name.endswith(SCALE_SUFFIX) and tensor.dtype == torch.float32 and tuple(tensor.shape) == shape:
+            if not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+                problems.append(f"{name}: scales must be finite and positive")
+    for name in batch:  # FP8 bytes and their scales only make sense together
+        if specs.get(name, (None, None))[1] == E4M3 and name.removesuffix(".weight") + SCALE_SUFFIX not in batch:
+            problems.append(f"{name}: FP8 weight without its {name.removesuffix('.weight') + SCALE_SUFFIX} in the same batch (missing scales)")
+        if name.endswith(SCALE_SUFFIX) and name in specs and name.removesuffix(SCALE_SUFFIX) + ".weight" not in batch:
+            problems.append(f"{name}: scales without their FP8 weight {name.removesuffix(SCALE_SUFFIX) + '.weight'} in the same batch")
+    if require_complete:
+        missing = sorted(set(specs) - set(batch))
+        if missing:
+            problems.append(f"missing {len(missing)} tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return problems
+
+
+def check_quantization_config(config: dict, flow: PrecisionFlow, where: str = "config.json") -> None:
+    """Refuse a checkpoint whose precision is not the flow's rollout precision."""
+    qc = config.get("quantization_config")
+    if not flow.rollout_fp8:
+        if qc is not None:
+            raise ValueError(f"{where} declares quantization_config {qc} but the flow is mode={flow.mode!r} (BF16 rollout): "
+                             "load a BF16 checkpoint or use an FP8 mode")
+        return
+    if qc is None:
+        raise ValueError(f"{where} has no quantization_config but flow mode={flow.mode!r} rolls out in FP8: "
+                         "export the checkpoint with the flow (megatron_jetrl.models.hf_tensors) instead of quantizing here")
+    want = flow.quantization_config()
+    problems = [f"{k}={qc.get(k)!r} (flow wants {v!r})" for k, v in want.items() if qc.get(k) != v]
+    if qc.get("scale_fmt") not in (None, "float32") and "scale_fmt" not in want:
+        problems.append(f"scale_fmt={qc.get('scale_fmt')!r} (flow scale_mode={flow.scale_mode!r})")
+    if problems:
+        raise ValueError(f"{where} quantization_config does not match the precision flow: " + ", ".join(problems))
+
+
+def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and every tensor of a local HF directory (model.safetensors or an index of shards)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            loaded = load_file(str(path / shard))
+            stray = [n for n in loaded if weight_map.get(n) != shard]
+            if stray:
+                raise ValueError(f"{path / shard} holds {stray[:3]} which the index does not map to it")
+            tensors.update(loaded)
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise ValueError(f"{index} maps {missing[:3]} ({len(missing)} in all) to shards that do not hold them")
+        return config, tensors
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    return config, load_file(str(single))
+
+
+class KVCache:
+    """Per-layer K and V `[B, capacity, kv_heads, head_dim]`, zero-filled (masked slots stay finite)."""
+
+    def __init__(self, arch: ModelArch, batch: int, capacity: int, device, dtype=torch.bfloat16):
+        shape = (batch, capacity, arch.num_kv_heads, arch.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.capacity = capacity
+
+
+class NativeEngine:
+    """Pure-torch rollout engine (CPU and GPU) implementing `RolloutEngine`, plus `score()`."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        flow: PrecisionFlow,
+        *,
+        device: str | torch.device = "cpu",
+        eos_token_ids: Sequence[int] = (),
+        tokenizer=None,
+        batch_invariant: bool = True,
+    ):
+        if flow.rollout_fp8:
+            arch.check_fp8_tp(1)
+        self.arch, self.flow, self.device = arch, flow, torch.device(device)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+        self.batch_invariant = batch_invariant
+        self.specs = expected_tensors(arch, flow)
+        self.params: dict[str, torch.Tensor] = {}
+        self._qweights: dict[str, QuantizedWeight] = {}
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.asleep = False
+
+    # ---- loading -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, flow: PrecisionFlow | None = None, **kwargs) -> "NativeEngine":
+        """Load a local HF directory (FP8 block checkpoint with quantization_config, or BF16)."""
+        config, tensors = read_hf_checkpoint(path)
+        qc = config.get("quantization_config")
+        if flow is None:
+            flow = PrecisionFlow("jetrl", scale_mode="ue8m0" if (qc or {}).get("scale_fmt") == "ue8m0" else "fp32") if qc else PrecisionFlow("bf16")
+        check_quantization_config(config, flow, where=f"{Path(path) / 'config.json'}")
+        eos = config.get("eos_token_id")
+        kwargs.setdefault("eos_token_ids", [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        engine = cls(ModelArch.from_hf_config(config), flow, **kwargs)
+        engine.update_weights(tensors.items(), require_complete=True)
+        return engine
+
+    def missing_weights(self) -> list[str]:
+        return sorted(set(self.specs) - set(self.params))
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> None:
+        """Validate the whole batch (names, shapes, dtypes, FP8 weight/scale pairs), then install it.
+
+        On any problem raises `WeightUpdateError` listing them and leaves the engine's weights untouched.
+        A batch may be a subset of the model (bucketed sync); an FP8 weight and its scale travel together.
+        """
+        batch = collect_batch(weights)
+        problems = validate_weights(self.specs, batch, require_complete=require_complete, family=self.arch.family)
+        if problems:
+            raise WeightUpdateError(
+                f"refused a weight update of {len(batch)} tensor(s); nothing was applied:\n  - " + "\n  - ".join(problems[:20])
+                + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+            )
+        target = torch.device("cpu") if self.asleep else self.device
+        for name, tensor in batch.items():
+            self.params[name] = tensor.detach().to(target, copy=True).contiguous()
+        self._qweights.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.params)
+
+    # ---- colocation ----------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Offload the weights to host memory (a no-op move on CPU); generate/score refuse until `wake()`."""
+        self.params = {n: t.to("cpu") for n, t in self.params.items()}
+        self._qweights.clear()
+        self._rope = None
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.params = {n: t.to(self.device) for n, t in self.params.items()}
+        self.asleep = False
+
+    # ---- forward -------------------------------------------------------------------------------------
+
+    def _ready(self):
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: call wake() before generate() or score()")
+        missing = self.missing_weights()
+        if missing:
+            raise RuntimeError(f"the engine has no weights for {len(missing)} tensor(s), e.g. {missing[:3]}: call update_weights first")
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        bias = self.params.get(name + ".bias")
+        if self.flow.rollout_fp8:
+            qw = self._qweights.get(name)
+            if qw is None:
+                qw = self._qweights[name] = QuantizedWeight(self.params[name + ".weight"], self.params[name + SCALE_SUFFIX])
+            return fp8_linear_forward(x, qw, bias, flow=self.flow)
+        weight = self.params[name + ".weight"]
+        return ops.bi_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+
+    def _bf16_linear(self, x, weight):
+        return ops.bi_linear(x, weight) if self.batch_invariant else F.linear(x, weight)
+
+    def _rope_tables(self, needed: int):
+        if self._rope is None or self._rope[0].shape[0] < needed:
+            a = self.arch
+            self._rope = ops.rope_tables(a.head_dim, max(needed, a.max_position_embeddings), a.rope_theta, a.rope_scaling, self.device)
+        return self._rope
+
+    def _norm(self, x, name, eps=None):
+        eps = self.arch.rms_norm_eps if eps is None else eps
+        if self.batch_invariant:
+            return ops.rms_norm(x, self.params[name], eps)
+        x32 = x.float()
+        return self.params[name] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def _attend(self, q, k, v, q_pos, k_len):
+        if self.batch_invariant:
+            return ops.attention(q, k, v, q_pos, k_len)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, k_len: torch.Tensor,
+                      cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states `[B, T, hidden]` for right-padded `tokens` `[B, T]` at `positions`.
+
+        With `cache`, K/V of these tokens are written at their positions in the cache rows `rows`
+        (default: all) and attention reads the cache; `k_len` is each row's valid length afterwards.
+        """
+        a, p = self.arch, self.params
+        b, t = tokens.shape
+        cos_t, sin_t = self._rope_tables(int(positions.max()) + 1)
+        cos, sin = cos_t[positions], sin_t[positions]
+        h = p["model.embed_tokens.weight"][tokens]
+        row_idx = (torch.arange(b, device=tokens.device) if rows is None else rows)[:, None]
+        for i in range(a.num_layers):
+            pre = f"model.layers.{i}."
+            x = self._norm(h, pre + "input_layernorm.weight")
+            q = self._linear(x, pre + "self_attn.q_proj").view(b, t, a.num_heads, a.head_dim)
+            k = self._linear(x, pre + "self_attn.k_proj").view(b, t, a.num_kv_heads, a.head_dim)
+            v = self._linear(x, pre + "self_attn.v_proj").view(b, t, a.num_kv_heads, a.head_dim)
+            if a.qk_norm:
+                q = self._norm(q, pre + "self_attn.q_norm.weight")
+                k = self._norm(k, pre + "self_attn.k_norm.weight")
+            q = ops.apply_rope(q.transpose(1, 2), cos, sin)
+            k = ops.apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
+            if cache is not None:
+                cache.k[i][row_idx, positions] = k
+                cache.v[i][row_idx, positions] = v
+                keys = cache.k[i][row_idx[:, 0]] if rows is not None else cache.k[i]
+                vals = cache.v[i][row_idx[:, 0]] if rows is not None else cache.v[i]
+            else:
+                keys, vals = k, v
+            o = self._attend(q, keys.transpose(1, 2), vals.transpose(1, 2), positions, k_len)
+            h = h + self._linear(o.transpose(1, 2).reshape(b, t, a.num_heads * a.head_dim), pre + "self_attn.o_proj")
+            x = self._norm(h, pre + "post_attention_layernorm.weight")
+            gate, up = self._linear(x, pre + "mlp.gate_proj"), self._linear(x, pre + "mlp.up_proj")
+            act = ops.silu(gate) if self.batch_invariant else F.silu(gate)
+            h = h + self._linear(act * up, pre + "mlp.down_proj")
+        return self._norm(h, "model.norm.weight")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """FP32 logits from final hidden states (the BF16 lm_head, tied to the embedding if configured)."""
+        head = self.params["model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
+        return self._bf16_linear(hidden, head).float()
+
+    def _log_softmax(self, logits):
+        return ops.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits.float(), -1)
+
+    # ---- scoring -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced raw logprobs: for each sequence of length L, `log p(x_t | x_<t)` for t = 1..L-1."""
+        self._ready()
+        seqs = [list(map(int, s)) for s in token_ids]
+        if any(len(s) < 1 for s in seqs):
+            raise ValueError("score() needs non-empty sequences")
+        tokens, lengths = self._pad(seqs)
+        b, t = tokens.shape
+        positions = torch.arange(t, device=self.device).expand(b, t)
+        hidden = self.hidden_states(tokens, positions, lengths)
+        lp = self._log_softmax(self.logits(hidden[:, :-1]))
+        picked = lp.gather(-1, tokens[:, 1:, None])[..., 0].cpu()
+        return [picked[i, : len(s) - 1].tolist() for i, s in enumerate(seqs)]
+
+    def _pad(self, seqs):
+        t = max(len(s) for s in seqs)
+        tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        self._check_vocab(tokens)
+        return tokens.to(self.device), torch.tensor([len(s) for s in seqs], device=self.device)
+
+    def _check_vocab(self, tokens):
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.arch.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.arch.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]")
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
+                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Sample `sampling.n` completions per prompt (all in one batch: prefill, then KV-cache decode)."""
+        self._ready()
+        sampling = sampling or SamplingParams()
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (NativeEngine(..., tokenizer=...) with a decode(ids) method); use stop_token_ids")
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts:
+            return []
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if request_seeds is None:
+            request_seeds = request_seeds_for(sampling, len(prompts))
+        elif len(request_seeds) != len(prompts):
+            raise ValueError(f"{len(request_seeds)} request_seeds for {len(prompts)} prompts")
+        seeds = list(request_seeds) if request_seeds is not None else [None] * len(prompts)
+
+        seqs = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
+        gens = [sequence_generator(seeds[i], j, self.device) for i, j in seqs]
+        tokens, lengths = self._pad([prompts[i] for i, _ in seqs])
+        b, t = tokens.shape
+        capacity = t + sampling.max_new_tokens
+        cache = KVCache(self.arch, b, capacity, self.device)
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+
+        positions = torch.arange(t, device=self.device).expand(b, t)
+        hidden = self.hidden_states(tokens, positions, lengths, cache)
+        last = self.logits(hidden[torch.arange(b, device=self.device), lengths - 1])  # [B, V]
+        out_tokens = [[] for _ in seqs]
+        out_lps = [[] for _ in seqs]
+        finish: list[tuple[str, object] | None] = [None] * b
+        texts: list[str | None] = [None] * b
+        active = list(range(b))
+        cur_len = lengths.clone()
+        for step in range(sampling.max_new_tokens):
+            lps = self._log_softmax(last)
+            for r, s in enumerate(active):
+                tok = sample_token(last[r], sampling.temperature, sampling.top_p, gens[s])
+                out_tokens[s].append(tok)
+                out_lps[s].append(float(lps[r, tok]))
+                if tok in stop_ids:
+                    finish[s] = ("stop", tok if tok in sampling.stop_token_ids else None)
+                elif sampling.stop:
+                    text = self.tokenizer.decode(out_tokens[s])
+                    hits = [(text.find(x), x) for x in sampling.stop if x in text]
+                    if hits:
+                        at, which = min(hits)
+                        finish[s], texts[s] = ("stop", which), text[:at]
+                if finish[s] is None and len(out_tokens[s]) >= sampling.max_new_tokens:
+                    finish[s] = ("length", None)
+            active = [s for s in active if finish[s] is None]
+            if not active:
+                break
+            rows = torch.tensor(active, device=self.device)
+            new = torch.tensor([[out_tokens[s][-1]] for s in active], device=self.device)
+            pos = cur_len[rows][:, None] + len(out_tokens[active[0]]) - 1
+            hidden = self.hidden_states(new, pos, pos[:, 0] + 1, cache, rows)
+            last = self.logits(hidden[:, 0])
+        results = [RequestOutput(prompt_token_ids=p, request_seed=seeds[i]) for i, p in enumerate(prompts)]
+        for s, (i, _) in enumerate(seqs):
+            reason, why = finish[s]
+            text = texts[s]
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(out_tokens[s])
+            results[i].completions.append(Completion(out_tokens[s], out_lps[s], reason, why, text))
+        return results

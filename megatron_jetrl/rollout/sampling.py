@@ -1,0 +1,44 @@
+"""Per-sequence sampling with temperature, top-p and a `torch.Generator` per sequence.
+
+Each sequence owns its generator, so its tokens depend on its seed and its own logits only (not on the
+batch it shares). Top-p follows vLLM: sort ascending, drop the tokens whose cumulative probability is
+`<= 1 - top_p`, always keep the most likely one. Sampling is `argmax(p / E)` with `E ~ Exp(1)` drawn from
+the sequence's generator (vLLM's exponential race; equivalent to a categorical draw from `p`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sequence_generator(request_seed: int | None, sample_index: int, device="cpu") -> torch.Generator:
+    """The generator of sample `sample_index` of a request: seeded from (request seed, index), or fresh entropy."""
+    g = torch.Generator(device=device)
+    if request_seed is None:
+        g.seed()
+    else:
+        g.manual_seed((int(request_seed) * 1_000_003 + sample_index) % (2**63 - 1))
+    return g
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the nucleus and renormalize (`probs` [V], FP32)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(descending=False, stable=True)
+    cumulative = sorted_p.cumsum(-1)
+    drop = cumulative <= 1 - top_p
+    drop[-1] = False  # the most likely token always stays
+    kept = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
+    filtered = torch.zeros_like(probs).scatter(-1, order, kept)
+    return filtered / filtered.sum()
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from a row of logits [V]."""
+    if temperature < 1e-5:
+        return int(logits.float().argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = top_p_filter(probs, top_p)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / race).argmax())

@@ -1,0 +1,145 @@
+"""Live weight sync: stream the trainer's HF `(name, tensor)` pairs to rollout engines in buckets.
+
+FP8 bytes travel as a `uint8` view (gloo and some NCCL paths refuse float8 dtypes) and are viewed back
+on arrival -- a view, never a conversion, so the engine receives the trainer's exact bytes. A bucket
+packs many tensors into one flat `uint8` buffer plus a small metadata list (what a broadcast carries);
+an FP8 weight and its `weight_scale_inv` always land in the same bucket, since an engine refuses one
+without the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+SCALE_SUFFIX = ".weight_scale_inv"
+_WIRE_VIEW = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def to_wire(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """A tensor a collective accepts (FP8 -> its uint8 byte view) and the dtype to restore."""
+    view = _WIRE_VIEW.get(tensor.dtype)
+    return (tensor.view(view) if view is not None else tensor), tensor.dtype
+
+
+def from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undo `to_wire`: the same bytes, viewed as `dtype`."""
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+
+
+def _group_key(name: str) -> str:
+    """FP8 weight and scale of one linear share a key (they must travel together)."""
+    if name.endswith(SCALE_SUFFIX):
+        return name.removesuffix(SCALE_SUFFIX)
+    return name.removesuffix(".weight") if name.endswith(".weight") else name
+
+
+def buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group the stream into lists of about `bucket_bytes` (a larger tensor gets a bucket of its own).
+
+    A bucket closes only between groups: `<x>.weight` and `<x>.weight_scale_inv` stay together.
+    Works on the stream lazily: at most one bucket is held at a time.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size, open_key = 0, None
+    for name, tensor in pairs:
+        key = _group_key(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and key != open_key and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+        open_key = key
+    if bucket:
+        yield bucket
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def pack(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[TensorMeta]]:
+    """One flat uint8 buffer (on the first tensor's device) and the metadata to cut it back."""
+    metas, parts, offset = [], [], 0
+    for name, tensor in bucket:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel()))
+        parts.append(raw)
+        offset += raw.numel()
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return flat, metas
+
+
+def unpack(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a packed bucket: views of `flat`, bytes unchanged."""
+    return [(m.name, flat[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)) for m in metas]
+
+
+def broadcast_bucket(flat: torch.Tensor | None, metas: list[TensorMeta] | None, *, src: int, group=None,
+                     device="cpu") -> list[tuple[str, torch.Tensor]]:
+    """Broadcast one packed bucket from rank `src` over a torch.distributed group (gloo or NCCL).
+
+    `src` passes `flat`/`metas`; the others pass None and receive. Metadata goes as a Python object,
+    the bytes as one uint8 tensor.
+    """
+    import torch.distributed as dist
+
+    box = [metas]
+    dist.broadcast_object_list(box, src=src, group=group)
+    metas = box[0]
+    total = sum(m.nbytes for m in metas)
+    if flat is None:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(flat, src=src, group=group)
+    return unpack(flat, metas)
+
+
+@dataclass
+class SyncStats:
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    per_engine_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
+        return {f"{prefix}tensors": self.tensors, f"{prefix}bytes": self.bytes, f"{prefix}buckets": self.buckets,
+                f"{prefix}seconds": self.seconds, f"{prefix}GBps": self.gbps}
+
+
+def stream_weights(pairs: Iterable[tuple[str, torch.Tensor]], engines: Sequence, *, bucket_bytes: int = 256 << 20,
+                   wire: bool = True) -> SyncStats:
+    """Push the trainer's stream to every engine, one bucket at a time; report time and bytes.
+
+    With `wire=True` each bucket is packed into a uint8 buffer and unpacked (what crosses a process
+    boundary), so FP8 bytes take the same path as in a distributed sync. Each engine's
+    `update_weights(bucket)` validates the bucket before applying it.
+    """
+    stats = SyncStats(per_engine_seconds=[0.0] * len(engines))
+    start = time.perf_counter()
+    for bucket in buckets(pairs, bucket_bytes):
+        if wire:
+            flat, metas = pack(bucket)
+            bucket = unpack(flat, metas)
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        for i, engine in enumerate(engines):
+            t0 = time.perf_counter()
+            engine.update_weights(bucket)
+            stats.per_engine_seconds[i] += time.perf_counter() - t0
+    stats.seconds = time.perf_counter() - start
+    return stats
