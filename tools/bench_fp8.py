@@ -122,24 +122,34 @@ def quant_section(res, copy_gbs, sweep):
     add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)
     add("check_finite=True 1x128 (one host sync)", lambda: K.quantize_1x128(x, check_finite=True), elems * 3 + t_ * nb * 4)
     if sweep:
-        print("  sweep 1x128 (BLOCK_M, warps):", flush=True)
-        best = None
-        for bm in (8, 16, 32, 64):
+        print("  sweep 1x128 (BLOCK_M, groups/program, warps):", flush=True)
+        for bm in (4, 8, 16, 32):
+            for gr in (1, 2, 4):
+                for wp in (2, 4, 8):
+                    if bm * gr * 128 > 16384 or bm * gr * 128 < 64 * wp:
+                        continue
+                    q, s = K.quantize_1x128(x, check_finite=False, block_m=bm, num_warps=wp, groups=gr)
+                    ok = torch.equal(q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(s, xs)
+                    ms = bench(lambda: K.quantize_1x128(x, check_finite=False, block_m=bm, num_warps=wp, groups=gr))
+                    gbs = (elems * 3 + t_ * nb * 4) / ms / 1e6
+                    print(f"    1x128 bm={bm:3d} g={gr} warps={wp} {gbs:6.0f} GB/s ok={ok}", flush=True)
+                    rows.append({"kernel": f"sweep 1x128 bm={bm} g={gr} w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "ok": ok})
+        _, _, qt0, st0 = K.quantize_dual(x, check_finite=False, rows=False, cols_cfg=dict(block_n=128, trans=True))
+        for bn in (16, 32, 64, 128):
             for wp in (2, 4, 8):
-                q, s = K.quantize_1x128(x, check_finite=False, block_m=bm, num_warps=wp)
-                ok = torch.equal(q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(s, xs)
-                ms = bench(lambda: K.quantize_1x128(x, check_finite=False, block_m=bm, num_warps=wp))
-                gbs = (elems * 3 + t_ * nb * 4) / ms / 1e6
-                print(f"    bm={bm:3d} warps={wp} {gbs:6.0f} GB/s ok={ok}", flush=True)
-                rows.append({"kernel": f"sweep 1x128 bm={bm} w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "ok": ok})
-                if ok and (best is None or gbs > best[0]):
-                    best = (gbs, bm, wp)
-        print(f"  best 1x128: {best}", flush=True)
-        for wp in (4, 8, 16):
-            ms = bench(lambda: K.quantize_dual(x, check_finite=False, num_warps=wp))
+                for tr in (True, False):
+                    cfg = dict(block_n=bn, num_warps=wp, trans=tr)
+                    _, _, qt, st = K.quantize_dual(x, check_finite=False, rows=False, cols_cfg=cfg)
+                    ok = torch.equal(qt.view(torch.uint8), qt0.view(torch.uint8)) and torch.equal(st, st0)
+                    ms = bench(lambda: K.quantize_dual(x, check_finite=False, rows=False, cols_cfg=cfg))
+                    gbs = (elems * 3 + n_ * tb * 4) / ms / 1e6
+                    print(f"    cols bn={bn:3d} warps={wp} trans={tr} {gbs:6.0f} GB/s ok={ok}", flush=True)
+                    rows.append({"kernel": f"sweep cols bn={bn} w={wp} trans={tr}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "ok": ok})
+        for wp in (4, 8):
+            ms = bench(lambda: K.quantize_dual(x, check_finite=False, num_warps=wp, mode="fused"))
             gbs = (elems * 4 + (t_ * nb + n_ * tb) * 4) / ms / 1e6
-            print(f"    dual warps={wp} {gbs:6.0f} GB/s", flush=True)
-            rows.append({"kernel": f"sweep dual w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs})
+            print(f"    dual fused warps={wp} {gbs:6.0f} GB/s", flush=True)
+            rows.append({"kernel": f"sweep dual fused w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs})
     res["quant"] = rows
 
 
@@ -163,10 +173,12 @@ def check_rows(out, a_q, a_s, b_q, b_s, b_block, rows=256):
     return ((got - want).norm() / want.norm()).item()
 
 
-SWEEP_CONFIGS = [
-    (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True), (128, 128, 8, 4, 4, True), (128, 256, 8, 8, 3, True),
-    (256, 128, 8, 8, 3, True), (64, 256, 8, 4, 4, True), (128, 128, 8, 8, 4, False), (128, 256, 8, 8, 3, False),
-    (128, 64, 8, 4, 5, True),
+SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, GROUP_M, warps, stages, tma[, lookahead[, warp_specialize]])
+    (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True), (128, 64, 8, 4, 5, True), (128, 64, 8, 4, 4, True),
+    (128, 64, 8, 4, 6, True), (128, 64, 16, 4, 5, True), (64, 128, 8, 4, 5, True), (64, 64, 8, 4, 6, True),
+    (256, 64, 8, 8, 4, True), (128, 64, 8, 4, 5, False), (128, 128, 8, 8, 4, False),
+    (128, 64, 8, 4, 4, True, True), (128, 128, 8, 8, 3, True, True), (256, 64, 8, 8, 3, True, True),
+    (128, 64, 8, 4, 4, True, False, True), (128, 128, 8, 8, 3, True, False, True),
 ]
 
 
@@ -176,7 +188,6 @@ def gemm_sweep(res):
     for (m, n, k, b_block, label) in [
         (8192, 24576, 4096, (128, 128), "8B gate_up M=8192"),
         (8192, 4096, 4096, (128, 128), "8B o M=8192"),
-        (8192, 4096, 12288, (128, 128), "8B down M=8192"),
         (4096, 4096, 8192, (1, 128), "8B wgrad o (N=4096,K=4096,T=8192)"),
         (12288, 4096, 8192, (1, 128), "8B wgrad down (12288x4096, T=8192)"),
     ]:

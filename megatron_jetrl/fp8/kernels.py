@@ -105,12 +105,13 @@ def _k():
         x_ptr, q_ptr, s_ptr, M, K,
         stride_xm, stride_qm, stride_sm, stride_sk,
         eps,
-        BLOCK_M: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
+        BLOCK_M: tl.constexpr, G: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
     ):
+        # one program: BLOCK_M rows x G consecutive 128-groups
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_k = pid_k * 128 + tl.arange(0, 128)
+        offs_k = pid_k * (G * 128) + tl.arange(0, G * 128)
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         if SWIGLU:  # x holds [gate | up], each K wide; the product is rounded to x's dtype, as torch does
@@ -128,18 +129,65 @@ def _k():
                 x = tl.load(ptrs).to(tl.float32)
             else:
                 x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-        s = scale_of(amax, has_nan, eps, UE8M0)
-        q = to_e4m3(x, s[:, None])
+        x3 = tl.reshape(x, (BLOCK_M, G, 128))
+        amax = tl.max(tl.abs(x3), axis=2)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
+        s = scale_of(amax, has_nan, eps, UE8M0)  # [BLOCK_M, G]
+        q = tl.reshape(to_e4m3(x3, s[:, :, None]), (BLOCK_M, G * 128))
         q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :]
-        s_ptrs = s_ptr + offs_m.to(tl.int64) * stride_sm + pid_k * stride_sk
+        offs_g = pid_k * G + tl.arange(0, G)
+        s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
         if EVEN:
             tl.store(q_ptrs, q)
             tl.store(s_ptrs, s)
         else:
             tl.store(q_ptrs, q, mask=mask)
-            tl.store(s_ptrs, s, mask=offs_m < M)
+            tl.store(s_ptrs, s, mask=(offs_m[:, None] < M) & (offs_g[None, :] * 128 < K))
+
+    @triton.jit
+    def _quant_cols(
+        x_ptr, xs_ptr, qt_ptr, st_ptr, T, N,
+        stride_xt, stride_xst, stride_xsn, stride_qtn, stride_stn, stride_stt,
+        eps,
+        BLOCK_N: tl.constexpr, FP8_IN: tl.constexpr, UE8M0: tl.constexpr, EVEN: tl.constexpr, TRANS: tl.constexpr,
+    ):
+        # 128x1 groups along T of a [128, BLOCK_N] tile, written transposed ([N, T], T contiguous)
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_t = pid_t * 128 + tl.arange(0, 128)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
+        ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_n[None, :]
+        if EVEN:
+            x = tl.load(ptrs).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FP8_IN:
+            xs = tl.load(
+                xs_ptr + offs_t[:, None].to(tl.int64) * stride_xst + (offs_n[None, :] // 128) * stride_xsn,
+                mask=mask, other=1.0,
+            )
+            x = x * xs
+        amax = tl.max(tl.abs(x), axis=0)
+        s = scale_of(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, eps, UE8M0)
+        q = to_e4m3(x, s[None, :])
+        st_ptrs = st_ptr + offs_n.to(tl.int64) * stride_stn + pid_t * stride_stt
+        if TRANS:
+            qt_ptrs = qt_ptr + offs_n[:, None].to(tl.int64) * stride_qtn + offs_t[None, :]
+            if EVEN:
+                tl.store(qt_ptrs, tl.trans(q))
+            else:
+                tl.store(qt_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_t[None, :] < T))
+        else:
+            qt_ptrs = qt_ptr + offs_n[None, :].to(tl.int64) * stride_qtn + offs_t[:, None]
+            if EVEN:
+                tl.store(qt_ptrs, q)
+            else:
+                tl.store(qt_ptrs, q, mask=mask)
+        if EVEN:
+            tl.store(st_ptrs, s)
+        else:
+            tl.store(st_ptrs, s, mask=offs_n < N)
 
     @triton.jit
     def _quant_dual(
@@ -257,8 +305,11 @@ def _k():
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kb * 128, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < K - kb * 128, other=0.0)
             sa = tl.load(as_ptrs + kb * stride_ask)
-            sb = tl.load(bs_ptrs + kb * stride_bsk)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            if B_TILE and (128 % BLOCK_N == 0):
+                acc += tl.dot(a, b) * (sa * tl.load(bs_ptr + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk))[:, None]
+            else:
+                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             a_ptrs += 128
             b_ptrs += 128
         c = acc.to(c_ptr.dtype.element_ty)
@@ -270,7 +321,7 @@ def _k():
         a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K,
         stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LOOKAHEAD: tl.constexpr, WS: tl.constexpr,
     ):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -286,12 +337,44 @@ def _k():
             bs_ptrs = bs_ptr + rn * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_tiles = tl.cdiv(K, 128)
-        for kb in tl.range(0, k_tiles, num_stages=NUM_STAGES):
-            a = a_desc.load([off_m, kb * 128])  # out-of-bounds (partial K, M, N) reads as zero
-            b = b_desc.load([off_n, kb * 128])
-            sa = tl.load(as_ptrs + kb * stride_ask)
-            sb = tl.load(bs_ptrs + kb * stride_bsk)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        SCALAR_B: tl.constexpr = B_TILE and (128 % BLOCK_N == 0)  # the tile's columns share one B scale
+        if SCALAR_B:
+            bs1 = bs_ptr + (off_n // 128) * stride_bsn
+        if LOOKAHEAD:  # issue the next block's MMA before scaling the previous block's product
+            a = a_desc.load([off_m, 0])
+            b = b_desc.load([off_n, 0])
+            p = tl.dot(a, b.T)
+            if SCALAR_B:
+                sc = tl.load(as_ptrs) * tl.load(bs1)
+            else:
+                sc = tl.load(as_ptrs)
+                sbv = tl.load(bs_ptrs)
+            for kb in tl.range(1, k_tiles, num_stages=NUM_STAGES):
+                a = a_desc.load([off_m, kb * 128])
+                b = b_desc.load([off_n, kb * 128])
+                p_next = tl.dot(a, b.T)
+                if SCALAR_B:
+                    acc += p * sc[:, None]
+                    sc = tl.load(as_ptrs + kb * stride_ask) * tl.load(bs1 + kb * stride_bsk)
+                else:
+                    acc += p * (sc[:, None] * sbv[None, :])
+                    sc = tl.load(as_ptrs + kb * stride_ask)
+                    sbv = tl.load(bs_ptrs + kb * stride_bsk)
+                p = p_next
+            if SCALAR_B:
+                acc += p * sc[:, None]
+            else:
+                acc += p * (sc[:, None] * sbv[None, :])
+        else:
+            for kb in tl.range(0, k_tiles, num_stages=NUM_STAGES, warp_specialize=WS):
+                a = a_desc.load([off_m, kb * 128])  # out-of-bounds (partial K, M, N) reads as zero
+                b = b_desc.load([off_n, kb * 128])
+                sa = tl.load(as_ptrs + kb * stride_ask)
+                if SCALAR_B:
+                    acc += tl.dot(a, b.T) * (sa * tl.load(bs1 + kb * stride_bsk))[:, None]
+                else:
+                    sb = tl.load(bs_ptrs + kb * stride_bsk)
+                    acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -299,6 +382,7 @@ def _k():
     return {
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
+        "quant_cols": _quant_cols,
         "quant_128x128": _quant_128x128,
         "gemm_ptr": _gemm_ptr,
         "gemm_tma": _gemm_tma,
@@ -337,12 +421,15 @@ def _finite_or_raise(x, s, block, check_finite):
         _raise_non_finite(x, block)
 
 
-QUANT_1X128_BLOCK_M = int(os.environ.get("JETRL_Q1X128_BLOCK_M", "32"))
-QUANT_1X128_WARPS = int(os.environ.get("JETRL_Q1X128_WARPS", "4"))
-QUANT_DUAL_WARPS = int(os.environ.get("JETRL_QDUAL_WARPS", "8"))
+# Launch settings, chosen by the sweep in tools/bench_fp8.py on the H200 (see BENCHMARKS.md).
+QUANT_CFG = {
+    "1x128": dict(block_m=16, groups=1, num_warps=4),
+    "cols": dict(block_n=64, num_warps=4, trans=True),
+    "dual": dict(mode="split", num_warps=8),  # split: the 1x128 kernel + the cols kernel (two reads of x)
+}
 
 
-def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None):
+def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None, groups=None):
     """1x128 quantization of `x[..., K]` (bytes of `quantize_blockwise(x, (1, 128))`).
 
     Returns `(q, s)`: q `[..., K]` E4M3, s `[..., ceil(K/128)]` FP32; for 2-D input s has strides
@@ -360,12 +447,14 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
     kb = -(-k // GROUP)
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = _outer_major_empty(m, kb, x.device)
-    bm = block_m or QUANT_1X128_BLOCK_M
+    cfg = QUANT_CFG["1x128"]
+    bm = block_m or cfg["block_m"]
+    g = groups or cfg["groups"]
     if m and k:
-        _k()["quant_1x128"][(triton_cdiv(m, bm), kb)](
+        _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
-            BLOCK_M=bm, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % GROUP == 0),
-            num_warps=num_warps or QUANT_1X128_WARPS,
+            BLOCK_M=bm, G=g, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
+            num_warps=num_warps or cfg["num_warps"],
         )
     out_shape = shape[:-1] + (k,)
     if check_finite and not bool(torch.isfinite(s).all()):
@@ -382,7 +471,17 @@ def swiglu_quantize_1x128(gate_up, scale_mode="fp32", **kw):
     return quantize_1x128(gate_up, scale_mode, swiglu=True, **kw)
 
 
-def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None):
+def _quant_cols(x2, xs, qt, st, t, n, eps, fp8_in, ue8m0, block_n=None, num_warps=None, trans=None):
+    cfg = QUANT_CFG["cols"]
+    bn = block_n or cfg["block_n"]
+    _k()["quant_cols"][(triton_cdiv(t, GROUP), triton_cdiv(n, bn))](
+        x2, xs, qt, st, t, n, x2.stride(0), xs.stride(0), xs.stride(1), qt.stride(0), st.stride(0), st.stride(1), float(eps),
+        BLOCK_N=bn, FP8_IN=fp8_in, UE8M0=ue8m0, EVEN=(t % GROUP == 0 and n % bn == 0),
+        TRANS=cfg["trans"] if trans is None else trans, num_warps=num_warps or cfg["num_warps"],
+    )
+
+
+def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None, mode=None, cols_cfg=None):
     """One pass over a 2-D `x[T, N]`: 1x128 groups along N and 128x1 groups along T, the latter transposed.
 
     Returns `(q, s, qt, st)`: q `[T, N]` and s `[T, ceil(N/128)]` (strides (1, T)) are
@@ -411,7 +510,13 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
     dummy8 = qt if q is None else q
     dummy32 = st if s is None else s
     xs = x_scale if fp8_in else dummy32
-    if t and n and (rows or cols):
+    mode = mode or QUANT_CFG["dual"]["mode"]
+    ue8m0 = scale_mode == "ue8m0"
+    if t and n and cols and (not rows or (mode == "split" and not fp8_in)):
+        if rows:  # two kernels, x read twice (measured faster than the fused one-pass kernel on the H200)
+            q, s = quantize_1x128(x2, scale_mode, eps=eps, check_finite=False)
+        _quant_cols(x2, x_scale if fp8_in else st, qt, st, t, n, eps, fp8_in, ue8m0, **(cols_cfg or {}))
+    elif t and n and (rows or cols):
         _k()["quant_dual"][(tb, nb)](
             x2, xs, q if rows else dummy8, s if rows else dummy32, qt if cols else dummy8, st if cols else dummy32, t, n,
             x2.stride(0), xs.stride(0), xs.stride(1),
@@ -419,7 +524,7 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
             (qt if cols else dummy8).stride(0), (st if cols else dummy32).stride(0), (st if cols else dummy32).stride(1),
             float(eps),
             FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=scale_mode == "ue8m0", EVEN=(t % GROUP == 0 and n % GROUP == 0),
-            num_warps=num_warps or QUANT_DUAL_WARPS,
+            num_warps=num_warps or QUANT_CFG["dual"]["num_warps"],
         )
     if check_finite:
         for sc, blk in ((s, (1, 128)), (st, (128, 1))):
@@ -497,7 +602,9 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
     """
     b_tile = tuple(b_block) == (128, 128)
     cfg = config or GEMM_CONFIG["tile" if b_tile else "rows"]
-    bm, bn, gm, warps, stages, use_tma = cfg
+    bm, bn, gm, warps, stages, use_tma = cfg[:6]
+    lookahead = len(cfg) > 6 and bool(cfg[6])
+    ws = len(cfg) > 7 and bool(cfg[7])
     if a_q.stride(1) != 1:
         a_q = a_q.contiguous()
     if b_q.stride(1) != 1:
@@ -519,7 +626,8 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
         kern["gemm_tma"][grid](
             a_desc, b_desc, c, a_s, b_s, m, n, k, c.stride(0), c.stride(1),
             a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, NUM_STAGES=stages, num_warps=warps,
+            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, NUM_STAGES=stages, LOOKAHEAD=lookahead, WS=ws,
+            num_warps=warps,
         )
     else:
         kern["gemm_ptr"][grid](
