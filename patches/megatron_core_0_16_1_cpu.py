@@ -44,6 +44,13 @@ TP1/TP2/PP2/DP2 training with megatron DDP + optimizer on a CPU-only torch
    ``param.grad.type() == 'torch.cuda.FloatTensor'``, false for a CPU fp32 grad.
    Replacement: upstream body with the check on ``dtype == float32``.
 
+5. ``LanguageModule.setup_embeddings_and_output_layer`` -- with tied embeddings
+   and PP > 1 it moves the shared weight with ``weight.data = weight.data.cuda()``
+   before all-reducing it over the embedding group, which raises without CUDA
+   (GPTModel's constructor calls it; found by megatron_jetrl's tied Qwen2 PP2 test,
+   tests/unit/test_actor_parallel.py). Wrapped: upstream runs unchanged with
+   ``torch.Tensor.cuda`` mapped to the identity for the duration of that one call.
+
 Not patched (not needed for the tested paths; they still fail on CPU):
 ``DistributedOptimizer`` and the bf16/fp16 ``Float16OptimizerWithFloat16Params``
 (both check ``param.type()`` against ``'torch.cuda.*Tensor'`` names), activation
@@ -283,6 +290,23 @@ def _make_clip_grad_by_total_norm_fp32(clip_mod):
     return clip_grad_by_total_norm_fp32
 
 
+# --- change 5: tied-embedding setup without .cuda() ---------------------------------------
+
+
+def _make_setup_embeddings(orig):
+    def setup_embeddings_and_output_layer(self):
+        """Upstream, with ``Tensor.cuda`` the identity while it runs (CPU: the weight stays on CPU)."""
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return orig(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setup_embeddings_and_output_layer.__wrapped__ = orig
+    return setup_embeddings_and_output_layer
+
+
 # --- apply ---------------------------------------------------------------------------------
 
 
@@ -338,6 +362,9 @@ def apply() -> bool:
     clip_fn = _make_clip_grad_by_total_norm_fp32(clip_mod)
     _set(clip_mod, "clip_grad_by_total_norm_fp32", clip_fn)
     _set(optimizer_mod, "clip_grad_by_total_norm_fp32", clip_fn)
+    # 5. Tied embeddings across pipeline stages.
+    language_module = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
+    _set(language_module, "setup_embeddings_and_output_layer", _make_setup_embeddings(language_module.setup_embeddings_and_output_layer))
 
     _APPLIED = True
     return True

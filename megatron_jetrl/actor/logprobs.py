@@ -57,7 +57,8 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
             if loss_fn is None:
                 return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
             loss, metrics = loss_fn(logprobs, extras)
-            return loss, {k: torch.as_tensor(v).detach().float() for k, v in {"loss": loss, **metrics}.items()}
+            # copies: megatron divides the returned loss in place by the number of micro-batches
+            return loss, {k: torch.as_tensor(v).detach().float().clone() for k, v in {"loss": loss, **metrics}.items()}
 
         return output, loss_func
 

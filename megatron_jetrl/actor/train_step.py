@@ -63,8 +63,10 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
     micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
     per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks.
-    Returns {"ok", "grad_norm", and on the last stage the micro-batch mean of "loss" and each metric}.
+    Returns {"ok", "grad_norm", and on the last stage "loss" and each metric: the mean over micro-batches and
+    DP ranks}.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro = micro_batches(tokens, extras, micro_batch_size)
@@ -78,5 +80,8 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     ok, grad_norm, _ = optimizer.step()
     result = {"ok": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm)}
     if out:
-        result.update({k: torch.stack([o[k] for o in out]).mean().item() for k in out[0]})
+        names = sorted(out[0])
+        means = torch.stack([torch.stack([o[k] for o in out]).mean() for k in names])
+        torch.distributed.all_reduce(means, group=ps.get_data_parallel_group())
+        result.update(zip(names, (means / ps.get_data_parallel_world_size()).tolist()))
     return result

@@ -1,0 +1,112 @@
+"""The per-rank scenario of tests/unit/test_actor_parallel.py (runs inside spawned gloo ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from actor_helpers import CONFIGS, tokens_for
+
+VOCAB = CONFIGS["qwen3"]["vocab_size"]
+LR, STEPS, MICRO = 1e-3, 3, 2
+
+
+def _build(family: str, mode: str, ckpt_root: str):
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.provider import build_model
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(CONFIGS[family])
+    flow = PrecisionFlow(mode=mode, backend="emulated")
+    model = build_model(arch, flow)
+    load_hf_weights(model, arch, Path(ckpt_root) / family)
+    return model, arch, flow
+
+
+def _full_logits(model, tokens):
+    """Gathered full-vocab logits on the last stage (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    with torch.no_grad():
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            return None
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        logits = model(tokens, positions, None)
+        return gather_from_tensor_model_parallel_region(logits)[..., :VOCAB]
+
+
+def grpo_like_loss(logprobs, extras):
+    """A policy-gradient-shaped loss: -mean(advantage * logprob) over the micro-batch."""
+    loss = -(logprobs * extras["advantages"][:, None]).mean()
+    return loss, {"mean_logprob": logprobs.detach().mean()}
+
+
+def forward_all(ckpt_root: str, modes=("bf16", "jetrl")) -> dict:
+    """Import every family in every mode; full logits (PP1) and logprobs (last stage)."""
+    from megatron_jetrl.actor.logprobs import compute_logprobs
+
+    out = {}
+    for family, config in CONFIGS.items():
+        tokens = tokens_for(config)
+        for mode in modes:
+            model, _, _ = _build(family, mode, ckpt_root)
+            out[family, mode] = {
+                "logits": _full_logits(model, tokens),
+                "logprobs": compute_logprobs(model, tokens, vocab_size=VOCAB, micro_batch_size=MICRO),
+            }
+    return out
+
+
+def train(ckpt_root: str, mode: str, save_dir: str | None = None) -> dict:
+    """3 steps of train_step on qwen3 (this DP rank's share of a fixed batch); optional save + reload."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_jetrl.actor.fp8_layers import fp8_weights
+    from megatron_jetrl.actor.logprobs import compute_logprobs
+    from megatron_jetrl.actor.provider import build_model
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.fp8 import QuantizedWeight
+
+    model, arch, flow = _build("qwen3", mode, ckpt_root)
+    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0))
+    tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    steps, fresh_fp8 = [], []
+    for _ in range(STEPS):
+        before = fp8_weights(model)
+        steps.append(train_step(ddp, optimizer, tokens[local], grpo_like_loss, vocab_size=VOCAB, micro_batch_size=MICRO,
+                                extras={"advantages": advantages[local]}))
+        after = fp8_weights(model)
+        params = dict(model.named_parameters())
+        fresh_fp8.append(all(
+            after[n] is not before[n] and torch.equal(after[n].q.view(torch.uint8), QuantizedWeight.quantize(params[n], flow).q.view(torch.uint8))
+            for n in after
+        ))
+    result = {"steps": steps, "fp8_requantized": fresh_fp8, "fp8_names": sorted(fp8_weights(model))}
+    result["logprobs"] = compute_logprobs(ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
+    if save_dir is not None:
+        save_checkpoint(ddp, save_dir, hf_config=CONFIGS["qwen3"], flow=flow, iteration=STEPS, optimizer=optimizer)
+        fresh = build_model(arch, flow)
+        fresh_ddp, fresh_opt = wrap_for_training(fresh, OptimConfig(lr=LR, clip_grad=1.0))
+        meta = load_checkpoint(fresh_ddp, save_dir, optimizer=fresh_opt)
+        result["resumed_iteration"] = meta["iteration"]
+        result["resumed_logprobs"] = compute_logprobs(fresh_ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
+        # one more step from both: same state -> same step
+        step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": advantages[local]})
+        result["next_loss"] = train_step(ddp, optimizer, tokens[local], grpo_like_loss, **step).get("loss")
+        result["resumed_next_loss"] = train_step(fresh_ddp, fresh_opt, tokens[local], grpo_like_loss, **step).get("loss")
+    return result
+
+
+def layout(ckpt_root: str, save_root: str, forward: bool) -> dict:
+    """One spawned layout: forward of every family/mode (optional) and training + checkpoint round trip in both modes."""
+    return {
+        "forward": forward_all(ckpt_root) if forward else None,
+        "train": {mode: train(ckpt_root, mode, str(Path(save_root) / mode)) for mode in ("bf16", "jetrl")},
+    }
