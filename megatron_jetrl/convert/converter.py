@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from megatron_jetrl.convert.hf_writer import HFCheckpointWriter, parse_size
 from megatron_jetrl.convert.layout import local_shapes
-from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.export import hf_tensors
 from megatron_jetrl.models.mapping import Entry, model_entries
@@ -33,6 +34,7 @@ TOKENIZER_FILES = (
 )
 IGNORED_SUFFIXES = ("._extra_state",)  # TE/Megatron FP8 metadata, not parameters
 DTYPES = ("fp8", "bf16")
+QUANT_ROWS = 1024
 
 
 class ConversionError(ValueError):
@@ -67,10 +69,31 @@ class Plan:
             config["quantization_config"] = self.flow.quantization_config()
         return config
 
-    def tensors(self):
+    def tensors(self, quant_rows: int | None = None):
         """The (hf_name, tensor) stream of the whole model, pipeline stage after pipeline stage."""
         for pp_rank, entries in enumerate(self.stages):
-            yield from hf_tensors(self.arch, self.flow, entries, self.checkpoint.fetch(pp_rank))
+            fetch = self.checkpoint.fetch(pp_rank)
+            yield from hf_tensors(self.arch, self.flow, entries, fetch, quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS))
+
+
+def quantize_ranks_in_rows(fetch, flow: PrecisionFlow, rows: int = QUANT_ROWS):
+    """`QuantizedWeight.quantize` of every TP shard, run on slices of `rows` rows (a multiple of 128).
+
+    128x128 blocks are quantized independently (amax, scale and bytes depend on the block alone), so
+    slicing along whole block rows gives the same bytes and scales as one call on the whole shard --
+    the trainer's bytes -- while the quantizer's FP32 temporaries (~16 bytes per element) cover one
+    slice instead of the largest parameter.
+    """
+    if rows % 128:
+        raise ValueError(f"rows must be a multiple of 128, got {rows}")
+
+    def quantize(weight: torch.Tensor) -> QuantizedWeight:
+        if weight.shape[0] <= rows:
+            return QuantizedWeight.quantize(weight, flow)
+        parts = [QuantizedWeight.quantize(weight[i : i + rows], flow) for i in range(0, weight.shape[0], rows)]
+        return QuantizedWeight(torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn), torch.cat([p.s for p in parts]))
+
+    return lambda name: [quantize(t) for t in fetch(name)]
 
 
 def _export_flow(source: PrecisionFlow, dtype: str) -> PrecisionFlow:

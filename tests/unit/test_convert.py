@@ -95,9 +95,13 @@ def test_bf16_export_is_the_model_bit_for_bit(qwen2_tp2pp2):
 
 # -- one code path: the trainer's bytes -----------------------------------------------------------
 @pytest.mark.parametrize("scale_mode", ["fp32", "ue8m0"])
-def test_exported_fp8_bytes_are_the_trainer_forward_bytes(tmp_path, scale_mode):
+def test_exported_fp8_bytes_are_the_trainer_forward_bytes(tmp_path, scale_mode, monkeypatch):
     """Each TP rank's QuantizedWeight.quantize (what the trainer's FP8 forward uses) is, byte for byte,
-    that rank's slice of the exported weight and scale grid; and the export is the full tensor's quantization."""
+    that rank's slice of the exported weight and scale grid; and the export is the full tensor's quantization.
+    The converter quantizes in slices of 128 rows here (its memory-saving path) against whole-shard calls."""
+    from megatron_jetrl.convert import converter
+
+    monkeypatch.setattr(converter, "QUANT_ROWS", 128)
     config, tp = tiny_config("qwen3"), 2
     flow = PrecisionFlow(mode="jetrl", scale_mode=scale_mode)
     hf = save_synthetic_checkpoint(tmp_path / "ckpt", config, tp=tp, flow=flow, seed=11)
