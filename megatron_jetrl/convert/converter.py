@@ -154,6 +154,10 @@ def plan(checkpoint_dir: str | Path, *, dtype: str = "fp8", rollout_tp: int = 1,
             except Exception as e:  # noqa: BLE001 - safetensors raises several types on a bad header
                 raise ConversionError(f"{ckpt.directory / name}: not a readable safetensors file ({e})") from e
             got = {k: v for k, v in got.items() if not k.endswith(IGNORED_SUFFIXES)}
+            if arch.tie_word_embeddings and pp > 1 and p == pp - 1:
+                # Megatron keeps a synced copy of the tied embedding as output_layer.weight on the last stage;
+                # the HF checkpoint takes the embedding from stage 0, as the mapping does
+                got.pop("output_layer.weight", None)
             missing = sorted(set(expected) - set(got))
             extra = sorted(set(got) - set(expected))
             if missing or extra:
