@@ -1,0 +1,225 @@
+"""The actor model at TP1 in this process: FP8 really is in the native spec's forward, HF import equals an
+independent torch reference bit for bit, the FP8 weights per module are the bytes the rollout gets, misaligned
+TP is refused at start-up, and the TE path's config (TE itself cannot run here)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actor_helpers import CONFIGS, SEQ, fp8_reference_linear, free_port, hf_state, reference_logits, rounded_state, tokens_for, write_hf_checkpoint
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear, fp8_linear_forward
+from megatron_jetrl.models.arch import ModelArch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, one gloo rank")
+JETRL = PrecisionFlow(mode="jetrl", backend="emulated")
+BF16 = PrecisionFlow(mode="bf16")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    import torch.distributed as dist
+
+    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    init_parallel(tp=1, pp=1)
+    yield
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    from patches import megatron_core_0_16_1_cpu as patch
+
+    patch.revert()  # leave the process as test_megatron_cpu.py expects it
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    with tempfile.TemporaryDirectory() as d:
+        states = {}
+        for family, config in CONFIGS.items():
+            states[family] = hf_state(config)
+            write_hf_checkpoint(Path(d) / family, config, states[family], sharded=family == "llama")
+        yield Path(d), states
+
+
+def _imported(family, flow, root):
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.provider import build_model
+
+    arch = ModelArch.from_hf_config(CONFIGS[family])
+    model = build_model(arch, flow)
+    load_hf_weights(model, arch, root / family)
+    return model.eval(), arch
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens, torch.arange(SEQ).unsqueeze(0).expand_as(tokens), None)[..., : CONFIGS["qwen3"]["vocab_size"]]
+
+
+def test_native_fp8_linears_run_the_core_fp8_linear():
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_jetrl.actor.fp8_layers import FP8ColumnParallelLinear, FP8RowParallelLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=2, use_cpu_initialization=True)
+    init = lambda w: torch.nn.init.normal_(w, std=0.05)  # noqa: E731
+    col = FP8ColumnParallelLinear(256, 384, config=config, init_method=init, bias=True, gather_output=False, flow=JETRL)
+    row = FP8RowParallelLinear(384, 256, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=False, flow=JETRL)
+    x = torch.randn(32, 2, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y, _ = col(x)
+    z, _ = row(y)
+    ref_y = fp8_linear_forward(x, QuantizedWeight.quantize(col.weight, JETRL), col.bias, flow=JETRL)
+    assert torch.equal(y, ref_y)  # the core FP8 forward, bit for bit
+    assert not torch.allclose(y, F.linear(x, col.weight, col.bias), atol=1e-3)  # and not a plain GEMM
+    assert torch.equal(z, fp8_linear_forward(y, QuantizedWeight.quantize(row.weight, JETRL), flow=JETRL))
+    # backward = the core's FP8 DGrad/WGrad
+    z.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    w1, b1, w2 = (t.detach().clone().requires_grad_() for t in (col.weight, col.bias, row.weight))
+    fp8_linear(fp8_linear(x2, w1, b1, flow=JETRL), w2, flow=JETRL).sum().backward()
+    for got, want in ((x.grad, x2.grad), (col.weight.grad, w1.grad), (row.weight.grad, w2.grad), (col.bias.grad, b1.grad)):
+        assert torch.equal(got, want)
+    # quantized once per weight version: same object until the weight changes in place
+    assert col.quantized_weight() is col.quantized_weight()
+    before = col.quantized_weight()
+    with torch.no_grad():
+        col.weight.mul_(1.5)
+    assert col.quantized_weight() is not before
+
+
+def test_megatron_fp8_flag_on_local_spec_builds_plain_linears(checkpoints):
+    """Why the native spec exists: megatron's own fp8='e4m3' + blockwise on the local spec is silently BF16."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_jetrl.actor.fp8_layers import FP8ColumnParallelLinear, native_layer_spec
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.provider import rope_kwargs, transformer_config
+
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert local.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+    root, states = checkpoints
+    arch = ModelArch.from_hf_config(CONFIGS["llama"])
+    config = transformer_config(arch, BF16, tp=1, pp=1)
+    config.fp8, config.fp8_recipe = "e4m3", "blockwise"
+    model = GPTModel(config=config, transformer_layer_spec=local, vocab_size=384, max_sequence_length=64, **rope_kwargs(arch))
+    load_hf_weights(model, arch, root / "llama")
+    tokens, ref_state = tokens_for(CONFIGS["llama"]), rounded_state(states["llama"])
+    logits = _logits(model.eval(), tokens)
+    ref_bf16 = reference_logits(CONFIGS["llama"], ref_state, tokens)
+    torch.testing.assert_close(logits, ref_bf16, atol=1e-5, rtol=0)  # (torch's RMSNorm: last bits differ)
+    assert (logits - reference_logits(CONFIGS["llama"], ref_state, tokens, fp8_reference_linear(JETRL))).abs().max() > 0.1
+    ours = native_layer_spec(JETRL, qk_norm=False).submodules.self_attention.submodules.linear_qkv
+    assert ours.module is FP8ColumnParallelLinear and ours.params["flow"] is JETRL
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_hf_import_equals_reference_and_fp8_is_in_the_forward(family, checkpoints):
+    root, states = checkpoints
+    config, ref_state = CONFIGS[family], rounded_state(states[family])  # the checkpoint holds BF16
+    tokens = tokens_for(config)
+    ref_bf16 = reference_logits(config, ref_state, tokens)
+    ref_fp8 = reference_logits(config, ref_state, tokens, fp8_reference_linear(JETRL))
+    bf16_model, _ = _imported(family, BF16, root)
+    fp8_model, _ = _imported(family, JETRL, root)
+    # The reference follows megatron's op order (actor_helpers._attention), so equality is exact here.
+    assert torch.equal(_logits(bf16_model, tokens), ref_bf16)
+    assert torch.equal(_logits(fp8_model, tokens), ref_fp8)
+    assert (ref_fp8 - ref_bf16).abs().max() > 0.1  # FP8 changes the logits (~0.3-0.45 here)
+    # mode bf16-train-fp8-rollout trains with the same plain linears as bf16
+    foil_model, _ = _imported(family, PrecisionFlow(mode="bf16-train-fp8-rollout"), root)
+    assert torch.equal(_logits(foil_model, tokens), ref_bf16)
+
+
+def test_logprobs_equal_log_softmax_of_reference(checkpoints):
+    from megatron_jetrl.actor.logprobs import compute_logprobs
+
+    root, states = checkpoints
+    config = CONFIGS["qwen2"]
+    tokens = tokens_for(config)
+    model, arch = _imported("qwen2", JETRL, root)
+    got = compute_logprobs(model, tokens, vocab_size=arch.vocab_size, micro_batch_size=2, temperature=0.7)
+    ref = reference_logits(config, rounded_state(states["qwen2"]), tokens, fp8_reference_linear(JETRL)) / 0.7
+    want = torch.log_softmax(ref, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    assert got.shape == (4, SEQ - 1)
+    # padded vocab columns (300 -> 384) are masked; megatron's CE vs log_softmax: a few ulps of log-sum-exp
+    torch.testing.assert_close(got, want, atol=5e-6, rtol=0)
+
+
+def test_fp8_weights_are_the_rollout_bytes(checkpoints):
+    """fp8_weights(model) -> models.export.hf_tensors gives exactly quantize(HF weight) per HF linear."""
+    from megatron_jetrl.actor.fp8_layers import fp8_weights
+    from megatron_jetrl.models.export import hf_tensors
+    from megatron_jetrl.models.mapping import model_entries
+
+    root, states = checkpoints
+    model, arch = _imported("qwen3", JETRL, root)
+    weights, params = fp8_weights(model), dict(model.named_parameters())
+    entries = model_entries(arch)
+    assert set(weights) == {e.megatron for e in entries if e.fp8}
+    exported = dict(hf_tensors(arch, JETRL, entries, lambda n: [params[n]], lambda n: [weights[n]]))
+    hf = rounded_state(states["qwen3"])
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        want = QuantizedWeight.quantize(hf[name], JETRL)
+        assert torch.equal(exported[name].view(torch.uint8), want.q.view(torch.uint8)), name
+        assert torch.equal(exported[name.replace("weight", "weight_scale_inv")], want.s), name
+
+
+def test_misaligned_tp_is_refused_before_building():
+    from megatron_jetrl.actor.provider import transformer_config
+
+    arch = ModelArch.from_hf_config(dict(CONFIGS["qwen3"], intermediate_size=384))
+    with pytest.raises(ValueError, match=r"(?s)TP=2.*mlp\.linear_fc1.*384 / 2 = 192.*TP sizes that work for it: \[1\]"):
+        transformer_config(arch, JETRL, tp=2, pp=1)
+    transformer_config(arch, BF16, tp=2, pp=1)  # BF16 training has no blocks to align
+    transformer_config(ModelArch.from_hf_config(CONFIGS["qwen3"]), JETRL, tp=2, pp=1)
+
+
+def test_llama3_rope_scaling_and_unsupported_scaling():
+    from megatron_jetrl.actor.provider import rope_kwargs
+
+    kwargs = rope_kwargs(ModelArch.from_hf_config(CONFIGS["llama"]))
+    assert kwargs["rope_scaling"] is True and kwargs["rope_scaling_factor"] == 8.0 and kwargs["rotary_base"] == 500000.0
+    yarn = dict(CONFIGS["qwen3"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="not supported"):
+        rope_kwargs(ModelArch.from_hf_config(yarn))
+
+
+def test_rank_slice_lazy_equals_rank_slice():
+    from megatron_jetrl.models.mapping import Entry, rank_slice, rank_slice_lazy
+
+    full = torch.randn(300, 256)
+    cases = [Entry("e", ("x",), tp_dim=0, vocab=True), Entry("c", ("x",), tp_dim=0), Entry("r", ("x",), tp_dim=1), Entry("n", ("x",))]
+    for entry in cases:
+        for tp in (1, 2, 4):
+            rows = 300 if not entry.vocab else 128 * tp * 3 if tp == 4 else 512
+            if not entry.vocab and entry.tp_dim == 0 and 300 % tp:
+                continue
+            for r in range(tp):
+                assert torch.equal(rank_slice_lazy(entry, full.__getitem__, tuple(full.shape), r, tp, rows), rank_slice(entry, full, r, tp, rows))
+
+
+def test_te_path_config_without_te():
+    from megatron.core.fp8_utils import _resolve_callable_from_python_import_path
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_jetrl.actor import te_recipe
+    from megatron_jetrl.actor.provider import ActorOptions, transformer_config
+
+    arch = ModelArch.from_hf_config(CONFIGS["qwen3"])
+    config = transformer_config(arch, PrecisionFlow(mode="jetrl", scale_mode="ue8m0"), tp=1, pp=1, options=ActorOptions(spec="te"))
+    assert isinstance(config, TransformerConfig) and (config.fp8, config.fp8_recipe) == ("e4m3", "custom")
+    # megatron's get_fp8_recipe resolves this path and hands the callable to TE's CustomRecipe(qfactory=...)
+    assert _resolve_callable_from_python_import_path(config.fp8_quantizer_factory) is te_recipe.jetrl_ue8m0_qfactory
+    assert te_recipe.te_config_kwargs(PrecisionFlow(mode="jetrl"))["fp8_quantizer_factory"].endswith("jetrl_fp32_qfactory")
+    assert te_recipe.te_config_kwargs(PrecisionFlow(mode="bf16-train-fp8-rollout")) == {}
+    with pytest.raises(RuntimeError, match="needs Transformer Engine"):
+        te_recipe.te_layer_spec(qk_norm=True)
