@@ -136,6 +136,14 @@ def native_layer_spec(flow: PrecisionFlow, qk_norm: bool) -> ModuleSpec:
     )
 
 
+def native_block_spec(flow: PrecisionFlow, qk_norm: bool, num_layers: int):
+    """The decoder of one pipeline stage: `num_layers` native layers and this module's RMSNorm as final norm
+    (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(layer_specs=[native_layer_spec(flow, qk_norm)] * num_layers, layer_norm=RMSNorm)
+
+
 def unwrap(model):
     """The GPTModel inside megatron's DDP / Float16Module wrappers."""
     while hasattr(model, "module"):

@@ -80,14 +80,15 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
     )
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str):
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int):
+    """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm)."""
     if spec == "te":
         from megatron_jetrl.actor.te_recipe import te_layer_spec
 
         return te_layer_spec(arch.qk_norm)
-    from megatron_jetrl.actor.fp8_layers import native_layer_spec
+    from megatron_jetrl.actor.fp8_layers import native_block_spec
 
-    return native_layer_spec(flow, arch.qk_norm)
+    return native_block_spec(flow, arch.qk_norm, arch.num_layers // pp)
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
@@ -99,7 +100,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec),
+        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

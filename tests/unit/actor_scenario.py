@@ -12,15 +12,15 @@ VOCAB = CONFIGS["qwen3"]["vocab_size"]
 LR, STEPS, MICRO = 1e-3, 3, 2
 
 
-def _build(family: str, mode: str, ckpt_root: str):
+def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = False):
     from megatron_jetrl.actor.hf_import import load_hf_weights
-    from megatron_jetrl.actor.provider import build_model
+    from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
 
     arch = ModelArch.from_hf_config(CONFIGS[family])
     flow = PrecisionFlow(mode=mode, backend="emulated")
-    model = build_model(arch, flow)
+    model = build_model(arch, flow, ActorOptions(sequence_parallel=sequence_parallel))
     load_hf_weights(model, arch, Path(ckpt_root) / family)
     return model, arch, flow
 
@@ -60,7 +60,7 @@ def forward_all(ckpt_root: str, modes=("bf16", "jetrl")) -> dict:
     return out
 
 
-def train(ckpt_root: str, mode: str, save_dir: str | None = None) -> dict:
+def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_parallel: bool = False) -> dict:
     """3 steps of train_step on qwen3 (this DP rank's share of a fixed batch); optional save + reload."""
     from megatron.core import parallel_state as ps
 
@@ -71,7 +71,7 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None) -> dict:
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.fp8 import QuantizedWeight
 
-    model, arch, flow = _build("qwen3", mode, ckpt_root)
+    model, arch, flow = _build("qwen3", mode, ckpt_root, sequence_parallel)
     ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0))
     tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -110,3 +110,8 @@ def layout(ckpt_root: str, save_root: str, forward: bool) -> dict:
         "forward": forward_all(ckpt_root) if forward else None,
         "train": {mode: train(ckpt_root, mode, str(Path(save_root) / mode)) for mode in ("bf16", "jetrl")},
     }
+
+
+def sequence_parallel_layout(ckpt_root: str) -> dict:
+    """TP2 with sequence parallelism: qwen3 training in both modes (no checkpoint)."""
+    return {"train": {mode: train(ckpt_root, mode, None, sequence_parallel=True) for mode in ("bf16", "jetrl")}}
