@@ -390,7 +390,7 @@ def summary(res, backends):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_fp8.json"))
-    ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
+    ap.add_argument("--sweep", nargs="?", const="gemm,quant", default="", help="also time Triton launch configs: gemm,quant")
     ap.add_argument("--sections", default="ceilings,quant,gemm,linear,layer")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
@@ -414,10 +414,10 @@ def main():
     }
     print(f"{res['date']}  {res['gpu']}  torch {res['torch']}  triton {res['triton']}  backends {backends}", flush=True)
     copy_gbs = ceilings(res) if "ceilings" in sections else 4.2e3
-    if args.sweep:
+    if "gemm" in args.sweep:
         gemm_sweep(res)
     if "quant" in sections:
-        quant_section(res, copy_gbs, args.sweep)
+        quant_section(res, copy_gbs, "quant" in args.sweep)
     if "gemm" in sections:
         gemm_section(res, backends, args.models.split(","), tuple(int(m) for m in args.ms.split(",")))
     if "linear" in sections:
