@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_jetrl.models.shards import atomic_write_bytes
+
 SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
@@ -152,22 +154,13 @@ class HFCheckpointWriter:
 
     # -- other files ---------------------------------------------------------------------------
     def write_json(self, name: str, data: dict) -> None:
-        self._atomic(self.staging / name, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+        atomic_write_bytes(self.staging / name, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
     def copy_file(self, src: Path, name: str | None = None) -> None:
         dst = self.staging / (name or src.name)
         tmp = dst.with_name(f".{dst.name}.tmp")
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-
-    @staticmethod
-    def _atomic(path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     # -- end -----------------------------------------------------------------------------------
     def finish(self, *, index_metadata: dict | None = None, manifest_extra: dict | None = None) -> Path:
