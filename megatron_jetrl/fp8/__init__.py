@@ -65,7 +65,9 @@ All backends take the same quantized operands and differ only in accumulation or
 of two E4M3 values has at most 8 significant bits, so a 128-term block sum is exact in FP64 -- then
 scales and sums the blocks in a fixed order. Its result for a row depends on that row alone (batch
 invariant), which is what lets the rollout engine reproduce the actor's logprobs bit for bit on CPU.
-`cublaslt` (torch `_scaled_mm`, sm90) and `deepgemm` (when importable) are the fast paths on Hopper.
+`cublaslt` (torch `F.scaled_mm`, sm90), `triton` (portable, sm89+) and `deepgemm` (when importable) are
+the fast paths on GPUs; on CUDA the quantizers run as Triton kernels (`fp8/kernels.py`) that are checked
+byte for byte against the torch reference in `tests/gpu`.
 
 Precision modes (`PrecisionFlow.mode`)
 --------------------------------------

@@ -199,8 +199,9 @@ def test_misaligned_shards_are_refused_naming_the_dimension():
         check_shard_alignment(896, 4, what="layers.0.mlp.fc2 input dim")
     with pytest.raises(ValueError, match="no TP size keeps whole blocks"):
         check_shard_alignment(200, 2, what="q_proj output dim")
-    # and the refusal is real: a 64-wide cut changes the blocks
-    w = torch.randn(128, 256)
+    # and the refusal is real: a 64-wide cut changes the blocks (the block's amax sits in the cut-off half)
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
+    w[5, 200] = 10.0
     q, s = quantize_blockwise(w, (128, 128))
     q_half, _ = quantize_blockwise(w[:, :192], (128, 128))
     assert not torch.equal(q_half.view(torch.uint8)[:, 128:], q.view(torch.uint8)[:, 128:192])
