@@ -56,6 +56,11 @@ class ModelArch:
             )
         family, qkv_bias, qk_norm = FAMILIES[model_type]
         heads = config["num_attention_heads"]
+        # transformers >= 5 writes RoPE settings as `rope_parameters` (theta + scaling); older configs use
+        # top-level `rope_theta` / `rope_scaling`.
+        rope = dict(config.get("rope_parameters") or {})
+        rope_theta = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             family=family,
             hidden_size=config["hidden_size"],
@@ -66,12 +71,12 @@ class ModelArch:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", qkv_bias)),
             qk_norm=qk_norm,
-            rope_scaling=config.get("rope_scaling"),
+            rope_scaling=rope_scaling,
         )
 
     @classmethod

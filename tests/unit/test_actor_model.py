@@ -223,3 +223,38 @@ def test_te_path_config_without_te():
     assert te_recipe.te_config_kwargs(PrecisionFlow(mode="bf16-train-fp8-rollout")) == {}
     with pytest.raises(RuntimeError, match="needs Transformer Engine"):
         te_recipe.te_layer_spec(qk_norm=True)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_hf_import_of_a_transformers_written_checkpoint(family, tmp_path):
+    """An independent producer: transformers' own model classes write the checkpoint; the actor imports it,
+    matches transformers' logits, and the one mapping exports exactly the tensors transformers wrote."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_jetrl.models import hf_tensors, model_entries
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**CONFIGS[family])
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path)
+    written = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+
+    arch = ModelArch.from_pretrained(tmp_path)
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.provider import build_model
+
+    model = build_model(arch, BF16)
+    load_hf_weights(model, arch, tmp_path)
+    state = model.state_dict()
+    exported = dict(hf_tensors(arch, BF16, model_entries(arch), lambda n: [state[n]]))
+    for name, tensor in exported.items():
+        assert torch.equal(tensor.view(torch.int16), written[name].view(torch.int16)), name
+    assert set(written) - set(exported) <= {"lm_head.weight"} and arch.tie_word_embeddings == ("lm_head.weight" not in exported)
+
+    tokens = tokens_for(CONFIGS[family])
+    with torch.no_grad():
+        want = hf_model.float()(tokens).logits
+    got = _logits(model.eval(), tokens)
+    # Measured 2e-4 .. 1.6e-3 relative (FP32 on both sides; more than FP32 op-order rounding alone would give,
+    # source not yet pinned down -- see the closing note). A mapping or RoPE error shows up at ~0.3 (a config whose
+    # rope_theta was read wrongly gave 0.35), FP8 at ~0.05-0.3: the 5e-3 bound separates them.
+    assert ((got - want).norm() / want.norm()).item() < 5e-3
