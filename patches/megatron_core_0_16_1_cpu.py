@@ -51,9 +51,17 @@ TP1/TP2/PP2/DP2 training with megatron DDP + optimizer on a CPU-only torch
    tests/unit/test_actor_parallel.py). Wrapped: upstream runs unchanged with
    ``torch.Tensor.cuda`` mapped to the identity for the duration of that one call.
 
+6. ``optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__`` -- sorts parameters into
+   BF16/FP16 params (which get FP32 main copies) and FP32 params by ``param.type()`` against
+   ``'torch.cuda.*Tensor'`` names and raises for anything else, so BF16 params with FP32 main
+   params (the actor's GPU configuration, and the one whose BF16 forward the rollout engine
+   reproduces bit for bit) are refused on CPU. Wrapped: upstream runs unchanged with
+   ``Tensor.type()`` (no arguments, CPU tensor) answering the CUDA name of the same dtype for
+   the duration of that one call; the step itself needs nothing else (change 3 covers its
+   ``device='cuda'`` buffers).
+
 Not patched (not needed for the tested paths; they still fail on CPU):
-``DistributedOptimizer`` and the bf16/fp16 ``Float16OptimizerWithFloat16Params``
-(both check ``param.type()`` against ``'torch.cuda.*Tensor'`` names), activation
+``DistributedOptimizer`` (checks ``param.type()`` in many places), activation
 recompute (``CheckpointFunction`` calls the CUDA RNG getters), ``enable_autocast``
 (``torch.autocast("cuda")``), CUDA graphs, TE, inference dynamic batching,
 symmetric-memory buffers.
@@ -307,6 +315,30 @@ def _make_setup_embeddings(orig):
     return setup_embeddings_and_output_layer
 
 
+# --- change 6: BF16 params + FP32 main params -----------------------------------------------
+
+
+def _make_float16_optimizer_init(orig):
+    def __init__(self, *args, **kwargs):
+        """Upstream, with ``Tensor.type()`` of a CPU tensor named like its CUDA twin while it runs."""
+        type_name = torch.Tensor.type
+
+        def cuda_named(t, *a, **k):
+            name = type_name(t, *a, **k)
+            if a or k or t.is_cuda:
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_named
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = type_name
+
+    __init__.__wrapped__ = orig
+    return __init__
+
+
 # --- apply ---------------------------------------------------------------------------------
 
 
@@ -365,6 +397,10 @@ def apply() -> bool:
     # 5. Tied embeddings across pipeline stages.
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     _set(language_module, "setup_embeddings_and_output_layer", _make_setup_embeddings(language_module.setup_embeddings_and_output_layer))
+
+    # 6. BF16 params with FP32 main params.
+    f16 = optimizer_mod.Float16OptimizerWithFloat16Params
+    _set(f16, "__init__", _make_float16_optimizer_init(f16.__init__))
 
     _APPLIED = True
     return True

@@ -15,9 +15,18 @@ corresponding blocks of the full weight's bytes.
 Why not `TransformerConfig(fp8="e4m3", fp8_recipe="blockwise")` with the local spec: megatron then
 builds plain linears without a word (FP8 only exists through TE modules); tests prove FP8 is in this
 spec's forward.
+
+With `batch_invariant=True` every BF16 piece runs `megatron_jetrl.models.ops`, the functions the native
+rollout engine runs: the norms (`RMSNorm`), RoPE + causal attention (`BatchInvariantAttention`, built with
+GPTModel's own RoPE off), SwiGLU (`ops.silu`, set by the provider) and the BF16 lm_head
+(`BatchInvariantOutputLayer`); the log-softmax is `actor.logprobs`'. With BF16 params and the emulated
+FP8 backend, a sequence's logprobs are then the engine's to the bit at TP1 (at TP>1 the row-parallel
+all-reduce and the vocab-parallel sum-exp add in another order: a bound, not bits).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -32,6 +41,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear
+from megatron_jetrl.models import ops
+from megatron_jetrl.models.arch import ModelArch
 
 
 class RMSNorm(torch.nn.Module):
@@ -41,16 +52,90 @@ class RMSNorm(torch.nn.Module):
     `sequence_parallel` so megatron's `finalize_model_grads` all-reduces its grad over the TP group.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, batch_invariant: bool = False):
         super().__init__()
         self.eps = eps
+        self.batch_invariant = batch_invariant
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x):
+        if self.batch_invariant:
+            return ops.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class BatchInvariantAttention(torch.nn.Module):
+    """Core attention of the batch-invariant spec: RoPE at positions 0..s-1, then causal softmax attention,
+    both `models.ops` (the engine's). GPTModel is built without its own RoPE for this spec (the provider
+    sets `position_embedding_type="none"`), so q/k arrive here after megatron's q/k norms, un-rotated.
+    Megatron layout in and out: q `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
+                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch):
+        super().__init__()
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"BatchInvariantAttention is causal only, got attn_mask_type={attn_mask_type}")
+        if softmax_scale not in (None, arch.head_dim ** -0.5):
+            raise ValueError(f"BatchInvariantAttention scales by 1/sqrt(head_dim); softmax_scale={softmax_scale} is not supported")
+        self.arch = arch
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _tables(self, length: int, device):
+        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != device:
+            a = self.arch
+            self._rope = ops.rope_tables(a.head_dim, max(length, a.max_position_embeddings), a.rope_theta, a.rope_scaling, device)
+        return self._rope
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("BatchInvariantAttention takes unpacked sequences without attention bias")
+        s, b = query.shape[:2]
+        cos_t, sin_t = self._tables(s, query.device)
+        positions = torch.arange(s, device=query.device).expand(b, s)
+        cos, sin = cos_t[positions], sin_t[positions]
+        q = ops.apply_rope(query.permute(1, 2, 0, 3), cos, sin)  # [b, heads, s, d]
+        k = ops.apply_rope(key.permute(1, 2, 0, 3), cos, sin)
+        out = ops.attention(q, k, value.permute(1, 2, 0, 3), positions, torch.full((b,), s, device=query.device))
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _column_parallel_input(layer, input, allreduce_dgrad, sequence_parallel):
+    """The communication megatron's `linear_with_grad_accumulation_and_async_allreduce` does for a column-parallel
+    input, done by its autograd mappings: all-gather along the sequence (backward: reduce-scatter), or identity
+    forward with an all-reduce of dgrad."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=layer.tp_group)
+    if allreduce_dgrad:
+        return copy_to_tensor_model_parallel_region(input, group=layer.tp_group)
+    return input
+
+
+class BatchInvariantColumnParallelLinear(ColumnParallelLinear):
+    """megatron `ColumnParallelLinear` with the engine's batch-invariant BF16 GEMM (`ops.bi_linear`): the
+    BF16 linears of the batch-invariant spec and GPTModel's vocab-parallel lm_head."""
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
+        return ops.bi_linear(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
+
+
+class BatchInvariantRowParallelLinear(RowParallelLinear):
+    """megatron `RowParallelLinear` (megatron all-reduces the output) with `ops.bi_linear`."""
+
+    def _forward_impl(self, input, weight, bias, **_):
+        return ops.bi_linear(input, weight, bias)
+
+
+def use_batch_invariant_output_layer(model) -> None:
+    """Give this stage's GPTModel output layer (if it has one) the batch-invariant GEMM; weights untouched.
+    GPTModel builds that layer itself, so the instance is re-classed (same state, same TP semantics)."""
+    layer = getattr(model, "output_layer", None)
+    if layer is not None:
+        if type(layer) is not ColumnParallelLinear:
+            raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
+        layer.__class__ = BatchInvariantColumnParallelLinear
 
 
 class _FP8Weight:
@@ -82,14 +167,7 @@ class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
         self._init_fp8(flow)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
-        # The communication megatron's linear_with_grad_accumulation_and_async_allreduce does, done by its
-        # autograd mappings: all-gather along the sequence (backward: reduce-scatter), or identity forward
-        # with an all-reduce of dgrad.
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=self.tp_group)
-        elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=self.tp_group)
-        return self._fp8_gemm(input, weight, bias)
+        return self._fp8_gemm(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
 
 
 class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
@@ -103,45 +181,55 @@ class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
         return self._fp8_gemm(input, weight, bias)
 
 
-def _linears(flow: PrecisionFlow):
-    if not flow.train_fp8:  # bf16 and bf16-train-fp8-rollout train with plain linears
+def _linears(flow: PrecisionFlow, batch_invariant: bool):
+    if not flow.train_fp8:  # bf16 and bf16-train-fp8-rollout train with BF16 linears
+        if batch_invariant:
+            return BatchInvariantColumnParallelLinear, BatchInvariantRowParallelLinear
         return ColumnParallelLinear, RowParallelLinear
     return (ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": flow}),
             ModuleSpec(module=FP8RowParallelLinear, params={"flow": flow}))
 
 
-def native_layer_spec(flow: PrecisionFlow, qk_norm: bool) -> ModuleSpec:
-    """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears."""
-    column, row = _linears(flow)
+def _norm(batch_invariant: bool):
+    return ModuleSpec(module=RMSNorm, params={"batch_invariant": True}) if batch_invariant else RMSNorm
+
+
+def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False) -> ModuleSpec:
+    """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears; with
+    `batch_invariant`, the engine's norms and core attention (RoPE included: build GPTModel without RoPE)."""
+    column, row = _linears(flow, batch_invariant)
+    norm = _norm(batch_invariant)
+    core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else DotProductAttention
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=column,
-                    core_attention=DotProductAttention,
+                    core_attention=core,
                     linear_proj=row,
-                    q_layernorm=RMSNorm if qk_norm else IdentityOp,
-                    k_layernorm=RMSNorm if qk_norm else IdentityOp,
+                    q_layernorm=norm if arch.qk_norm else IdentityOp,
+                    k_layernorm=norm if arch.qk_norm else IdentityOp,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def native_block_spec(flow: PrecisionFlow, qk_norm: bool, num_layers: int):
+def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False):
     """The decoder of one pipeline stage: `num_layers` native layers and this module's RMSNorm as final norm
     (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    return TransformerBlockSubmodules(layer_specs=[native_layer_spec(flow, qk_norm)] * num_layers, layer_norm=RMSNorm)
+    layer = native_layer_spec(flow, arch, batch_invariant)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant))
 
 
 def unwrap(model):

@@ -4,11 +4,17 @@ The output layer is vocab-parallel: TP rank r holds logits of vocabulary rows [r
 *padded* vocabulary (`models.mapping.padded_vocab_size`). Padding rows are masked to -inf (they are not
 tokens; HF's softmax has no such columns), then megatron's `vocab_parallel_cross_entropy` reduces the
 max and sum-exp across TP ranks: log p(target) = -CE. Always FP32.
+
+A model built with `ActorOptions(batch_invariant=True)` takes the engine's log-softmax instead
+(`models.ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced).
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_jetrl.actor.fp8_layers import unwrap
+from megatron_jetrl.models import ops
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -24,9 +30,34 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     return -vocab_parallel_cross_entropy(logits, targets)
 
 
-def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """`vocab_parallel_logprobs` with `models.ops.log_softmax`'s arithmetic (at TP1 its exact bits), differentiable."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    x = logits.float() / temperature
+    part = x.shape[-1]
+    rank = ps.get_tensor_model_parallel_rank()
+    start = rank * part
+    if start + part > vocab_size:
+        x = x.clone()
+        x[..., max(vocab_size - start, 0):] = float("-inf")
+    top = x.detach().amax(dim=-1, keepdim=True)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = x - top
+    total = reduce_from_tensor_model_parallel_region(ops.tree_sum(ops.exp32(shifted)))
+    local = targets - start
+    mine = (local >= 0) & (local < part)
+    picked = torch.where(mine, shifted.gather(-1, local.clamp(0, part - 1)[..., None])[..., 0], 0.0)
+    return reduce_from_tensor_model_parallel_region(picked) - ops.log32(total)
+
+
+def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                     batch_invariant: bool = False) -> torch.Tensor:
     """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`."""
-    return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
+    fn = batch_invariant_logprobs if batch_invariant else vocab_parallel_logprobs
+    return fn(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
 
 
 def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: int) -> list[tuple[torch.Tensor, dict]]:
@@ -51,9 +82,10 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
         tokens, extras = next(data_iterator)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None)
+        batch_invariant = getattr(unwrap(model), "actor_options", None) is not None and unwrap(model).actor_options.batch_invariant
 
         def loss_func(logits):
-            logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature)
+            logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature, batch_invariant)
             if loss_fn is None:
                 return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
             loss, metrics = loss_fn(logprobs, extras)

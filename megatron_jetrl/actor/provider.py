@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models import ops
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.mapping import padded_vocab_size
 
@@ -33,10 +34,16 @@ class ActorOptions:
     """Megatron sequence parallelism (needs TP > 1); the native spec's RMSNorm supports it."""
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
+    batch_invariant: bool = False
+    """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.ops` (the native
+    engine's functions). With BF16 params and the emulated FP8 backend the actor's logprobs then equal the
+    engine's bit for bit (TP1). A slow reference path: meant for CPU runs and tests."""
 
     def __post_init__(self):
         if self.spec not in ("native", "te"):
             raise ValueError(f"spec must be 'native' or 'te', got {self.spec!r}")
+        if self.batch_invariant and self.spec != "native":
+            raise ValueError("batch_invariant=True needs spec='native' (TE layers run TE's own kernels)")
 
 
 def rope_kwargs(arch: ModelArch) -> dict:
@@ -71,7 +78,7 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        gated_linear_unit=True, activation_func=ops.silu if options.batch_invariant else F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
@@ -80,7 +87,7 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
     )
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int):
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False):
     """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm)."""
     if spec == "te":
         from megatron_jetrl.actor.te_recipe import te_layer_spec
@@ -88,7 +95,7 @@ def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int):
         return te_layer_spec(arch.qk_norm)
     from megatron_jetrl.actor.fp8_layers import native_block_spec
 
-    return native_block_spec(flow, arch.qk_norm, arch.num_layers // pp)
+    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant)
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
@@ -98,13 +105,20 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp),
+        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        **rope_kwargs(arch),
+        # the batch-invariant core attention applies RoPE itself (models.ops, as the engine does)
+        **({"position_embedding_type": "none"} if options.batch_invariant else rope_kwargs(arch)),
     )
+    if options.batch_invariant:
+        from megatron_jetrl.actor.fp8_layers import use_batch_invariant_output_layer
+
+        use_batch_invariant_output_layer(model)
+    model.actor_options = options  # read by actor.logprobs (which log-softmax)
+    return model

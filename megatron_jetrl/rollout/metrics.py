@@ -4,7 +4,7 @@ Inputs are per-token logprobs of the *sampled* tokens: `train` from the trainer'
 policy), `rollout` from the engine that sampled them, as ragged lists or padded `[B, T]` tensors with a
 mask. With `d = train - rollout` (log of the importance ratio r = pi_train / pi_rollout):
 
-    logprob_abs_diff   mean |d|
+    mean_abs_diff      mean |d|; max_abs_diff: max |d|
     k3_kl              mean (r - 1) - log r      (k3 estimator of KL(rollout || train), tokens ~ rollout)
     exp_abs_diff       mean exp(|d|)             (1 when identical)
     ratio_mean/min/max r statistics; ratio_clip_frac = fraction of tokens with r > tis_cap (truncated
@@ -50,8 +50,8 @@ def _stats(d: torch.Tensor, cap: float) -> dict[str, float]:
     r = torch.exp(d)
     return {
         "tokens": n,
-        "logprob_abs_diff": float(d.abs().mean()),
-        "logprob_diff_max": float(d.abs().max()),
+        "mean_abs_diff": float(d.abs().mean()),
+        "max_abs_diff": float(d.abs().max()),
         "k3_kl": float((r - 1 - d).mean()),
         "exp_abs_diff": float(torch.exp(d.abs()).mean()),
         "ratio_mean": float(r.mean()),

@@ -117,7 +117,7 @@ def test_megatron_fp8_flag_on_local_spec_builds_plain_linears(checkpoints):
     ref_bf16 = reference_logits(CONFIGS["llama"], ref_state, tokens)
     torch.testing.assert_close(logits, ref_bf16, atol=1e-5, rtol=0)  # (torch's RMSNorm: last bits differ)
     assert (logits - reference_logits(CONFIGS["llama"], ref_state, tokens, fp8_reference_linear(JETRL))).abs().max() > 0.1
-    ours = native_layer_spec(JETRL, qk_norm=False).submodules.self_attention.submodules.linear_qkv
+    ours = native_layer_spec(JETRL, ModelArch.from_hf_config(CONFIGS["qwen2"])).submodules.self_attention.submodules.linear_qkv
     assert ours.module is FP8ColumnParallelLinear and ours.params["flow"] is JETRL
 
 

@@ -12,7 +12,7 @@ def test_identical_logprobs_sit_at_zero():
     lp = [[-0.5, -1.0, -2.0], [-0.1]]
     m = mismatch_metrics(lp, lp)
     assert m["tokens"] == 4
-    assert m["logprob_abs_diff"] == 0 and m["k3_kl"] == 0 and m["exp_abs_diff"] == 1
+    assert m["mean_abs_diff"] == 0 and m["k3_kl"] == 0 and m["exp_abs_diff"] == 1
     assert m["ratio_mean"] == 1 and m["ratio_clip_frac"] == 0 and m["tis_weight_mean"] == 1
 
 
@@ -21,8 +21,8 @@ def test_hand_computed_values():
     rollout = [[-1.0, -1.0], [-1.0]]  # d = [1, 0, -1]
     m = mismatch_metrics(train, rollout, tis_cap=2.0)
     e = math.e
-    assert m["logprob_abs_diff"] == pytest.approx(2 / 3)
-    assert m["logprob_diff_max"] == pytest.approx(1.0)
+    assert m["mean_abs_diff"] == pytest.approx(2 / 3)
+    assert m["max_abs_diff"] == pytest.approx(1.0)
     # k3 = (r - 1) - log r with r = e^d
     assert m["k3_kl"] == pytest.approx(((e - 1 - 1) + 0 + (1 / e - 1 + 1)) / 3)
     assert m["exp_abs_diff"] == pytest.approx((e + 1 + e) / 3)
@@ -38,11 +38,11 @@ def test_padded_tensors_with_mask_and_position_buckets():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     m = mismatch_metrics(train, rollout, mask, position_edges=(0, 1, 3))
     assert m["tokens"] == 6
-    assert m["logprob_abs_diff"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4 + 0.5 + 0.6) / 6)
+    assert m["mean_abs_diff"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4 + 0.5 + 0.6) / 6)
     buckets = {(b["start"], b["end"]): b for b in m["by_position"]}
-    assert buckets[(0, 1)]["tokens"] == 2 and buckets[(0, 1)]["logprob_abs_diff"] == pytest.approx(0.3)
-    assert buckets[(1, 3)]["tokens"] == 3 and buckets[(1, 3)]["logprob_abs_diff"] == pytest.approx((0.2 + 0.3 + 0.6) / 3)
-    assert buckets[(3, None)]["tokens"] == 1 and buckets[(3, None)]["logprob_abs_diff"] == pytest.approx(0.4)
+    assert buckets[(0, 1)]["tokens"] == 2 and buckets[(0, 1)]["mean_abs_diff"] == pytest.approx(0.3)
+    assert buckets[(1, 3)]["tokens"] == 3 and buckets[(1, 3)]["mean_abs_diff"] == pytest.approx((0.2 + 0.3 + 0.6) / 3)
+    assert buckets[(3, None)]["tokens"] == 1 and buckets[(3, None)]["mean_abs_diff"] == pytest.approx(0.4)
     flat = flat_metrics(m)
     assert flat["mismatch/pos3-inf/tokens"] == 1 and "mismatch/k3_kl" in flat
 

@@ -1,4 +1,5 @@
-"""Batch-invariant BF16 pieces of the native engine: a row's result depends on that row's data only.
+"""Batch-invariant BF16 pieces of the forward, shared by the native engine and the actor: a row's result
+depends on that row's data only.
 
 The FP8 linears are batch invariant by construction (`megatron_jetrl.fp8`: exact FP64 block products,
 fixed order across blocks). Everything else in the forward -- the BF16 lm_head, attention core, norms --
@@ -17,7 +18,10 @@ logprobs would depend on its batch neighbours. So these helpers use only:
 * `max` (exact in any order).
 
 Sequences are right-padded, so a token's position in its row is its position in the sequence: the same
-tree in prefill, decode and teacher-forced scoring.
+tree in prefill, decode and teacher-forced scoring. The actor (`actor.fp8_layers`, `batch_invariant=True`)
+runs these very functions in its megatron modules, so in mode `jetrl` on the emulated backend the actor's
+logprobs and the engine's are the same bits. Everything here is differentiable (the softmax maxima are
+detached: the result does not depend on them in exact arithmetic).
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         scores = tree_sum(qs[:, :, :, None, :] * kf[:, :, None, :, :]) * scale  # [B, H, t, Tk]
         mask = valid[:, None, s : s + step, :]
         scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
-        top = scores.amax(dim=-1, keepdim=True)
+        top = scores.amax(dim=-1, keepdim=True).detach()
         e = torch.where(mask, exp32(scores - top), torch.zeros_like(scores))
         p = e / tree_sum(e)[..., None]
         out[:, :, s : s + step] = tree_sum(p[:, :, :, None, :] * vt[:, :, None, :, :])  # [B, H, t, D]
@@ -151,6 +155,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise FP32 log-softmax over the last dim (max, FP64 exp/log, tree_sum)."""
     x = logits.float()
-    top = x.amax(dim=-1, keepdim=True)
+    top = x.amax(dim=-1, keepdim=True).detach()
     shifted = x - top
     return shifted - log32(tree_sum(exp32(shifted)))[..., None]

@@ -1,0 +1,67 @@
+"""The live actor's HF `(name, tensor)` stream: the source of the weight sync after every optimizer step.
+
+Each linear's TP shards -- FP8 bytes (`fp8_layers.fp8_weights`, the very `QuantizedWeight`s the forward
+used), their scale grids, or BF16 params -- are all-gathered over the TP group of data-parallel replica 0
+(FP8 as a `uint8` view: gloo refuses float8) and handed to `models.export.hf_tensors`, the one stream the
+converter writes from too. Only global rank 0 (where the rollout engines live) receives pairs; the other
+ranks of replica 0 take part in the gathers. Every rank must run `actor_weight_stream` to the end (the
+gathers are collectives, in the mapping table's order); `drain()` does that where nothing is consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.actor.fp8_layers import fp8_weights, unwrap
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
+from megatron_jetrl.models import ModelArch, hf_tensors, model_entries
+
+
+def _tp_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """This tensor on every TP rank, in rank order (FP8 travels as its bytes)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return [tensor]
+    wire = tensor.detach().contiguous()
+    wire = wire.view(torch.uint8) if wire.dtype == torch.float8_e4m3fn else wire
+    parts = [torch.empty_like(wire) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, wire, group=ps.get_tensor_model_parallel_group())
+    return [p.view(tensor.dtype) for p in parts]
+
+
+def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF pairs of the actor's current weights on global rank 0 (nothing elsewhere); collective, see above."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("the live weight stream gathers over TP only; with PP > 1 save a checkpoint and "
+                                  "convert it (tools/convert_checkpoint.py), or run the GRPO loop at PP=1")
+    if ps.get_data_parallel_rank() != 0:
+        return
+    params = dict(unwrap(model).named_parameters())
+    quantized = fp8_weights(model) if flow.train_fp8 else {}
+
+    def fetch(name: str) -> list[torch.Tensor]:
+        return _tp_gather(params[name].detach())
+
+    def fetch_fp8(name: str) -> list[QuantizedWeight]:
+        if name not in quantized:  # BF16 training: quantize the shards as the trainer's FP8 forward would
+            return [QuantizedWeight.quantize(t, flow) for t in fetch(name)]
+        w = quantized[name]
+        return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
+
+    pairs = hf_tensors(arch, flow, model_entries(arch), fetch, fetch_fp8)
+    if dist.get_rank() == 0:
+        yield from pairs
+    else:
+        drain(pairs)
+
+
+def drain(pairs) -> None:
+    """Run a stream to its end without keeping anything (a rank's share of the collective gathers)."""
+    for _ in pairs:
+        pass
