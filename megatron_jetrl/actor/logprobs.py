@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_jetrl.actor.fp8_layers import unwrap
 from megatron_jetrl.models import ops
 
 
@@ -72,6 +71,14 @@ def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: i
     ]
 
 
+def _batch_invariant(model) -> bool:
+    """Whether the GPTModel (under any wrappers) was built with `ActorOptions(batch_invariant=True)`."""
+    while hasattr(model, "module"):
+        model = model.module
+    options = getattr(model, "actor_options", None)
+    return options is not None and options.batch_invariant
+
+
 def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
     """A megatron `forward_step_func`: the loss callback gets `(logprobs[b, s-1], extras)`.
 
@@ -82,7 +89,7 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
         tokens, extras = next(data_iterator)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None)
-        batch_invariant = getattr(unwrap(model), "actor_options", None) is not None and unwrap(model).actor_options.batch_invariant
+        batch_invariant = _batch_invariant(model)
 
         def loss_func(logits):
             logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature, batch_invariant)

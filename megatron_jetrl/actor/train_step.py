@@ -19,6 +19,10 @@ from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf reached the loss or the gradients; the optimizer step was not taken."""
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """The actor optimizer (megatron `OptimizerConfig` subset)."""
@@ -33,8 +37,9 @@ class OptimConfig:
     """Adam beta2."""
     clip_grad: float = 1.0
     """Global grad-norm clip (0: off)."""
-    bf16: bool = False
-    """Megatron's mixed-precision optimizer with BF16 params (GPU only)."""
+    bf16: bool = True
+    """BF16 params with FP32 main params (megatron's mixed-precision optimizer; on CPU through the patch in
+    patches/). The batch-invariant actor needs it to reproduce the rollout engine's BF16 forward."""
 
 
 def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
@@ -56,15 +61,44 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     return ddp, optimizer
 
 
+def _nonfinite_gradients(ddp_model) -> list[str]:
+    """Names of this rank's parameters whose (DDP main) gradient holds a NaN or Inf."""
+    bad = []
+    for name, p in ddp_model.module.named_parameters():
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            bad.append(name)
+    return bad
+
+
+def _check_finite(ddp_model, out: list[dict], on_nonfinite: str) -> str | None:
+    """Collective: None when loss and gradients are finite on every rank; else the problem (or raise)."""
+    local = [k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())]
+    grads = _nonfinite_gradients(ddp_model)
+    flag = torch.tensor([1.0 if (local or grads) else 0.0])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    rank = torch.distributed.get_rank()
+    where = (f"rank {rank}: non-finite {sorted(set(local))} in the loss callback, in the gradients of {grads[:3]}"
+             f"{' ...' if len(grads) > 3 else ''}" if (local or grads) else f"rank {rank} is clean; another rank reported NaN/Inf")
+    if on_nonfinite == "raise":
+        raise NonFiniteError(f"{where}; the optimizer step was not taken (run.on_nonfinite=skip skips such steps instead)")
+    return where
+
+
 def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, vocab_size: int, micro_batch_size: int,
-               extras: dict | None = None, temperature: float = 1.0) -> dict:
+               extras: dict | None = None, temperature: float = 1.0, on_nonfinite: str = "raise") -> dict:
     """Forward/backward over this DP rank's `tokens[B, S]` in micro-batches, then one optimizer step.
 
     `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
     micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
     per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks.
     Returns {"ok", "grad_norm", and on the last stage "loss" and each metric: the mean over micro-batches and
-    DP ranks}.
+    DP ranks}. NaN/Inf in a returned loss/metric or in any gradient: `on_nonfinite="raise"` raises
+    `NonFiniteError` naming rank and tensors, `"skip"` returns {"ok": False, "skipped": <where>} -- either
+    way before the optimizer step, so the weights are untouched.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -77,6 +111,9 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
         forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro), model=ddp_model,
         num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=False,
     )
+    problem = _check_finite(ddp_model, out or [], on_nonfinite)
+    if problem is not None:
+        return {"ok": False, "skipped": problem, "grad_norm": None}
     ok, grad_norm, _ = optimizer.step()
     result = {"ok": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm)}
     if out:

@@ -1,0 +1,425 @@
+"""The GRPO run's configuration: typed, frozen dataclasses filled from a YAML file plus `section.key=value`
+overrides, checked completely before any heavy work starts.
+
+Sections and the classes they fill: `run` (RunConfig), `model` (ModelConfig), `precision`
+(`fp8.PrecisionFlow`, the one object trainer and rollout share), `parallel` (ParallelConfig), `data`
+(DataConfig), `rollout` (RolloutConfig), `grpo` (GRPOConfig), `loss` (`rl.loss.PolicyLossConfig`), `optim`
+(`actor.train_step.OptimConfig`), `warmup` (WarmupConfig). Unknown sections or keys, wrong types and
+settings that do not fit together (batch sizes that do not divide, 128-block misalignment at the requested
+TP, ...) are refused with a message that names the key and the fix.
+
+    python -m megatron_jetrl.rl.config configs/tiny.yaml parallel.tp=2 --get parallel.world_size
+    python -m megatron_jetrl.rl.config configs/tiny.yaml --print
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_jetrl.actor.train_step import OptimConfig
+from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.rl.loss import PolicyLossConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, found before the run starts."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the run is called, where it writes, how long it runs and how it survives faults."""
+
+    name: str = "tiny"
+    """Run name; also the default output directory `runs/<name>`."""
+    out_dir: str = ""
+    """Output directory (metrics.jsonl, tb/, checkpoints/, export/, summary.json); empty: `runs/<name>`."""
+    seed: int = 1234
+    """Seed of everything random: init, data order, sampling (rollout seeds derive from seed and step)."""
+    steps: int = 20
+    """GRPO steps."""
+    save_every: int = 10
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    resume: str = "auto"
+    """`auto`: continue from the newest complete checkpoint in out_dir if there is one; `never`: refuse to
+    start when out_dir already holds checkpoints (pick another name or delete them)."""
+    export: bool = True
+    """Write the final policy as an HF FP8 (or BF16) checkpoint to `<out_dir>/export` (the converter's format)."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
+    timeout_s: float = 300.0
+    """Collective timeout: if a rank dies, the others fail within this many seconds with the lost rank named."""
+    on_nonfinite: str = "stop"
+    """NaN/Inf in rewards, loss or gradients: `stop` the run, or `skip` the update (the step is logged as skipped)."""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
+        _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
+        _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        _check(self.timeout_s > 0, f"run.timeout_s must be positive, got {self.timeout_s}")
+        _check(self.on_nonfinite in ("stop", "skip"), f"run.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        _check(bool(self.name) and "/" not in self.name, f"run.name must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.out_dir or f"runs/{self.name}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: architecture, initial weights and tokenizer."""
+
+    hf_config: dict = field(default_factory=dict)
+    """HF config.json fields of the architecture (the tiny default and the presets carry them inline)."""
+    path: str = ""
+    """Local HF model directory (config.json, safetensors, tokenizer): the initial weights. Empty: random init."""
+    tokenizer: str = "sentencepiece"
+    """`sentencepiece`: the embedded tokenizer, trained on the synthetic corpus at first run (tiny default);
+    `hf`: the tokenizer in `path`."""
+    batch_invariant: str = "auto"
+    """`auto` (on for CPU runs), `on`, `off`: the actor and the native engine run `models.ops`, which makes
+    their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
+
+    def __post_init__(self):
+        _check(bool(self.hf_config) != bool(self.path),
+               "model: give exactly one of model.hf_config (an inline architecture, random init) and model.path (a local HF directory)")
+        _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
+        _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
+        _check(self.batch_invariant in ("auto", "on", "off"), f"model.batch_invariant must be 'auto', 'on' or 'off', got {self.batch_invariant!r}")
+
+    def architecture(self) -> dict:
+        """The HF config dict (read from `path` when given)."""
+        if self.hf_config:
+            return dict(self.hf_config)
+        config = Path(self.path) / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"model.path={self.path!r} has no config.json: point it at a local HF model directory")
+        return json.loads(config.read_text())
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallelism of the actor; the run needs tp * pp * dp processes."""
+
+    tp: int = 1
+    """Tensor parallel size (every split dimension must stay a multiple of 128 for FP8)."""
+    pp: int = 1
+    """Pipeline parallel size. The GRPO loop's live weight sync gathers over TP only: 1."""
+    dp: int = 1
+    """Data parallel size."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.pp == 1, f"parallel.pp={self.pp}: the GRPO loop's live weight sync gathers over TP only; run it at "
+                             "pp=1 (the actor itself trains at PP>1: see megatron_jetrl.actor)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the prompts come from and how answers are checked."""
+
+    source: str = "arithmetic"
+    """`arithmetic` (generated in-process, the embedded default), `gsm8k`, `math` or `deepmath`."""
+    path: str = ""
+    """Local jsonl/parquet file or directory of the dataset (not used by `arithmetic`)."""
+    template: str = "arithmetic"
+    """Prompt template (`rl.data.PROMPT_TEMPLATES`)."""
+    reward_style: str = "number"
+    """Answer extraction: `number` (arithmetic), `gsm8k` (after `####`) or `boxed` (`\\boxed{}`)."""
+    operand_max: int = 99
+    """Arithmetic only: operands are drawn from [0, operand_max]."""
+
+    def __post_init__(self):
+        sources = ("arithmetic", "gsm8k", "math", "deepmath")
+        _check(self.source in sources, f"data.source must be one of {sources}, got {self.source!r}")
+        _check(self.source == "arithmetic" or bool(self.path), f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)")
+        _check(self.operand_max >= 1, f"data.operand_max must be >= 1, got {self.operand_max}")
+        _check(self.reward_style in ("number", "gsm8k", "boxed"), f"data.reward_style must be 'number', 'gsm8k' or 'boxed', got {self.reward_style!r}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout pool and its sampling."""
+
+    engine: str = "native"
+    """`native` (pure torch, CPU and GPU) or `vllm` (GPU clusters; vLLM must be installed)."""
+    num_engines: int = 1
+    """Engines in the data-parallel pool (on global rank 0's host)."""
+    n: int = 4
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature. Logprobs are always reported at temperature 1 (the policy's own)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1: off)."""
+    max_new_tokens: int = 8
+    """Response length limit."""
+    bucket_mb: int = 256
+    """Weight sync bucket size (MiB)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: fraction of GPU memory for the engine."""
+
+    def __post_init__(self):
+        _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
+        _check(self.num_engines >= 1 and self.n >= 1, "rollout.num_engines and rollout.n must be >= 1")
+        _check(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt (group-normalized advantages)")
+        _check(self.temperature > 0, f"rollout.temperature must be > 0 for GRPO sampling, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
+        _check(0 < self.gpu_memory_utilization < 1, f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Batch shape of one GRPO step."""
+
+    prompts_per_step: int = 16
+    """Prompts per step; the batch is prompts_per_step * rollout.n sequences (the paper: 256 sequences)."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    updates_per_step: int = 1
+    """Optimizer steps per GRPO step (1: on-policy; more: PPO-style reuse of the batch, in equal chunks)."""
+    advantage_scale: str = "std"
+    """`std` (GRPO: divide by the group std) or `none` (Dr. GRPO)."""
+
+    def __post_init__(self):
+        _check(self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.updates_per_step >= 1,
+               "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1")
+        _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-start on the synthetic task before GRPO (the tiny default cannot download a model)."""
+
+    steps: int = 0
+    """SFT optimizer steps (0: none)."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    batch_size: int = 32
+    """SFT sequences per step (split over data-parallel ranks)."""
+
+    def __post_init__(self):
+        _check(self.steps >= 0 and self.lr > 0 and self.batch_size >= 1, "warmup.steps >= 0, warmup.lr > 0, warmup.batch_size >= 1")
+
+
+@dataclass(frozen=True)
+class JetRLConfig:
+    """One GRPO run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(hf_config={"model_type": "qwen2"}))
+    precision: PrecisionFlow = field(default_factory=PrecisionFlow)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+    def __post_init__(self):
+        sequences = self.grpo.prompts_per_step * self.rollout.n
+        per_rank = self.parallel.dp * self.grpo.micro_batch_size * self.grpo.updates_per_step
+        _check(sequences % per_rank == 0,
+               f"grpo.prompts_per_step * rollout.n = {sequences} sequences do not split into parallel.dp={self.parallel.dp} "
+               f"x grpo.updates_per_step={self.grpo.updates_per_step} x grpo.micro_batch_size={self.grpo.micro_batch_size}: "
+               f"pick sizes whose product divides {sequences}")
+        _check(self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
+               f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}")
+        if self.model.hf_config:
+            self.arch()  # architecture problems surface here, before anything is built
+
+    def arch(self) -> ModelArch:
+        """The model architecture, with the FP8 block alignment at this TP checked."""
+        try:
+            arch = ModelArch.from_hf_config(self.model.architecture())
+        except KeyError as e:
+            raise ConfigError(f"model.hf_config lacks {e.args[0]!r} (an HF config.json field)") from None
+        if self.precision.train_fp8 or self.precision.rollout_fp8:
+            try:
+                arch.check_fp8_tp(self.parallel.tp)
+            except ValueError as e:
+                raise ConfigError(f"parallel.tp={self.parallel.tp}: {e}") from None
+        elif arch.num_kv_heads % self.parallel.tp:
+            raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+        return arch
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            out[f.name] = {g.name: _plain(getattr(section, g.name)) for g in dataclasses.fields(section) if g.init}
+        return out
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _coerce(value, hint, where: str):
+    """`value` as type `hint` (int, float, str, bool, dict, tuple[...], X | None), or a ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        args = typing.get_args(hint)
+        item = args[0] if args else object
+        return tuple(value) if item is object or item is Ellipsis else tuple(_coerce(v, item, where) for v in value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r} (quote it in YAML)")
+        return value
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _unknown(key: str, known, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+    return ConfigError(f"unknown key {where}{key!r}{hint}")
+
+
+def _build(cls, data, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"section {where.rstrip('.') or 'top level'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown(key, fields, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where.rstrip('.')}: {e}") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`section.key=value` strings (values parsed as YAML) merged into a config dict."""
+    sections = {f.name for f in dataclasses.fields(JetRLConfig)}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        parts = key.split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. parallel.tp=2)")
+        if parts[0] not in sections:
+            raise _unknown(parts[0], sections, "")
+        data.setdefault(parts[0], {})
+        if not isinstance(data[parts[0]], dict):
+            raise ConfigError(f"section {parts[0]} must be a mapping")
+        data[parts[0]][parts[1]] = yaml.safe_load(raw) if raw else ""
+    return data
+
+
+def config_from_dict(data: dict) -> JetRLConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config is a mapping of sections, got {type(data).__name__}")
+    hints = typing.get_type_hints(JetRLConfig)
+    sections = {f.name for f in dataclasses.fields(JetRLConfig)}
+    kwargs = {}
+    for name, value in data.items():
+        if name not in sections:
+            raise _unknown(name, sections, "")
+        kwargs[name] = _build(hints[name], value if value is not None else {}, f"{name}.")
+    try:
+        return JetRLConfig(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JetRLConfig:
+    """A YAML file (default `configs/tiny.yaml`) plus overrides -> a validated JetRLConfig."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (configs/ holds tiny.yaml and the presets)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.yaml] [section.key=value ...]` -> (config path or None, overrides)."""
+    if argv and "=" not in argv[0]:
+        return argv[0], argv[1:]
+    return None, list(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    parser.add_argument("--get", help="print one value, e.g. parallel.world_size")
+    parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    ns = parser.parse_args(argv)
+    try:
+        cfg = load_config(*split_args(ns.args))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if ns.get:
+        section, _, key = ns.get.partition(".")
+        try:
+            print(getattr(getattr(cfg, section), key))
+        except AttributeError:
+            print(f"config error: no value {ns.get!r}", file=sys.stderr)
+            return 2
+    if ns.print or not ns.get:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

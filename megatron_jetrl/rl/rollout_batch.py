@@ -1,0 +1,77 @@
+"""One GRPO step's experience as tensors: sampled sequences, which positions are response tokens, the
+rollout engine's logprobs of them, rewards and group-normalized advantages.
+
+Layout: `tokens[B, S]` right-padded (prompt then response; B = prompts x n, prompt-major), and every
+per-token tensor is `[B, S-1]` aligned with the actor's logprobs, where column t is log p(tokens[t+1]):
+a response token at sequence position j sits in column j-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.rollout.engine import RequestOutput
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor
+    """`[B, S]` int64, right-padded with the tokenizer's pad id."""
+    mask: torch.Tensor
+    """`[B, S-1]` float32: 1 where column t predicts a response token."""
+    rollout_logprobs: torch.Tensor
+    """`[B, S-1]` float32: the engine's logprob of that response token (0 elsewhere)."""
+    rewards: torch.Tensor
+    """`[B]` float32."""
+    advantages: torch.Tensor
+    """`[B]` float32."""
+    response_lengths: torch.Tensor
+    """`[B]` int64 (EOS included when the response stopped on it)."""
+    truncated: torch.Tensor
+    """`[B]` bool: stopped at max_new_tokens."""
+
+    def rows(self, start: int, end: int) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: list[float], advantages: torch.Tensor,
+             pad_id: int) -> RolloutBatch:
+    """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each)."""
+    seqs, lps, lengths, cut = [], [], [], []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        for c in out.completions:
+            if len(c.logprobs) != len(c.token_ids) or not c.token_ids:
+                raise ValueError(f"the rollout engine returned a malformed completion ({len(c.token_ids)} tokens, "
+                                 f"{len(c.logprobs)} logprobs): every sampled token needs its logprob")
+            seqs.append((prompt, c.token_ids))
+            lps.append(c.logprobs)
+            lengths.append(len(c.token_ids))
+            cut.append(c.finish_reason == "length")
+    if len(seqs) != len(rewards):
+        raise ValueError(f"{len(seqs)} completions but {len(rewards)} rewards")
+    width = max(len(p) + len(r) for p, r in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width - 1)
+    rollout = torch.zeros(len(seqs), width - 1)
+    for i, ((prompt, response), lp) in enumerate(zip(seqs, lps)):
+        p, r = len(prompt), len(response)
+        tokens[i, : p + r] = torch.tensor(prompt + response)
+        mask[i, p - 1 : p - 1 + r] = 1.0
+        rollout[i, p - 1 : p - 1 + r] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(tokens, mask, rollout, torch.tensor(rewards, dtype=torch.float32), advantages.float(),
+                        torch.tensor(lengths), torch.tensor(cut))
+
+
+def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+    """Rank `src` sends the batch (tensors pickled: it is small next to the model) to every rank."""
+    box = [batch]
+    dist.broadcast_object_list(box, src=src)
+    if box[0] is None:
+        raise RuntimeError(f"rank {src} broadcast no rollout batch (its rollout failed): see its error above")
+    return box[0]

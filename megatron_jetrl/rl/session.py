@@ -1,0 +1,228 @@
+"""What a GRPO run is made of, built from its config: the process group, tokenizer, problems, the actor
+(megatron-core, optimizer), the frozen reference, the rollout pool, and the run directory's checkpoints.
+
+Rank layout: the actor spans all ranks (TP x DP; PP = 1 in the loop); the rollout pool lives on global
+rank 0 (native engines in-process, or vLLM engines it drives), which samples for the whole batch and
+broadcasts it. Checkpoints: `checkpoints/step_XXXXXX/` = the actor's sharded checkpoint with optimizer
+state (`actor.checkpoint`), the reference under `ref/`, and `trainer_state.json` (step, prompt sampler,
+warm-up done) written last; a directory is complete only once `trainer_state.json` exists, and is
+staged under a `.partial` name and renamed, so a run killed mid-save resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_jetrl.actor.provider import ActorOptions, build_model
+from megatron_jetrl.actor.train_step import wrap_for_training
+from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models import ModelArch
+from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler, load_problems
+
+STATE_FILE = "trainer_state.json"
+SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
+ARITHMETIC_PROBLEMS = 4096  # GRPO prompts of the arithmetic task
+
+
+def arithmetic_task(cfg: JetRLConfig) -> ArithmeticTask:
+    return ArithmeticTask(high=cfg.data.operand_max)
+
+
+@dataclass
+class Session:
+    cfg: JetRLConfig
+    arch: ModelArch
+    flow: PrecisionFlow
+    device: torch.device
+    batch_invariant: bool
+    tokenizer: object
+    sampler: PromptSampler
+    model: object  # megatron DDP-wrapped GPTModel
+    optimizer: object
+    reference: object | None  # frozen GPTModel (KL term), None when loss.kl_coef == 0
+    pool: object | None  # RolloutPool on global rank 0, None elsewhere
+
+    @property
+    def is_main(self) -> bool:
+        return dist.get_rank() == 0
+
+
+def resolve_device(cfg: JetRLConfig) -> torch.device:
+    want = cfg.run.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device='cuda' but no CUDA device is visible: use run.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: JetRLConfig) -> None:
+    from megatron_jetrl.actor.parallel import init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.parallel.world_size:
+        raise ConfigError(f"this run needs parallel.tp * pp * dp = {cfg.parallel.world_size} processes but WORLD_SIZE={world}: "
+                          "launch it with `bash launch/train_grpo.sh` (it starts the right number) or fix parallel.*")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.run.seed, timeout_minutes=cfg.run.timeout_s / 60)
+
+
+def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
+    from megatron_jetrl.rl.tokenizer import HFTokenizer, SentencePieceTokenizer, ensure_sentencepiece
+
+    if cfg.model.tokenizer == "hf":
+        tok = HFTokenizer(cfg.model.path)
+    else:
+        path = cfg.run.directory / "tokenizer.model"
+        if dist.get_rank() == 0:
+            ensure_sentencepiece(path, ArithmeticTask().sft_corpus(SFT_CORPUS, cfg.run.seed), arch.vocab_size)
+        dist.barrier()
+        tok = SentencePieceTokenizer(path)
+    if tok.vocab_size > arch.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {arch.vocab_size}")
+    return tok
+
+
+def _native_pool(cfg: JetRLConfig, arch: ModelArch, flow: PrecisionFlow, device, batch_invariant: bool, tokenizer):
+    from megatron_jetrl.rollout.native import NativeEngine
+    from megatron_jetrl.rollout.pool import RolloutPool
+
+    engines = [NativeEngine(arch, flow, device=device, eos_token_ids=[tokenizer.eos_id], tokenizer=tokenizer,
+                            batch_invariant=batch_invariant) for _ in range(cfg.rollout.num_engines)]
+    return RolloutPool(engines, bucket_bytes=cfg.rollout.bucket_mb << 20)
+
+
+def start_vllm_pool(s: "Session") -> None:
+    """vLLM engines start from a checkpoint directory: the actor's current weights, exported in the rollout
+    format to `<out_dir>/rollout_init` (collective); afterwards the live sync updates them in place."""
+    from megatron_jetrl.rollout.pool import RolloutPool
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine
+
+    init = export(s, save(s, 0, warmup_done=True), s.cfg.run.directory / "rollout_init")
+    if s.is_main:
+        engines = [VllmEngine(init, s.flow, gpu_memory_utilization=s.cfg.rollout.gpu_memory_utilization, seed=s.cfg.run.seed)
+                   for _ in range(s.cfg.rollout.num_engines)]
+        s.pool = RolloutPool(engines, bucket_bytes=s.cfg.rollout.bucket_mb << 20)
+
+
+def build_session(cfg: JetRLConfig) -> Session:
+    """Everything the loop needs (collective: every rank calls it)."""
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+
+    device = resolve_device(cfg)
+    arch = cfg.arch()
+    flow = cfg.precision
+    batch_invariant = cfg.model.batch_invariant == "on" or (cfg.model.batch_invariant == "auto" and device.type == "cpu")
+    if batch_invariant and flow.mode != "bf16" and flow.backend not in ("auto", "emulated"):
+        raise ConfigError(f"model.batch_invariant needs the emulated FP8 backend, got precision.backend={flow.backend!r}")
+    if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":
+        flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
+    tokenizer = _tokenizer(cfg, arch)
+    if cfg.data.source == "arithmetic":
+        problems = arithmetic_task(cfg).problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed)
+    else:
+        problems = load_problems(cfg.data.source, cfg.data.path)
+    sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
+
+    options = ActorOptions(params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32, batch_invariant=batch_invariant)
+    model = build_model(arch, flow, options)
+    if cfg.model.path:
+        load_hf_weights(model, arch, cfg.model.path)
+    reference = None
+    if cfg.loss.kl_coef > 0:
+        reference = build_model(arch, flow, options).eval().requires_grad_(False)
+    ddp, optimizer = wrap_for_training(model, cfg.optim)
+    native = cfg.rollout.engine == "native" and dist.get_rank() == 0
+    pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
+    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool)
+
+
+def freeze_reference(s: Session) -> None:
+    """The reference policy := the actor now (after the warm-start; before any GRPO update)."""
+    from megatron_jetrl.actor.fp8_layers import unwrap
+
+    if s.reference is not None:
+        s.reference.load_state_dict(unwrap(s.model).state_dict())
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+
+def checkpoint_root(cfg: JetRLConfig) -> Path:
+    return cfg.run.directory / "checkpoints"
+
+
+def latest_checkpoint(cfg: JetRLConfig) -> Path | None:
+    """The newest complete checkpoint (has its trainer_state.json), or None."""
+    root = checkpoint_root(cfg)
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial") and (p / STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+def save(s: Session, step: int, warmup_done: bool) -> Path:
+    """Collective. Stages `step_XXXXXX.partial`, then rank 0 writes trainer_state.json and renames it."""
+    root = checkpoint_root(s.cfg)
+    final = root / f"step_{step:06d}"
+    staging = root / f"step_{step:06d}.partial"
+    if s.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    hf_config = s.cfg.model.architecture()
+    save_checkpoint(s.model, staging, hf_config=hf_config, flow=s.flow, iteration=step, optimizer=s.optimizer)
+    if s.reference is not None:
+        if s.is_main:
+            (staging / "ref").mkdir()
+        dist.barrier()
+        save_checkpoint(s.reference, staging / "ref", hf_config=hf_config, flow=s.flow, iteration=step)
+    if s.is_main:
+        state = {"step": step, "warmup_done": warmup_done, "sampler": s.sampler.state_dict(), "config": s.cfg.to_dict()}
+        (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+    dist.barrier()
+    return final
+
+
+def resume(s: Session) -> dict | None:
+    """Load the newest complete checkpoint into the session; its trainer state, or None for a fresh run."""
+    ckpt = latest_checkpoint(s.cfg)
+    if ckpt is None:
+        return None
+    if s.cfg.run.resume == "never":
+        raise ConfigError(f"{s.cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
+                          "choose another run.name / run.out_dir, or delete them")
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    if state["config"]["model"] != s.cfg.to_dict()["model"] or state["config"]["precision"] != s.cfg.to_dict()["precision"]:
+        raise ConfigError(f"{ckpt} was written by a run with another model or precision section; "
+                          "resume with the same config or use a new run.name")
+    load_checkpoint(s.model, ckpt, optimizer=s.optimizer, verify=True)
+    if s.reference is not None:
+        load_checkpoint(s.reference, ckpt / "ref", verify=True)
+    s.sampler.load_state_dict(state["sampler"])
+    return state
+
+
+def export(s: Session, ckpt: Path, out: Path | None = None) -> Path:
+    """Rank 0 converts a checkpoint into the rollout format (default `<out_dir>/export`); collective."""
+    from megatron_jetrl.convert.converter import convert
+
+    out = out or s.cfg.run.directory / "export"
+    if s.is_main:
+        dtype = "fp8" if s.flow.rollout_fp8 else "bf16"
+        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True)
+    dist.barrier()
+    return out

@@ -1,0 +1,224 @@
+"""GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml] [section.key=value ...]`
+(one process per rank; `bash launch/train_grpo.sh` starts torchrun for you).
+
+Each step: rollout (FP8 engines on rank 0) -> rewards -> group advantages -> old/ref logprobs (actor) ->
+update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.actor.logprobs import compute_logprobs
+from megatron_jetrl.actor.train_step import train_step
+from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
+from megatron_jetrl.rl import session as sess
+from megatron_jetrl.rl.advantages import group_advantages
+from megatron_jetrl.rl.config import ConfigError, load_config, split_args
+from megatron_jetrl.rl.data import format_prompt
+from megatron_jetrl.rl.loss import policy_loss
+from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
+from megatron_jetrl.rl.rewards import compute_rewards
+from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch
+from megatron_jetrl.rollout.engine import SamplingParams
+from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
+
+
+class Phases(dict):
+    """Wall time per phase of one step (seconds)."""
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    sess.init_distributed(cfg)
+    s = sess.build_session(cfg)
+    state = sess.resume(s)
+    start = state["step"] if state else 0
+    if state is None:
+        warm_start(s)
+        sess.freeze_reference(s)
+    if cfg.rollout.engine == "vllm":
+        sess.start_vllm_pool(s)
+    sync(s)  # the engines serve the current policy
+    writer = MetricsWriter(cfg.run.directory, enabled=s.is_main, resume_step=start)
+    bar = progress(cfg.run.steps - start, f"GRPO {cfg.precision.mode}", enabled=s.is_main)
+    last_saved = None
+    for step in range(start, cfg.run.steps):
+        t = Phases()
+        with t("rollout"):
+            batch = rollout(s, step)
+        mine = my_rows(batch)
+        with t("eval"):
+            old = actor_logprobs(s, s.model, mine)
+            ref = actor_logprobs(s, s.reference, mine) if s.reference is not None else None
+        with t("update"):
+            update = update_policy(s, mine, old, ref)
+        with t("sync"):
+            stats = sync(s)
+        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats}
+        row["time/step"] = sum(v for k, v in t.items())
+        row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
+        writer.write(row)
+        bar.update(1, reward=f"{row['reward/mean']:.3f}", mismatch=f"{row.get('mismatch/mean_abs_diff', 0):.2g}")
+        if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
+            last_saved = sess.save(s, step + 1, warmup_done=True)
+    bar.close()
+    writer.close()
+    if cfg.run.export:
+        sess.export(s, last_saved or sess.latest_checkpoint(cfg))
+    if s.is_main:
+        rows = read_metrics(cfg.run.directory / "metrics.jsonl")
+        (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))
+        print(format_summary(rows))
+    dist.barrier()
+    return 0
+
+
+def warm_start(s) -> None:
+    """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
+    w = s.cfg.warmup
+    if w.steps == 0:
+        return
+    from megatron.core import parallel_state as ps
+
+    problems = sess.arithmetic_task(s.cfg).problems(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
+    tok = s.tokenizer
+    seqs = [(tok.encode(p.question), tok.encode(p.answer) + [tok.eos_id]) for p in problems]
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    groups = s.optimizer.param_groups
+    lrs = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = w.lr
+    bar = progress(w.steps, "warm-start (SFT)", enabled=s.is_main)
+    for i in range(w.steps):
+        chunk = seqs[i * w.batch_size : (i + 1) * w.batch_size]
+        per_rank = w.batch_size // dp
+        tokens, mask = sft_tensors(chunk[rank * per_rank : (rank + 1) * per_rank], tok.pad_id)
+        out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
+                         micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
+                         on_nonfinite="raise")
+        bar.update(1, loss=f"{out.get('loss', float('nan')):.3f}")
+        if s.is_main and (i + 1) % max(1, w.steps // 4) == 0:
+            print(f"warm-start step {i + 1}/{w.steps}: loss {out.get('loss', float('nan')):.3f}", flush=True)
+    bar.close()
+    for g, lr in zip(groups, lrs):
+        g["lr"] = lr
+
+
+def sft_tensors(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) + len(a) for p, a in pairs)
+    tokens = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(pairs), width - 1)
+    for i, (p, a) in enumerate(pairs):
+        tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1 : len(p) + len(a) - 1] = 1.0
+    return tokens, mask
+
+
+def sft_loss(logprobs: torch.Tensor, extras: dict):
+    mask = extras["mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {}
+
+
+def rollout(s, step: int) -> RolloutBatch:
+    """Rank 0 samples n completions per prompt, scores them and broadcasts the batch to every rank."""
+    cfg = s.cfg
+    problems = s.sampler.next_batch()  # every rank advances its sampler: its state is checkpointed
+    batch = None
+    if s.is_main:
+        prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in problems]
+        sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
+        outputs = s.pool.generate(prompts, sampling)
+        texts = [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs for c in o.completions]
+        golds = [p.answer for p in problems for _ in range(cfg.rollout.n)]
+        rewards = compute_rewards(texts, golds, cfg.data.reward_style)
+        advantages = group_advantages(torch.tensor(rewards), cfg.rollout.n, scale=cfg.grpo.advantage_scale)
+        batch = assemble(prompts, outputs, rewards, advantages, s.tokenizer.pad_id)
+    return broadcast_batch(batch)
+
+
+def my_rows(batch: RolloutBatch) -> RolloutBatch:
+    """This data-parallel rank's contiguous share of the batch."""
+    from megatron.core import parallel_state as ps
+
+    per = len(batch) // ps.get_data_parallel_world_size()
+    rank = ps.get_data_parallel_rank()
+    return batch.rows(rank * per, (rank + 1) * per)
+
+
+def actor_logprobs(s, model, batch: RolloutBatch) -> torch.Tensor:
+    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.micro_batch_size)
+
+
+def update_policy(s, batch: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
+    """`updates_per_step` optimizer steps over equal chunks of this rank's rows (1: fully on-policy)."""
+    cfg = s.cfg
+
+    def loss_fn(logprobs, extras):
+        return policy_loss(logprobs, extras["old"], extras["adv"], extras["mask"], cfg=cfg.loss,
+                           ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"])
+
+    extras = {"old": old, "adv": batch.advantages, "mask": batch.mask, "rollout": batch.rollout_logprobs}
+    if ref is not None:
+        extras["ref"] = ref
+    chunk = len(batch) // cfg.grpo.updates_per_step
+    results = []
+    for u in range(cfg.grpo.updates_per_step):
+        rows = slice(u * chunk, (u + 1) * chunk)
+        results.append(train_step(s.model, s.optimizer, batch.tokens[rows], loss_fn, vocab_size=s.arch.vocab_size,
+                                  micro_batch_size=cfg.grpo.micro_batch_size, extras={k: v[rows] for k, v in extras.items()},
+                                  on_nonfinite="raise" if cfg.run.on_nonfinite == "stop" else "skip"))
+    return results[-1] | {"skipped_updates": sum(not r["ok"] for r in results)}
+
+
+def sync(s) -> dict:
+    """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0."""
+    pairs = actor_weight_stream(s.model, s.arch, s.flow)
+    if s.pool is None:
+        drain(pairs)
+        return {}
+    return {k: v for k, v in s.pool.sync(pairs).as_metrics().items()}
+
+
+def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, update: dict) -> dict:
+    """Reward, length, loss terms and the train/rollout mismatch (old logprobs vs the engine's, response tokens)."""
+    from megatron.core import parallel_state as ps
+
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), old, mine.rollout_logprobs, mine.mask))
+    shares = sorted((d, o, r, m) for t, d, o, r, m in shares if t == 0)
+    mask = torch.cat([m for _, _, _, m in shares]).bool()
+    train = [o[m] .tolist() for _, o, _, m in shares for o, m in zip(o, m.bool())]
+    roll = [r[m].tolist() for _, _, r, m in shares for r, m in zip(r, m.bool())]
+    del mask
+    out = {
+        "mode": s.flow.mode, "tp": s.cfg.parallel.tp, "pp": s.cfg.parallel.pp, "dp": s.cfg.parallel.dp,
+        "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(unbiased=False)),
+        "response_length/mean": float(batch.response_lengths.float().mean()),
+        "response_length/truncated_frac": float(batch.truncated.float().mean()),
+        "grad_norm": update.get("grad_norm"), "loss/total": update.get("loss"), "loss/pg": update.get("pg_loss"),
+        "loss/kl": update.get("kl"), "loss/clip_frac": update.get("clip_frac"), "skipped_updates": update["skipped_updates"],
+    }
+    mm = mismatch_metrics(train, roll, tis_cap=s.cfg.loss.tis_cap or 2.0)
+    return out | {k: v for k, v in flat_metrics(mm).items() if "/pos" not in k}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
