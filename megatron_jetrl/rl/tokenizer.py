@@ -44,6 +44,7 @@ class Tokenizer(Protocol):
     """What the GRPO loop needs from a tokenizer."""
 
     eos_id: int
+    """The id that ends a completion (both implementations also expose `eos_ids`, every id that does)."""
     pad_id: int
     vocab_size: int
 
@@ -116,6 +117,7 @@ class SentencePieceTokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id, self.pad_id, self.bos_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.bos_id()
+        self.eos_ids = (self.eos_id,)
         if self.eos_id < 0 or self.pad_id < 0:
             raise ValueError(f"{self.path} defines no EOS or no padding piece (eos {self.eos_id}, pad {self.pad_id}); "
                              "train it with SentencePieceTokenizer.train")
@@ -173,8 +175,9 @@ class HFTokenizer:
 
     `eos_id` is the first `eos_token_id` of `config.json` (else `generation_config.json`, else the
     tokenizer's own EOS); `eos_ids` lists every EOS id the two configs name (instruct models end turns
-    with several). `pad_id` is the tokenizer's padding token, or EOS if it has none. `vocab_size` is
-    `len(tokenizer)` (added tokens included), which can be smaller than the model's padded embedding.
+    with several; give them all to the rollout engine as stop ids). `pad_id` is the tokenizer's padding
+    token, or EOS if it has none. `vocab_size` is `len(tokenizer)` (added tokens included), which can be
+    smaller than the model's padded embedding.
     """
 
     def __init__(self, model_dir: str | Path):
@@ -197,4 +200,9 @@ class HFTokenizer:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=True)
+        """Text of `ids`; special tokens and ids past the tokenizer (the model's padded embedding rows, e.g.
+        Qwen2.5-7B has 152064 rows for 151665 tokens, which a sampler can still pick) decode to nothing."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError(f"token id {min(ids)} is negative")
+        return self.tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)

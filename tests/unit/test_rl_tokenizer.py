@@ -44,6 +44,7 @@ def test_richer_corpus_fills_the_vocabulary_with_merges(tmp_path):
 
 def test_special_ids_and_interface(tok):
     assert (tok.eos_id, tok.pad_id, tok.bos_id) == (EOS_ID, PAD_ID, BOS_ID) == (2, 3, 1)
+    assert tok.eos_ids == (2,)
     assert [tok.piece(i) for i in (UNK_ID, BOS_ID, EOS_ID, PAD_ID)] == ["<unk>", "<s>", "</s>", "<pad>"]
     assert isinstance(tok, Tokenizer)
     ids = tok.encode("37+45=82")
@@ -124,8 +125,9 @@ def test_hf_tokenizer_reads_eos_from_config(tmp_path):
     ids = hf.encode("37+45=82")
     assert ids == [7, 11, 14, 8, 9, 16, 12, 6]  # no BOS/EOS added
     assert hf.decode(ids + [3, 2]) == "37+45=82"
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        hf.decode([18])
+    assert hf.decode([7, 18, 500, 11]) == "37"  # padded embedding rows past the tokenizer: nothing
+    with pytest.raises(ValueError, match="token id -1 is negative"):
+        hf.decode([7, -1])
 
 
 def test_hf_tokenizer_falls_back_to_the_tokenizer_eos(tmp_path):
