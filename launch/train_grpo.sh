@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Launch a GRPO run: one process per rank under torchrun.
+#
+#   bash launch/train_grpo.sh [CONFIG.yaml] [section.key=value ...]
+#   bash launch/train_grpo.sh configs/tiny.yaml parallel.tp=2 precision.mode=bf16 run.steps=3
+#
+# Arguments go to `python -m megatron_jetrl.rl.train` verbatim (default config: configs/tiny.yaml).
+#
+# Two modes:
+#   * not under torchrun (no RANK/LOCAL_RANK in the environment): asks the config module how many processes
+#     the run needs (`python -m megatron_jetrl.rl.config ARGS --get parallel.world_size`, = tp*pp*dp) and
+#     starts `torchrun --standalone --nproc-per-node=N` with this script as each rank's program;
+#   * under torchrun (RANK set), e.g. `torchrun --no-python --nproc-per-node=2 launch/train_grpo.sh ARGS`:
+#     runs the trainer for this rank.
+# It exits with the trainer's exit code: torchrun itself reports any worker failure as 1, so each rank records
+# its exit code in $JETRL_EXIT_DIR (when set) and the code of the first rank that failed is returned.
+#
+# Environment (all optional):
+#   PYTHON               interpreter (default: <repo>/.venv/bin/python if present, else python3)
+#   JETRL_TRAIN_MODULE   trainer module, or a .py file (default megatron_jetrl.rl.train)
+#   JETRL_CONFIG_MODULE  module answering `ARGS --get parallel.world_size` (default megatron_jetrl.rl.config,
+#                        or JETRL_TRAIN_MODULE itself when that is set to something else)
+#   JETRL_NPROC          number of processes; skips asking the config module
+#   JETRL_TORCHRUN_ARGS  torchrun arguments replacing "--standalone --nproc-per-node=N" (word-split)
+#   OMP_NUM_THREADS      default: CPU cores / processes (at least 1), only when unset
+#   OMP_WAIT_POLICY      default PASSIVE: idle OpenMP threads sleep instead of spinning. On a CPU shared with other
+#                        work, spinning threads made a 2-thread matmul 10-20x slower than 1 thread (2-core CI box)
+#   PYTHONUNBUFFERED     default 1 (rank logs appear as they are written)
+set -euo pipefail
+
+script=$(readlink -f "${BASH_SOURCE[0]}")
+repo=$(dirname "$(dirname "$script")")
+
+if [ -n "${PYTHON:-}" ]; then
+  py=$PYTHON
+elif [ -x "$repo/.venv/bin/python" ]; then
+  py=$repo/.venv/bin/python
+else
+  py=python3
+fi
+train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
+if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
+  config_module=$JETRL_CONFIG_MODULE
+elif [ "$train_module" = megatron_jetrl.rl.train ]; then
+  config_module=megatron_jetrl.rl.config
+else
+  config_module=$train_module
+fi
+# The repository on the import path, so the modules resolve from any working directory (relative config and
+# out_dir paths stay relative to the caller's directory).
+case ":${PYTHONPATH:-}:" in
+  *":$repo:"*) ;;
+  *) export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
+export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
+# `python -m MODULE` or `python FILE.py`
+module_cmd() {
+  case $1 in
+    *.py) printf '%s\n' "$1" ;;
+    *) printf '%s\n' -m "$1" ;;
+  esac
+}
+
+# The exit code to report for a torchrun that exited with $2: the earliest non-zero code recorded by a rank in
+# directory $1 (files rank<R>.rc holding "<code> <time ns>"), else $2 itself.
+first_failure() {
+  local dir=$1 rc=$2 best="" best_t="" code t f
+  if [ "$rc" -eq 0 ]; then
+    echo 0
+    return
+  fi
+  for f in "$dir"/rank*.rc; do
+    [ -f "$f" ] || continue
+    read -r code t <"$f" || continue
+    [ "${code:-0}" != 0 ] || continue
+    if [ -z "$best" ] || [ "$t" -lt "$best_t" ]; then
+      best=$code
+      best_t=$t
+    fi
+  done
+  echo "${best:-$rc}"
+}
+
+# ---------------------------------------------------------------- rank mode (under torchrun)
+if [ -n "${RANK:-}" ] || [ -n "${LOCAL_RANK:-}" ]; then
+  mapfile -t mod < <(module_cmd "$train_module")
+  if [ -z "${JETRL_EXIT_DIR:-}" ]; then
+    exec "$py" "${mod[@]}" "$@"
+  fi
+  rc=0
+  "$py" "${mod[@]}" "$@" || rc=$?
+  printf '%s %s\n' "$rc" "$(date +%s%N)" >"$JETRL_EXIT_DIR/rank${RANK:-$LOCAL_RANK}.rc" || true
+  exit "$rc"
+fi
+
+# ---------------------------------------------------------------- launcher mode
+case ${1:-} in
+  -h|--help)
+    sed -n '2,/^set -euo/p' "$script" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+    ;;
+esac
+
+shown_args=""
+if [ $# -gt 0 ]; then shown_args=$(printf ' %q' "$@"); fi
+if ! command -v "$py" >/dev/null 2>&1; then
+  echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv" >&2
+  exit 2
+fi
+if ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+  echo "train_grpo.sh: error: '$py' has no torch; run 'bash tools/test.sh' to create $repo/.venv, or set PYTHON to an interpreter with the requirements installed" >&2
+  exit 2
+fi
+
+if [ -n "${JETRL_NPROC:-}" ]; then
+  nproc_run=$JETRL_NPROC
+  nproc_source=JETRL_NPROC
+else
+  nproc_source="$config_module --get parallel.world_size"
+  mapfile -t cmod < <(module_cmd "$config_module")
+  get_rc=0
+  nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size) || get_rc=$?
+  if [ "$get_rc" -ne 0 ]; then
+    echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc, message above);" \
+         "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question" >&2
+    exit "$get_rc"
+  fi
+  nproc_run=$(printf '%s' "$nproc_run" | tail -n 1 | tr -d '[:space:]')
+fi
+if ! [[ $nproc_run =~ ^[1-9][0-9]*$ ]]; then
+  echo "train_grpo.sh: error: the world size must be a positive integer, got '$nproc_run' (from $nproc_source)" >&2
+  exit 2
+fi
+
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)  # nproc obeys OMP_* otherwise
+  threads=$((cores / nproc_run))
+  export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+fi
+
+if [ -n "${JETRL_TORCHRUN_ARGS:-}" ]; then
+  read -r -a torchrun_args <<<"$JETRL_TORCHRUN_ARGS"
+else
+  torchrun_args=(--standalone "--nproc-per-node=$nproc_run")
+fi
+
+JETRL_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-exit.XXXXXX")
+export JETRL_EXIT_DIR
+trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
+echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
+rc=0
+"$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" || rc=$?
+code=$(first_failure "$JETRL_EXIT_DIR" "$rc")
+if [ "$code" -ne 0 ]; then
+  echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc)" >&2
+fi
+exit "$code"

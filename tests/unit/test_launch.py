@@ -1,0 +1,144 @@
+"""launch/train_grpo.sh, launch/tp_sweep.sh and the SLURM scripts, run against tests/unit/stub_train.py.
+
+The stub joins torch.distributed with gloo, so the torchrun rendezvous is real; it records each rank's argv and
+environment in <out_dir>/stub_rank<R>.json. The SLURM path itself runs in .ci/slurm.sh (a real cluster).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "launch" / "train_grpo.sh"
+SWEEP = REPO / "launch" / "tp_sweep.sh"
+SCRIPTS = [TRAIN, SWEEP, REPO / "launch/slurm/train_grpo.sbatch", REPO / "launch/slurm/tp_sweep.sbatch", REPO / ".ci/slurm.sh"]
+STUB = "tests.unit.stub_train"
+TRICKY = ["run.name=a b", "data.note=$HOME * 'q' \"dq\" ;|&", "stub.tensorboard=false"]
+
+
+CLEAN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+         "OMP_WAIT_POLICY", "JETRL_EXIT_DIR", "JETRL_NPROC", "JETRL_CONFIG_MODULE", "JETRL_TORCHRUN_ARGS", "TP_SIZES",
+         "MODES", "SWEEP_STEPS", "SWEEP_OUT", "JETRL_MAX_PROCS", "JETRL_SWEEP_LAUNCH")
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in CLEAN}
+    e.update(PYTHON=sys.executable, JETRL_TRAIN_MODULE=STUB)
+    e.update(extra)
+    return e
+
+
+def run(cmd, cwd, timeout=120, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def ranks(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("stub_rank*.json"))]
+
+
+def test_scripts_parse_and_are_shellcheck_clean():
+    for script in SCRIPTS:
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script}: {r.stderr}"
+    assert os.access(TRAIN, os.X_OK) and os.access(SWEEP, os.X_OK), "torchrun --no-python needs the launchers executable"
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+    r = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_train_grpo_spawns_world_size_ranks_with_args_verbatim(tmp_path):
+    out = tmp_path / "run"
+    args = ["parallel.tp=2", f"run.out_dir={out}", "stub.export=false", *TRICKY]
+    r = run(["bash", TRAIN, *args], cwd=tmp_path)  # any working directory: the launcher puts the repo on the path
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = ranks(out)
+    assert [s["rank"] for s in seen] == [0, 1]
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for s in seen:
+        assert s["argv"] == args
+        assert s["world_size"] == 2 and s["env"]["WORLD_SIZE"] == "2" and s["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert s["env"]["OMP_NUM_THREADS"] == threads and s["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert s["env"]["JETRL_EXIT_DIR"] and not Path(s["env"]["JETRL_EXIT_DIR"]).exists()  # removed afterwards
+        assert s["cwd"] == str(tmp_path)
+    assert "train_grpo.sh: 2 process(es)" in r.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "GRPO run: 3 steps, mode jetrl, TP 2 PP 1 DP 1" in r.stdout
+
+
+def test_train_grpo_returns_the_failing_ranks_exit_code(tmp_path):
+    # rank 1 exits 7 while rank 0 carries on: torchrun says 1, the launcher says 7
+    r = run(["bash", TRAIN, "parallel.tp=2", f"run.out_dir={tmp_path / 'a'}", "stub.export=false",
+             "stub.exit_code=7", "stub.fail_rank=1"], cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "the run failed with exit code 7 (torchrun: 1)" in r.stderr
+    assert json.loads((tmp_path / "a" / "stub_rank0.json").read_text())["env"]["OMP_NUM_THREADS"] == "1"  # not overridden
+
+
+def test_torchrun_no_python_runs_the_rank_directly(tmp_path):
+    out = tmp_path / "run"
+    args = ["parallel.tp=2", f"run.out_dir={out}", "stub.export=false", "stub.tensorboard=false", "run.name=x y"]
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+             TRAIN, *args], cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = ranks(out)
+    assert [(s["rank"], s["world_size"], s["argv"]) for s in seen] == [(0, 2, args), (1, 2, args)]
+    assert "train_grpo.sh: 2 process(es)" not in r.stderr  # no second torchrun
+
+
+def test_train_grpo_errors_name_the_fix(tmp_path):
+    # the config module refuses the arguments: its exit code and a message naming the fix
+    r = run(["bash", TRAIN, "parallel.tp=2", "oops"], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "override 'oops' is not section.key=value" in r.stderr and "or set JETRL_NPROC=<processes>" in r.stderr
+    r = run(["bash", TRAIN], cwd=tmp_path, JETRL_CONFIG_MODULE="no_such_config_module")
+    assert r.returncode != 0 and "no_such_config_module --get parallel.world_size' failed" in r.stderr
+    r = run(["bash", TRAIN], cwd=tmp_path, JETRL_NPROC="two")
+    assert r.returncode == 2 and "positive integer, got 'two' (from JETRL_NPROC)" in r.stderr
+    r = run(["bash", TRAIN], cwd=tmp_path, PYTHON=str(tmp_path / "no-python"))
+    assert r.returncode == 2 and "not found; set PYTHON=" in r.stderr
+    r = run(["bash", TRAIN, "--help"], cwd=tmp_path)
+    assert r.returncode == 0 and "JETRL_TRAIN_MODULE" in r.stdout and not r.stdout.startswith("#")
+
+
+def test_tp_sweep_runs_skips_and_reports(tmp_path):
+    # one process per run (the stub without torchrun) keeps this fast; train_grpo.sh is covered above
+    out = tmp_path / "sweep"
+    r = run(["bash", SWEEP, "--tp", "1 2 4", "--modes", "bf16 jetrl bf16-train-fp8-rollout", "--steps", "3", "--out", out,
+             "--max-procs", "2", "stub.export=false", "stub.tensorboard=false", "stub.fail_mode=bf16-train-fp8-rollout",
+             "stub.exit_code=3"], cwd=tmp_path, JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
+    assert r.returncode == 1, r.stdout + r.stderr  # a run failed: non-zero, but the report is written
+    assert "sweep_tp4_jetrl: skipped: needs 4 processes, 2 available (--max-procs/JETRL_MAX_PROCS)" in r.stdout
+    assert "sweep_tp1_bf16-train-fp8-rollout: FAILED with exit code 3" in r.stderr
+    rows = list(csv.DictReader(open(out / "sweep_report.csv")))
+    assert [(r_["tp"], r_["mode"], r_["status"], r_["reason"]) for r_ in rows] == [
+        ("1", "bf16", "ok", ""), ("1", "bf16-train-fp8-rollout", "failed", "exit code 3"), ("1", "jetrl", "ok", ""),
+        ("2", "bf16", "ok", ""), ("2", "bf16-train-fp8-rollout", "failed", "exit code 3"), ("2", "jetrl", "ok", ""),
+        ("4", "bf16", "skipped", "needs 4 processes, 2 available"),
+        ("4", "bf16-train-fp8-rollout", "skipped", "needs 4 processes, 2 available"),
+        ("4", "jetrl", "skipped", "needs 4 processes, 2 available")]
+    assert all(r_["steps_total"] == "3" and r_["steps_timed"] == "2" for r_ in rows if r_["status"] == "ok")
+    assert float(rows[2]["speedup_step"]) > 1.0  # the stub's FP8 steps are faster
+    seen = ranks(out / "sweep_tp2_jetrl")[0]
+    assert seen["argv"][:2] == ["run.steps=3", "stub.export=false"]  # user overrides after the sweep's step count
+    assert seen["argv"][-4:] == ["parallel.tp=2", "precision.mode=jetrl", "run.name=sweep_tp2_jetrl",
+                                 f"run.out_dir={out / 'sweep_tp2_jetrl'}"]
+    assert (out / "sweep_report.md").read_text().startswith("| TP | mode | status |")
+    assert (out / "sweep_tp1_bf16.log").is_file()
+    # a user's run.steps wins over --steps; an old run directory is replaced, not resumed
+    (out / "sweep_tp1_bf16" / "stale").write_text("old")
+    r = run(["bash", SWEEP, "--tp", "1", "--modes", "bf16", "--out", out, "stub.export=false", "stub.tensorboard=false",
+             "run.steps=2"], cwd=tmp_path, JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (out / "sweep_tp1_bf16" / "stale").exists()
+    assert len((out / "sweep_tp1_bf16" / "metrics.jsonl").read_text().splitlines()) == 2
+    r = run(["bash", SWEEP, "--tp", "0"], cwd=tmp_path)
+    assert r.returncode == 2 and "TP size '0' is not a positive integer" in r.stderr

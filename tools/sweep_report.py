@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Table-4-style report of a TP x precision-mode sweep: median per-phase step times and FP8 speedups over BF16.
+
+For each run directory (metrics.jsonl from megatron_jetrl.rl.metrics, plus summary.json and the sweep's
+sweep_status.json when present) one row: TP, precision mode, status, the median time of each phase (rollout,
+eval, update, sync and the whole step) over the timed steps (the first step is skipped as warm-up when a run
+has at least 2), median tokens/s of the whole step and of the rollout phase, and the speedup of the run over
+the bf16 run at the same TP (> 1 = faster): for the rollout, in rollout tokens/s as the paper's Table 4 (FP8
+rollout speedup over BF16 per model and TP); for the update and the whole step, bf16 time / run time.
+Rollout tokens/s of a step = throughput/tokens_per_s x time/step / time/rollout (the step's response tokens
+over the rollout time).
+
+A run that failed, is missing, has no metrics or did not finish (no summary.json) is a row marked FAILED, a
+run the sweep skipped (not enough devices) a row marked skipped: nothing is dropped.
+
+Prints the markdown table and writes <prefix>.md and <prefix>.csv (default prefix: <common parent of the
+runs>/sweep_report). Exit status: 0 table written, 1 with --strict when a run failed, 2 bad arguments.
+
+Example:
+  python tools/sweep_report.py runs/sweep_tp1_bf16 runs/sweep_tp1_jetrl runs/sweep_tp2_bf16 runs/sweep_tp2_jetrl
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_jetrl.rl.metrics import PHASES, read_metrics  # noqa: E402
+
+MODE_ORDER = ("bf16", "bf16-train-fp8-rollout", "jetrl")
+BASELINE = "bf16"
+SPEEDUP_PHASES = ("rollout", "update", "step")
+_DIR_NAME = re.compile(r"tp(\d+)_(.+)$")
+
+
+@dataclass
+class RunRow:
+    directory: str
+    tp: int | None
+    mode: str | None
+    status: str  # ok | skipped | failed
+    reason: str = ""
+    steps_total: int = 0
+    steps_timed: int = 0
+    times: dict = field(default_factory=dict)  # phase -> median seconds (None if never logged)
+    tokens_per_s: float | None = None
+    rollout_tokens_per_s: float | None = None
+    speedup: dict = field(default_factory=dict)  # phase -> float, or None (not computable)
+    baseline: str = ""  # why there is no speedup, when there is none
+
+    @property
+    def status_text(self) -> str:
+        if self.status == "ok":
+            return "ok"
+        return f"{'FAILED' if self.status == 'failed' else self.status}: {self.reason}" if self.reason else self.status.upper()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _int(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+            and math.isfinite(r[key])]
+    return statistics.median(vals) if vals else None
+
+
+def _rollout_rate(row: dict) -> dict:
+    """{"rate": response tokens of the step / rollout seconds} when the row has what it takes."""
+    vals = [row.get(k) for k in ("throughput/tokens_per_s", "time/step", "time/rollout")]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in vals):
+        return {"rate": vals[0] * vals[1] / vals[2]}
+    return {}
+
+
+def _identity(directory: Path, status: dict | None, summary: dict | None, rows: list[dict]) -> tuple[int | None, str | None]:
+    """(tp, mode): what the sweep asked for, else what the run reported, else its config, else its name."""
+    sources = [status or {}, summary or {}, rows[-1] if rows else {}]
+    config_path = directory / "config.yaml"
+    if config_path.is_file():
+        try:
+            import yaml
+
+            cfg = yaml.safe_load(config_path.read_text()) or {}
+            sources.append({"tp": (cfg.get("parallel") or {}).get("tp"), "mode": (cfg.get("precision") or {}).get("mode")})
+        except Exception:  # noqa: BLE001 - an unreadable config only loses one fallback
+            pass
+    m = _DIR_NAME.search(directory.name)
+    if m:
+        sources.append({"tp": m.group(1), "mode": m.group(2)})
+    tp = next((_int(s.get("tp")) for s in sources if _int(s.get("tp")) is not None), None)
+    mode = next((str(s["mode"]) for s in sources if s.get("mode")), None)
+    return tp, mode
+
+
+def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
+    d = Path(directory)
+    status = _read_json(d / "sweep_status.json")
+    summary = _read_json(d / "summary.json")
+    rows = read_metrics(d) if d.is_dir() else []
+    tp, mode = _identity(d, status, summary, rows)
+    row = RunRow(str(directory), tp, mode, "ok", steps_total=len(rows))
+    rc = _int(status.get("rc")) if status else None
+    if status and status.get("status") == "skipped":
+        row.status, row.reason = "skipped", status.get("reason") or "skipped by the sweep"
+        return row
+    if not d.is_dir():
+        row.status, row.reason = "failed", "run directory missing"
+    elif rc is not None and rc != 0:
+        row.status, row.reason = "failed", f"exit code {rc}"
+    elif status and status.get("status") == "failed":
+        row.status, row.reason = "failed", status.get("reason") or "failed"
+    elif not rows:
+        row.status, row.reason = "failed", "no metrics.jsonl rows"
+    elif summary is None:
+        row.status, row.reason = "failed", "no summary.json (run did not finish)"
+    timed = rows[warmup:] if len(rows) > warmup else rows
+    row.steps_timed = len(timed)
+    row.times = {p: _median(timed, f"time/{p}") for p in PHASES}
+    row.tokens_per_s = _median(timed, "throughput/tokens_per_s")
+    row.rollout_tokens_per_s = _median([_rollout_rate(r) for r in timed], "rate")
+    return row
+
+
+def _mode_key(mode: str | None) -> tuple:
+    return (MODE_ORDER.index(mode), "") if mode in MODE_ORDER else (len(MODE_ORDER), mode or "")
+
+
+def build_rows(directories: list[str], warmup: int = 1) -> list[RunRow]:
+    rows = [load_run(d, warmup) for d in directories]
+    rows.sort(key=lambda r: (r.tp is None, r.tp or 0, _mode_key(r.mode), r.directory))
+    for row in rows:
+        row.speedup = {p: None for p in SPEEDUP_PHASES}
+        if row.status != "ok":
+            continue
+        base = next((b for b in rows if b.mode == BASELINE and b.tp == row.tp and b.status == "ok"), None)
+        if base is None:
+            row.baseline = f"no successful {BASELINE} run at TP {row.tp}"
+            continue
+        for p in SPEEDUP_PHASES:
+            if p == "rollout":  # throughput ratio, as the paper's Table 4
+                t, b = base.rollout_tokens_per_s, row.rollout_tokens_per_s
+            else:
+                t, b = row.times.get(p), base.times.get(p)
+            if t and b and t > 0 and b > 0:
+                row.speedup[p] = b / t
+    return rows
+
+
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+HEADER = ["TP", "mode", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
+          *(f"{p} speedup" for p in SPEEDUP_PHASES)]
+CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2): time per "
+           "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
+           f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
+           f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
+           f"{BASELINE} run at that TP.")
+
+
+def to_markdown(rows: list[RunRow]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |",
+             "|" + "|".join(["---:", ":---", ":---"] + ["---:"] * (len(HEADER) - 3)) + "|"]
+    for r in rows:
+        if r.status == "ok":
+            speed = [("n/a" if r.baseline else _cell(r.speedup[p], ".2f", "x")) for p in SPEEDUP_PHASES]
+        else:
+            speed = ["-"] * len(SPEEDUP_PHASES)
+        has_times = r.status != "skipped" and r.steps_total > 0
+        cells = [
+            "?" if r.tp is None else str(r.tp), r.mode or "?", r.status_text, str(r.steps_timed) if has_times else "-",
+            *(_cell(r.times.get(p), ".3f") if has_times else "-" for p in PHASES),
+            _cell(r.tokens_per_s, ".1f") if has_times else "-",
+            _cell(r.rollout_tokens_per_s, ".1f") if has_times else "-",
+            *speed,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + CAPTION + "\n"
+
+
+def to_csv(rows: list[RunRow]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["tp", "mode", "status", "reason", "directory", "steps_total", "steps_timed",
+                *(f"time_{p}" for p in PHASES), "tokens_per_s", "rollout_tokens_per_s",
+                *(f"speedup_{p}" for p in SPEEDUP_PHASES)])
+
+    def num(v):
+        return "" if v is None else repr(float(v))
+
+    for r in rows:
+        w.writerow(["" if r.tp is None else r.tp, r.mode or "", r.status, r.reason or r.baseline, r.directory,
+                    r.steps_total, r.steps_timed, *(num(r.times.get(p)) for p in PHASES), num(r.tokens_per_s),
+                    num(r.rollout_tokens_per_s),
+                    *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES)])
+    return buf.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, summary.json, sweep_status.json)")
+    parser.add_argument("-o", "--output", help="output prefix for .md and .csv (default: <common parent>/sweep_report)")
+    parser.add_argument("--warmup", type=int, default=1, help="leading steps left out of the medians when a run has more (default 1)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a run failed")
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+
+    rows = build_rows(args.runs, args.warmup)
+    prefix = args.output
+    if prefix is None:
+        parents = [str(Path(d).resolve().parent) for d in args.runs]
+        prefix = str(Path(os.path.commonpath(parents)) / "sweep_report")
+    md, table_csv = to_markdown(rows), to_csv(rows)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    Path(prefix + ".md").write_text(md)
+    Path(prefix + ".csv").write_text(table_csv)
+    print(md, end="")
+    print(f"\nwrote {prefix}.md and {prefix}.csv")
+    failed = [r for r in rows if r.status == "failed"]
+    if failed:
+        print(f"{len(failed)} run(s) FAILED: " + ", ".join(f"{r.directory} ({r.reason})" for r in failed), file=sys.stderr)
+    return 1 if (failed and args.strict) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
