@@ -10,14 +10,15 @@
 # resumes from or mixes with old metrics. Each run's log: <OUT>/sweep_tp<TP>_<MODE>.log; its exit code and status:
 # <run dir>/sweep_status.json.
 #
-# A TP size whose world size (the config's parallel.world_size at that TP) exceeds the processes available is
-# skipped with a message and appears in the report as "skipped". Available processes: --max-procs /
-# JETRL_MAX_PROCS, else the GPUs of this node (SLURM_GPUS_ON_NODE, else `nvidia-smi -L`), else the CPUs
-# (SLURM_CPUS_ON_NODE, else nproc).
+# Before each run the config module resolves it (`--get parallel.world_size`). A (TP, mode) the config refuses
+# (e.g. a TP that does not divide the model's KV heads) is not run and appears in the report as "invalid" with
+# the config's message; one whose world size exceeds the processes available is skipped with a message and
+# appears as "skipped". Available processes: --max-procs / JETRL_MAX_PROCS, else the GPUs of this node
+# (SLURM_GPUS_ON_NODE, else `nvidia-smi -L`), else the CPUs (SLURM_CPUS_ON_NODE, else nproc).
 #
 # Then `python tools/sweep_report.py <run dirs> -o <OUT>/sweep_report` prints the table and writes
-# <OUT>/sweep_report.md and .csv. Exit status: 0 when every run that was not skipped succeeded, 1 otherwise
-# (the report is written either way), 2 bad arguments.
+# <OUT>/sweep_report.md and .csv. Exit status: 0 when no run failed and at least one ran, 1 otherwise (the report
+# is written either way), 2 bad arguments.
 #
 # Environment: TP_SIZES, MODES, SWEEP_STEPS (default 4), SWEEP_OUT (default runs), JETRL_MAX_PROCS,
 # PYTHON, JETRL_TRAIN_MODULE / JETRL_CONFIG_MODULE (see launch/train_grpo.sh), JETRL_SWEEP_LAUNCH (the command
@@ -126,13 +127,17 @@ echo "tp_sweep.sh: TP {${tp_list[*]}} x modes {${mode_list[*]}}, $steps step(s) 
 # status file: sweep_status.json in the run directory (written after the run; the trainer owns the rest)
 write_status() {  # dir status tp mode rc reason log seconds
   mkdir -p "$1"
-  printf '{"status": "%s", "tp": %s, "mode": "%s", "rc": %s, "reason": "%s", "log": "%s", "seconds": %s}\n' \
-    "$2" "$3" "$4" "$5" "$6" "$7" "$8" >"$1/sweep_status.json"
+  "$py" -c 'import json, sys
+d, status, tp, mode, rc, reason, log, seconds = sys.argv[1:]
+json.dump({"status": status, "tp": int(tp), "mode": mode, "rc": None if rc == "" else int(rc), "reason": reason,
+           "log": log, "seconds": int(seconds)}, open(d + "/sweep_status.json", "w"))' "$@"
 }
 
 dirs=()
 failed=()
 skipped=()
+invalid=()
+ran=0
 for tp in "${tp_list[@]}"; do
   for mode in "${mode_list[@]}"; do
     name=sweep_tp${tp}_${mode}
@@ -145,15 +150,16 @@ for tp in "${tp_list[@]}"; do
     world=$("${config_cmd[@]}" "${args[@]}" --get parallel.world_size 2>"$log") || world_rc=$?
     world=$(printf '%s' "$world" | tail -n 1 | tr -d '[:space:]')
     if [ "$world_rc" -ne 0 ] || ! [[ $world =~ ^[1-9][0-9]*$ ]]; then
-      echo "tp_sweep.sh: $name: FAILED: the config module refused it (exit $world_rc): $(tail -n 3 "$log" | tr '\n' ' ')" >&2
-      [ "$world_rc" -ne 0 ] || world_rc=2
-      write_status "$dir" failed "$tp" "$mode" "$world_rc" "config: --get parallel.world_size failed" "$log" 0
-      failed+=("$name")
+      why=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
+      why=${why:-"--get parallel.world_size exited $world_rc, printed '$world'"}
+      echo "tp_sweep.sh: $name: invalid, not run: $why"
+      write_status "$dir" invalid "$tp" "$mode" "" "$why" "$log" 0
+      invalid+=("$name")
       continue
     fi
     if [ "$world" -gt "$max_procs" ]; then
       echo "tp_sweep.sh: $name: skipped: needs $world processes, $max_procs available ($procs_source)"
-      write_status "$dir" skipped "$tp" "$mode" null "needs $world processes, $max_procs available" "" 0
+      write_status "$dir" skipped "$tp" "$mode" "" "needs $world processes, $max_procs available" "" 0
       skipped+=("$name")
       continue
     fi
@@ -162,6 +168,7 @@ for tp in "${tp_list[@]}"; do
     rc=0
     "${launch[@]}" "${args[@]}" >"$log" 2>&1 || rc=$?
     seconds=$(($(date +%s) - start))
+    ran=$((ran + 1))
     if [ "$rc" -eq 0 ]; then
       echo "tp_sweep.sh: $name: ok in ${seconds}s"
       write_status "$dir" ok "$tp" "$mode" 0 "" "$log" "$seconds"
@@ -183,8 +190,15 @@ fi
 if [ ${#skipped[@]} -gt 0 ]; then
   echo "tp_sweep.sh: skipped (not enough processes): ${skipped[*]}"
 fi
+if [ ${#invalid[@]} -gt 0 ]; then
+  echo "tp_sweep.sh: not run (refused by the config): ${invalid[*]}"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "tp_sweep.sh: FAILED runs: ${failed[*]} (see their logs in $out)" >&2
+  exit 1
+fi
+if [ "$ran" -eq 0 ]; then
+  echo "tp_sweep.sh: error: no run was started (all skipped or refused by the config; see above)" >&2
   exit 1
 fi
 echo "tp_sweep.sh: all runs ok; report $out/sweep_report.md, $out/sweep_report.csv"

@@ -11,7 +11,8 @@ Rollout tokens/s of a step = throughput/tokens_per_s x time/step / time/rollout 
 over the rollout time).
 
 A run that failed, is missing, has no metrics or did not finish (no summary.json) is a row marked FAILED, a
-run the sweep skipped (not enough devices) a row marked skipped: nothing is dropped.
+run the sweep skipped (not enough devices) a row marked skipped, one the config refused (e.g. a TP the model
+cannot be split into) a row marked invalid with the config's message: nothing is dropped.
 
 Prints the markdown table and writes <prefix>.md and <prefix>.csv (default prefix: <common parent of the
 runs>/sweep_report). Exit status: 0 table written, 1 with --strict when a run failed, 2 bad arguments.
@@ -49,7 +50,7 @@ class RunRow:
     directory: str
     tp: int | None
     mode: str | None
-    status: str  # ok | skipped | failed
+    status: str  # ok | failed | skipped | invalid
     reason: str = ""
     steps_total: int = 0
     steps_timed: int = 0
@@ -123,8 +124,9 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     tp, mode = _identity(d, status, summary, rows)
     row = RunRow(str(directory), tp, mode, "ok", steps_total=len(rows))
     rc = _int(status.get("rc")) if status else None
-    if status and status.get("status") == "skipped":
-        row.status, row.reason = "skipped", status.get("reason") or "skipped by the sweep"
+    if status and status.get("status") in ("skipped", "invalid"):
+        row.status = status["status"]
+        row.reason = status.get("reason") or ("skipped by the sweep" if row.status == "skipped" else "refused by the config")
         return row
     if not d.is_dir():
         row.status, row.reason = "failed", "run directory missing"
@@ -190,7 +192,7 @@ def to_markdown(rows: list[RunRow]) -> str:
             speed = [("n/a" if r.baseline else _cell(r.speedup[p], ".2f", "x")) for p in SPEEDUP_PHASES]
         else:
             speed = ["-"] * len(SPEEDUP_PHASES)
-        has_times = r.status != "skipped" and r.steps_total > 0
+        has_times = r.status not in ("skipped", "invalid") and r.steps_total > 0
         cells = [
             "?" if r.tp is None else str(r.tp), r.mode or "?", r.status_text, str(r.steps_timed) if has_times else "-",
             *(_cell(r.times.get(p), ".3f") if has_times else "-" for p in PHASES),

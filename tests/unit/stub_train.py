@@ -19,6 +19,7 @@ Stub-only keys (section `stub`):
   stub.fail_mode=MODE   only fail when precision.mode == MODE
   stub.export=false     skip the checkpoint + FP8 export (faster)
   stub.tensorboard=false  no tb/ (no torch import in single-process runs)
+  stub.max_tp=N         refuse parallel.tp > N as the config module refuses a TP the model cannot be split into
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ DEFAULTS = {
     "rollout": {"group_size": 4, "max_new_tokens": 16},
     "grpo": {"clip": 0.2, "kl_coef": 0.0},
     "optim": {"lr": 1e-5},
-    "stub": {"exit_code": 0, "fail_rank": None, "fail_mode": None, "export": True, "tensorboard": True},
+    "warmup": {"steps": 0},
+    "stub": {"exit_code": 0, "fail_rank": None, "fail_mode": None, "export": True, "tensorboard": True, "max_tp": None},
 }
 MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
 
@@ -89,6 +91,9 @@ def parse_args(argv: list[str]) -> tuple[dict, str | None]:
     if config["precision"]["mode"] not in MODES:
         raise usage_error(f"precision.mode {config['precision']['mode']!r} is not one of {MODES}")
     par = config["parallel"]
+    max_tp = config["stub"]["max_tp"]
+    if max_tp is not None and int(par["tp"]) > int(max_tp):
+        raise usage_error(f"parallel.tp={par['tp']}: TP={par['tp']} does not divide num_key_value_heads={max_tp}")
     par["world_size"] = int(par["tp"]) * int(par["pp"]) * int(par["dp"])
     if config["run"]["out_dir"] in (None, ""):
         config["run"]["out_dir"] = f"runs/{config['run']['name']}"

@@ -68,7 +68,7 @@ def test_train_grpo_spawns_world_size_ranks_with_args_verbatim(tmp_path):
         assert s["world_size"] == 2 and s["env"]["WORLD_SIZE"] == "2" and s["env"]["LOCAL_WORLD_SIZE"] == "2"
         assert s["env"]["OMP_NUM_THREADS"] == threads and s["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
         assert s["env"]["JETRL_EXIT_DIR"] and not Path(s["env"]["JETRL_EXIT_DIR"]).exists()  # removed afterwards
-        assert s["cwd"] == str(tmp_path)
+        assert Path(s["cwd"]).resolve() == tmp_path.resolve()
     assert "train_grpo.sh: 2 process(es)" in r.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert "GRPO run: 3 steps, mode jetrl, TP 2 PP 1 DP 1" in r.stdout
@@ -112,19 +112,22 @@ def test_train_grpo_errors_name_the_fix(tmp_path):
 def test_tp_sweep_runs_skips_and_reports(tmp_path):
     # one process per run (the stub without torchrun) keeps this fast; train_grpo.sh is covered above
     out = tmp_path / "sweep"
-    r = run(["bash", SWEEP, "--tp", "1 2 4", "--modes", "bf16 jetrl bf16-train-fp8-rollout", "--steps", "3", "--out", out,
+    r = run(["bash", SWEEP, "--tp", "1 2 4 8", "--modes", "bf16 jetrl bf16-train-fp8-rollout", "--steps", "3", "--out", out,
              "--max-procs", "2", "stub.export=false", "stub.tensorboard=false", "stub.fail_mode=bf16-train-fp8-rollout",
-             "stub.exit_code=3"], cwd=tmp_path, JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
+             "stub.exit_code=3", "stub.max_tp=4"], cwd=tmp_path, JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
     assert r.returncode == 1, r.stdout + r.stderr  # a run failed: non-zero, but the report is written
     assert "sweep_tp4_jetrl: skipped: needs 4 processes, 2 available (--max-procs/JETRL_MAX_PROCS)" in r.stdout
     assert "sweep_tp1_bf16-train-fp8-rollout: FAILED with exit code 3" in r.stderr
+    refused = "parallel.tp=8: TP=8 does not divide num_key_value_heads=4"
+    assert f"sweep_tp8_jetrl: invalid, not run: stub_train: error: {refused}" in r.stdout
     rows = list(csv.DictReader(open(out / "sweep_report.csv")))
     assert [(r_["tp"], r_["mode"], r_["status"], r_["reason"]) for r_ in rows] == [
         ("1", "bf16", "ok", ""), ("1", "bf16-train-fp8-rollout", "failed", "exit code 3"), ("1", "jetrl", "ok", ""),
         ("2", "bf16", "ok", ""), ("2", "bf16-train-fp8-rollout", "failed", "exit code 3"), ("2", "jetrl", "ok", ""),
         ("4", "bf16", "skipped", "needs 4 processes, 2 available"),
         ("4", "bf16-train-fp8-rollout", "skipped", "needs 4 processes, 2 available"),
-        ("4", "jetrl", "skipped", "needs 4 processes, 2 available")]
+        ("4", "jetrl", "skipped", "needs 4 processes, 2 available"),
+        *((("8", m, "invalid", f"stub_train: error: {refused}")) for m in ("bf16", "bf16-train-fp8-rollout", "jetrl"))]
     assert all(r_["steps_total"] == "3" and r_["steps_timed"] == "2" for r_ in rows if r_["status"] == "ok")
     assert float(rows[2]["speedup_step"]) > 1.0  # the stub's FP8 steps are faster
     seen = ranks(out / "sweep_tp2_jetrl")[0]
@@ -142,3 +145,8 @@ def test_tp_sweep_runs_skips_and_reports(tmp_path):
     assert len((out / "sweep_tp1_bf16" / "metrics.jsonl").read_text().splitlines()) == 2
     r = run(["bash", SWEEP, "--tp", "0"], cwd=tmp_path)
     assert r.returncode == 2 and "TP size '0' is not a positive integer" in r.stderr
+    # nothing could run (e.g. a typo refused by the config at every size): a failure, not an empty success
+    r = run(["bash", SWEEP, "--tp", "1", "--modes", "jetrl", "--out", out, "paralel.tp=2"], cwd=tmp_path,
+            JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
+    assert r.returncode == 1 and "no run was started" in r.stderr
+    assert "invalid" in (out / "sweep_report.md").read_text()

@@ -245,8 +245,10 @@ def sweep(tmp_path):
     make_run(d / "manual_tp2", 2, "bf16-train-fp8-rollout", [phases(1.0, 0.1, 0.1, 0.1)], summary=False)
     make_run(d / "tp4_skip", None, None, None, summary=False,
              status={"status": "skipped", "tp": 4, "mode": "jetrl", "rc": None, "reason": "needs 4 processes, 2 available"})
+    make_run(d / "sweep_tp8_jetrl", None, None, None, summary=False,
+             status={"status": "invalid", "tp": 8, "mode": "jetrl", "rc": None, "reason": "config error: TP=8 does not divide 2"})
     dirs = [d / n for n in ("sweep_tp2_jetrl", "tp4_skip", "sweep_tp1_jetrl", "sweep_tp1_bf16-train-fp8-rollout",
-                            "manual_tp2", "sweep_tp1_bf16", "sweep_tp2_bf16")]
+                            "manual_tp2", "sweep_tp1_bf16", "sweep_tp2_bf16", "sweep_tp8_jetrl")]
     return d, [str(x) for x in dirs]
 
 
@@ -260,6 +262,7 @@ EXPECTED_TABLE = """\
 | 2 | bf16-train-fp8-rollout | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - |
 | 2 | jetrl | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a |
 | 4 | jetrl | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - |
+| 8 | jetrl | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - |
 """
 
 
@@ -276,7 +279,7 @@ def test_sweep_report_table(sweep, capsys):
     rows = list(csv.DictReader(open(d / "sweep_report.csv")))
     assert [(r["tp"], r["mode"], r["status"]) for r in rows] == [
         ("1", "bf16", "ok"), ("1", "bf16-train-fp8-rollout", "failed"), ("1", "jetrl", "ok"), ("2", "bf16", "failed"),
-        ("2", "bf16-train-fp8-rollout", "failed"), ("2", "jetrl", "ok"), ("4", "jetrl", "skipped")]
+        ("2", "bf16-train-fp8-rollout", "failed"), ("2", "jetrl", "ok"), ("4", "jetrl", "skipped"), ("8", "jetrl", "invalid")]
     jet1 = rows[2]
     assert float(jet1["speedup_update"]) == 2.0 and math.isclose(float(jet1["speedup_step"]), 4 / 3)
     assert float(jet1["speedup_rollout"]) == 1.5 and float(jet1["rollout_tokens_per_s"]) == 75.0
