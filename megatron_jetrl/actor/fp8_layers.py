@@ -145,8 +145,14 @@ class _FP8Weight:
         self.flow = flow
         self._fp8_cache: tuple[tuple, QuantizedWeight] | None = None
 
+    def forget_fp8(self) -> None:
+        """Drop the cached FP8 weight: the next forward (or `fp8_weights`) re-quantizes the current weight."""
+        self._fp8_cache = None
+
     def quantized_weight(self) -> QuantizedWeight:
-        """This rank's FP8 weight for the current version (optimizer steps and `.data` swaps invalidate it)."""
+        """This rank's FP8 weight for the current version. In-place updates through the parameter itself
+        invalidate it (version counter); megatron's mixed-precision optimizer writes the new BF16 weights
+        through `param.data`, which the counter does not see, so `train_step` calls `requantize_weights`."""
         w = self.weight
         key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
         if self._fp8_cache is None or self._fp8_cache[0] != key:
@@ -237,6 +243,13 @@ def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def requantize_weights(model) -> None:
+    """After an optimizer step: every FP8 linear re-quantizes its weight on next use (once per step)."""
+    for m in unwrap(model).modules():
+        if isinstance(m, _FP8Weight):
+            m.forget_fp8()
 
 
 def fp8_weights(model) -> dict[str, QuantizedWeight]:

@@ -121,4 +121,6 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
 
         use_batch_invariant_output_layer(model)
     model.actor_options = options  # read by actor.logprobs (which log-softmax)
+    if torch.cuda.is_available():  # megatron builds some modules (our RMSNorm) on the CPU; its own setup calls .cuda()
+        model.cuda(torch.cuda.current_device())
     return model

@@ -76,7 +76,8 @@ def _check_finite(ddp_model, out: list[dict], on_nonfinite: str) -> str | None:
     """Collective: None when loss and gradients are finite on every rank; else the problem (or raise)."""
     local = [k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())]
     grads = _nonfinite_gradients(ddp_model)
-    flag = torch.tensor([1.0 if (local or grads) else 0.0])
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+    flag = torch.tensor([1.0 if (local or grads) else 0.0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if not flag.item():
         return None
@@ -103,6 +104,8 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_jetrl.actor.fp8_layers import requantize_weights
+
     micro = micro_batches(tokens, extras, micro_batch_size)
     ddp_model.train()
     ddp_model.zero_grad_buffer()
@@ -115,6 +118,7 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     if problem is not None:
         return {"ok": False, "skipped": problem, "grad_norm": None}
     ok, grad_norm, _ = optimizer.step()
+    requantize_weights(ddp_model)  # the optimizer wrote the new weights through param.data
     result = {"ok": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm)}
     if out:
         names = sorted(out[0])

@@ -89,16 +89,15 @@ class ModelConfig:
     tokenizer: str = "sentencepiece"
     """`sentencepiece`: the embedded tokenizer, trained on the synthetic corpus at first run (tiny default);
     `hf`: the tokenizer in `path`."""
-    batch_invariant: str = "auto"
-    """`auto` (on for CPU runs), `on`, `off`: the actor and the native engine run `models.ops`, which makes
-    their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
+    batch_invariant: bool | None = None
+    """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.ops`, which
+    makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
 
     def __post_init__(self):
         _check(bool(self.hf_config) != bool(self.path),
                "model: give exactly one of model.hf_config (an inline architecture, random init) and model.path (a local HF directory)")
         _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
         _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
-        _check(self.batch_invariant in ("auto", "on", "off"), f"model.batch_invariant must be 'auto', 'on' or 'off', got {self.batch_invariant!r}")
 
     def architecture(self) -> dict:
         """The HF config dict (read from `path` when given)."""
@@ -298,6 +297,11 @@ def _coerce(value, hint, where: str):
         item = args[0] if args else object
         return tuple(value) if item is object or item is Ellipsis else tuple(_coerce(v, item, where) for v in value)
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string; it is a number all the same
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)

@@ -36,6 +36,9 @@ class RolloutBatch:
     def rows(self, start: int, end: int) -> "RolloutBatch":
         return RolloutBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
 
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
 

@@ -125,7 +125,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     device = resolve_device(cfg)
     arch = cfg.arch()
     flow = cfg.precision
-    batch_invariant = cfg.model.batch_invariant == "on" or (cfg.model.batch_invariant == "auto" and device.type == "cpu")
+    batch_invariant = device.type == "cpu" if cfg.model.batch_invariant is None else cfg.model.batch_invariant
     if batch_invariant and flow.mode != "bf16" and flow.backend not in ("auto", "emulated"):
         raise ConfigError(f"model.batch_invariant needs the emulated FP8 backend, got precision.backend={flow.backend!r}")
     if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":

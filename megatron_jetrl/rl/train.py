@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         t = Phases()
         with t("rollout"):
             batch = rollout(s, step)
-        mine = my_rows(batch)
+        mine = my_rows(batch, s.device)
         with t("eval"):
             old = actor_logprobs(s, s.model, mine)
             ref = actor_logprobs(s, s.reference, mine) if s.reference is not None else None
@@ -154,13 +154,13 @@ def rollout(s, step: int) -> RolloutBatch:
     return broadcast_batch(batch)
 
 
-def my_rows(batch: RolloutBatch) -> RolloutBatch:
+def my_rows(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     """This data-parallel rank's contiguous share of the batch."""
     from megatron.core import parallel_state as ps
 
     per = len(batch) // ps.get_data_parallel_world_size()
     rank = ps.get_data_parallel_rank()
-    return batch.rows(rank * per, (rank + 1) * per)
+    return batch.rows(rank * per, (rank + 1) * per).to(device)
 
 
 def actor_logprobs(s, model, batch: RolloutBatch) -> torch.Tensor:
@@ -201,13 +201,13 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
     """Reward, length, loss terms and the train/rollout mismatch (old logprobs vs the engine's, response tokens)."""
     from megatron.core import parallel_state as ps
 
+    mask = mine.mask.bool().cpu()
+    ours = ([lp[m].tolist() for lp, m in zip(old.cpu(), mask)], [lp[m].tolist() for lp, m in zip(mine.rollout_logprobs.cpu(), mask)])
     shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), old, mine.rollout_logprobs, mine.mask))
-    shares = sorted((d, o, r, m) for t, d, o, r, m in shares if t == 0)
-    mask = torch.cat([m for _, _, _, m in shares]).bool()
-    train = [o[m] .tolist() for _, o, _, m in shares for o, m in zip(o, m.bool())]
-    roll = [r[m].tolist() for _, _, r, m in shares for r, m in zip(r, m.bool())]
-    del mask
+    dist.all_gather_object(shares, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ours))
+    shares = [rows for tp_rank, _, rows in sorted(shares, key=lambda x: x[1]) if tp_rank == 0]  # one copy per DP rank
+    train = [row for trained, _ in shares for row in trained]
+    roll = [row for _, rolled in shares for row in rolled]
     out = {
         "mode": s.flow.mode, "tp": s.cfg.parallel.tp, "pp": s.cfg.parallel.pp, "dp": s.cfg.parallel.dp,
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(unbiased=False)),

@@ -128,6 +128,14 @@ def test_sync_after_an_optimizer_step_moves_the_engine_to_the_new_policy(checkpo
     result = train_step(ddp, opt, tokens, loss, vocab_size=VOCAB, micro_batch_size=2, extras={"adv": torch.tensor([1.0, -1.0, 1.0, -1.0])})
     assert result["ok"]
     assert engine.score(seqs) == before  # not synced yet: the engine still serves the old policy
+    # megatron's BF16 optimizer writes the weights through param.data: the FP8 bytes must still be the new ones
+    from megatron_jetrl.actor.fp8_layers import fp8_weights
+    from megatron_jetrl.fp8 import QuantizedWeight
+
+    params = dict(model.named_parameters())
+    for name, qw in fp8_weights(model).items():
+        fresh = QuantizedWeight.quantize(params[name], flow)
+        assert torch.equal(qw.q.view(torch.uint8), fresh.q.view(torch.uint8)) and torch.equal(qw.s, fresh.s), name
     engine.update_weights(actor_weight_stream(model, arch, flow))
     after = engine.score(seqs)
     assert after != before
