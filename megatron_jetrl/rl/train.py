@@ -110,6 +110,7 @@ def warm_start(s) -> None:
         chunk = seqs[i * w.batch_size : (i + 1) * w.batch_size]
         per_rank = w.batch_size // dp
         tokens, mask = sft_tensors(chunk[rank * per_rank : (rank + 1) * per_rank], tok.pad_id)
+        tokens, mask = tokens.to(s.device), mask.to(s.device)  # the actor is on the GPU in a CUDA run
         out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
                          micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
                          on_nonfinite="raise")
