@@ -78,6 +78,7 @@ work=$(mktemp -d /tmp/jetrl-slurm-ci.XXXXXX)
 out=$work/out
 mkdir -p "$work/state" "$work/spool" "$out"
 ctld_pid=""
+submit_pid=""
 slurmd_pid=""
 munged_started=0
 
@@ -108,6 +109,7 @@ cleanup() {
       done
     fi
   fi
+  stop_pid "$submit_pid" "sbatch --wait"
   stop_pid "$slurmd_pid" slurmd
   stop_pid "$ctld_pid" slurmctld
   if [ "$munged_started" = 1 ] && [ -f /run/munge/munged.pid ]; then
@@ -127,7 +129,8 @@ trap 'exit 143' TERM
 # sbatch --wait in the background, so that a signal to this script is handled at once (cleanup cancels the job)
 submit_wait() {
   "$@" &
-  wait "$!"
+  submit_pid=$!
+  wait "$submit_pid"
 }
 
 if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
