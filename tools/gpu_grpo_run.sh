@@ -16,6 +16,7 @@
 #   RUN_TIMEOUT  seconds per run (default 200), start-up included
 #   WORK         run directories (default ${TMPDIR:-/tmp}/jetrl_grpo); deleted per run after copying
 #   PYTHON       default python3
+#   (a COMMIT file in the repo root, as in a `git archive` snapshot, names the commit in the log)
 #   SITE         where .whl/*.whl are installed when megatron-core or math-verify is missing (default ${TMPDIR:-/tmp}/mcore)
 #
 # CPU dry run (tiny shapes):
@@ -51,7 +52,7 @@ if ! "$PY" -c "import megatron.core, math_verify" 2>/dev/null; then
   echo "installed .whl/ into $SITE in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s" | tee -a "$log"
 fi
 {
-  echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null || echo '?') config $CONFIG modes: $MODES overrides: $*"
+  echo "== $(date -u +%FT%TZ) commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo '?') config $CONFIG modes: $MODES overrides: $*"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)" 2>/dev/null \
     || "$PY" -c "import torch; print('torch', torch.__version__)"
