@@ -133,6 +133,8 @@ json.dump({"status": status, "tp": int(tp), "mode": mode, "rc": None if rc == ""
            "log": log, "seconds": int(seconds)}, open(d + "/sweep_status.json", "w"))' "$@"
 }
 
+run_pid=""
+trap '[ -z "$run_pid" ] || kill -TERM "$run_pid" 2>/dev/null; echo "tp_sweep.sh: interrupted" >&2; exit 143' TERM INT HUP
 dirs=()
 failed=()
 skipped=()
@@ -166,7 +168,14 @@ for tp in "${tp_list[@]}"; do
     echo "tp_sweep.sh: $name: $world process(es), log $log"
     start=$(date +%s)
     rc=0
-    "${launch[@]}" "${args[@]}" >"$log" 2>&1 || rc=$?
+    "${launch[@]}" "${args[@]}" >"$log" 2>&1 &  # background: a signal to the sweep is passed on at once (trap below)
+    run_pid=$!
+    wait "$run_pid" || rc=$?
+    while kill -0 "$run_pid" 2>/dev/null; do
+      rc=0
+      wait "$run_pid" || rc=$?
+    done
+    run_pid=""
     seconds=$(($(date +%s) - start))
     ran=$((ran + 1))
     if [ "$rc" -eq 0 ]; then

@@ -150,8 +150,17 @@ JETRL_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-exit.XXXXXX")
 export JETRL_EXIT_DIR
 trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
 echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
+# torchrun runs in the background so that a SIGTERM/SIGINT/SIGHUP to this script reaches it at once (it then stops
+# every rank) instead of leaving it running without its launcher.
+"$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
+torchrun_pid=$!
+trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM INT HUP
 rc=0
-"$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" || rc=$?
+wait "$torchrun_pid" || rc=$?
+while kill -0 "$torchrun_pid" 2>/dev/null; do  # interrupted by a signal: wait for torchrun to stop the ranks
+  rc=0
+  wait "$torchrun_pid" || rc=$?
+done
 code=$(first_failure "$JETRL_EXIT_DIR" "$rc")
 if [ "$code" -ne 0 ]; then
   echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc)" >&2

@@ -20,6 +20,7 @@ Stub-only keys (section `stub`):
   stub.export=false     skip the checkpoint + FP8 export (faster)
   stub.tensorboard=false  no tb/ (no torch import in single-process runs)
   stub.max_tp=N         refuse parallel.tp > N as the config module refuses a TP the model cannot be split into
+  stub.sleep=S          every rank sleeps S seconds after recording itself (to test signals)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -46,7 +48,8 @@ DEFAULTS = {
     "grpo": {"clip": 0.2, "kl_coef": 0.0},
     "optim": {"lr": 1e-5},
     "warmup": {"steps": 0},
-    "stub": {"exit_code": 0, "fail_rank": None, "fail_mode": None, "export": True, "tensorboard": True, "max_tp": None},
+    "stub": {"exit_code": 0, "fail_rank": None, "fail_mode": None, "export": True, "tensorboard": True, "max_tp": None,
+             "sleep": 0},
 }
 MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
 
@@ -176,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         assert int(x.item()) == world, (x, world)
 
     (out / f"stub_rank{rank}.json").write_text(json.dumps({
-        "argv": argv, "rank": rank, "world_size": world,
+        "argv": argv, "rank": rank, "world_size": world, "pid": os.getpid(),
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                               "MASTER_PORT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHELASTIC_RUN_ID",
                                               "PYTHONPATH", "JETRL_EXIT_DIR")},
         "cwd": os.getcwd(),
     }, indent=1))
 
+    if stub["sleep"]:
+        time.sleep(float(stub["sleep"]))
     code = int(stub["exit_code"] or 0)
     if code and (stub["fail_rank"] is None or int(stub["fail_rank"]) == rank) and \
             (stub["fail_mode"] in (None, "") or stub["fail_mode"] == config["precision"]["mode"]):

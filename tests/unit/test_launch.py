@@ -10,8 +10,10 @@ import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,27 @@ def test_train_grpo_returns_the_failing_ranks_exit_code(tmp_path):
     assert r.returncode == 7, r.stdout + r.stderr
     assert "the run failed with exit code 7 (torchrun: 1)" in r.stderr
     assert json.loads((tmp_path / "a" / "stub_rank0.json").read_text())["env"]["OMP_NUM_THREADS"] == "1"  # not overridden
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen(["bash", str(TRAIN), "parallel.tp=2", f"run.out_dir={out}", "stub.sleep=120", "stub.export=false"],
+                         cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("stub_rank*.json"))) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        pids = [s["pid"] for s in ranks(out)]
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc != 0
+    time.sleep(0.5)
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+    assert not alive, f"ranks {alive} outlived their launcher"
 
 
 def test_torchrun_no_python_runs_the_rank_directly(tmp_path):
