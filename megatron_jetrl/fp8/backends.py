@@ -57,17 +57,38 @@ def gemm_cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
     return _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype)
 
 
+M_ALIGN = 16
+"""cuBLASLt's heuristic answered CUBLAS_STATUS_NOT_SUPPORTED for a 1x128 x 128x128 product whose M was not
+aligned (H200, torch 2.11.0+cu130: a rollout decode step after some rows had stopped); `_cublaslt` pads M with
+zero rows (zero bytes and zero scales: the padded rows are zero and are cut off; the real rows are unchanged)."""
+
+
+def _pad_m(a: torch.Tensor, a_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = a.shape[0]
+    pad = -m % M_ALIGN
+    if pad == 0:
+        return a, a_s
+    a_pad = torch.zeros(m + pad, a.shape[1], dtype=a.dtype, device=a.device)
+    a_pad[:m] = a
+    s_pad = torch.zeros(m + pad, a_s.shape[1], dtype=a_s.dtype, device=a_s.device)
+    s_pad[:m] = a_s
+    return a_pad, s_pad
+
+
 def _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
     from torch.nn.functional import ScalingType
 
+    m = a_q.shape[0]
     a, b = _pad_k(a_q), _pad_k(b_q)
+    a, a_s = _pad_m(a, a_s)
     if b_block == (128, 128):
         scale_b, recipe_b = _block_scales_l4(b_s), ScalingType.BlockWise128x128
     else:
         scale_b, recipe_b = _outer_major(b_s), ScalingType.BlockWise1x128
-    return F.scaled_mm(
+    out = F.scaled_mm(
         a, b.t(), _outer_major(a_s), ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype
     )
+    return out if out.shape[0] == m else out[:m]
 
 
 @functools.cache
@@ -77,8 +98,8 @@ def _self_test_cublaslt(device: torch.device) -> None:
     from megatron_jetrl.fp8.quant import quantize_blockwise
 
     g = torch.Generator(device=device).manual_seed(0)
-    a_q, a_s = quantize_blockwise(torch.randn(64, 640, device=device, generator=g), (1, 128))
-    for b_block in ((128, 128), (1, 128)):
+    for m, b_block in ((64, (128, 128)), (64, (1, 128)), (61, (128, 128))):  # 61: the M padding (_pad_m)
+        a_q, a_s = quantize_blockwise(torch.randn(m, 640, device=device, generator=g), (1, 128))
         b_q, b_s = quantize_blockwise(torch.randn(256, 640, device=device, generator=g), b_block)
         want = _gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float32)
         got = _cublaslt(a_q, a_s, b_q, b_s, b_block, torch.float32)
@@ -86,7 +107,7 @@ def _self_test_cublaslt(device: torch.device) -> None:
         if not err < 1e-3:
             raise RuntimeError(
                 f"cuBLASLt blockwise FP8 GEMM ({b_block} B scales) is wrong on this torch/cuBLAS "
-                f"(relative error {err:.3g} at K/128=5): use backend='emulated' or 'triton', and report the torch version"
+                f"(relative error {err:.3g} at M={m}, K/128=5): use backend='emulated' or 'triton', and report the torch version"
             )
 
 
