@@ -14,7 +14,8 @@
 #   CONFIG       default configs/gpu_1p5b.yaml
 #   MODES        default "jetrl bf16 bf16-train-fp8-rollout"
 #   RUN_TIMEOUT  seconds per run (default 200), start-up included
-#   WORK         run directories (default ${TMPDIR:-/tmp}/jetrl_grpo); deleted per run after copying
+#   WORK         run directories (default /dev/shm/jetrl_grpo when /dev/shm has >= 40 GB free, else
+#                ${TMPDIR:-/tmp}/jetrl_grpo); each is deleted after its files are copied
 #   PYTHON       default python3
 #   (a COMMIT file in the repo root, as in a `git archive` snapshot, names the commit in the log)
 #   SITE         where .whl/*.whl are installed when megatron-core or math-verify is missing (default ${TMPDIR:-/tmp}/mcore)
@@ -33,7 +34,10 @@ OUT=${OUT:-$repo/out/gpu_grpo}
 CONFIG=${CONFIG:-configs/gpu_1p5b.yaml}
 MODES=${MODES:-"jetrl bf16 bf16-train-fp8-rollout"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-200}
-WORK=${WORK:-${TMPDIR:-/tmp}/jetrl_grpo}
+if [ -z "${WORK:-}" ]; then  # the final checkpoint (~24 GB at 1.5B with optimizer state) is written to RAM when it fits
+  shm=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+  if [ "${shm:-0}" -ge 40 ]; then WORK=/dev/shm/jetrl_grpo; else WORK=${TMPDIR:-/tmp}/jetrl_grpo; fi
+fi
 PY=${PYTHON:-python3}
 SITE=${SITE:-${TMPDIR:-/tmp}/mcore}
 mkdir -p "$OUT" "$WORK"
@@ -52,6 +56,7 @@ if ! "$PY" -c "import megatron.core, math_verify" 2>/dev/null; then
   echo "installed .whl/ into $SITE in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s" | tee -a "$log"
 fi
 {
+  echo "work dir $WORK"
   echo "== $(date -u +%FT%TZ) commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo '?') config $CONFIG modes: $MODES overrides: $*"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)" 2>/dev/null \
