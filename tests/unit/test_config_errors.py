@@ -1,0 +1,169 @@
+"""Bad configuration is refused at start-up, before any heavy work, with a message that names the key and the fix
+(RELIABILITY.md, "bad configuration"). In-process against `megatron_jetrl.rl.config`, plus one launcher run that
+shows the refusal comes before torchrun starts.
+
+Cases marked xfail(strict=True) are defects found here and reported (RELIABILITY.md, "open defects"): each one
+turns into a failure (XPASS) once fixed, so that the mark is removed and the row becomes a plain guard.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_jetrl.rl.config import ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+# The tiny model with heads of 4 x 128 and intermediate_size 384 = 3 blocks: aligned at TP1, not at TP2.
+ODD_MLP = ("model.hf_config={model_type: qwen2, hidden_size: 256, intermediate_size: 384, num_hidden_layers: 2, "
+           "num_attention_heads: 4, num_key_value_heads: 4, head_dim: 128, vocab_size: 256}")
+
+
+def refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, list(overrides))
+    return str(e.value)
+
+
+# ---- unknown keys -------------------------------------------------------------------------------------------
+
+CASES = {
+    # name: (overrides, regex the message must match: the key and the fix)
+    "unknown key, close match": (["run.stpes=3"], r"unknown key run\.'stpes' \(did you mean 'steps'\?\)"),
+    "unknown section": (["trainer.lr=1"], r"unknown key 'trainer' \(known: data, grpo, loss, model, optim, parallel, precision"),
+    "unknown key, no match": (["optim.zzz=1"], r"unknown key optim\.'zzz' \(known: .*adam_beta1.*lr"),
+    "override without =": (["parallel.tp"], r"override 'parallel.tp' is not of the form section.key=value \(e.g. parallel.tp=2\)"),
+    "override with three parts": (["run.a.b=1"], r"not of the form section.key=value"),
+    # ---- wrong types
+    "int given a word": (["run.steps=three"], r"run.steps must be an integer, got 'three'"),
+    "int given a float": (["run.steps=1.5"], r"run.steps must be an integer, got 1.5"),
+    "int given a bool": (["parallel.tp=true"], r"parallel.tp must be an integer, got True"),
+    "bool given a word": (["run.export=maybe"], r"run.export must be true or false, got 'maybe'"),
+    "float given a word": (["optim.lr=fast"], r"optim.lr must be a number, got 'fast'"),
+    "str given a list": (["run.name=[a]"], r"run.name must be a string, got \['a'\] \(quote it in YAML\)"),
+    "mapping given a number": (["model.hf_config=5"], r"model.hf_config must be a mapping, got 5"),
+    "choice": (["run.on_nonfinite=ignore"], r"run.on_nonfinite must be 'stop' or 'skip', got 'ignore'"),
+    "choice (resume)": (["run.resume=maybe"], r"run.resume must be 'auto' or 'never'"),
+    "negative timeout": (["run.timeout_s=0"], r"run.timeout_s must be positive, got 0"),
+    # ---- precision / scale settings that do not fit together
+    "ue8m0 scales in bf16 mode": (["precision.mode=bf16", "precision.scale_mode=ue8m0"],
+                                  r"scale_mode='ue8m0' has no effect in mode='bf16' .*pick an FP8 mode or leave scale_mode='fp32'"),
+    "unknown mode": (["precision.mode=fp4"], r"precision: invalid PrecisionFlow: mode must be one of"),
+    "unknown scale mode": (["precision.scale_mode=e8m0"], r"scale_mode must be one of \('fp32', 'ue8m0'\)"),
+    "zero eps": (["precision.eps=0"], r"eps must be a small positive float \(vLLM uses 1e-10\), got 0.0"),
+    "unknown backend": (["precision.backend=cuda"], r"backend must be one of \('auto', 'emulated'"),
+    # ---- 128-block alignment at the requested TP
+    "FP8 block straddles a TP shard": ([ODD_MLP, "parallel.tp=2"],
+                                       r"(?s)parallel.tp=2: qwen2 model cannot run FP8 128x128 blocks at TP=2.*"
+                                       r"intermediate_size\): 384 / 2 = 192 is not a multiple of 128 \(TP sizes that work for it: \[1\]\)"),
+    "TP does not divide the KV heads": (["parallel.tp=4"], r"parallel.tp=4: TP=4 does not divide num_key_value_heads=2"),
+    "pipeline parallel in the loop": (["parallel.pp=2"], r"parallel.pp=2: .* run it at pp=1"),
+    # ---- batch sizes that do not divide
+    "micro-batch does not divide": (["grpo.micro_batch_size=7"],
+                                    r"prompts_per_step \* rollout.n = 64 sequences do not split into parallel.dp=1 x "
+                                    r"grpo.updates_per_step=1 x grpo.micro_batch_size=7: pick sizes whose product divides 64"),
+    "dp does not divide": (["parallel.dp=3"], r"parallel.dp=3 .* pick sizes whose product divides 64"),
+    "updates per step do not divide": (["grpo.updates_per_step=3"], r"grpo.updates_per_step=3 .* divides 64"),
+    "warm-up batch vs dp": (["parallel.dp=2", "warmup.batch_size=33"], r"warmup.batch_size=33 must be a multiple of parallel.dp=2"),
+    "group of one": (["rollout.n=1"], r"GRPO needs at least 2 samples per prompt"),
+    # ---- data / model sources
+    "dataset without a path": (["data.source=gsm8k"], r"data.source='gsm8k' needs data.path"),
+    "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
+    "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
+    "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_setting_is_refused_naming_key_and_fix(case):
+    overrides, message = CASES[case]
+    assert __import__("re").search(message, refused(*overrides)), refused(*overrides)
+
+
+def test_the_same_settings_fit_where_they_should():
+    """The refusals above are about the combination, not the values: each passes where it fits."""
+    load_config(None, [ODD_MLP, "parallel.tp=1"])  # 384 = 3 whole blocks unsplit
+    load_config(None, [ODD_MLP, "parallel.tp=2", "precision.mode=bf16"])  # BF16 has no blocks to straddle
+    load_config(None, ["precision.mode=jetrl", "precision.scale_mode=ue8m0"])
+    load_config(None, ["grpo.micro_batch_size=8", "parallel.dp=2", "warmup.batch_size=32"])
+
+
+def test_config_file_problems(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML"):
+        load_config(str(bad))
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- run\n- model\n")
+    with pytest.raises(ConfigError, match=r"mapping"):
+        load_config(str(listed))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(TINY.read_text().replace("save_every:", "save_evry:"))
+    with pytest.raises(ConfigError, match=r"unknown key run\.'save_evry' \(did you mean 'save_every'\?\)"):
+        load_config(str(typo))
+    with pytest.raises(ConfigError, match=r"section run must be a mapping"):
+        config_from_dict({"run": 5})
+
+
+def test_launcher_refuses_before_torchrun_starts(tmp_path):
+    """The launcher asks the config module for the world size first: a bad config exits 2 in about a second,
+    with the message and the fix, and nothing is created."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "JETRL_TRAIN_MODULE")}
+    env["PYTHON"] = sys.executable
+    start = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "launch" / "train_grpo.sh"), str(TINY), f"run.out_dir={tmp_path / 'run'}",
+                        "grpo.micro_batch_size=7"], capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - start
+    assert r.returncode == 2, r.stderr
+    assert "config error: grpo.prompts_per_step * rollout.n = 64 sequences do not split" in r.stderr
+    assert "fix the config/overrides" in r.stderr
+    assert "torch.distributed.run" not in r.stderr and "process(es)" not in r.stderr  # torchrun never started
+    assert not (tmp_path / "run").exists()
+    assert took < 30, f"the refusal took {took:.1f} s"
+
+
+# ---- defects: accepted at start-up today, fail later or train on garbage ------------------------------------
+
+ACCEPTED_BUT_BAD = {
+    "optim.lr=nan": ["optim.lr=.nan"],
+    "optim.lr=inf": ["optim.lr=.inf"],
+    "optim.lr<0": ["optim.lr=-1"],
+    "optim.adam_beta1>=1": ["optim.adam_beta1=1.5"],
+    "optim.clip_grad<0": ["optim.clip_grad=-1"],
+    "run.timeout_s=inf (OverflowError in init_process_group)": ["run.timeout_s=.inf"],
+    "rollout.temperature=inf": ["rollout.temperature=.inf"],
+    "run.name='..' (writes into the parent of runs/)": ["run.name=.."],
+    "run.seed=2**64 (overflows the torch seed)": ["run.seed=18446744073709551616"],
+}
+
+
+@pytest.mark.xfail(strict=True, reason="defect: rl/config.py / actor/train_step.py OptimConfig do not check these (RELIABILITY.md D6)")
+@pytest.mark.parametrize("case", sorted(ACCEPTED_BUT_BAD))
+def test_values_that_cannot_train_are_refused(case):
+    refused(*ACCEPTED_BUT_BAD[case])
+
+
+@pytest.mark.xfail(strict=True, reason="defect: models/arch.py num_heads % num_kv_heads raises ZeroDivisionError, not a ConfigError (D6)")
+def test_zero_kv_heads_is_a_config_error():
+    refused("model.hf_config={model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, "
+            "num_attention_heads: 2, num_key_value_heads: 0, head_dim: 128, vocab_size: 256}")
+
+
+@pytest.mark.xfail(strict=True, reason="defect: checked only in session.build_session, after torchrun started (D7)")
+def test_batch_invariant_needs_the_emulated_backend_at_load_time():
+    refused("model.batch_invariant=true", "precision.backend=triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+@pytest.mark.xfail(strict=True, reason="defect: checked only in session.resolve_device, after torchrun started (D7)")
+def test_cuda_device_without_cuda_is_refused_at_load_time():
+    refused("run.device=cuda")
