@@ -58,9 +58,12 @@ def gemm_cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
 
 
 M_ALIGN = 16
-"""cuBLASLt's heuristic answered CUBLAS_STATUS_NOT_SUPPORTED for a 1x128 x 128x128 product whose M was not
-aligned (H200, torch 2.11.0+cu130: a rollout decode step after some rows had stopped); `_cublaslt` pads M with
-zero rows (zero bytes and zero scales: the padded rows are zero and are cut off; the real rows are unchanged)."""
+"""cuBLASLt's heuristic answers CUBLAS_STATUS_NOT_SUPPORTED for a blockwise product (1x128 A scales) whose M is
+not a multiple of 4: on the H200 with torch 2.11.0+cu130, M = 2, 3, 5, 17, 61, 125, 127, 1001 were refused and
+M = 4, 8, 12, 16, 24, 64, 100, 120, 128, 1000 ran (K 1536/8960, N 256/1536/8960); M = 1 is refused earlier by
+torch's scale-stride check. A native-engine decode step hits this once some rows have stopped. `_cublaslt` pads
+M to a multiple of 16 with zero rows (zero bytes and zero scales: those rows come out zero and are cut off; the
+real rows are unchanged); the padded path matched the emulated GEMM (relative error 1.2-1.4e-4) at every M above."""
 
 
 def _pad_m(a: torch.Tensor, a_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
