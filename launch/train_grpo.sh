@@ -105,6 +105,11 @@ esac
 
 shown_args=""
 if [ $# -gt 0 ]; then shown_args=$(printf ' %q' "$@"); fi
+if [ -z "${PYTHON:-}" ] && [ -z "${RANK:-}" ] && [ ! -x "$repo/.venv/bin/python" ]; then
+  echo "train_grpo.sh: first run: creating $repo/.venv (bash tools/setup.sh; about a minute)" >&2
+  bash "$repo/tools/setup.sh"
+  py=$repo/.venv/bin/python
+fi
 if ! command -v "$py" >/dev/null 2>&1; then
   echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv" >&2
   exit 2

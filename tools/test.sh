@@ -3,12 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${JETRL_VENV:-.venv}
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" torch==2.13.0              # first and pinned, so nothing below pulls a CUDA build
-"${pip[@]}" -r requirements.txt
+bash tools/setup.sh                     # .venv: torch 2.13.0 CPU first, then requirements.txt
 # Transformer Engine's pure-Python wheel: its recipe module is read by tests/unit/test_flow.py
 # (the full TE needs CUDA and cannot be installed on CPU machines).
 export JETRL_WHEEL_CACHE=${JETRL_WHEEL_CACHE:-.cache/wheels}

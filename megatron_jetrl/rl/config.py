@@ -9,7 +9,7 @@ settings that do not fit together (batch sizes that do not divide, 128-block mis
 TP, ...) are refused with a message that names the key and the fix.
 
     python -m megatron_jetrl.rl.config configs/tiny.yaml parallel.tp=2 --get parallel.world_size
-    python -m megatron_jetrl.rl.config configs/tiny.yaml --print
+    python -m megatron_jetrl.rl.config configs/models/qwen3-8b-base.yaml configs/modes/jetrl.yaml --print
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class ModelConfig:
     """The policy: architecture, initial weights and tokenizer."""
 
     hf_config: dict = field(default_factory=dict)
-    """HF config.json fields of the architecture (the tiny default and the presets carry them inline)."""
+    """HF config.json fields of the architecture, inline (the tiny default, and the presets so that their TP
+    alignment is checked without the weights). With `path` too, they must agree with its config.json."""
     path: str = ""
     """Local HF model directory (config.json, safetensors, tokenizer): the initial weights. Empty: random init."""
     tokenizer: str = "sentencepiece"
@@ -94,19 +95,30 @@ class ModelConfig:
     makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
 
     def __post_init__(self):
-        _check(bool(self.hf_config) != bool(self.path),
-               "model: give exactly one of model.hf_config (an inline architecture, random init) and model.path (a local HF directory)")
+        _check(bool(self.hf_config) or bool(self.path),
+               "model: give model.hf_config (an inline architecture: random init) and/or model.path (a local HF directory)")
         _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
         _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
 
     def architecture(self) -> dict:
-        """The HF config dict (read from `path` when given)."""
-        if self.hf_config:
-            return dict(self.hf_config)
+        """The HF config dict: inline, else `path`'s config.json."""
+        return dict(self.hf_config) if self.hf_config else self.path_config()
+
+    def path_config(self) -> dict:
         config = Path(self.path) / "config.json"
         if not config.is_file():
             raise ConfigError(f"model.path={self.path!r} has no config.json: point it at a local HF model directory")
         return json.loads(config.read_text())
+
+    def check_path_matches(self) -> None:
+        """With both hf_config and path: every inline field must equal the checkpoint's."""
+        if not (self.hf_config and self.path):
+            return
+        disk = self.path_config()
+        odd = {k: (v, disk.get(k)) for k, v in self.hf_config.items() if disk.get(k) != v}
+        if odd:
+            raise ConfigError(f"model.hf_config disagrees with {self.path}/config.json on " + ", ".join(
+                f"{k} (config {a!r}, checkpoint {b!r})" for k, (a, b) in sorted(odd.items())) + ": fix the preset or the path")
 
 
 @dataclass(frozen=True)
@@ -383,28 +395,45 @@ def config_from_dict(data: dict) -> JetRLConfig:
         raise ConfigError(str(e)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JetRLConfig:
-    """A YAML file (default `configs/tiny.yaml`) plus overrides -> a validated JetRLConfig."""
-    path = Path(path) if path else DEFAULT_CONFIG
+def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (configs/ holds tiny.yaml and the presets)")
+        raise ConfigError(f"config file {path} does not exist (configs/ holds tiny.yaml, models/ and modes/)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) or v is None for v in data.values()):
+        raise ConfigError(f"{path} must be a mapping of sections (run:, model:, precision:, ...) to mappings")
+    return data
+
+
+def load_config(paths: str | Path | list | None = None, overrides: list[str] = ()) -> JetRLConfig:
+    """YAML files (default `configs/tiny.yaml`; later files override earlier ones key by key, e.g. a model
+    preset then a precision mode) plus overrides -> a validated JetRLConfig."""
+    if paths is None or paths == []:
+        paths = [DEFAULT_CONFIG]
+    elif isinstance(paths, (str, Path)):
+        paths = [paths]
+    data: dict = {}
+    for path in paths:
+        for section, values in _read_yaml(Path(path)).items():
+            data.setdefault(section, {}).update(values or {})
     return config_from_dict(apply_overrides(data, list(overrides)))
 
 
-def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG.yaml] [section.key=value ...]` -> (config path or None, overrides)."""
-    if argv and "=" not in argv[0]:
-        return argv[0], argv[1:]
-    return None, list(argv)
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`[CONFIG.yaml ...] [section.key=value ...]` -> (config paths, overrides)."""
+    files = []
+    for i, arg in enumerate(argv):
+        if "=" in arg:
+            return files, list(argv[i:])
+        files.append(arg)
+    return files, []
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.")
-    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml ...] [section.key=value ...]")
     parser.add_argument("--get", help="print one value, e.g. parallel.world_size")
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
     ns = parser.parse_args(argv)

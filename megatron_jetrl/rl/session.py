@@ -123,6 +123,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     from megatron_jetrl.actor.hf_import import load_hf_weights
 
     device = resolve_device(cfg)
+    cfg.model.check_path_matches()
     arch = cfg.arch()
     flow = cfg.precision
     batch_invariant = device.type == "cpu" if cfg.model.batch_invariant is None else cfg.model.batch_invariant

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from megatron_jetrl.actor.logprobs import compute_logprobs
 from megatron_jetrl.actor.train_step import train_step
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sess.init_distributed(cfg)
     s = sess.build_session(cfg)
+    if s.is_main:
+        cfg.run.directory.mkdir(parents=True, exist_ok=True)
+        (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     state = sess.resume(s)
     start = state["step"] if state else 0
     if state is None:
@@ -115,8 +119,6 @@ def warm_start(s) -> None:
                          micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
                          on_nonfinite="raise")
         bar.update(1, loss=f"{out.get('loss', float('nan')):.3f}")
-        if s.is_main and (i + 1) % max(1, w.steps // 4) == 0:
-            print(f"warm-start step {i + 1}/{w.steps}: loss {out.get('loss', float('nan')):.3f}", flush=True)
     bar.close()
     for g, lr in zip(groups, lrs):
         g["lr"] = lr
