@@ -169,6 +169,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_gloo_rank():
+    """A module fixture's body: this test process as the only rank (TP1, PP1) of a gloo group; undone after."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    init_parallel(tp=1, pp=1)
+    yield
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    from patches import megatron_core_0_16_1_cpu as patch
+
+    patch.revert()  # leave the process as test_megatron_cpu.py expects it
+
+
 def _entry(rank, world, port, tp, pp, fn, args, outdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

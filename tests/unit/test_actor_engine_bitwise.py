@@ -8,14 +8,13 @@ optimizer step the sync moves the engine to the new policy, again bit for bit.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from actor_helpers import CONFIGS, free_port, hf_state, spawn, write_hf_checkpoint
+from actor_helpers import CONFIGS, hf_state, one_gloo_rank, spawn, write_hf_checkpoint
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 
@@ -26,19 +25,7 @@ MODES = ("jetrl", "bf16", "bf16-train-fp8-rollout")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    import torch.distributed as dist
-
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    init_parallel(tp=1, pp=1)
-    yield
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    from patches import megatron_core_0_16_1_cpu as patch
-
-    patch.revert()
+    yield from one_gloo_rank()
 
 
 @pytest.fixture(scope="module")

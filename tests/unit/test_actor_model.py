@@ -4,7 +4,6 @@ TP is refused at start-up, and the TE path's config (TE itself cannot run here).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actor_helpers import CONFIGS, SEQ, fp8_reference_linear, free_port, hf_state, reference_logits, rounded_state, tokens_for, write_hf_checkpoint
+from actor_helpers import CONFIGS, SEQ, fp8_reference_linear, hf_state, one_gloo_rank, reference_logits, rounded_state, tokens_for, write_hf_checkpoint
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear, fp8_linear_forward
 from megatron_jetrl.models.arch import ModelArch
 
@@ -23,19 +22,7 @@ BF16 = PrecisionFlow(mode="bf16")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    import torch.distributed as dist
-
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    init_parallel(tp=1, pp=1)
-    yield
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    from patches import megatron_core_0_16_1_cpu as patch
-
-    patch.revert()  # leave the process as test_megatron_cpu.py expects it
+    yield from one_gloo_rank()
 
 
 @pytest.fixture(scope="module")
