@@ -41,6 +41,22 @@ class OptimConfig:
     """BF16 params with FP32 main params (megatron's mixed-precision optimizer; on CPU through the patch in
     patches/). The batch-invariant actor needs it to reproduce the rollout engine's BF16 forward."""
 
+    def __post_init__(self):
+        import math
+
+        problems = []
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            problems.append(f"clip_grad must be finite and >= 0 (0: off), got {self.clip_grad}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
 
 def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     """(megatron DDP-wrapped model, megatron optimizer) for `model` (a GPTModel of this stage)."""

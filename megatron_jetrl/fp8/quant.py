@@ -91,6 +91,8 @@ def quantize_blockwise(
         )
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    if not (isinstance(eps, float) and 0 < eps < 1e-3):
+        raise ValueError(f"eps must be a small positive float (the amax floor; vLLM uses 1e-10), got {eps!r}")
     s_shape = scale_shape(x.shape, block)
     x3 = x.reshape(1, 1, -1) if x.dim() == 1 else x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
     batch, m, k = x3.shape

@@ -39,6 +39,12 @@ class ModelArch:
     def __post_init__(self):
         if self.family not in {f for f, _, _ in FAMILIES.values()}:
             raise ValueError(f"unknown model family {self.family!r}; supported: {sorted(FAMILIES)}")
+        sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                 "vocab_size": self.vocab_size}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            raise ValueError(f"config.json sizes must be positive integers: {', '.join(bad)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
 

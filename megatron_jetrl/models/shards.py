@@ -77,6 +77,27 @@ class CheckpointError(ValueError):
     """A sharded checkpoint that is incomplete, corrupt or not what the caller expects."""
 
 
+def _check_meta_schema(meta: dict, meta_path: Path) -> None:
+    """The fields `open` and its users read, with their types; a hand-edited or foreign meta.json is refused."""
+    def positive_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    problems = [f"{k} must be a positive integer, got {meta.get(k)!r}" for k in ("tp", "pp") if not positive_int(meta.get(k))]
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        problems.append(f"shards must be a non-empty list, got {shards!r}")
+    else:
+        for i, shard in enumerate(shards):
+            ok = (isinstance(shard, dict) and isinstance(shard.get("file"), str) and shard["file"]
+                  and "/" not in shard["file"] and shard["file"] not in (".", "..")
+                  and isinstance(shard.get("bytes"), int) and not isinstance(shard.get("bytes"), bool)
+                  and isinstance(shard.get("sha256"), str))
+            if not ok:
+                problems.append(f"shards[{i}] must be {{file: <name in this directory>, bytes: int, sha256: str}}, got {shard!r}")
+    if problems:
+        raise CheckpointError(f"{meta_path} is malformed: " + "; ".join(problems[:5]))
+
+
 @dataclass
 class ShardedCheckpoint:
     """A sealed checkpoint directory; tensors are read lazily, one at a time."""
@@ -94,8 +115,10 @@ class ShardedCheckpoint:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{meta_path} is not valid JSON ({e})") from e
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise CheckpointError(f"{meta_path}: format {found!r}, expected {FORMAT!r}")
+        _check_meta_schema(meta, meta_path)
         for shard in meta["shards"]:
             path = directory / shard["file"]
             if not path.is_file():

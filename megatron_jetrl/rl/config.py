@@ -69,9 +69,11 @@ class RunConfig:
         _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        _check(self.timeout_s > 0, f"run.timeout_s must be positive, got {self.timeout_s}")
+        _check(0 < self.timeout_s < 1e7, f"run.timeout_s must be positive, got {self.timeout_s:g} (seconds, below 1e7)")
+        _check(0 <= self.seed < 2**63, f"run.seed must be in [0, 2**63), got {self.seed}")
         _check(self.on_nonfinite in ("stop", "skip"), f"run.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        _check(bool(self.name) and "/" not in self.name, f"run.name must be a non-empty name without '/', got {self.name!r}")
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+               f"run.name must be a plain directory name (not empty, '.', '..', no '/'), got {self.name!r}")
 
     @property
     def directory(self) -> Path:
@@ -191,7 +193,7 @@ class RolloutConfig:
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
         _check(self.num_engines >= 1 and self.n >= 1, "rollout.num_engines and rollout.n must be >= 1")
         _check(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt (group-normalized advantages)")
-        _check(self.temperature > 0, f"rollout.temperature must be > 0 for GRPO sampling, got {self.temperature}")
+        _check(0 < self.temperature < 1e3, f"rollout.temperature must be a finite number > 0 for GRPO sampling, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
@@ -256,6 +258,10 @@ class JetRLConfig:
                f"pick sizes whose product divides {sequences}")
         _check(self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
                f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}")
+        fp8 = self.precision.mode != "bf16"
+        _check(not (self.model.batch_invariant and fp8 and self.precision.backend not in ("auto", "emulated")),
+               f"model.batch_invariant=true needs the emulated FP8 GEMM (exact block products), got precision.backend="
+               f"{self.precision.backend!r}: set precision.backend=emulated or model.batch_invariant=false")
         if self.model.hf_config:
             self.arch()  # architecture problems surface here, before anything is built
 
@@ -265,6 +271,8 @@ class JetRLConfig:
             arch = ModelArch.from_hf_config(self.model.architecture())
         except KeyError as e:
             raise ConfigError(f"model.hf_config lacks {e.args[0]!r} (an HF config.json field)") from None
+        except (ValueError, TypeError, ZeroDivisionError) as e:
+            raise ConfigError(f"model.hf_config is not a usable architecture: {e}") from None
         if self.precision.train_fp8 or self.precision.rollout_fp8:
             try:
                 arch.check_fp8_tp(self.parallel.tp)
@@ -373,7 +381,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         data.setdefault(parts[0], {})
         if not isinstance(data[parts[0]], dict):
             raise ConfigError(f"section {parts[0]} must be a mapping")
-        data[parts[0]][parts[1]] = yaml.safe_load(raw) if raw else ""
+        try:
+            data[parts[0]][parts[1]] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote it") from None
     return data
 
 

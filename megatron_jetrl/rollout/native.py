@@ -141,18 +141,44 @@ def check_quantization_config(config: dict, flow: PrecisionFlow, where: str = "c
         raise ValueError(f"{where} quantization_config does not match the precision flow: " + ", ".join(problems))
 
 
-def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json and every tensor of a local HF directory (model.safetensors or an index of shards)."""
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for a lying header or a short file
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index} is not valid JSON ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map {{tensor name: shard file}}")
+    bad = [f for f in weight_map.values() if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", "..")]
+    if bad:
+        raise ValueError(f"{index} maps tensors to {bad[:3]}: shard files must be plain names inside {index.parent}")
+    return weight_map
+
+
+def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and every tensor of a local HF directory (model.safetensors or an index of shards).
+    Anything malformed (JSON, index, safetensors header, a shard outside the directory) is a ValueError
+    that names the file."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _weight_map(index)
         tensors = {}
         for shard in sorted(set(weight_map.values())):
-            loaded = load_file(str(path / shard))
+            loaded = _load_safetensors(path / shard)
             stray = [n for n in loaded if weight_map.get(n) != shard]
             if stray:
                 raise ValueError(f"{path / shard} holds {stray[:3]} which the index does not map to it")
@@ -164,7 +190,7 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    return config, load_file(str(single))
+    return config, _load_safetensors(single)
 
 
 class KVCache:

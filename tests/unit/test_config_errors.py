@@ -146,19 +146,16 @@ ACCEPTED_BUT_BAD = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="defect: rl/config.py / actor/train_step.py OptimConfig do not check these (RELIABILITY.md D6)")
 @pytest.mark.parametrize("case", sorted(ACCEPTED_BUT_BAD))
 def test_values_that_cannot_train_are_refused(case):
     refused(*ACCEPTED_BUT_BAD[case])
 
 
-@pytest.mark.xfail(strict=True, reason="defect: models/arch.py num_heads % num_kv_heads raises ZeroDivisionError, not a ConfigError (D6)")
 def test_zero_kv_heads_is_a_config_error():
     refused("model.hf_config={model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, "
             "num_attention_heads: 2, num_key_value_heads: 0, head_dim: 128, vocab_size: 256}")
 
 
-@pytest.mark.xfail(strict=True, reason="defect: checked only in session.build_session, after torchrun started (D7)")
 def test_batch_invariant_needs_the_emulated_backend_at_load_time():
     refused("model.batch_invariant=true", "precision.backend=triton")
 
