@@ -44,6 +44,7 @@ import datetime
 import errno
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -292,11 +293,14 @@ def report(exc: BaseException, tb=None) -> str:
         if note:
             line += f"; {note}"
     chain = _chain(exc)
-    if phase in ("save", "export") or any(isinstance(e, OSError) for e in chain):
-        codes = {e.errno for e in chain if isinstance(e, OSError)}
-        line += _disk_note(cfg)
-        if codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
-            line += " (out of space)"
+    codes = {e.errno for e in chain if isinstance(e, OSError)}
+    full = bool(codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}) or any("No space left on device" in str(e) for e in chain)
+    if phase in ("save", "export") or codes or full:
+        note = _disk_note(cfg)
+        line += note
+        free = re.search(r": ([0-9.]+) MiB free", note)
+        if full or (free and float(free.group(1)) < 64):
+            line += " (out of space)" if full else " (nearly full: out of space?)"
     if cfg is not None:
         try:
             from megatron_jetrl.rl.session import latest_checkpoint

@@ -341,7 +341,7 @@ cp -a {out} {copy}
     line = jetrl_line(output)
     print(line)
     assert "rank 0 failed at step 1 (save)" in line, line
-    assert "MiB free" in line, line  # the report names the free space of the run directory's filesystem
+    assert "MiB free (out of space)" in line, line  # the report names the free space of the run directory's filesystem
     assert latest(copy).name == "step_000001"
     assert_intact(latest(copy))
     assert sorted(metrics(copy)) == [0, 1]  # nothing lost: both steps' metrics are on disk
@@ -352,6 +352,7 @@ cp -a {out} {copy}
 def test_disk_full_error_itself_names_the_cause_and_the_file():
     output = RESULTS.get("disk_full") or pytest.skip("test_disk_full_during_a_checkpoint_keeps_the_previous_one did not run")
     errors = [line for line in output.splitlines() if "Error" in line and "jetrl:" not in line]
+    print("\n".join(errors))
     assert any("No space left on device" in line and re.search(r"step_000002.partial/\S+", line) for line in errors), errors
 
 
