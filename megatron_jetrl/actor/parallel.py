@@ -99,8 +99,8 @@ def init_parallel(
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    parallel_state.initialize_model_parallel(  # megatron's TP/PP/DP groups get the same timeout (default 30 min)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
     )
 
     from megatron.core import tensor_parallel

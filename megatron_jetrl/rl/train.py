@@ -19,6 +19,7 @@ import yaml
 from megatron_jetrl.actor.logprobs import compute_logprobs
 from megatron_jetrl.actor.train_step import train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
+from megatron_jetrl.rl import faults
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     sess.init_distributed(cfg)
+    faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
     s = sess.build_session(cfg)
     if s.is_main:
         cfg.run.directory.mkdir(parents=True, exist_ok=True)

@@ -260,9 +260,6 @@ LOST = {
 def test_survivor_stops_within_the_timeout_naming_the_lost_rank(trainer, tmp_path, case, request):
     """Ranks started by hand (no torchrun to tear them down): rank 1 is killed or frozen at step 1; rank 0 must
     stop within run.timeout_s (+ slack) with a line naming the step and the lost rank."""
-    if "TP all-reduce" in case:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="defect D1: actor/parallel.py does not pass the timeout to "
-                                                                  "megatron's initialize_model_parallel: TP/DP groups wait 30 min"))
     fault, external_kill = LOST[case]
     out = tmp_path / "lost"
     procs = start_ranks(trainer, out, tp=2, fault=fault, timeout_s=TIMEOUT_S)
