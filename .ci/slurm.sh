@@ -35,13 +35,7 @@ fail() {
 }
 trap 'rc=$?; [ "$rc" -eq 0 ] || echo "[ci/slurm] FAILED: command at line $LINENO exited with $rc" >&2' ERR
 
-if [ -n "${PYTHON:-}" ]; then
-  py=$PYTHON
-elif [ -x "$repo/.venv/bin/python" ]; then
-  py=$repo/.venv/bin/python
-else
-  py=python3
-fi
+py=$(bash "$repo/launch/python.sh")
 export PYTHON=$py
 "$py" -c 'import torch, yaml' 2>/dev/null ||
   fail "'$py' cannot import torch and yaml; run 'bash tools/test.sh' (creates .venv) or set PYTHON=/path/to/venv/bin/python"

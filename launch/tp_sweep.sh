@@ -73,13 +73,7 @@ if [ $# -gt 0 ] && [[ $1 != *=* ]]; then
 fi
 overrides=("$@")
 
-if [ -n "${PYTHON:-}" ]; then
-  py=$PYTHON
-elif [ -x "$repo/.venv/bin/python" ]; then
-  py=$repo/.venv/bin/python
-else
-  py=python3
-fi
+py=$(bash "$repo/launch/python.sh")
 export PYTHON=$py
 command -v "$py" >/dev/null 2>&1 || die "python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv"
 train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}

@@ -31,13 +31,7 @@ set -euo pipefail
 script=$(readlink -f "${BASH_SOURCE[0]}")
 repo=$(dirname "$(dirname "$script")")
 
-if [ -n "${PYTHON:-}" ]; then
-  py=$PYTHON
-elif [ -x "$repo/.venv/bin/python" ]; then
-  py=$repo/.venv/bin/python
-else
-  py=python3
-fi
+py=$(bash "$repo/launch/python.sh")
 train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
 if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
   config_module=$JETRL_CONFIG_MODULE

@@ -302,6 +302,10 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+_EXACT = {int: ("an integer", ""), bool: ("true or false", ""), str: ("a string", " (quote it in YAML)"), dict: ("a mapping", "")}
+"""Types a value must already have (YAML gives them directly): what to call them, and a hint."""
+
+
 def _coerce(value, hint, where: str):
     """`value` as type `hint` (int, float, str, bool, dict, tuple[...], X | None), or a ConfigError."""
     origin = typing.get_origin(hint)
@@ -325,21 +329,10 @@ def _coerce(value, hint, where: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r} (quote it in YAML)")
-        return value
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+    if hint in _EXACT:
+        what, hint_text = _EXACT[hint]
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise ConfigError(f"{where} must be {what}, got {value!r}{hint_text}")
         return value
     return value
 

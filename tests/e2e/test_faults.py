@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from gloo import free_port, one_gloo_rank
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "train_grpo.sh"
@@ -154,12 +155,6 @@ def jetrl_line(output: str) -> str:
     lines = [line for line in output.splitlines() if "jetrl: rank" in line and " failed" in line]
     assert lines, f"no failure report line in:\n{output[-3000:]}"
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(trainer: str, out: Path, *overrides, world=2, fault=None, **kw) -> list[subprocess.Popen]:
@@ -474,26 +469,8 @@ def test_half_written_checkpoints_are_never_picked_up(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """torch.distributed + megatron parallel state, one gloo rank in this process (as tests/unit/test_actor_model.py)."""
-    import torch.distributed as dist
-
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    init_parallel(tp=1, pp=1)
-    yield
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    from patches import megatron_core_0_16_1_cpu as patch
-
-    patch.revert()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """torch.distributed + megatron parallel state, one gloo rank in this process."""
+    yield from one_gloo_rank()
 
 
 def _actor(cfg, mode: str = "jetrl"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+
+from gloo import free_port, one_gloo_rank  # noqa: F401  (re-exported for the actor tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 32
@@ -161,29 +162,6 @@ def rounded_state(state: dict, dtype=torch.bfloat16) -> dict:
 
 
 # --- gloo process helpers -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def one_gloo_rank():
-    """A module fixture's body: this test process as the only rank (TP1, PP1) of a gloo group; undone after."""
-    import torch.distributed as dist
-
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    init_parallel(tp=1, pp=1)
-    yield
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    from patches import megatron_core_0_16_1_cpu as patch
-
-    patch.revert()  # leave the process as test_megatron_cpu.py expects it
 
 
 def _entry(rank, world, port, tp, pp, fn, args, outdir):
