@@ -13,7 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs of the embedded default")
-SHORT = ["run.steps=3", "warmup.steps=15", "run.save_every=0", "grpo.prompts_per_step=8", "grpo.micro_batch_size=16"]
+SHORT = ["run.steps=3", "warmup.steps=2", "run.save_every=0", "grpo.prompts_per_step=8", "grpo.micro_batch_size=16"]
 
 
 def launch(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) -> tuple[list[dict], Path]:
