@@ -3,6 +3,12 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI draws the same examples on every run (a landing never depends on luck); a developer's run draws new ones
+# and keeps finding cases. JETRL_HYPOTHESIS=ci is set by .ci/run.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("JETRL_HYPOTHESIS", "default"))
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -34,6 +34,11 @@ def group_advantages(rewards: torch.Tensor, n: int, *, scale: str = "std", eps: 
     groups = rewards.detach().to(torch.float64).view(-1, n)
     centered = groups - groups.mean(dim=1, keepdim=True)
     if scale == "std":
-        centered = centered / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
+        # The std is taken on a unit scale (each group divided by its largest |r - mean|): squaring the raw
+        # spread underflows to 0 below ~1e-154 (and overflows above ~1e154), which would turn z-scores into inf.
+        unit = centered.abs().amax(dim=1, keepdim=True)
+        unit = torch.where(unit > 0, unit, 1.0)
+        std = (centered / unit).square().mean(dim=1, keepdim=True).sqrt() * unit
+        centered = centered / (std + eps)
     constant = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     return torch.where(constant, 0.0, centered).view(-1).to(out_dtype)

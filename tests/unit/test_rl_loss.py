@@ -61,6 +61,13 @@ def test_constant_group_gives_exact_zero(value, n, scale):
     assert torch.equal(adv[:n], torch.zeros(n))  # bitwise: +0.0, no 0/eps residue
 
 
+@pytest.mark.parametrize("spread", [2.369844591834898e-233, 1e-160, 1e160])
+def test_std_advantages_survive_tiny_and_huge_spreads(spread):
+    # a found case: squaring a spread of 1e-233 underflowed, std became 0 and the z-scores +-inf
+    adv = group_advantages(torch.tensor([0.0, spread], dtype=torch.float64), 2, eps=0.0)
+    assert adv.tolist() == pytest.approx([-1.0, 1.0], rel=1e-12)
+
+
 def test_advantage_dtypes():
     assert group_advantages(torch.tensor([1, 0, 1, 1]), 2).dtype == torch.float32
     assert group_advantages(torch.tensor([True, False]), 2).tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
