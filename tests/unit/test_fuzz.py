@@ -260,8 +260,19 @@ def hostile_safetensors(draw):
     entry = {"dtype": draw(st.sampled_from(["F32", "BF16", "F8_E4M3", "Q7", "", 5])),
              "shape": draw(st.lists(st.integers(-2, 6), max_size=3)),
              "data_offsets": draw(st.lists(st.integers(-4, 200), min_size=0, max_size=3))}
+    data = draw(st.integers(0, 64))
+    assume(not _honest(entry, data))  # e.g. F32, shape [0], offsets [0, 0] is a valid empty tensor
     header = json.dumps({"t": entry}).encode()
-    return struct.pack("<Q", len(header)) + header + bytes(draw(st.integers(0, 64)))
+    return struct.pack("<Q", len(header)) + header + bytes(data)
+
+
+def _honest(entry, data_bytes):
+    """Whether a header entry describes exactly the bytes that follow (then the file is valid, not hostile)."""
+    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1}.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    offsets, shape = entry["data_offsets"], entry["shape"]
+    if size is None or len(offsets) != 2 or min(shape, default=0) < 0:
+        return False
+    return offsets[0] == 0 and offsets[1] == data_bytes == math.prod(shape) * size
 
 
 @FUZZ
