@@ -17,12 +17,13 @@ Two measurements per (precision, batch, new tokens), prompts of `--prompt` rando
 
 * model step (all configs, cheap): one prefill forward (`hidden_states` on a fresh KV cache of the
   generate() capacity prompt + new tokens) and the median of a few single-token decode forwards +
-  lm_head, called exactly as `generate()` calls them (all rows active). This is the engine's model
-  throughput with no sampling or Python bookkeeping.
+  lm_head of every row halfway through the generation (attention span as generate() rounds it), both
+  launched eagerly and replayed as the CUDA graph generate() uses (`rollout/decode_graphs.py`). This is
+  the engine's model throughput with no sampling or Python bookkeeping; "model decode" is the graph's.
 * end to end: `engine.generate()` with `SamplingParams(temperature=1.0, ignore_eos=True,
   max_new_tokens=N, seed=...)`. Prefill = its first forward (timed inside generate by wrapping
-  `hidden_states`); decode = the rest of the call (N sampled tokens per row, N-1 decode forwards, the
-  per-row sampling). decode tok/s = batch * N / decode seconds.
+  `hidden_states`); decode = the rest of the call (N sampled tokens per row, N-1 decode steps with their
+  graph captures, the batched sampling). decode tok/s = batch * N / decode seconds.
 
 The end-to-end runs take the whole time of N steps, so they are scheduled cheapest first and only
 while their predicted time (from the model-step numbers and the per-row sampling cost seen so far)
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.fp8.gemm import resolve_backend  # noqa: E402
 from megatron_jetrl.models import ModelArch  # noqa: E402
+from megatron_jetrl.rollout.decode_graphs import SPAN_STEP, DecodeGraphs  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import E4M3, SCALE_SUFFIX, KVCache, NativeEngine, expected_tensors  # noqa: E402
 
@@ -139,23 +141,32 @@ def random_prompts(batch, prompt, vocab, seed):
 
 @torch.no_grad()
 def model_step(engine: NativeEngine, batch: int, prompt: int, new: int, reps: int, seed: int):
-    """Prefill forward and single-token decode forward (+ lm_head) as generate() calls them; seconds."""
+    """Prefill forward; one decode step of every row (+ lm_head) halfway through the generation, launched
+    eagerly and (on CUDA) replayed as generate()'s graph. Seconds: (prefill, eager step, graph step or None)."""
     dev = engine.device
     tokens = random_prompts(batch, prompt, engine.arch.vocab_size, seed).to(dev)
     cache = KVCache(engine.arch, batch, prompt + new, dev)
     positions = torch.arange(prompt, device=dev).expand(batch, prompt)
     lengths = torch.full((batch,), prompt, device=dev)
-    prefill_s, hidden = timed(dev, lambda: engine.hidden_states(tokens, positions, lengths, cache))
+    prefill_s, hidden = timed(dev, lambda: engine.hidden_states(tokens, positions, lengths, cache, span=prompt))
     last = engine.logits(hidden[:, -1])
-    rows = torch.arange(batch, device=dev)
-    pos = torch.full((batch, 1), prompt + new // 2 - 1, device=dev, dtype=torch.long)
+    at = prompt + new // 2 - 1
+    span = min(prompt + new, -(-(at + 1) // SPAN_STEP) * SPAN_STEP)
+    pos = torch.full((batch, 1), at, device=dev, dtype=torch.long)
     new_tok = last.argmax(-1)[:, None]
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        t, _ = timed(dev, lambda: engine.logits(engine.hidden_states(new_tok, pos, pos[:, 0] + 1, cache, rows)[:, 0]))
-        times.append(t)
+
+    def median_of(fn):
+        return statistics.median([timed(dev, fn)[0] for _ in range(reps + 1)][1:])  # the first is a warm-up
+
+    eager = median_of(lambda: engine.logits(engine.hidden_states(new_tok, pos, pos[:, 0] + 1, cache, span=span)[:, 0]))
+    graph = None
+    if dev.type == "cuda":
+        graphs = DecodeGraphs(engine, cache)
+        args = (new_tok[:, 0].tolist(), [at] * batch)
+        graph = median_of(lambda: graphs.step(*args))
+        del graphs
     del cache, hidden, last
-    return prefill_s, statistics.median(times[1:])
+    return prefill_s, eager, graph
 
 
 @torch.no_grad()
@@ -278,7 +289,7 @@ def main(argv=None) -> dict:
             t, _ = timed(device, lambda: model_step(eng, b, args.prompt, min(args.new_tokens), 1, args.seed))
             print(f"warm-up {prec} batch {b}: {t:.1f} s", flush=True)
 
-    print("model step (prefill forward; single-token decode forward + lm_head, no sampling):", flush=True)
+    print("model step (prefill forward; single-token decode step + lm_head of every row, graph and eager, no sampling):", flush=True)
     for b, n in configs:
         for prec, eng in engines.items():
             r = rows[(prec, b, n)]
@@ -287,16 +298,17 @@ def main(argv=None) -> dict:
                 continue
             reset_peak(device)
             try:
-                pre, step = model_step(eng, b, args.prompt, n, args.reps, args.seed)
+                pre, eager, graph = model_step(eng, b, args.prompt, n, args.reps, args.seed)
+                step = graph if graph is not None else eager
             except torch.cuda.OutOfMemoryError as e:
                 r["model_step"] = f"OOM: {str(e).splitlines()[0][:160]}"
                 print(f"  {prec:4s} B={b:4d} new={n:5d}: OOM", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            r.update(prefill_fwd_s=pre, prefill_tok_s=b * args.prompt / pre, decode_step_s=step,
-                     model_decode_tok_s=b / step, model_step_peak_GiB=peak_gib(device))
+            r.update(prefill_fwd_s=pre, prefill_tok_s=b * args.prompt / pre, decode_step_s=step, eager_decode_step_s=eager,
+                     model_decode_tok_s=b / step, eager_decode_tok_s=b / eager, model_step_peak_GiB=peak_gib(device))
             print(f"  {prec:4s} B={b:4d} new={n:5d}: prefill {pre * 1e3:9.1f} ms ({b * args.prompt / pre:9.0f} tok/s)  "
-                  f"decode step {step * 1e3:8.2f} ms ({b / step:8.0f} tok/s)" + (f"  peak {peak_gib(device):6.1f} GiB" if device.type == "cuda" else ""), flush=True)
+                  f"decode step {step * 1e3:8.2f} ms ({b / step:8.0f} tok/s; eager {eager * 1e3:8.2f} ms)" + (f"  peak {peak_gib(device):6.1f} GiB" if device.type == "cuda" else ""), flush=True)
 
     res["e2e_skipped"] = []
     if not args.no_e2e:
@@ -357,6 +369,7 @@ def main(argv=None) -> dict:
 
         q["e2e_decode"] = ratio(lambda r: r["e2e"]["decode_tok_s"])
         q["model_decode"] = ratio(lambda r: r["model_decode_tok_s"])
+        q["eager_decode"] = ratio(lambda r: r["eager_decode_tok_s"])
         q["prefill"] = ratio(lambda r: r["prefill_tok_s"])
         ratios.append(q)
     res["results"] = list(rows.values())
@@ -384,7 +397,7 @@ def main(argv=None) -> dict:
     lines.append("FP8/BF16 throughput ratio (>1: FP8 faster):")
     for q in ratios:
         lines.append(f"{q['batch']:4d} {q['new_tokens']:5d}      | e2e decode {fmt(q['e2e_decode'], '5.2f')}x   "
-                     f"model decode {fmt(q['model_decode'], '5.2f')}x   prefill {fmt(q['prefill'], '5.2f')}x")
+                     f"model decode {fmt(q['model_decode'], '5.2f')}x (eager {fmt(q['eager_decode'], '5.2f')}x)   prefill {fmt(q['prefill'], '5.2f')}x")
     if res["e2e_skipped"]:
         lines.append("e2e not run (budget): " + ", ".join(f"B={s['batch']}/new={s['new_tokens']}" + (f" (~{s['estimate_s']:.0f} s)" if s["estimate_s"] else "")
                                                         for s in res["e2e_skipped"]))

@@ -14,6 +14,7 @@ prefill, in KV-cache decode, in teacher-forced `score()`, and whatever its batch
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Iterable, Sequence
@@ -23,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear_forward, scale_shape
+from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
 from megatron_jetrl.models import ops
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
-from megatron_jetrl.rollout.sampling import sample_token, sequence_generator
+from megatron_jetrl.rollout.decode_graphs import DecodeGraphs
+from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator
 
 E4M3 = torch.float8_e4m3fn
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -194,10 +197,13 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 
 
 class KVCache:
-    """Per-layer K and V `[B, capacity, kv_heads, head_dim]`, zero-filled (masked slots stay finite)."""
+    """Per-layer K and V `[B, kv_heads, capacity, head_dim]`, zero-filled (masked slots stay finite).
+
+    Head-major, so the first `span` slots of every (row, head) are one strided batch that attention's
+    matmuls read in place (no copy, no repeat per query head)."""
 
     def __init__(self, arch: ModelArch, batch: int, capacity: int, device, dtype=torch.bfloat16):
-        shape = (batch, capacity, arch.num_kv_heads, arch.head_dim)
+        shape = (batch, arch.num_kv_heads, capacity, arch.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.capacity = capacity
@@ -215,10 +221,19 @@ class NativeEngine:
         eos_token_ids: Sequence[int] = (),
         tokenizer=None,
         batch_invariant: bool = True,
+        cuda_graphs: bool | None = None,
     ):
         if flow.rollout_fp8:
             arch.check_fp8_tp(1)
         self.arch, self.flow, self.device = arch, flow, torch.device(device)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and not batch_invariant
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {self.device}: leave cuda_graphs unset")
+        self.cuda_graphs = cuda_graphs
+        # A captured step cannot stop on the host for the quantizer's NaN/Inf check; NaN/Inf reaches the
+        # logits instead (an inf scale makes NaN bytes), and generate() checks every logits row it samples.
+        self._fwd_flow = dataclasses.replace(flow, check_finite=False) if cuda_graphs else flow
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer
         self.batch_invariant = batch_invariant
@@ -296,7 +311,7 @@ class NativeEngine:
             qw = self._qweights.get(name)
             if qw is None:
                 qw = self._qweights[name] = QuantizedWeight(self.params[name + ".weight"], self.params[name + SCALE_SUFFIX])
-            return fp8_linear_forward(x, qw, bias, flow=self.flow)
+            return fp8_linear_forward(x, qw, bias, flow=self._fwd_flow)
         weight = self.params[name + ".weight"]
         return ops.bi_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
 
@@ -317,24 +332,35 @@ class NativeEngine:
         return self.params[name] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     def _attend(self, q, k, v, q_pos, k_len):
+        """q `[B, H, Tq, D]`, k/v `[B, Hkv, Tk, D]` -> `[B, H, Tq, D]`; query at p sees keys `j <= p`, `j < k_len`."""
         if self.batch_invariant:
             return ops.attention(q, k, v, q_pos, k_len)
+        keys = torch.arange(k.shape[2], device=q.device)
+        if q.shape[2] == 1:  # decode: each query head group reads its K/V head where it lies, FP32 softmax
+            b, h, _, d = q.shape
+            grouped = q.view(b, k.shape[1], h // k.shape[1], d)
+            scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * d ** -0.5  # [B, Hkv, rep, Tk]
+            scores = scores.masked_fill((keys[None, :] >= k_len[:, None])[:, None, None, :], float("-inf"))
+            return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).view(b, h, 1, d)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        keys = torch.arange(k.shape[2], device=q.device)
         mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, k_len: torch.Tensor,
-                      cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+                      cache: KVCache | None = None, rows: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
         """Final-norm hidden states `[B, T, hidden]` for right-padded `tokens` `[B, T]` at `positions`.
 
         With `cache`, K/V of these tokens are written at their positions in the cache rows `rows`
-        (default: all) and attention reads the cache; `k_len` is each row's valid length afterwards.
+        (default: all) and attention reads the first `span` slots of the cache (every row's keys lie there;
+        slots past `k_len` are masked, and a masked slot adds an exact 0, so the bits do not depend on `span`);
+        `k_len` is each row's valid length afterwards. With `span` given nothing here waits for the device.
         """
         a, p = self.arch, self.params
         b, t = tokens.shape
-        cos_t, sin_t = self._rope_tables(int(positions.max()) + 1)
+        if cache is not None and span is None:
+            raise ValueError("hidden_states with a KV cache needs span (the number of cache slots to attend over)")
+        cos_t, sin_t = self._rope_tables(span if span is not None else int(positions.max()) + 1)
         cos, sin = cos_t[positions], sin_t[positions]
         h = p["model.embed_tokens.weight"][tokens]
         row_idx = (torch.arange(b, device=tokens.device) if rows is None else rows)[:, None]
@@ -348,15 +374,15 @@ class NativeEngine:
                 q = self._norm(q, pre + "self_attn.q_norm.weight")
                 k = self._norm(k, pre + "self_attn.k_norm.weight")
             q = ops.apply_rope(q.transpose(1, 2), cos, sin)
-            k = ops.apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
-            if cache is not None:
-                cache.k[i][row_idx, positions] = k
-                cache.v[i][row_idx, positions] = v
-                keys = cache.k[i][row_idx[:, 0]] if rows is not None else cache.k[i]
-                vals = cache.v[i][row_idx[:, 0]] if rows is not None else cache.v[i]
-            else:
-                keys, vals = k, v
-            o = self._attend(q, keys.transpose(1, 2), vals.transpose(1, 2), positions, k_len)
+            k = ops.apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+            v = v.transpose(1, 2)
+            if cache is not None:  # advanced indices (row, position) split by the head slice: value [B, T, Hkv, D]
+                cache.k[i][row_idx, :, positions] = k.transpose(1, 2)
+                cache.v[i][row_idx, :, positions] = v.transpose(1, 2)
+                k, v = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
+                if rows is not None:
+                    k, v = k[rows], v[rows]
+            o = self._attend(q, k, v, positions, k_len)
             h = h + self._linear(o.transpose(1, 2).reshape(b, t, a.num_heads * a.head_dim), pre + "self_attn.o_proj")
             x = self._norm(h, pre + "post_attention_layernorm.weight")
             gate, up = self._linear(x, pre + "mlp.gate_proj"), self._linear(x, pre + "mlp.up_proj")
@@ -431,20 +457,29 @@ class NativeEngine:
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
 
         positions = torch.arange(t, device=self.device).expand(b, t)
-        hidden = self.hidden_states(tokens, positions, lengths, cache)
+        hidden = self.hidden_states(tokens, positions, lengths, cache, span=t)
         last = self.logits(hidden[torch.arange(b, device=self.device), lengths - 1])  # [B, V]
+        prompt_len = [len(prompts[i]) for i, _ in seqs]
+        graphs = DecodeGraphs(self, cache) if self.cuda_graphs else None
         out_tokens = [[] for _ in seqs]
         out_lps = [[] for _ in seqs]
         finish: list[tuple[str, object] | None] = [None] * b
         texts: list[str | None] = [None] * b
         active = list(range(b))
-        cur_len = lengths.clone()
         for step in range(sampling.max_new_tokens):
-            lps = self._log_softmax(last)
-            for r, s in enumerate(active):
-                tok = sample_token(last[r], sampling.temperature, sampling.top_p, gens[s])
+            # `last` holds the logits of the `active` rows (eager: compacted to them; graphs: of every cache row)
+            logits = last if graphs is None else last[torch.tensor(active, device=self.device)]
+            toks = sample_tokens(logits, sampling.temperature, sampling.top_p, [gens[s] for s in active])
+            picked = self._log_softmax(logits).gather(-1, toks[:, None])[:, 0]
+            finite = torch.isfinite(logits).all(-1)
+            host = torch.stack([toks.double(), picked.double(), finite.double()]).tolist()  # the step's one host sync
+            if not all(host[2]):
+                bad = [active[r] for r, ok in enumerate(host[2]) if not ok]
+                raise NonFiniteInputError(f"NaN/Inf logits for completion(s) {bad[:8]} at generated token {step}: "
+                                          "the weights or activations hold non-finite values")
+            for s, tok, lp in zip(active, map(int, host[0]), host[1]):
                 out_tokens[s].append(tok)
-                out_lps[s].append(float(lps[r, tok]))
+                out_lps[s].append(lp)
                 if tok in stop_ids:
                     finish[s] = ("stop", tok if tok in sampling.stop_token_ids else None)
                 elif sampling.stop:
@@ -458,11 +493,16 @@ class NativeEngine:
             active = [s for s in active if finish[s] is None]
             if not active:
                 break
-            rows = torch.tensor(active, device=self.device)
-            new = torch.tensor([[out_tokens[s][-1]] for s in active], device=self.device)
-            pos = cur_len[rows][:, None] + len(out_tokens[active[0]]) - 1
-            hidden = self.hidden_states(new, pos, pos[:, 0] + 1, cache, rows)
-            last = self.logits(hidden[:, 0])
+            done = step + 1  # tokens generated per active row; the newest sits at prompt_len + done - 1
+            if graphs is None:
+                rows = torch.tensor(active, device=self.device)
+                new = torch.tensor([[out_tokens[s][-1]] for s in active], device=self.device)
+                pos = torch.tensor([[prompt_len[s] + done - 1] for s in active], device=self.device)
+                hidden = self.hidden_states(new, pos, pos[:, 0] + 1, cache, rows, span=max(prompt_len[s] for s in active) + done)
+                last = self.logits(hidden[:, 0])
+            else:  # finished rows decode a dummy token at slot 0 of their own cache row; nobody reads it
+                last = graphs.step([out_tokens[s][-1] if finish[s] is None else 0 for s in range(b)],
+                                   [prompt_len[s] + done - 1 if finish[s] is None else 0 for s in range(b)])
         results = [RequestOutput(prompt_token_ids=p, request_seed=seeds[i]) for i, p in enumerate(prompts)]
         for s, (i, _) in enumerate(seqs):
             reason, why = finish[s]

@@ -22,23 +22,29 @@ def sequence_generator(request_seed: int | None, sample_index: int, device="cpu"
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail outside the nucleus and renormalize (`probs` [V], FP32)."""
+    """Zero the tail outside the nucleus and renormalize, per row of `probs` `[..., V]` (FP32)."""
     if top_p >= 1.0:
         return probs
-    sorted_p, order = probs.sort(descending=False, stable=True)
+    sorted_p, order = probs.sort(dim=-1, descending=False, stable=True)
     cumulative = sorted_p.cumsum(-1)
     drop = cumulative <= 1 - top_p
-    drop[-1] = False  # the most likely token always stays
+    drop[..., -1] = False  # the most likely token always stays
     kept = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
     filtered = torch.zeros_like(probs).scatter(-1, order, kept)
-    return filtered / filtered.sum()
+    return filtered / filtered.sum(-1, keepdim=True)
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from a row of logits [V]."""
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `logits` `[B, V]` (row r races with `generators[r]`): long `[B]` on logits' device.
+
+    Row-wise ops only, so a row's token does not depend on the other rows; the host sync is the caller's.
+    """
+    if len(generators) != logits.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {logits.shape[0]} rows of logits")
     if temperature < 1e-5:
-        return int(logits.float().argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    probs = top_p_filter(probs, top_p)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / race).argmax())
+        return logits.float().argmax(-1)
+    probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)
+    race = torch.empty_like(probs)
+    for row, g in zip(race, generators):
+        row.exponential_(generator=g)
+    return (probs / race).argmax(-1)

@@ -11,7 +11,7 @@ from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, dequantize_blockw
 from megatron_jetrl.models import ModelArch, from_hf, hf_tensors, model_entries
 from megatron_jetrl.rollout import NativeEngine, SamplingParams, WeightUpdateError, expected_tensors
 from megatron_jetrl.models import ops
-from megatron_jetrl.rollout.sampling import sample_token, sequence_generator, top_p_filter
+from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator, top_p_filter
 
 JETRL, BF16 = PrecisionFlow("jetrl"), PrecisionFlow("bf16")
 
@@ -210,6 +210,15 @@ def test_library_kernels_path_is_close_but_not_required_exact():
     seq = [[3, 1, 4, 1, 5, 9, 2, 6]]
     a, b = torch.tensor(exact.score(seq)[0]), torch.tensor(fast.score(seq)[0])
     assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    # its KV-cache decode (grouped-query attention read in place over a span of the cache, rows of different
+    # lengths, some finishing early) reports what the exact engine scores for the same tokens, within that bound
+    prompts = [[3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8], [5]]
+    outs = fast.generate(prompts, SamplingParams(n=2, max_new_tokens=12, seed=1, stop_token_ids=(7, 11)))
+    seqs = [(o.prompt_token_ids, c) for o in outs for c in o.completions]
+    assert len({len(c.token_ids) for _, c in seqs}) > 1  # some rows stopped early
+    for (prompt, c), scored in zip(seqs, exact.score([p + c.token_ids for p, c in seqs])):
+        ref = torch.tensor(scored[len(prompt) - 1:])
+        assert (torch.tensor(c.logprobs) - ref).abs().max() < 2e-2 * ref.abs().max()
 
 
 # ---- (c) disk == live ----------------------------------------------------------------------------------
@@ -270,16 +279,28 @@ def test_greedy_and_top_p_semantics():
     assert torch.equal(top_p_filter(probs, 0.5), torch.tensor([0.0, 1.0, 0.0]))
     assert torch.allclose(top_p_filter(probs, 0.8), torch.tensor([0.0, 2 / 3, 1 / 3]))
     assert torch.equal(top_p_filter(probs, 1.0), probs)
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
-    g = sequence_generator(0, 0)
-    counts = torch.bincount(torch.tensor([sample_token(logits, 1.0, 1.0, g) for _ in range(3000)]), minlength=3) / 3000
-    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
-    hot = torch.bincount(torch.tensor([sample_token(logits, 100.0, 1.0, g) for _ in range(3000)]), minlength=3) / 3000
-    assert (hot - 1 / 3).abs().max() < 0.04  # high temperature flattens
-    cold = {sample_token(logits, 0.01, 1.0, g) for _ in range(200)}
-    assert cold == {0}
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(3000, 3)
+
+    def draw(temperature):  # 3000 sequences of one request, one token each
+        return sample_tokens(logits, temperature, 1.0, [sequence_generator(0, j) for j in range(3000)])
+
+    assert torch.allclose(torch.bincount(draw(1.0), minlength=3) / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+    assert (torch.bincount(draw(100.0), minlength=3) / 3000 - 1 / 3).abs().max() < 0.04  # high temperature flattens
+    assert set(draw(0.01).tolist()) == {0}
+    assert torch.equal(top_p_filter(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]), 0.5),
+                       torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))  # row-wise
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_a_rows_token_does_not_depend_on_its_batch(temperature, top_p):
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    batched = sample_tokens(logits, temperature, top_p, [sequence_generator(9, j) for j in range(6)])
+    alone = [int(sample_tokens(logits[j:j + 1], temperature, top_p, [sequence_generator(9, j)])) for j in range(6)]
+    assert batched.tolist() == alone
+    with pytest.raises(ValueError, match="2 generators for 6 rows"):
+        sample_tokens(logits, 1.0, 1.0, [sequence_generator(9, 0)] * 2)
 
 
 class Letters:
