@@ -28,27 +28,6 @@
 #   PYTHONUNBUFFERED     default 1 (rank logs appear as they are written)
 set -euo pipefail
 
-script=$(readlink -f "${BASH_SOURCE[0]}")
-repo=$(dirname "$(dirname "$script")")
-
-py=$(bash "$repo/launch/python.sh")
-train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
-if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
-  config_module=$JETRL_CONFIG_MODULE
-elif [ "$train_module" = megatron_jetrl.rl.train ]; then
-  config_module=megatron_jetrl.rl.config
-else
-  config_module=$train_module
-fi
-# The repository on the import path, so the modules resolve from any working directory (relative config and
-# out_dir paths stay relative to the caller's directory).
-case ":${PYTHONPATH:-}:" in
-  *":$repo:"*) ;;
-  *) export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" ;;
-esac
-export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-
 # `python -m MODULE` or `python FILE.py`
 module_cmd() {
   case $1 in
@@ -57,10 +36,10 @@ module_cmd() {
   esac
 }
 
-# The exit code to report for a torchrun that exited with $2: the earliest non-zero code recorded by a rank in
-# directory $1 (files rank<R>.rc holding "<code> <time ns>"), else $2 itself.
+# "<code> <rank>" for a torchrun that exited with $2: the earliest non-zero code recorded by a rank in directory
+# $1 (files rank<R>.rc holding "<code> <time ns>") and that rank; else "$2" alone (no rank recorded a failure).
 first_failure() {
-  local dir=$1 rc=$2 best="" best_t="" code t f
+  local dir=$1 rc=$2 best="" best_t="" best_rank="" code t f
   if [ "$rc" -eq 0 ]; then
     echo 0
     return
@@ -72,96 +51,131 @@ first_failure() {
     if [ -z "$best" ] || [ "$t" -lt "$best_t" ]; then
       best=$code
       best_t=$t
+      best_rank=${f##*/rank}
+      best_rank=${best_rank%.rc}
     fi
   done
-  echo "${best:-$rc}"
+  echo "${best:-$rc} $best_rank"
 }
 
-# ---------------------------------------------------------------- rank mode (under torchrun)
-if [ -n "${RANK:-}" ] || [ -n "${LOCAL_RANK:-}" ]; then
-  mapfile -t mod < <(module_cmd "$train_module")
-  if [ -z "${JETRL_EXIT_DIR:-}" ]; then
-    exec "$py" "${mod[@]}" "$@"
+# The whole launcher is this function, called on the last line: bash parses it completely before running it,
+# so editing or checking out this file while a run is live cannot change what the running launcher does.
+main() {
+  script=$(readlink -f "${BASH_SOURCE[0]}")
+  repo=$(dirname "$(dirname "$script")")
+
+  py=$(bash "$repo/launch/python.sh")
+  train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
+  if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
+    config_module=$JETRL_CONFIG_MODULE
+  elif [ "$train_module" = megatron_jetrl.rl.train ]; then
+    config_module=megatron_jetrl.rl.config
+  else
+    config_module=$train_module
   fi
-  rc=0
-  "$py" "${mod[@]}" "$@" || rc=$?
-  printf '%s %s\n' "$rc" "$(date +%s%N)" >"$JETRL_EXIT_DIR/rank${RANK:-$LOCAL_RANK}.rc" || true
-  exit "$rc"
-fi
+  # The repository on the import path, so the modules resolve from any working directory (relative config and
+  # out_dir paths stay relative to the caller's directory).
+  case ":${PYTHONPATH:-}:" in
+    *":$repo:"*) ;;
+    *) export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" ;;
+  esac
+  export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
-# ---------------------------------------------------------------- launcher mode
-case ${1:-} in
-  -h|--help)
-    sed -n '2,/^set -euo/p' "$script" | sed '$d' | sed 's/^# \{0,1\}//'
-    exit 0
-    ;;
-esac
-
-shown_args=""
-if [ $# -gt 0 ]; then shown_args=$(printf ' %q' "$@"); fi
-if [ -z "${PYTHON:-}" ] && [ -z "${RANK:-}" ] && [ ! -x "$repo/.venv/bin/python" ]; then
-  echo "train_grpo.sh: first run: creating $repo/.venv (bash tools/setup.sh; about a minute)" >&2
-  bash "$repo/tools/setup.sh"
-  py=$repo/.venv/bin/python
-fi
-if ! command -v "$py" >/dev/null 2>&1; then
-  echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv" >&2
-  exit 2
-fi
-if ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
-  echo "train_grpo.sh: error: '$py' has no torch; run 'bash tools/test.sh' to create $repo/.venv, or set PYTHON to an interpreter with the requirements installed" >&2
-  exit 2
-fi
-
-if [ -n "${JETRL_NPROC:-}" ]; then
-  nproc_run=$JETRL_NPROC
-  nproc_source=JETRL_NPROC
-else
-  nproc_source="$config_module --get parallel.world_size"
-  mapfile -t cmod < <(module_cmd "$config_module")
-  get_rc=0
-  nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size) || get_rc=$?
-  if [ "$get_rc" -ne 0 ]; then
-    echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc, message above);" \
-         "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question" >&2
-    exit "$get_rc"
+  # ---------------------------------------------------------------- rank mode (under torchrun)
+  if [ -n "${RANK:-}" ] || [ -n "${LOCAL_RANK:-}" ]; then
+    mapfile -t mod < <(module_cmd "$train_module")
+    if [ -z "${JETRL_EXIT_DIR:-}" ]; then
+      exec "$py" "${mod[@]}" "$@"
+    fi
+    rc=0
+    "$py" "${mod[@]}" "$@" || rc=$?
+    printf '%s %s\n' "$rc" "$(date +%s%N)" >"$JETRL_EXIT_DIR/rank${RANK:-$LOCAL_RANK}.rc" || true
+    exit "$rc"
   fi
-  nproc_run=$(printf '%s' "$nproc_run" | tail -n 1 | tr -d '[:space:]')
-fi
-if ! [[ $nproc_run =~ ^[1-9][0-9]*$ ]]; then
-  echo "train_grpo.sh: error: the world size must be a positive integer, got '$nproc_run' (from $nproc_source)" >&2
-  exit 2
-fi
 
-if [ -z "${OMP_NUM_THREADS:-}" ]; then
-  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)  # nproc obeys OMP_* otherwise
-  threads=$((cores / nproc_run))
-  export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
-fi
+  # ---------------------------------------------------------------- launcher mode
+  case ${1:-} in
+    -h|--help)
+      sed -n '2,/^set -euo/p' "$script" | sed '$d' | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+  esac
 
-if [ -n "${JETRL_TORCHRUN_ARGS:-}" ]; then
-  read -r -a torchrun_args <<<"$JETRL_TORCHRUN_ARGS"
-else
-  torchrun_args=(--standalone "--nproc-per-node=$nproc_run")
-fi
+  shown_args=""
+  if [ $# -gt 0 ]; then shown_args=$(printf ' %q' "$@"); fi
+  if [ -z "${PYTHON:-}" ] && [ -z "${RANK:-}" ] && [ ! -x "$repo/.venv/bin/python" ]; then
+    echo "train_grpo.sh: first run: creating $repo/.venv (bash tools/setup.sh; about a minute)" >&2
+    bash "$repo/tools/setup.sh"
+    py=$repo/.venv/bin/python
+  fi
+  if ! command -v "$py" >/dev/null 2>&1; then
+    echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv" >&2
+    exit 2
+  fi
+  if ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+    echo "train_grpo.sh: error: '$py' has no torch; run 'bash tools/test.sh' to create $repo/.venv, or set PYTHON to an interpreter with the requirements installed" >&2
+    exit 2
+  fi
 
-JETRL_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-exit.XXXXXX")
-export JETRL_EXIT_DIR
-trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
-echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
-# torchrun runs in the background so that a SIGTERM/SIGINT/SIGHUP to this script reaches it at once (it then stops
-# every rank) instead of leaving it running without its launcher.
-"$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
-torchrun_pid=$!
-trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM INT HUP
-rc=0
-wait "$torchrun_pid" || rc=$?
-while kill -0 "$torchrun_pid" 2>/dev/null; do  # interrupted by a signal: wait for torchrun to stop the ranks
+  if [ -n "${JETRL_NPROC:-}" ]; then
+    nproc_run=$JETRL_NPROC
+    nproc_source=JETRL_NPROC
+  else
+    nproc_source="$config_module --get parallel.world_size"
+    mapfile -t cmod < <(module_cmd "$config_module")
+    get_rc=0
+    nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size) || get_rc=$?
+    if [ "$get_rc" -ne 0 ]; then
+      echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc, message above);" \
+           "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question" >&2
+      exit "$get_rc"
+    fi
+    nproc_run=$(printf '%s' "$nproc_run" | tail -n 1 | tr -d '[:space:]')
+  fi
+  if ! [[ $nproc_run =~ ^[1-9][0-9]*$ ]]; then
+    echo "train_grpo.sh: error: the world size must be a positive integer, got '$nproc_run' (from $nproc_source)" >&2
+    exit 2
+  fi
+
+  if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)  # nproc obeys OMP_* otherwise
+    threads=$((cores / nproc_run))
+    export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+  fi
+
+  if [ -n "${JETRL_TORCHRUN_ARGS:-}" ]; then
+    read -r -a torchrun_args <<<"$JETRL_TORCHRUN_ARGS"
+  else
+    torchrun_args=(--standalone "--nproc-per-node=$nproc_run")
+  fi
+
+  JETRL_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-exit.XXXXXX")
+  export JETRL_EXIT_DIR
+  trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
+  echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
+  # torchrun runs in the background so that a SIGTERM/SIGINT/SIGHUP to this script reaches it at once (it then stops
+  # every rank) instead of leaving it running without its launcher.
+  "$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
+  torchrun_pid=$!
+  trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM INT HUP
   rc=0
   wait "$torchrun_pid" || rc=$?
-done
-code=$(first_failure "$JETRL_EXIT_DIR" "$rc")
-if [ "$code" -ne 0 ]; then
-  echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc)" >&2
-fi
-exit "$code"
+  while kill -0 "$torchrun_pid" 2>/dev/null; do  # interrupted by a signal: wait for torchrun to stop the ranks
+    rc=0
+    wait "$torchrun_pid" || rc=$?
+  done
+  read -r code rank < <(first_failure "$JETRL_EXIT_DIR" "$rc")
+  if [ "$code" -ne 0 ]; then
+    signal=""
+    if [ "$code" -gt 128 ]; then signal=", SIG$(kill -l $((code - 128)) 2>/dev/null || echo $((code - 128)))"; fi
+    if [ -n "$rank" ]; then
+      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc): rank $rank failed first (exit code $code$signal); its error is above" >&2
+    else
+      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc); no rank recorded an exit code (torchrun's report above says why)" >&2
+    fi
+  fi
+  return "$code"
+}
+
+main "$@"; exit

@@ -89,17 +89,21 @@ def _nonfinite_gradients(ddp_model) -> list[str]:
 
 
 def _check_finite(ddp_model, out: list[dict], on_nonfinite: str) -> str | None:
-    """Collective: None when loss and gradients are finite on every rank; else the problem (or raise)."""
-    local = [k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())]
+    """Collective: None when loss and gradients are finite on every rank; else what is not, on which ranks
+    (every rank gets the same text), or NonFiniteError when `on_nonfinite="raise"`."""
+    local = sorted({k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())})
     grads = _nonfinite_gradients(ddp_model)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
     flag = torch.tensor([1.0 if (local or grads) else 0.0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if not flag.item():
         return None
-    rank = torch.distributed.get_rank()
-    where = (f"rank {rank}: non-finite {sorted(set(local))} in the loss callback, in the gradients of {grads[:3]}"
-             f"{' ...' if len(grads) > 3 else ''}" if (local or grads) else f"rank {rank} is clean; another rank reported NaN/Inf")
+    parts = ([f"{local} from the loss callback"] if local else []) + \
+        ([f"the gradients of {grads[:3]}{' ...' if len(grads) > 3 else ''}"] if grads else [])
+    mine = f"rank {torch.distributed.get_rank()}: NaN/Inf in {' and in '.join(parts)}" if parts else None
+    reports = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, mine)  # only on this rare path: every rank names every bad rank
+    where = "; ".join(r for r in reports if r)
     if on_nonfinite == "raise":
         raise NonFiniteError(f"{where}; the optimizer step was not taken (run.on_nonfinite=skip skips such steps instead)")
     return where

@@ -11,12 +11,14 @@ second copy of the data), and builds everything inside a *staging* directory nex
        the caller's JSON/extra files and `jetrl_manifest.json` (sha256 + size of every file) written,
        then the staging directory is renamed to <out> in one step.
 
-A killed conversion leaves only `<out>.partial-<pid>`; `<out>` never exists half-written. An existing
-`<out>` is refused unless `overwrite=True`, and then replaced only after the new one is complete.
+A killed conversion leaves only `<out>.partial-<pid>`; `<out>` never exists half-written, and the next writer
+of `<out>` removes the staging directories whose process is gone. An existing `<out>` is refused unless
+`overwrite=True`, and then replaced only after the new one is complete.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_jetrl.models.shards import atomic_write_bytes
+from megatron_jetrl.models.shards import atomic_write_bytes, writing
 
 SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
@@ -83,7 +85,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metad
     raw += b" " * (-len(raw) % 8)
     digest = hashlib.sha256()
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with writing(tmp), open(tmp, "wb") as f:
         for chunk in (struct.pack("<Q", len(raw)), raw):
             f.write(chunk)
             digest.update(chunk)
@@ -105,6 +107,17 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class HFCheckpointWriter:
     """Sink for `(hf_name, tensor)` pairs -> an HF safetensors directory, built in a staging directory."""
 
@@ -117,8 +130,10 @@ class HFCheckpointWriter:
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
         self.staging = self.output.with_name(f"{self.output.name}.partial-{os.getpid()}")
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
+        for stale in self.output.parent.glob(f"{glob.escape(self.output.name)}.partial-*"):  # left by killed writers
+            pid = stale.name.rsplit("-", 1)[1]
+            if stale == self.staging or (pid.isdigit() and not _alive(int(pid))):
+                shutil.rmtree(stale, ignore_errors=True)
         self.staging.mkdir(parents=True)
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0

@@ -53,12 +53,13 @@ def _fast(x: torch.Tensor) -> bool:
     return kernels.supported(x.device)
 
 
-def _quantize(x, block, flow):
+def _quantize(x, block, flow, check_finite=None):
+    check_finite = flow.check_finite if check_finite is None else check_finite
     if _fast(x) and (x.dim() == 2 or tuple(block) == ACT):
         from megatron_jetrl.fp8 import kernels
 
-        return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=flow.check_finite)
-    return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=flow.check_finite)
+        return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=check_finite)
+    return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=check_finite)
 
 
 def _fprop(x2d, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
@@ -88,6 +89,9 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Gradients are quantized without the finiteness check: a NaN/Inf gradient propagates as NaN into the
+        # parameter gradients, where train_step's collective check finds it, names it and stops or skips the
+        # update (run.on_nonfinite). The activations were checked in the forward.
         x_q, x_s, w_q, w_s = ctx.saved_tensors
         flow = ctx.flow
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -99,7 +103,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             # the reference path below (tests/gpu/test_kernels.py).
             from megatron_jetrl.fp8 import kernels
 
-            q_kw = dict(eps=flow.eps, check_finite=flow.check_finite)
+            q_kw = dict(eps=flow.eps, check_finite=False)
             dy_q, dy_s, dyt_q, dyt_s = kernels.quantize_dual(dy2d, flow.scale_mode, rows=need_dx, cols=need_dw, **q_kw)
             if need_dx:
                 wt_q, wt_s = ctx.qweight.transposed() if ctx.qweight is not None else (w_q.t().contiguous(), w_s.t())
@@ -110,13 +114,13 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend)
         else:
             if need_dx:  # DGrad: dY(1x128 along N) . W, W's blocks used transposed
-                dy_q, dy_s = _quantize(dy2d, ACT, flow)
+                dy_q, dy_s = _quantize(dy2d, ACT, flow, check_finite=False)
                 dx = blockwise_gemm(dy_q, dy_s, w_q.t(), w_s.t(), b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
                 dx = dx.reshape(ctx.x_shape)
             if need_dw:  # WGrad: both operands grouped along tokens
-                dyt_q, dyt_s = _quantize(dy2d, TOKENS, flow)
+                dyt_q, dyt_s = _quantize(dy2d, TOKENS, flow, check_finite=False)
                 x_hat = dequantize_blockwise(x_q, x_s, ACT)
-                xt_q, xt_s = _quantize(x_hat, TOKENS, flow)
+                xt_q, xt_s = _quantize(x_hat, TOKENS, flow, check_finite=False)
                 dw = blockwise_gemm(
                     dyt_q.t(), dyt_s.t(), xt_q.t(), xt_s.t(), b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend
                 )

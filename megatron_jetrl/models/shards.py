@@ -5,7 +5,8 @@
                                     local names (layer indices local to the pipeline stage), as trained
       meta.json                     written last, atomically: format, iteration, tp, pp, layer spec,
                                     the HF config.json of the model, the PrecisionFlow, sha256 + size of
-                                    every shard. A directory without meta.json is incomplete.
+                                    every shard (and of the actor's optimizer files, `optimizer`, when
+                                    saved with them). A directory without meta.json is incomplete.
 
 Every file is written under a temporary name and renamed when complete, so a killed save never leaves a
 file that looks finished.
@@ -13,9 +14,11 @@ file that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +44,37 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint file failed; the message names the file and the free space where it goes."""
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Any error while writing `path` becomes a CheckpointWriteError naming the file, the cause and the free space
+    of its file system (safetensors' full-disk `IoError` names no file)."""
+    try:
+        yield
+    except Exception as e:
+        where = next(p for p in path.parents if p.exists())
+        free = shutil.disk_usage(where).free / 2**20
+        fix = "make it writable" if isinstance(e, PermissionError) else "free space there"
+        raise CheckpointWriteError(f"writing {path} failed: {type(e).__name__}: {e}; {free:.1f} MiB free on {where}: "
+                                   f"{fix} (or write elsewhere) and restart") from e
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def file_entry(path: Path) -> dict:
+    """A manifest entry {file, sha256, bytes} of a written file."""
+    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 def save_rank_shard(directory: str | Path, state: dict[str, torch.Tensor], tp_rank: int, pp_rank: int) -> dict:
@@ -56,9 +83,10 @@ def save_rank_shard(directory: str | Path, state: dict[str, torch.Tensor], tp_ra
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / shard_name(tp_rank, pp_rank)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp))
-    os.replace(tmp, path)
-    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    with writing(tmp):
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, path)
+    return file_entry(path)
 
 
 def write_meta(directory: str | Path, *, iteration: int, tp: int, pp: int, spec: str, hf_config: dict, flow: dict,
@@ -83,17 +111,19 @@ def _check_meta_schema(meta: dict, meta_path: Path) -> None:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
     problems = [f"{k} must be a positive integer, got {meta.get(k)!r}" for k in ("tp", "pp") if not positive_int(meta.get(k))]
-    shards = meta.get("shards")
+    shards, optimizer = meta.get("shards"), meta.get("optimizer", False)
     if not isinstance(shards, list) or not shards:
         problems.append(f"shards must be a non-empty list, got {shards!r}")
-    else:
-        for i, shard in enumerate(shards):
-            ok = (isinstance(shard, dict) and isinstance(shard.get("file"), str) and shard["file"]
-                  and "/" not in shard["file"] and shard["file"] not in (".", "..")
-                  and isinstance(shard.get("bytes"), int) and not isinstance(shard.get("bytes"), bool)
-                  and isinstance(shard.get("sha256"), str))
+    if not isinstance(optimizer, (bool, list)):
+        problems.append(f"optimizer must be a list of files (or false), got {optimizer!r}")
+    for key, entries in (("shards", shards), ("optimizer", optimizer)):
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            ok = (isinstance(entry, dict) and isinstance(entry.get("file"), str) and entry["file"]
+                  and "/" not in entry["file"] and entry["file"] not in (".", "..")
+                  and isinstance(entry.get("bytes"), int) and not isinstance(entry.get("bytes"), bool)
+                  and isinstance(entry.get("sha256"), str))
             if not ok:
-                problems.append(f"shards[{i}] must be {{file: <name in this directory>, bytes: int, sha256: str}}, got {shard!r}")
+                problems.append(f"{key}[{i}] must be {{file: <name in this directory>, bytes: int, sha256: str}}, got {entry!r}")
     if problems:
         raise CheckpointError(f"{meta_path} is malformed: " + "; ".join(problems[:5]))
 
@@ -119,15 +149,21 @@ class ShardedCheckpoint:
             found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
             raise CheckpointError(f"{meta_path}: format {found!r}, expected {FORMAT!r}")
         _check_meta_schema(meta, meta_path)
+        ckpt = cls(directory, meta)
         for shard in meta["shards"]:
-            path = directory / shard["file"]
-            if not path.is_file():
-                raise CheckpointError(f"{directory}: shard {shard['file']} is missing (TP={meta['tp']} x PP={meta['pp']} needs all)")
-            if path.stat().st_size != shard["bytes"]:
-                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says {shard['bytes']} (truncated or replaced)")
-            if verify and sha256_file(path) != shard["sha256"]:
-                raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt shard)")
-        return cls(directory, meta)
+            ckpt.check_file(shard, verify=verify)
+        return ckpt
+
+    def check_file(self, entry: dict, *, verify: bool = True, what: str = "shard") -> Path:
+        """The path of a file of meta.json's manifest, once it exists with its size (and sha256 with `verify`)."""
+        path = self.directory / entry["file"]
+        if not path.is_file():
+            raise CheckpointError(f"{self.directory}: {what} {entry['file']} is missing (TP={self.tp} x PP={self.pp} needs all)")
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+        if verify and sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt {what})")
+        return path
 
     @property
     def tp(self) -> int:

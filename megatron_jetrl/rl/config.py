@@ -10,6 +10,9 @@ TP, ...) are refused with a message that names the key and the fix.
 
     python -m megatron_jetrl.rl.config configs/tiny.yaml parallel.tp=2 --get parallel.world_size
     python -m megatron_jetrl.rl.config configs/models/qwen3-8b-base.yaml configs/modes/jetrl.yaml --print
+
+`--get` is the launchers' question on the machine that will run the ranks, so it also refuses what this machine
+cannot run (`run.device=cuda` without a visible GPU); a config checked alone is valid on any machine.
 """
 
 from __future__ import annotations
@@ -78,6 +81,17 @@ class RunConfig:
     @property
     def directory(self) -> Path:
         return Path(self.out_dir or f"runs/{self.name}")
+
+    def device_type(self) -> str:
+        """'cuda' or 'cpu': where this machine runs the config. A fact of the machine, not of the config (presets
+        say `cuda` and are checked anywhere), so load_config does not call it; the launchers' `--get` and the
+        trainer do, before any work."""
+        import torch
+
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("run.device='cuda' but no CUDA device is visible on this machine: run on a GPU node "
+                              "(check CUDA_VISIBLE_DEVICES and the driver) or set run.device=cpu")
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 @dataclass(frozen=True)
@@ -438,11 +452,13 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml ...] [section.key=value ...]")
-    parser.add_argument("--get", help="print one value, e.g. parallel.world_size")
+    parser.add_argument("--get", help="print one value, e.g. parallel.world_size (also refuses what this machine cannot run)")
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
     ns = parser.parse_args(argv)
     try:
         cfg = load_config(*split_args(ns.args))
+        if ns.get:  # the launchers' question before they start the ranks here: can this machine run it?
+            cfg.run.device_type()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

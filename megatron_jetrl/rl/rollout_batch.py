@@ -8,6 +8,7 @@ a response token at sequence position j sits in column j-1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -43,15 +44,35 @@ class RolloutBatch:
         return self.tokens.shape[0]
 
 
+def check_outputs(outputs: list[RequestOutput], n: int, vocab_size: int) -> None:
+    """Refuse engine output the trainer cannot learn from, naming the prompt and completion: not `n` completions
+    for a prompt (GRPO groups them per prompt), a completion without tokens or without a logprob per token, a
+    token id outside `[0, vocab_size)`, a logprob that is NaN/Inf or positive."""
+    for i, out in enumerate(outputs):
+        if len(out.completions) != n:
+            raise ValueError(f"the rollout engine returned {len(out.completions)} completions for prompt {i}, rollout.n={n} "
+                             "are needed (GRPO normalizes rewards per group of n): the engine is broken or ignores SamplingParams.n")
+        for j, c in enumerate(out.completions):
+            where = f"completion {j} of prompt {i}"
+            if len(c.logprobs) != len(c.token_ids) or not c.token_ids:
+                raise ValueError(f"the rollout engine returned a malformed completion ({len(c.token_ids)} tokens, "
+                                 f"{len(c.logprobs)} logprobs) as {where}: every sampled token needs its logprob")
+            bad = next((t for t in c.token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"the rollout engine returned token id {bad} in {where}, outside the vocabulary [0, {vocab_size}): "
+                                 "the engine serves another model or tokenizer than the trainer")
+            bad = next((lp for lp in c.logprobs if not (math.isfinite(lp) and lp <= 0)), None)
+            if bad is not None:
+                raise ValueError(f"the rollout engine returned logprob {bad} in {where}; a logprob is finite and <= 0: "
+                                 "the engine is broken (NaN/Inf in its forward or sampling, or it returns something else)")
+
+
 def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: list[float], advantages: torch.Tensor,
              pad_id: int) -> RolloutBatch:
-    """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each)."""
+    """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each; `check_outputs` first)."""
     seqs, lps, lengths, cut = [], [], [], []
     for prompt, out in zip(prompts, outputs, strict=True):
         for c in out.completions:
-            if len(c.logprobs) != len(c.token_ids) or not c.token_ids:
-                raise ValueError(f"the rollout engine returned a malformed completion ({len(c.token_ids)} tokens, "
-                                 f"{len(c.logprobs)} logprobs): every sampled token needs its logprob")
             seqs.append((prompt, c.token_ids))
             lps.append(c.logprobs)
             lengths.append(len(c.token_ids))

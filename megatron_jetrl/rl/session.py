@@ -25,6 +25,7 @@ from megatron_jetrl.actor.provider import ActorOptions, build_model
 from megatron_jetrl.actor.train_step import wrap_for_training
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
+from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler, load_problems
 
@@ -57,10 +58,7 @@ class Session:
 
 
 def resolve_device(cfg: JetRLConfig) -> torch.device:
-    want = cfg.run.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("run.device='cuda' but no CUDA device is visible: use run.device=cpu or auto")
+    if cfg.run.device_type() == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -123,6 +121,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     from megatron_jetrl.actor.hf_import import load_hf_weights
 
     device = resolve_device(cfg)
+    check_output_space(cfg)
     cfg.model.check_path_matches()
     arch = cfg.arch()
     flow = cfg.precision
@@ -173,6 +172,26 @@ def latest_checkpoint(cfg: JetRLConfig) -> Path | None:
     return done[-1] if done else None
 
 
+def check_output_space(cfg: JetRLConfig) -> None:
+    """Before any work: this rank can create files in `checkpoints/`, and its file system has room for one more
+    checkpoint the size of the newest (ConfigError otherwise: a run that cannot save would lose its steps)."""
+    root = checkpoint_root(cfg)
+    probe = root / f".write-probe-{dist.get_rank()}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write checkpoints to {root} ({e}): make it writable or set run.out_dir to a "
+                          "directory this user can write") from None
+    newest = latest_checkpoint(cfg)
+    need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ConfigError(f"{root} has {free / 2**20:.1f} MiB free but a checkpoint takes {need / 2**20:.1f} MiB "
+                          f"({newest.name}): free space there or set run.out_dir to a larger disk")
+
+
 def save(s: Session, step: int, warmup_done: bool) -> Path:
     """Collective. Stages `step_XXXXXX.partial`, then rank 0 writes trainer_state.json and renames it."""
     root = checkpoint_root(s.cfg)
@@ -191,7 +210,7 @@ def save(s: Session, step: int, warmup_done: bool) -> Path:
         save_checkpoint(s.reference, staging / "ref", hf_config=hf_config, flow=s.flow, iteration=step)
     if s.is_main:
         state = {"step": step, "warmup_done": warmup_done, "sampler": s.sampler.state_dict(), "config": s.cfg.to_dict()}
-        (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+        atomic_write_bytes(staging / STATE_FILE, json.dumps(state, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
     dist.barrier()
@@ -206,13 +225,23 @@ def resume(s: Session) -> dict | None:
     if s.cfg.run.resume == "never":
         raise ConfigError(f"{s.cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
                           "choose another run.name / run.out_dir, or delete them")
-    state = json.loads((ckpt / STATE_FILE).read_text())
-    if state["config"]["model"] != s.cfg.to_dict()["model"] or state["config"]["precision"] != s.cfg.to_dict()["precision"]:
+    elsewhere = f"move {ckpt} out of {ckpt.parent} and restart: the run resumes from the checkpoint before it"
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        if not (isinstance(state, dict) and state.get("step") == int(ckpt.name.split("_")[1]) and "sampler" in state
+                and isinstance(state.get("config"), dict)):
+            raise ValueError(f"step, sampler and config do not match a {ckpt.name}")
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{ckpt / STATE_FILE} is damaged ({e}): {elsewhere}") from None
+    if state["config"].get("model") != s.cfg.to_dict()["model"] or state["config"].get("precision") != s.cfg.to_dict()["precision"]:
         raise ConfigError(f"{ckpt} was written by a run with another model or precision section; "
                           "resume with the same config or use a new run.name")
-    load_checkpoint(s.model, ckpt, optimizer=s.optimizer, verify=True)
-    if s.reference is not None:
-        load_checkpoint(s.reference, ckpt / "ref", verify=True)
+    try:
+        load_checkpoint(s.model, ckpt, optimizer=s.optimizer, verify=True)
+        if s.reference is not None:
+            load_checkpoint(s.reference, ckpt / "ref", verify=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; if it is damaged, {elsewhere}") from None
     s.sampler.load_state_dict(state["sampler"])
     return state
 

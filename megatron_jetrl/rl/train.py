@@ -17,7 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_jetrl.actor.logprobs import compute_logprobs
-from megatron_jetrl.actor.train_step import train_step
+from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
 from megatron_jetrl.rl import faults
 from megatron_jetrl.rl import session as sess
@@ -27,7 +27,7 @@ from megatron_jetrl.rl.data import format_prompt
 from megatron_jetrl.rl.loss import policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
-from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch
+from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
 
@@ -43,18 +43,18 @@ class Phases(dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
         cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
+        sess.init_distributed(cfg)
+        faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
+        s = sess.build_session(cfg)
+        if s.is_main:
+            cfg.run.directory.mkdir(parents=True, exist_ok=True)
+            (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        state = sess.resume(s)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    sess.init_distributed(cfg)
-    faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
-    s = sess.build_session(cfg)
-    if s.is_main:
-        cfg.run.directory.mkdir(parents=True, exist_ok=True)
-        (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    state = sess.resume(s)
     start = state["step"] if state else 0
     if state is None:
         warm_start(s)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             old = actor_logprobs(s, s.model, mine)
             ref = actor_logprobs(s, s.reference, mine) if s.reference is not None else None
         with t("update"):
-            update = update_policy(s, mine, old, ref)
+            update = update_policy(s, step, batch, mine, old, ref)
         with t("sync"):
             stats = sync(s)
         row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats}
@@ -151,6 +151,7 @@ def rollout(s, step: int) -> RolloutBatch:
         sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
         outputs = s.pool.generate(prompts, sampling)
+        check_outputs(outputs, cfg.rollout.n, s.arch.vocab_size)
         texts = [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs for c in o.completions]
         golds = [p.answer for p in problems for _ in range(cfg.rollout.n)]
         rewards = compute_rewards(texts, golds, cfg.data.reward_style)
@@ -172,25 +173,50 @@ def actor_logprobs(s, model, batch: RolloutBatch) -> torch.Tensor:
     return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.micro_batch_size)
 
 
-def update_policy(s, batch: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
-    """`updates_per_step` optimizer steps over equal chunks of this rank's rows (1: fully on-policy)."""
+def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
+    """`updates_per_step` optimizer steps over equal chunks of this rank's rows `mine` (1: fully on-policy).
+
+    NaN/Inf in the rewards (of the whole `batch`: every rank sees the same), the loss or the gradients: the run
+    stops with a NonFiniteError naming step, rank or completion, and tensor (run.on_nonfinite=stop), or the
+    update is skipped, said in one line on rank 0 and in the metrics (`skip`)."""
     cfg = s.cfg
+    bad = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
+    if bad:
+        i = bad[0]
+        where = (f"non-finite reward {batch.rewards[i].item()} of completion {i} (prompt {i // cfg.rollout.n}, sample "
+                 f"{i % cfg.rollout.n}; {len(bad)} non-finite reward(s) in all): check the reward function")
+        nonfinite(s, step, where)
+        return {"ok": False, "grad_norm": None, "skipped": where, "skipped_updates": cfg.grpo.updates_per_step}
 
     def loss_fn(logprobs, extras):
         return policy_loss(logprobs, extras["old"], extras["adv"], extras["mask"], cfg=cfg.loss,
                            ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"])
 
-    extras = {"old": old, "adv": batch.advantages, "mask": batch.mask, "rollout": batch.rollout_logprobs}
+    extras = {"old": old, "adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
     if ref is not None:
         extras["ref"] = ref
-    chunk = len(batch) // cfg.grpo.updates_per_step
+    chunk = len(mine) // cfg.grpo.updates_per_step
     results = []
     for u in range(cfg.grpo.updates_per_step):
         rows = slice(u * chunk, (u + 1) * chunk)
-        results.append(train_step(s.model, s.optimizer, batch.tokens[rows], loss_fn, vocab_size=s.arch.vocab_size,
-                                  micro_batch_size=cfg.grpo.micro_batch_size, extras={k: v[rows] for k, v in extras.items()},
-                                  on_nonfinite="raise" if cfg.run.on_nonfinite == "stop" else "skip"))
-    return results[-1] | {"skipped_updates": sum(not r["ok"] for r in results)}
+        result = train_step(s.model, s.optimizer, mine.tokens[rows], loss_fn, vocab_size=s.arch.vocab_size,
+                            micro_batch_size=cfg.grpo.micro_batch_size, extras={k: v[rows] for k, v in extras.items()},
+                            on_nonfinite="skip")
+        if "skipped" in result:
+            nonfinite(s, step, result["skipped"])
+        results.append(result)
+    skipped = [r["skipped"] for r in results if "skipped" in r]
+    return results[-1] | {"skipped_updates": sum(not r["ok"] for r in results), "skipped": "; ".join(skipped) or None}
+
+
+def nonfinite(s, step: int, where: str) -> None:
+    """run.on_nonfinite for a NaN/Inf found at `where`: raise NonFiniteError (stop), or say on rank 0 that the
+    update is skipped (skip)."""
+    if s.cfg.run.on_nonfinite == "stop":
+        raise NonFiniteError(f"step {step}: {where}; the update was not applied and the run stops "
+                             "(run.on_nonfinite=skip skips such updates instead)")
+    if s.is_main:
+        print(f"step {step}: update skipped: {where}", file=sys.stderr, flush=True)
 
 
 def sync(s) -> dict:
@@ -220,6 +246,7 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
         "response_length/truncated_frac": float(batch.truncated.float().mean()),
         "grad_norm": update.get("grad_norm"), "loss/total": update.get("loss"), "loss/pg": update.get("pg_loss"),
         "loss/kl": update.get("kl"), "loss/clip_frac": update.get("clip_frac"), "skipped_updates": update["skipped_updates"],
+        "skipped": update["skipped"],
     }
     mm = mismatch_metrics(train, roll, tis_cap=s.cfg.loss.tis_cap or 2.0)
     return out | {k: v for k, v in flat_metrics(mm).items() if "/pos" not in k}

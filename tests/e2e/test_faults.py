@@ -222,7 +222,7 @@ def test_kill9_of_one_rank_mid_step_under_torchrun_then_exact_resume(trainer, re
     print(f"kill -9 rank 1 under torchrun: launcher exited {took:.1f} s later, rc {rc}")
     assert rc == 137, output[-3000:]  # the lost rank's code (128 + SIGKILL), not torchrun's 1
     assert re.search(r"Root Cause \(first observed failure\):\n\[0\]:\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 137", output), output[-3000:]
-    assert "train_grpo.sh: the run failed with exit code 137" in output
+    assert "train_grpo.sh: the run failed with exit code 137 (torchrun: 1): rank 1 failed first (exit code 137, SIGKILL)" in output
     assert took < 30, f"the survivors took {took:.1f} s to stop"
     assert latest(out).name == "step_000001"
     assert_intact(latest(out))
@@ -339,8 +339,6 @@ cp -a {out} {copy}
     assert sorted(metrics(copy)) == [0, 1]  # nothing lost: both steps' metrics are on disk
 
 
-@pytest.mark.xfail(strict=True, reason="defect D5: a full disk surfaces as torch.save's 'basic_ios::clear: iostream error' / "
-                                       "'unexpected pos', without 'No space left on device' or the file (actor/checkpoint.py)")
 def test_disk_full_error_itself_names_the_cause_and_the_file():
     output = RESULTS.get("disk_full") or pytest.skip("test_disk_full_during_a_checkpoint_keeps_the_previous_one did not run")
     errors = [line for line in output.splitlines() if "Error" in line and "jetrl:" not in line]
@@ -349,7 +347,7 @@ def test_disk_full_error_itself_names_the_cause_and_the_file():
 
 
 @pytest.mark.slow
-def test_read_only_checkpoint_directory_is_a_clear_error_at_the_write(trainer, tmp_path):
+def test_read_only_checkpoint_directory_is_refused_before_the_first_step(trainer, tmp_path):
     prefix = ()
     if os.geteuid() == 0:  # root ignores file modes; an unmapped user namespace does not
         if not _can_unshare("--user"):
@@ -362,20 +360,11 @@ def test_read_only_checkpoint_directory_is_a_clear_error_at_the_write(trainer, t
         rc, output = launch(trainer, out, prefix=prefix)
     finally:
         (out / "checkpoints").chmod(0o755)
-    RESULTS["read_only"] = output
-    assert rc == 1, output[-3000:]
-    assert f"PermissionError: [Errno 13] Permission denied: '{out}/checkpoints/step_000001.partial'" in output
-    line = jetrl_line(output)
-    print(line)
-    assert "failed at step 0 (save)" in line and "not writable" in line and "no complete checkpoint yet" in line, line
-    assert sorted(metrics(out)) == [0] and list((out / "checkpoints").iterdir()) == []
-
-
-@pytest.mark.xfail(strict=True, reason="defect D5: nothing checks that the run directory is writable before the first step "
-                                       "(session.build_session): the step is computed, then lost")
-def test_read_only_checkpoint_directory_is_refused_before_the_first_step():
-    output = RESULTS.get("read_only") or pytest.skip("the read-only test did not run")
-    assert "GRPO jetrl: 1/2" not in output and "Permission denied" in output
+    assert rc == 2, output[-3000:]
+    assert f"config error: cannot write checkpoints to {out}/checkpoints ([Errno 13] Permission denied" in output
+    assert "make it writable or set run.out_dir" in output
+    assert "GRPO jetrl: 1/2" not in output and not (out / "metrics.jsonl").exists()  # no step was computed, then lost
+    assert "rank 0 failed first (exit code 2)" in output
 
 
 # ---- multi-process: NaN/Inf -------------------------------------------------------------------------------
@@ -394,17 +383,15 @@ def test_nan_reward_stops_the_run_before_the_update(trainer, tmp_path):
     assert_intact(latest(out))
 
 
-@pytest.mark.xfail(strict=True, reason="defect D2: rl/train.py does not check rewards; the NaN is found later, in the FP8 "
-                                       "backward, named as 'a tensor of shape (144, 256)', not as the reward")
 def test_nan_reward_is_named_as_the_reward():
     output = RESULTS.get("nan_stop") or pytest.skip("test_nan_reward_stops_the_run_before_the_update did not run")
-    assert re.search(r"reward", jetrl_line(output).split("; newest complete checkpoint")[0], re.I)
+    assert "NonFiniteError: step 1: non-finite reward nan of completion 0 (prompt 0, sample 0;" in jetrl_line(output)
 
 
 @pytest.mark.slow
 def test_inf_gradient_skips_the_step_when_asked(trainer, tmp_path):
-    """bf16 (the FP8 modes cannot skip yet: test_train_step_skip_under_fp8, defect D2): step 1's gradients are
-    inf, its update is skipped (the weights after it equal those before), step 2 trains again."""
+    """bf16 (fast on CPU; FP8 skips the same way: test_train_step_skip_under_fp8, test_update_policy_on_nonfinite):
+    step 1's gradients are inf, its update is skipped (the weights after it equal those before), step 2 trains again."""
     out = tmp_path / "skip"
     rc, output = launch(trainer, out, "run.on_nonfinite=skip", "precision.mode=bf16", "model.batch_invariant=false", steps=3, warmup=5,
                         fault="inf@grad:step=1")  # batch-invariant BF16 runs 15 s/step on CPU, the default path 0.3 s
@@ -413,13 +400,12 @@ def test_inf_gradient_skips_the_step_when_asked(trainer, tmp_path):
     rows = metrics(out)
     assert [rows[s]["skipped_updates"] for s in (0, 1, 2)] == [0, 1, 0]
     assert rows[1]["grad_norm"] is None and rows[0]["grad_norm"] and rows[2]["grad_norm"]
+    assert rows[1]["skipped"].startswith("rank 0: NaN/Inf in the gradients of [") and rows[0]["skipped"] is None
     ck = out / "checkpoints"
     assert shards_equal(ck / "step_000001", ck / "step_000002")  # the skipped step changed nothing
     assert not shards_equal(ck / "step_000002", ck / "step_000003")  # the next one trained
 
 
-@pytest.mark.xfail(strict=True, reason="defect D2: a skipped update is only a count in metrics.jsonl; nothing names the step, "
-                                       "rank and tensor (train_step's 'skipped' text is dropped by rl/train.py update_policy)")
 def test_skipped_update_is_reported_with_step_rank_and_tensor():
     output = RESULTS.get("skip") or pytest.skip("test_inf_gradient_skips_the_step_when_asked did not run")
     assert re.search(r"step 1.*skip.*rank 0.*(grad|weight)", output, re.I)
@@ -532,6 +518,8 @@ CORRUPT = {
     "no meta.json": (lambda ck: (ck / "meta.json").unlink(), r"step_000001 has no meta.json: .* save did not finish"),
     "another parallel layout": (lambda ck: _edit_json(ck / "meta.json", tp=2),
                                 r"step_000001 was saved at TP=2 x PP=1; this run is TP=1 x PP=1 \(reshard with the converter\)"),
+    "optimizer state without a sha256 (an older checkpoint)": (lambda ck: _edit_json(ck / "meta.json", optimizer=True),
+                                                               r"step_000001/meta.json has no sha256 of optim_tp00_pp000.pt"),
 }
 
 
@@ -562,20 +550,53 @@ def test_checkpoint_of_another_model_family_is_refused(saved, tmp_path):
         _resume(saved, tmp_path / "p", lambda ck: None, "precision.mode=bf16")
 
 
-@pytest.mark.xfail(strict=True, reason="defect D3: the optimizer state (optim_tpXX_ppYYY.pt) is not in meta.json's sha256 "
-                                       "manifest: a bit flip in it loads silently (actor/checkpoint.py)")
 def test_bit_flipped_optimizer_state_is_refused(saved, tmp_path):
     from megatron_jetrl.models.shards import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"optim_tp00_pp000.pt"):
+    with pytest.raises(CheckpointError, match=r"optim_tp00_pp000.pt: sha256 differs from the manifest \(corrupt optimizer state\); "
+                                              r"if it is damaged, move .*step_000001 out of"):
         _resume(saved, tmp_path, lambda ck: _flip(ck / "optim_tp00_pp000.pt", 0.7))
 
 
-@pytest.mark.xfail(strict=True, reason="defect D3: a damaged trainer_state.json raises a bare JSONDecodeError without the file "
-                                       "(rl/session.py resume)")
-def test_damaged_trainer_state_is_refused_naming_the_file(saved, tmp_path):
-    with pytest.raises(ValueError, match=r"trainer_state.json"):
-        _resume(saved, tmp_path, lambda ck: (ck / "trainer_state.json").write_text('{"step": 1, "warm'))
+@pytest.mark.parametrize("damage", ['{"step": 1, "warm', '{"step": 7, "sampler": null, "config": {}}'])
+def test_damaged_trainer_state_is_refused_naming_the_file(saved, tmp_path, damage):
+    from megatron_jetrl.models.shards import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"step_000001/trainer_state.json is damaged \(.*\): move "
+                                              r".*step_000001 out of .*checkpoints and restart: the run resumes from the checkpoint before it"):
+        _resume(saved, tmp_path, lambda ck: (ck / "trainer_state.json").write_text(damage))
+
+
+def test_a_full_disk_names_the_file_being_written(saved, tmp_path):
+    """The optimizer file lands on /dev/full (a symlink): ENOSPC, named with the file and the free space."""
+    from megatron_jetrl.actor.checkpoint import save_checkpoint
+    from megatron_jetrl.models.shards import CheckpointWriteError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    (tmp_path / "optim_tp00_pp000.pt").symlink_to("/dev/full")
+    with pytest.raises(CheckpointWriteError, match=rf"writing {tmp_path}/optim_tp00_pp000.pt failed: OSError: \[Errno 28\] No space "
+                                                   rf"left on device; [0-9.]+ MiB free on {tmp_path}: free space there"):
+        save_checkpoint(saved.ddp, tmp_path, hf_config=saved.cfg.model.architecture(), flow=saved.cfg.precision, iteration=1,
+                        optimizer=saved.optimizer)
+
+
+def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_path, monkeypatch):
+    from megatron_jetrl.rl import session
+    from megatron_jetrl.rl.config import ConfigError
+
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "checkpoints").write_text("a file where the directory goes")
+    with pytest.raises(ConfigError, match=r"cannot write checkpoints to .*blocked/checkpoints \(.*\): make it writable or set run.out_dir"):
+        session.check_output_space(_cfg(tmp_path / "blocked"))
+    ck = tmp_path / "full" / "checkpoints" / "step_000001"
+    ck.mkdir(parents=True)
+    (ck / "trainer_state.json").write_text("{}")
+    (ck / "tp00_pp000.safetensors").write_bytes(bytes(3 << 20))
+    session.check_output_space(_cfg(tmp_path / "full"))
+    monkeypatch.setattr(session.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    with pytest.raises(ConfigError, match=r"checkpoints has 1.0 MiB free but a checkpoint takes 3.0 MiB \(step_000001\): free space"):
+        session.check_output_space(_cfg(tmp_path / "full"))
 
 
 # ---- in-process: NaN/Inf in train_step --------------------------------------------------------------------
@@ -602,9 +623,9 @@ def _params(ddp) -> dict:
 
 
 @pytest.mark.parametrize("poison, on_nonfinite, message", [
-    ("loss", "raise", r"rank 0: non-finite \['loss'\] in the loss callback.*the optimizer step was not taken"),
-    ("grad", "raise", r"rank 0: non-finite \[\] in the loss callback, in the gradients of \['embedding.word_embeddings.weight'"),
-    ("loss", "skip", r"rank 0: non-finite \['loss'\]"),
+    ("loss", "raise", r"rank 0: NaN/Inf in \['loss'\] from the loss callback and in the gradients of .*the optimizer step was not taken"),
+    ("grad", "raise", r"rank 0: NaN/Inf in the gradients of \['embedding.word_embeddings.weight'"),
+    ("loss", "skip", r"rank 0: NaN/Inf in \['loss'\]"),
 ])
 def test_train_step_never_updates_on_nan_inf(one_rank, tmp_path, poison, on_nonfinite, message):
     """BF16 actor: NaN loss or Inf gradient (finite loss) -> NonFiniteError naming rank and tensor, or a skip;
@@ -627,26 +648,58 @@ def test_train_step_never_updates_on_nan_inf(one_rank, tmp_path, poison, on_nonf
 
 
 def test_train_step_stops_on_nan_under_fp8(one_rank, tmp_path):
-    """jetrl: the FP8 backward's quantizer refuses the NaN gradient first; the weights are untouched."""
-    from megatron_jetrl.actor.train_step import train_step
+    """jetrl: the FP8 backward quantizes the NaN gradient without refusing it; train_step's check names it."""
+    from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 
     cfg = _cfg(tmp_path / "r")
     ddp, optimizer, _ = _actor(cfg)
     before = _params(ddp)
-    with pytest.raises((FloatingPointError, ValueError), match=r"non-finite|got nan"):
+    with pytest.raises(NonFiniteError, match=r"rank 0: NaN/Inf in \['loss'\] from the loss callback and in the gradients of \["):
         train_step(ddp, optimizer, _tokens(cfg), _loss("loss"), vocab_size=cfg.arch().vocab_size, micro_batch_size=2, on_nonfinite="raise")
     assert all(torch.equal(before[n], p) for n, p in _params(ddp).items())
 
 
-@pytest.mark.xfail(strict=True, reason="defect D2: under FP8 (jetrl, bf16-train-fp8-rollout) the backward's gradient quantizer "
-                                       "raises NonFiniteInputError before train_step can skip: run.on_nonfinite=skip cannot work")
 def test_train_step_skip_under_fp8(one_rank, tmp_path):
     from megatron_jetrl.actor.train_step import train_step
 
     cfg = _cfg(tmp_path / "r")
     ddp, optimizer, _ = _actor(cfg)
-    out = train_step(ddp, optimizer, _tokens(cfg), _loss("loss"), vocab_size=cfg.arch().vocab_size, micro_batch_size=2, on_nonfinite="skip")
-    assert out["ok"] is False
+    before = _params(ddp)
+    step = dict(vocab_size=cfg.arch().vocab_size, micro_batch_size=2, on_nonfinite="skip")
+    out = train_step(ddp, optimizer, _tokens(cfg), _loss("grad"), **step)
+    assert out["ok"] is False and out["skipped"].startswith("rank 0: NaN/Inf in the gradients of [")
+    assert all(torch.equal(before[n], p) for n, p in _params(ddp).items())
+    assert train_step(ddp, optimizer, _tokens(cfg), _loss(None), **step)["ok"]  # and it trains on afterwards
+
+
+def test_update_policy_on_nonfinite(one_rank, tmp_path, monkeypatch, capsys):
+    """rl/train.py update_policy (jetrl): a NaN reward stops the run naming step and completion, or skips the update;
+    a NaN loss skips it naming rank and tensors. A skip is one line on rank 0 and the metrics' `skipped`."""
+    from megatron_jetrl.actor.train_step import NonFiniteError
+    from megatron_jetrl.rl import train
+
+    batch = _rollout(one_rank, tmp_path, None)
+    batch.rewards[5] = float("nan")
+    ddp, optimizer, _ = _actor(_cfg(tmp_path / "r"))
+
+    def update(policy):
+        cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8", f"run.on_nonfinite={policy}")
+        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True)
+        return train.update_policy(s, 3, batch, batch, batch.rollout_logprobs, None)
+
+    with pytest.raises(NonFiniteError, match=r"step 3: non-finite reward nan of completion 5 \(prompt 1, sample 1; 1 non-finite "
+                                             r"reward\(s\) in all\): check the reward function; the update was not applied.*on_nonfinite=skip"):
+        update("stop")
+    before = _params(ddp)
+    out = update("skip")
+    assert out["skipped_updates"] == 1 and out["skipped"].startswith("non-finite reward nan of completion 5")
+    assert capsys.readouterr().err.startswith("step 3: update skipped: non-finite reward nan of completion 5")
+    batch.rewards[5] = 1.0
+    monkeypatch.setattr(train, "policy_loss", lambda logprobs, *a, **kw: (logprobs.sum() * float("nan"), {}))
+    out = update("skip")
+    assert out["skipped_updates"] == 1 and out["grad_norm"] is None
+    assert capsys.readouterr().err.startswith("step 3: update skipped: rank 0: NaN/Inf in ['loss'] from the loss callback")
+    assert all(torch.equal(before[n], p) for n, p in _params(ddp).items())
 
 
 # ---- in-process: what a broken rollout engine hands back --------------------------------------------------
@@ -684,7 +737,7 @@ def _rollout(one_rank, tmp_path, breaks, **engine):
     from megatron_jetrl.rollout.pool import RolloutPool
 
     cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8")
-    s = SimpleNamespace(cfg=cfg, is_main=True, tokenizer=FakeTokenizer(), pool=RolloutPool([FakeEngine(breaks, **engine)]),
+    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, tokenizer=FakeTokenizer(), pool=RolloutPool([FakeEngine(breaks, **engine)]),
                         sampler=PromptSampler(ArithmeticTask(high=5).problems(8, seed=0), 2, seed=0))
     return train.rollout(s, 0)
 
@@ -721,20 +774,22 @@ def test_broken_engine_output_is_refused_before_training(one_rank, tmp_path, cas
         _rollout(one_rank, tmp_path, breaks)
 
 
-ENGINE_ACCEPTED = {
-    "a token id past the vocabulary": _set("token_ids", lambda t: [10**6, *t[1:]]),
-    "a NaN logprob": _set("logprobs", lambda lp: [float("nan"), *lp[1:]]),
-    "a positive logprob": _set("logprobs", lambda lp: [3.0, *lp[1:]]),
-    "groups of n-1 and n+1 samples": lambda outs: outs[1].completions.append(outs[0].completions.pop()),
+MALFORMED = {
+    "a token id past the vocabulary": (_set("token_ids", lambda t: [10**6, *t[1:]]),
+                                       r"token id 1000000 in completion 0 of prompt 0, outside the vocabulary \[0, 256\)"),
+    "a negative token id": (_set("token_ids", lambda t: [-1, *t[1:]], which=2), r"token id -1 in completion 2 of prompt 0"),
+    "a NaN logprob": (_set("logprobs", lambda lp: [float("nan"), *lp[1:]]), r"logprob nan in completion 0 of prompt 0; a logprob is finite and <= 0"),
+    "a positive logprob": (_set("logprobs", lambda lp: [3.0, *lp[1:]]), r"logprob 3.0 in completion 0 of prompt 0"),
+    "groups of n-1 and n+1 samples": (lambda outs: outs[1].completions.append(outs[0].completions.pop()),
+                                      r"returned 3 completions for prompt 0, rollout.n=4 are needed"),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="defect D4: rl/rollout_batch.py assemble (and rl/train.py rollout) accept these: token ids "
-                                       "are not checked against the vocabulary, logprobs not for finite <= 0, groups not for n samples")
-@pytest.mark.parametrize("case", list(ENGINE_ACCEPTED))
+@pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_engine_output_is_refused(one_rank, tmp_path, case):
-    with pytest.raises((ValueError, RuntimeError)):
-        _rollout(one_rank, tmp_path, ENGINE_ACCEPTED[case])
+    breaks, message = MALFORMED[case]
+    with pytest.raises(ValueError, match=message):
+        _rollout(one_rank, tmp_path, breaks)
 
 
 # ---- the fault-injection module itself --------------------------------------------------------------------

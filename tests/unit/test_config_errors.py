@@ -161,6 +161,24 @@ def test_batch_invariant_needs_the_emulated_backend_at_load_time():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
-@pytest.mark.xfail(strict=True, reason="defect: checked only in session.resolve_device, after torchrun started (D7)")
-def test_cuda_device_without_cuda_is_refused_at_load_time():
-    refused("run.device=cuda")
+def test_cuda_device_without_cuda_is_refused_before_torchrun(capsys):
+    """The launchers' question (`--get parallel.world_size`, asked on the machine that runs the ranks) refuses it;
+    checking a config alone does not (the presets say run.device=cuda and are checked on any machine)."""
+    from megatron_jetrl.rl import config
+
+    assert config.main(["run.device=cuda", "--get", "parallel.world_size"]) == 2
+    assert capsys.readouterr().err.startswith("config error: run.device='cuda' but no CUDA device is visible on this machine: "
+                                              "run on a GPU node (check CUDA_VISIBLE_DEVICES and the driver) or set run.device=cpu")
+    assert config.main(["run.device=cuda"]) == 0 and load_config(None, ["run.device=cuda"]).run.device == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_config_error_after_the_process_group_exists_is_a_clean_exit_2(tmp_path, monkeypatch, capsys):
+    """The trainer (ranks started without the launcher's question): the device is checked once the process group
+    exists, in build_session; that ConfigError, like any other, is one `config error:` line and exit 2."""
+    from megatron_jetrl.rl import faults, session, train
+
+    monkeypatch.setattr(session, "init_distributed", lambda cfg: None)
+    monkeypatch.setattr(faults, "watch", lambda cfg: None)
+    assert train.main([f"run.out_dir={tmp_path}", "run.device=cuda"]) == 2
+    assert capsys.readouterr().err.startswith("config error: run.device='cuda' but no CUDA device is visible")

@@ -201,6 +201,18 @@ convert({str(d / 'ckpt')!r}, {str(tmp_path / 'out')!r}, max_shard_size="300KB")
     assert sorted(os.listdir(tmp_path / left[0])) == ["shard-00001.safetensors", "shard-00002.safetensors"]
 
 
+def test_a_writer_removes_staging_left_by_dead_writers(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (gone.pid, os.getppid()):  # a killed conversion's, a running one's
+        (tmp_path / f"out.partial-{pid}").mkdir()
+        (tmp_path / f"out.partial-{pid}" / "shard-00001.safetensors").write_bytes(b"x")
+    writer = HFCheckpointWriter(tmp_path / "out")
+    writer.add("w", torch.zeros(2))
+    writer.finish()
+    assert leftovers(tmp_path, "out") == ["out", f"out.partial-{os.getppid()}"]
+
+
 # -- bad input --------------------------------------------------------------------------------------
 def _edit_meta(ck: Path, **changes):
     meta = json.loads((ck / "meta.json").read_text())

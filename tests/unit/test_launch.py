@@ -81,7 +81,7 @@ def test_train_grpo_returns_the_failing_ranks_exit_code(tmp_path):
     r = run(["bash", TRAIN, "parallel.tp=2", f"run.out_dir={tmp_path / 'a'}", "stub.export=false",
              "stub.exit_code=7", "stub.fail_rank=1"], cwd=tmp_path, OMP_NUM_THREADS="1")
     assert r.returncode == 7, r.stdout + r.stderr
-    assert "the run failed with exit code 7 (torchrun: 1)" in r.stderr
+    assert r.stderr.rstrip().endswith("the run failed with exit code 7 (torchrun: 1): rank 1 failed first (exit code 7); its error is above")
     assert json.loads((tmp_path / "a" / "stub_rank0.json").read_text())["env"]["OMP_NUM_THREADS"] == "1"  # not overridden
 
 
@@ -104,6 +104,33 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     time.sleep(0.5)
     alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
     assert not alive, f"ranks {alive} outlived their launcher"
+
+
+def test_launcher_edited_while_it_runs_carries_on(tmp_path):
+    """bash reads a script while it runs it: the launcher is one function called on its last line, so rewriting the
+    file in place mid-run (a checkout of another version) changes nothing in the launcher or the ranks running it."""
+    copy = tmp_path / "repo" / "launch" / "train_grpo.sh"
+    copy.parent.mkdir(parents=True)
+    shutil.copy2(TRAIN, copy)
+    shutil.copy2(REPO / "launch" / "python.sh", copy.parent)
+    out = tmp_path / "run"
+    p = subprocess.Popen(["bash", str(copy), "parallel.tp=2", f"run.out_dir={out}", "stub.sleep=1", "stub.export=false",
+                          "stub.tensorboard=false"], cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("stub_rank*.json"))) < 2:  # the launcher waits on torchrun, the ranks on python
+            assert p.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        text = copy.read_text()
+        with open(copy, "r+") as f:  # the same file, rewritten: every offset after the first line moves by 60 bytes
+            f.write("#!/usr/bin/env bash\n# " + "-" * 57 + "\n" + text.split("\n", 1)[1])
+        stdout, stderr = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "GRPO run: 3 steps" in stdout, stderr
+    assert "command not found" not in stderr and "syntax error" not in stderr, stderr
 
 
 def test_torchrun_no_python_runs_the_rank_directly(tmp_path):
