@@ -78,7 +78,7 @@ jetrl                    FP8 FProp/DGrad/WGrad in training, the identical FP8 fo
 
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import available_backends, blockwise_gemm
-from megatron_jetrl.fp8.linear import FP8Linear, QuantizedWeight, fp8_linear, fp8_linear_forward
+from megatron_jetrl.fp8.linear import FP8Linear, QuantizedWeight, fp8_linear, fp8_linear_forward, fp8_linears_forward
 from megatron_jetrl.fp8.quant import (
     BLOCKS,
     E4M3_MAX,
@@ -102,6 +102,7 @@ __all__ = [
     "dequantize_blockwise",
     "fp8_linear",
     "fp8_linear_forward",
+    "fp8_linears_forward",
     "quantize_blockwise",
     "scale_shape",
 ]

@@ -47,6 +47,8 @@ def _outer_major(s: torch.Tensor) -> torch.Tensor:
 def _block_scales_l4(s: torch.Tensor) -> torch.Tensor:
     """[N/128, K/128] block scales -> [L4, N/128] view with strides (1, L4), K-blocks padded to 4."""
     nb, kb = s.shape
+    if kb % 4 == 0 and s.is_contiguous():  # already that layout (K = 512 * j): no copy per GEMM
+        return s.t()
     padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=s.dtype, device=s.device)
     padded[:, :kb] = s
     return padded.t()

@@ -76,6 +76,20 @@ def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, f
     return y.reshape(*x.shape[:-1], weight.q.shape[0])
 
 
+def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow) -> list[torch.Tensor]:
+    """FProp of several weights that read the same `x` (q/k/v, gate/up): `x` is quantized once, and each
+    output is, bit for bit, what `fp8_linear_forward(x, weight, bias)` returns."""
+    x2d = x.reshape(-1, x.shape[-1])
+    x_q, x_s = _quantize(x2d, ACT, flow)
+    outs = []
+    for weight, bias in zip(weights, biases, strict=True):
+        y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=x.dtype, backend=flow.backend)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        outs.append(y.reshape(*x.shape[:-1], weight.q.shape[0]))
+    return outs
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_q, weight_s, flow, qweight=None):

@@ -2,8 +2,9 @@
 
 It reads what the converter writes and what live sync streams (`megatron_jetrl.models.hf_tensors`):
 FP8 linears as E4M3 `<name>.weight` + FP32 `<name>.weight_scale_inv` (128x128 blocks), the rest BF16.
-Its linears call `fp8_linear_forward(x, QuantizedWeight(q, s), bias, flow=flow)` -- the trainer's FProp --
-whenever `flow.rollout_fp8`, and a BF16 linear otherwise. Nothing is dequantized or re-quantized here.
+Its linears run the trainer's FProp (`fp8_linears_forward`: the linears that read one input, q/k/v and
+gate/up, share its 1x128 quantization) whenever `flow.rollout_fp8`, and a BF16 linear otherwise. Nothing is
+dequantized or re-quantized here. On CUDA, decode steps replay as CUDA graphs (`rollout/decode_graphs.py`).
 
 Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Llama-3 (llama3 rope scaling) share one forward.
 Sequences are right-padded; each row has its own KV-cache length and positions. With
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear_forward, scale_shape
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward, scale_shape
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
 from megatron_jetrl.models import ops
@@ -305,15 +306,19 @@ class NativeEngine:
         if missing:
             raise RuntimeError(f"the engine has no weights for {len(missing)} tensor(s), e.g. {missing[:3]}: call update_weights first")
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        bias = self.params.get(name + ".bias")
+    def _linears(self, x: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """`x @ W^T (+ b)` for the named linears that read the same `x` (in FP8, `x` is quantized once)."""
+        biases = [self.params.get(name + ".bias") for name in names]
         if self.flow.rollout_fp8:
-            qw = self._qweights.get(name)
-            if qw is None:
-                qw = self._qweights[name] = QuantizedWeight(self.params[name + ".weight"], self.params[name + SCALE_SUFFIX])
-            return fp8_linear_forward(x, qw, bias, flow=self._fwd_flow)
-        weight = self.params[name + ".weight"]
-        return ops.bi_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+            return fp8_linears_forward(x, [self._qweight(name) for name in names], biases, flow=self._fwd_flow)
+        linear = ops.bi_linear if self.batch_invariant else F.linear
+        return [linear(x, self.params[name + ".weight"], bias) for name, bias in zip(names, biases)]
+
+    def _qweight(self, name: str) -> QuantizedWeight:
+        qw = self._qweights.get(name)
+        if qw is None:
+            qw = self._qweights[name] = QuantizedWeight(self.params[name + ".weight"], self.params[name + SCALE_SUFFIX])
+        return qw
 
     def _bf16_linear(self, x, weight):
         return ops.bi_linear(x, weight) if self.batch_invariant else F.linear(x, weight)
@@ -328,24 +333,19 @@ class NativeEngine:
         eps = self.arch.rms_norm_eps if eps is None else eps
         if self.batch_invariant:
             return ops.rms_norm(x, self.params[name], eps)
-        x32 = x.float()
-        return self.params[name] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return F.rms_norm(x, x.shape[-1:], self.params[name], eps)
 
-    def _attend(self, q, k, v, q_pos, k_len):
-        """q `[B, H, Tq, D]`, k/v `[B, Hkv, Tk, D]` -> `[B, H, Tq, D]`; query at p sees keys `j <= p`, `j < k_len`."""
+    def _attend(self, q, k, v, q_pos, k_len, mask):
+        """q `[B, H, Tq, D]`, k/v `[B, Hkv, Tk, D]` -> `[B, H, Tq, D]`; query at p sees keys `j <= p`, `j < k_len`
+        (`mask` `[B, 1, Tq, Tk]`: the same, for the library kernels)."""
         if self.batch_invariant:
             return ops.attention(q, k, v, q_pos, k_len)
-        keys = torch.arange(k.shape[2], device=q.device)
-        if q.shape[2] == 1:  # decode: each query head group reads its K/V head where it lies, FP32 softmax
-            b, h, _, d = q.shape
-            grouped = q.view(b, k.shape[1], h // k.shape[1], d)
-            scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * d ** -0.5  # [B, Hkv, rep, Tk]
-            scores = scores.masked_fill((keys[None, :] >= k_len[:, None])[:, None, None, :], float("-inf"))
-            return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).view(b, h, 1, d)
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        b, h, tq, d = q.shape
+        if tq == 1:  # decode: a KV head's query heads are its "queries", so K/V are read once, where they lie
+            grouped = q.reshape(b, k.shape[1], h // k.shape[1], d)
+            return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(b, h, 1, d)
+        rep = h // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, k_len: torch.Tensor,
                       cache: KVCache | None = None, rows: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
@@ -362,19 +362,21 @@ class NativeEngine:
             raise ValueError("hidden_states with a KV cache needs span (the number of cache slots to attend over)")
         cos_t, sin_t = self._rope_tables(span if span is not None else int(positions.max()) + 1)
         cos, sin = cos_t[positions], sin_t[positions]
+        keys = torch.arange(span if cache is not None else t, device=tokens.device)
+        mask = None if self.batch_invariant else (
+            (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < k_len[:, None, None]))[:, None]
         h = p["model.embed_tokens.weight"][tokens]
         row_idx = (torch.arange(b, device=tokens.device) if rows is None else rows)[:, None]
         for i in range(a.num_layers):
             pre = f"model.layers.{i}."
             x = self._norm(h, pre + "input_layernorm.weight")
-            q = self._linear(x, pre + "self_attn.q_proj").view(b, t, a.num_heads, a.head_dim)
-            k = self._linear(x, pre + "self_attn.k_proj").view(b, t, a.num_kv_heads, a.head_dim)
-            v = self._linear(x, pre + "self_attn.v_proj").view(b, t, a.num_kv_heads, a.head_dim)
+            q, k, v = self._linears(x, *(pre + f"self_attn.{n}_proj" for n in "qkv"))
+            q, k, v = (y.view(b, t, -1, a.head_dim) for y in (q, k, v))
             if a.qk_norm:
                 q = self._norm(q, pre + "self_attn.q_norm.weight")
                 k = self._norm(k, pre + "self_attn.k_norm.weight")
-            q = ops.apply_rope(q.transpose(1, 2), cos, sin)
-            k = ops.apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+            qk = ops.apply_rope(torch.cat([q, k], 2).transpose(1, 2), cos, sin)  # elementwise: one call for both
+            q, k = qk.split([a.num_heads, a.num_kv_heads], 1)  # [B, H, T, D], [B, Hkv, T, D]
             v = v.transpose(1, 2)
             if cache is not None:  # advanced indices (row, position) split by the head slice: value [B, T, Hkv, D]
                 cache.k[i][row_idx, :, positions] = k.transpose(1, 2)
@@ -382,12 +384,12 @@ class NativeEngine:
                 k, v = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
                 if rows is not None:
                     k, v = k[rows], v[rows]
-            o = self._attend(q, k, v, positions, k_len)
-            h = h + self._linear(o.transpose(1, 2).reshape(b, t, a.num_heads * a.head_dim), pre + "self_attn.o_proj")
+            o = self._attend(q, k, v, positions, k_len, mask)
+            h = h + self._linears(o.transpose(1, 2).reshape(b, t, a.num_heads * a.head_dim), pre + "self_attn.o_proj")[0]
             x = self._norm(h, pre + "post_attention_layernorm.weight")
-            gate, up = self._linear(x, pre + "mlp.gate_proj"), self._linear(x, pre + "mlp.up_proj")
+            gate, up = self._linears(x, pre + "mlp.gate_proj", pre + "mlp.up_proj")
             act = ops.silu(gate) if self.batch_invariant else F.silu(gate)
-            h = h + self._linear(act * up, pre + "mlp.down_proj")
+            h = h + self._linears(act * up, pre + "mlp.down_proj")[0]
         return self._norm(h, "model.norm.weight")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from megatron_jetrl.fp8 import (
     dequantize_blockwise,
     fp8_linear,
     fp8_linear_forward,
+    fp8_linears_forward,
     quantize_blockwise,
 )
 
@@ -132,6 +133,18 @@ def test_training_and_rollout_forward_are_byte_equal():
     functional = fp8_linear_forward(x, lin.quantized_weight(), lin.bias, flow=JETRL)
     assert torch.equal(train.detach().view(torch.int16), rollout.view(torch.int16))
     assert torch.equal(rollout.view(torch.int16), functional.view(torch.int16))
+
+
+def test_linears_sharing_an_input_are_each_the_single_linear_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 5, 384, generator=g).to(torch.bfloat16)
+    weights = [QuantizedWeight.quantize(torch.randn(n, 384, generator=g), JETRL) for n in (256, 128, 128)]
+    biases = [torch.randn(256, generator=g).to(torch.bfloat16), None, None]
+    shared = fp8_linears_forward(x, weights, biases, flow=JETRL)
+    for y, w, b in zip(shared, weights, biases):
+        assert torch.equal(y.view(torch.int16), fp8_linear_forward(x, w, b, flow=JETRL).view(torch.int16))
+    with pytest.raises(ValueError):
+        fp8_linears_forward(x, weights, biases[:2], flow=JETRL)
 
 
 def test_fp8_activation_not_bf16_is_saved_for_backward():
