@@ -8,6 +8,10 @@ stays in L2) is captured in one CUDA graph and replayed; the table gives ms per 
 read per second. Inputs are quantized once up front for the FP8 GEMM-only rows; "quantize" is the 1x128
 activation quantizer the engine adds (once for q/k/v, o, gate/up, down). Each FP8 variant is checked
 against the emulated GEMM (relative error) on the first layer's q weight.
+
+Results and reading: BENCHMARKS.md, "Decode-shaped GEMMs". A split-K Triton variant (K blocks spread over
+programs, FP32 partials summed in order) was measured with this script at commit 091d2f7 and removed: it
+only tied cuBLASLt at M = 64 and lost at M = 128.
 """
 
 from __future__ import annotations
@@ -78,12 +82,6 @@ def main():
             "fp8 triton (128x128 tiles)": (lambda: [kernels.gemm(*xq[k], q, s) for layer in fp8 for (q, s), (_, _, k) in zip(layer, SHAPES)], gb8,
                                            rel(kernels.gemm(*xq[H], q0, s0, out_dtype=torch.float32))),
         }
-        for bn in (128, 64):
-            for split in (None, 1, 2, 4, 8):
-                name = f"fp8 triton split-K bm64 bn{bn} S={split or 'auto'}"
-                variants[name] = ((lambda bn=bn, split=split: [kernels.gemm_splitk(*xq[k], q, s, split_k=split, block_n=bn) for layer in fp8
-                                                                for (q, s), (_, _, k) in zip(layer, SHAPES)]), gb8,
-                                  rel(kernels.gemm_splitk(*xq[H], q0, s0, torch.float32, split_k=split, block_n=bn)))
         variants["quantize (4 per layer)"] = (lambda: [kernels.quantize_1x128(xs[k], check_finite=False) for _ in range(args.layers) for k in (H, H, H, I)], 0, None)
         for name, (fn, gb, err) in variants.items():
             try:

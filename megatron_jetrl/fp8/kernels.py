@@ -379,38 +379,7 @@ def _k():
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-    @triton.jit
-    def _gemm_splitk(
-        a_ptr, b_ptr, p_ptr, as_ptr, bs_ptr, M, N, K, TILES_PER_SPLIT,
-        stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ):
-        """FP32 partial products of one slice of K blocks: partial[split] = sum over its blocks (128x128 weights)."""
-        pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = offs_m % M
-        rn = offs_n % N
-        offs_k = tl.arange(0, 128)
-        k_first = split * TILES_PER_SPLIT
-        k_end = tl.minimum(k_first + TILES_PER_SPLIT, tl.cdiv(K, 128))
-        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (k_first * 128 + offs_k)[None, :]
-        b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + (k_first * 128 + offs_k)[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in tl.range(k_first, k_end, num_stages=NUM_STAGES):
-            in_k = offs_k < K - kb * 128
-            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
-            sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask)
-            sb = tl.load(bs_ptr + (rn // 128) * stride_bsn + kb * stride_bsk)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            a_ptrs += 128
-            b_ptrs += 128
-        p_ptrs = p_ptr + split.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
     return {
-        "gemm_splitk": _gemm_splitk,
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
         "quant_cols": _quant_cols,
@@ -670,38 +639,9 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
     return c
 
 
-def gemm_splitk(a_q, a_s, b_q, b_s, out_dtype=torch.bfloat16, *, split_k=None, block_m=64, block_n=128, num_warps=4, num_stages=3):
-    """`gemm` for few rows (decode) against 128x128-block weights, with K split across programs.
-
-    At M = 64 a 128-wide output tiling gives N/128 programs (32 for N = 4096): a third of the H200's SMs
-    would stream the weight. Here each program takes a slice of the K blocks and writes FP32 partials
-    `[split_k, M, N]`, summed in a fixed order afterwards (deterministic; no atomics). `split_k=None` picks
-    enough slices for about two programs per SM.
-    """
-    a_q, b_q = (t if t.stride(1) == 1 else t.contiguous() for t in (a_q, b_q))
-    m, k = a_q.shape
-    n = b_q.shape[0]
-    k_tiles = triton_cdiv(k, 128)
-    tiles = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
-    if split_k is None:
-        sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
-        split_k = max(1, min(k_tiles, round(2 * sms / tiles)))
-    per = triton_cdiv(k_tiles, split_k)
-    split_k = triton_cdiv(k_tiles, per)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=a_q.device)
-    if m and n:
-        _k()["gemm_splitk"][(triton_cdiv(m, block_m), triton_cdiv(n, block_n), split_k)](
-            a_q, b_q, partial, a_s, b_s, m, n, k, per, a_q.stride(0), b_q.stride(0),
-            a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
-        )
-    return partial.sum(0).to(out_dtype) if split_k > 1 else partial[0].to(out_dtype)
-
-
 __all__ = [
     "GEMM_CONFIG",
     "gemm",
-    "gemm_splitk",
     "quantize",
     "quantize_128x128",
     "quantize_1x128",
