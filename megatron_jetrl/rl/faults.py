@@ -40,6 +40,7 @@ idempotent.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import math
@@ -211,7 +212,17 @@ def _start_heartbeat(interval: float) -> None:
                 return
             stop.wait(interval)
 
-    threading.Thread(target=beat, name="jetrl-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="jetrl-heartbeat", daemon=True)
+    thread.start()
+
+    def join():
+        # A daemon thread still inside a torch (pybind11) call when the interpreter finalizes is ended with
+        # pthread_exit, whose unwinding through pybind11's noexcept GIL guard calls std::terminate: the run
+        # "succeeds" and then aborts with SIGABRT. So the beat stops, and is waited for, before finalization.
+        stop.set()
+        thread.join(timeout=10.0)  # one store.add at most (its timeout is 5 s)
+
+    atexit.register(join)
 
 
 # ---- the report -------------------------------------------------------------------------------------------
