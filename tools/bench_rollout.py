@@ -244,12 +244,6 @@ def main(argv=None) -> dict:
     shape = TINY if args.tiny else QWEN3_8B
     arch = ModelArch.from_hf_config(hf_config(shape, args.layers))
     backend = resolve_backend(args.backend, device)
-    backend_note = ""
-    if backend == "cublaslt" and any(b % 16 for b in args.batches):
-        # torch's cuBLASLt FP8 path wants M (= rows of a decode step) to be a multiple of 16 (tests/gpu skip others)
-        if args.backend != "auto":
-            raise SystemExit(f"--backend cublaslt needs batch sizes that are multiples of 16, got {args.batches}")
-        backend, backend_note = "triton", "auto picked triton: a batch is not a multiple of 16, which cuBLASLt wants"
     fp8_flow = PrecisionFlow("jetrl", backend=backend, check_finite=args.check_finite)
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -257,14 +251,12 @@ def main(argv=None) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "command": " ".join(sys.argv) if argv is None else " ".join(argv),
         "model": {"shape": "tiny" if args.tiny else "Qwen3-8B", "layers": args.layers, **shape},
-        "fp8_flow": fp8_flow.to_dict(), "fp8_backend": backend, "fp8_backend_note": backend_note, "batch_invariant": False,
+        "fp8_flow": fp8_flow.to_dict(), "fp8_backend": backend, "batch_invariant": False,
         "prompt": args.prompt, "batches": args.batches, "new_tokens": args.new_tokens, "budget_s": args.budget_s,
         "temperature": 1.0, "ignore_eos": True,
     }
     print(f"{res['date']}  {res['device']}  torch {res['torch']}  model {res['model']['shape']} x {args.layers} layers  "
           f"FP8 backend {backend} (check_finite={args.check_finite})  prompt {args.prompt}", flush=True)
-    if backend_note:
-        print(f"NOTE: {backend_note}", flush=True)
     if not args.tiny and args.layers < 36:
         print(f"NOTE: {args.layers} of Qwen3-8B's 36 layers (per-layer costs are the same; embedding/lm_head/sampling weigh more)", flush=True)
 
