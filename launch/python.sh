@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# Prints the interpreter the launch scripts use: $PYTHON if set, else the repository's .venv, else python3.
+# What the launch scripts run.
+#   bash launch/python.sh          the interpreter: $PYTHON if set, else the repository's .venv, else python3
+#   bash launch/python.sh modules  two lines, TRAIN_MODULE and CONFIG_MODULE: $JETRL_TRAIN_MODULE (default megatron_jetrl.rl.train)
+#                                  and the module that loads and checks its config: $JETRL_CONFIG_MODULE, else
+#                                  megatron_jetrl.rl.config for the default trainer, else the trainer itself
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ -n "${PYTHON:-}" ]; then
+if [ "${1:-}" = modules ]; then
+  train=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
+  if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
+    printf "%s\n" "$train" "$JETRL_CONFIG_MODULE"
+  elif [ "$train" = megatron_jetrl.rl.train ]; then
+    printf "%s\n" "$train" megatron_jetrl.rl.config
+  else
+    printf "%s\n" "$train" "$train"
+  fi
+elif [ -n "${PYTHON:-}" ]; then
   echo "$PYTHON"
 elif [ -x "$repo/.venv/bin/python" ]; then
   echo "$repo/.venv/bin/python"

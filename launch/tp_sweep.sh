@@ -76,14 +76,7 @@ overrides=("$@")
 py=$(bash "$repo/launch/python.sh")
 export PYTHON=$py
 command -v "$py" >/dev/null 2>&1 || die "python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv"
-train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
-if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
-  config_module=$JETRL_CONFIG_MODULE
-elif [ "$train_module" = megatron_jetrl.rl.train ]; then
-  config_module=megatron_jetrl.rl.config
-else
-  config_module=$train_module
-fi
+config_module=$(bash "$repo/launch/python.sh" modules | sed -n 2p)
 case $config_module in
   *.py) config_cmd=("$py" "$config_module") ;;
   *) config_cmd=("$py" -m "$config_module") ;;

@@ -65,14 +65,7 @@ main() {
   repo=$(dirname "$(dirname "$script")")
 
   py=$(bash "$repo/launch/python.sh")
-  train_module=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}
-  if [ -n "${JETRL_CONFIG_MODULE:-}" ]; then
-    config_module=$JETRL_CONFIG_MODULE
-  elif [ "$train_module" = megatron_jetrl.rl.train ]; then
-    config_module=megatron_jetrl.rl.config
-  else
-    config_module=$train_module
-  fi
+  { read -r train_module; read -r config_module; } < <(bash "$repo/launch/python.sh" modules)
   # The repository on the import path, so the modules resolve from any working directory (relative config and
   # out_dir paths stay relative to the caller's directory).
   case ":${PYTHONPATH:-}:" in
