@@ -51,17 +51,18 @@ TP1/TP2/PP2/DP2 training with megatron DDP + optimizer on a CPU-only torch
    tests/unit/test_actor_parallel.py). Wrapped: upstream runs unchanged with
    ``torch.Tensor.cuda`` mapped to the identity for the duration of that one call.
 
-6. ``optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__`` -- sorts parameters into
+6. ``optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__`` and
+   ``optimizer.distrib_optimizer.DistributedOptimizer.__init__`` -- sort parameters into
    BF16/FP16 params (which get FP32 main copies) and FP32 params by ``param.type()`` against
-   ``'torch.cuda.*Tensor'`` names and raises for anything else, so BF16 params with FP32 main
+   ``'torch.cuda.*Tensor'`` names and raise for anything else, so BF16 params with FP32 main
    params (the actor's GPU configuration, and the one whose BF16 forward the rollout engine
-   reproduces bit for bit) are refused on CPU. Wrapped: upstream runs unchanged with
-   ``Tensor.type()`` (no arguments, CPU tensor) answering the CUDA name of the same dtype for
-   the duration of that one call; the step itself needs nothing else (change 3 covers its
-   ``device='cuda'`` buffers).
+   reproduces bit for bit) and the distributed (ZeRO-1) optimizer are refused on CPU. Wrapped:
+   upstream runs unchanged with ``Tensor.type()`` (no arguments, CPU tensor) answering the CUDA
+   name of the same dtype for the duration of that one call; the steps need nothing else
+   (change 3 covers their ``device='cuda'`` buffers; gloo has the reduce-scatter and
+   all-gather-into-tensor the distributed optimizer's buffers use).
 
-Not patched (not needed for the tested paths; they still fail on CPU):
-``DistributedOptimizer`` (checks ``param.type()`` in many places), activation
+Not patched (not needed for the tested paths; they still fail on CPU): activation
 recompute (``CheckpointFunction`` calls the CUDA RNG getters), ``enable_autocast``
 (``torch.autocast("cuda")``), CUDA graphs, TE, inference dynamic batching,
 symmetric-memory buffers.
@@ -86,6 +87,7 @@ _CUDA_DEVICE_MODULES = (
     "megatron.core.optimizer.clip_grads",  # device='cuda' norm buffers
     "megatron.core.distributed.param_and_grad_buffer",  # current_device() DDP param/grad buffers
     "megatron.core.optimizer.optimizer",  # device='cuda' loss-scale / found-inf tensors
+    "megatron.core.optimizer.distrib_optimizer",  # current_device() optimizer-state shards (parameter-state load)
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq.to(current_device())
     "megatron.core.tensor_parallel.layers",  # current_device() weights (use_cpu_initialization=False)
     "megatron.core.tensor_parallel.mappings",  # current_device() all-gather outputs (logits gather)
@@ -315,10 +317,10 @@ def _make_setup_embeddings(orig):
     return setup_embeddings_and_output_layer
 
 
-# --- change 6: BF16 params + FP32 main params -----------------------------------------------
+# --- change 6: BF16 params + FP32 main params, the distributed optimizer ---------------------
 
 
-def _make_float16_optimizer_init(orig):
+def _with_cuda_type_names(orig):
     def __init__(self, *args, **kwargs):
         """Upstream, with ``Tensor.type()`` of a CPU tensor named like its CUDA twin while it runs."""
         type_name = torch.Tensor.type
@@ -398,9 +400,11 @@ def apply() -> bool:
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     _set(language_module, "setup_embeddings_and_output_layer", _make_setup_embeddings(language_module.setup_embeddings_and_output_layer))
 
-    # 6. BF16 params with FP32 main params.
+    # 6. BF16 params with FP32 main params; the distributed optimizer.
     f16 = optimizer_mod.Float16OptimizerWithFloat16Params
-    _set(f16, "__init__", _make_float16_optimizer_init(f16.__init__))
+    _set(f16, "__init__", _with_cuda_type_names(f16.__init__))
+    dist_opt = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+    _set(dist_opt, "__init__", _with_cuda_type_names(dist_opt.__init__))
 
     _APPLIED = True
     return True

@@ -1,7 +1,7 @@
 """One optimizer step of the actor through megatron's `forward_backward_func`, with a logprob loss callback.
 
-`wrap_for_training` puts the GPTModel under megatron DDP and builds megatron's optimizer (FP32 params and
-optimizer on CPU: megatron's bf16 optimizer and DistributedOptimizer need CUDA; on GPU pass bf16=True).
+`wrap_for_training` puts the GPTModel under megatron DDP and builds megatron's optimizer: BF16 params with FP32
+main params, replicated or distributed (ZeRO-1) over DP (on CPU through patches/megatron_core_0_16_1_cpu.py).
 `train_step` runs the micro-batches (pipeline schedule included) and the step; the loss callback sees the
 per-token logprobs `[b, s-1]` of each micro-batch (GRPO builds its clipped loss from them). After the step
 the FP8 weights are re-quantized lazily on the next forward (`fp8_layers.fp8_weights` returns them).
@@ -40,6 +40,11 @@ class OptimConfig:
     bf16: bool = True
     """BF16 params with FP32 main params (megatron's mixed-precision optimizer; on CPU through the patch in
     patches/). The batch-invariant actor needs it to reproduce the rollout engine's BF16 forward."""
+    distributed: bool = False
+    """megatron's DistributedOptimizer (ZeRO-1): gradients are reduce-scattered, each DP rank keeps the FP32 main
+    params and Adam moments of its 1/DP of the parameters only, and the updated params are all-gathered. Same
+    update as the replicated optimizer up to the grad-norm summation order; checkpoints hold the state gathered
+    in megatron's DP-size-independent `dp_zero` format."""
 
     def __post_init__(self):
         import math
@@ -66,12 +71,14 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     config = model.config
     ddp = DistributedDataParallel(
         config=config, module=model,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                 use_distributed_optimizer=optim.distributed),
     )
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
-                        adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=optim.bf16, use_distributed_optimizer=False),
+                        adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=optim.bf16,
+                        use_distributed_optimizer=optim.distributed),
         [ddp],
     )
     return ddp, optimizer

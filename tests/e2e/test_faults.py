@@ -810,3 +810,20 @@ def shlex_quote(s: str) -> str:
     import shlex
 
     return shlex.quote(s)
+
+
+def test_optimizer_state_of_the_other_kind_is_refused(saved, tmp_path):
+    """A replicated optimizer's checkpoint resumed with optim.distributed=true (and the reverse) names the switch."""
+    from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_jetrl.models.shards import CheckpointError
+
+    ddp, optimizer, flow = _actor(_cfg(tmp_path / "d", "loss.kl_coef=0", "optim.distributed=true"))
+    with pytest.raises(CheckpointError, match=r"optim_tp00_pp000.pt holds the state of a replicated optimizer and this run's is "
+                                              r"distributed: resume with optim.distributed=false"):
+        load_checkpoint(ddp, saved.ck, optimizer=optimizer)
+    ck = tmp_path / "distributed"
+    ck.mkdir()
+    save_checkpoint(ddp, ck, hf_config=saved.cfg.model.architecture(), flow=flow, iteration=1, optimizer=optimizer)
+    with pytest.raises(CheckpointError, match=r"holds the state of a distributed optimizer and this run's is replicated: "
+                                              r"resume with optim.distributed=true"):
+        load_checkpoint(saved.ddp, ck, optimizer=saved.optimizer)

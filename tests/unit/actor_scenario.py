@@ -60,7 +60,13 @@ def forward_all(ckpt_root: str, modes=("bf16", "jetrl")) -> dict:
     return out
 
 
-def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_parallel: bool = False) -> dict:
+def _adam_state_numel(optimizer) -> int:
+    """Elements of Adam's first moment this rank holds (all of them, or its ZeRO-1 shard)."""
+    return sum(st["exp_avg"].numel() for o in optimizer.chained_optimizers for st in o.optimizer.state.values())
+
+
+def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_parallel: bool = False,
+          distributed: bool = False) -> dict:
     """3 steps of train_step on qwen3 (this DP rank's share of a fixed batch); optional save + reload."""
     from megatron.core import parallel_state as ps
 
@@ -72,7 +78,8 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
     from megatron_jetrl.fp8 import QuantizedWeight
 
     model, arch, flow = _build("qwen3", mode, ckpt_root, sequence_parallel)
-    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0))
+    optim = OptimConfig(lr=LR, clip_grad=1.0, distributed=distributed)
+    ddp, optimizer = wrap_for_training(model, optim)
     tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -88,19 +95,22 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
             after[n] is not before[n] and torch.equal(after[n].q.view(torch.uint8), QuantizedWeight.quantize(params[n], flow).q.view(torch.uint8))
             for n in after
         ))
-    result = {"steps": steps, "fp8_requantized": fresh_fp8, "fp8_names": sorted(fp8_weights(model))}
+    result = {"steps": steps, "fp8_requantized": fresh_fp8, "fp8_names": sorted(fp8_weights(model)),
+              "adam_state_numel": _adam_state_numel(optimizer), "param_numel": sum(p.numel() for p in model.parameters())}
     result["logprobs"] = compute_logprobs(ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
     if save_dir is not None:
         save_checkpoint(ddp, save_dir, hf_config=CONFIGS["qwen3"], flow=flow, iteration=STEPS, optimizer=optimizer)
         fresh = build_model(arch, flow)
-        fresh_ddp, fresh_opt = wrap_for_training(fresh, OptimConfig(lr=LR, clip_grad=1.0))
+        fresh_ddp, fresh_opt = wrap_for_training(fresh, optim)
         meta = load_checkpoint(fresh_ddp, save_dir, optimizer=fresh_opt)
         result["resumed_iteration"] = meta["iteration"]
         result["resumed_logprobs"] = compute_logprobs(fresh_ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
-        # one more step from both: same state -> same step
+        # two more steps from both: same state -> same steps (the first loss is the restored params' forward; the
+        # second follows an update that used the restored optimizer state)
         step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": advantages[local]})
-        result["next_loss"] = train_step(ddp, optimizer, tokens[local], grpo_like_loss, **step).get("loss")
-        result["resumed_next_loss"] = train_step(fresh_ddp, fresh_opt, tokens[local], grpo_like_loss, **step).get("loss")
+        result["next_losses"] = [train_step(ddp, optimizer, tokens[local], grpo_like_loss, **step).get("loss") for _ in range(2)]
+        result["resumed_next_losses"] = [train_step(fresh_ddp, fresh_opt, tokens[local], grpo_like_loss, **step).get("loss")
+                                         for _ in range(2)]
     return result
 
 
@@ -115,3 +125,23 @@ def layout(ckpt_root: str, save_root: str, forward: bool) -> dict:
 def sequence_parallel_layout(ckpt_root: str) -> dict:
     """TP2 with sequence parallelism: qwen3 training in both modes (no checkpoint)."""
     return {"train": {mode: train(ckpt_root, mode, None, sequence_parallel=True) for mode in ("bf16", "jetrl")}}
+
+
+def distributed_optimizer_layout(ckpt_root: str, save_root: str) -> dict:
+    """DP2 with megatron's DistributedOptimizer (ZeRO-1): training + checkpoint round trip in both modes
+    (checkpoints in `save_root/<mode>`)."""
+    return {"train": {mode: train(ckpt_root, mode, str(Path(save_root) / mode), distributed=True) for mode in ("bf16", "jetrl")}}
+
+
+def resume_at_dp1(ckpt_root: str, save_dir: str, mode: str) -> dict:
+    """One rank (DP1) resumes a DP2 distributed-optimizer checkpoint and takes the next two steps on the whole batch."""
+    from megatron_jetrl.actor.checkpoint import load_checkpoint
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+
+    model, _, _ = _build("qwen3", mode, ckpt_root)
+    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0, distributed=True))
+    meta = load_checkpoint(ddp, save_dir, optimizer=optimizer)
+    tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
+    step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+    return {"iteration": meta["iteration"],
+            "next_losses": [train_step(ddp, optimizer, tokens, grpo_like_loss, **step)["loss"] for _ in range(2)]}
