@@ -95,6 +95,7 @@ def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_com
     scales (or scales without their weight) in the same batch, and -- with `require_complete` -- missing tensors.
     """
     problems: list[str] = []
+    scales: dict[str, torch.Tensor] = {}
     for name, tensor in batch.items():
         spec = specs.get(name)
         if spec is None:
@@ -112,8 +113,8 @@ def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_com
         if tuple(tensor.shape) != shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
         if name.endswith(SCALE_SUFFIX) and tensor.dtype == torch.float32 and tuple(tensor.shape) == shape:
-            if not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
-                problems.append(f"{name}: scales must be finite and positive")
+            scales[name] = tensor
+    problems += [f"{name}: scales must be finite and positive" for name in _invalid_scales(scales)]
     for name in batch:  # FP8 bytes and their scales only make sense together
         if specs.get(name, (None, None))[1] == E4M3 and name.removesuffix(".weight") + SCALE_SUFFIX not in batch:
             problems.append(f"{name}: FP8 weight without its {name.removesuffix('.weight') + SCALE_SUFFIX} in the same batch (missing scales)")
@@ -124,6 +125,19 @@ def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_com
         if missing:
             problems.append(f"missing {len(missing)} tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return problems
+
+
+def _invalid_scales(scales: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the scale tensors that are not all finite and > 0, with one host sync per device (a weight
+    sync streams hundreds of scale tensors; one sync each would stall the stream that many times)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in scales.items():
+        by_device.setdefault(tensor.device, []).append((name, tensor))
+    bad = []
+    for items in by_device.values():
+        ok = torch.stack([(torch.isfinite(t) & (t > 0)).all() for _, t in items]).tolist()
+        bad += [name for (name, _), good in zip(items, ok, strict=True) if not good]
+    return bad
 
 
 def check_quantization_config(config: dict, flow: PrecisionFlow, where: str = "config.json") -> None:

@@ -376,6 +376,23 @@ def test_update_weights_refuses_bad_batches_and_applies_nothing():
     assert torch.equal(engine.params["model.norm.weight"], fresh["model.norm.weight"])
 
 
+def test_every_bad_scale_in_a_batch_is_named():
+    """The scales of a batch are checked together (one host sync per device): each bad one is named, no good one."""
+    engine = make_engine("qwen2")
+    fresh = dict(live_stream(engine.arch, bf16_state(engine.arch, seed=1), JETRL))
+    batch = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        base = f"model.layers.1.mlp.{proj}"
+        batch[base + ".weight"], batch[base + ".weight_scale_inv"] = fresh[base + ".weight"], fresh[base + ".weight_scale_inv"].clone()
+    batch["model.layers.1.mlp.up_proj.weight_scale_inv"].view(-1)[-1] = float("nan")
+    batch["model.layers.1.mlp.down_proj.weight_scale_inv"].view(-1)[0] = -1.0
+    with pytest.raises(WeightUpdateError) as info:
+        engine.update_weights(list(batch.items()))
+    message = str(info.value)
+    for proj, bad in (("gate_proj", False), ("up_proj", True), ("down_proj", True)):
+        assert (f"mlp.{proj}.weight_scale_inv: scales must be finite and positive" in message) == bad, (proj, message)
+
+
 def test_engine_without_weights_or_asleep_refuses_to_run():
     arch = ModelArch.from_hf_config(tiny_config())
     with pytest.raises(RuntimeError, match="no weights"):
