@@ -14,7 +14,9 @@ The trainer calls `watch(cfg)` once, right after the process group exists. It
 
   (one line). A failure in `save`/`export` or an OSError also reports the free space of the run directory.
   A collective that never returns is bounded by run.timeout_s (the process group's timeout): the hook
-  explains the failure, it does not detect it;
+  explains the failure, it does not detect it. In a run of several processes the rank then leaves at once
+  (`os._exit(1)`; metrics lines are already fsync'ed): interpreter shutdown would run the destructors of a
+  process group whose peer is lost, which took 1.4-7 s after the report here and over 9 s once in CI;
 * arms the faults named in the environment variable `JETRL_FAULT` (off when unset):
 
       JETRL_FAULT="ACTION@POINT[:step=N][:rank=R][,ACTION@POINT...]"
@@ -149,6 +151,10 @@ def watch(cfg=None, *, interval: float = 1.0, trainer: dict | None = None) -> No
             report(value, tb)
         except Exception as e:  # noqa: BLE001 - the report must never hide the original error
             _say(f"(failure report failed: {e!r})")
+        if _world() > 1 and not issubclass(kind, KeyboardInterrupt):  # bounded exit: see the module docstring
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     sys.excepthook = hook
     _start_heartbeat(interval)

@@ -268,18 +268,25 @@ def test_survivor_stops_within_the_timeout_naming_the_lost_rank(trainer, tmp_pat
             while not stopped(procs[1].pid):
                 assert time.monotonic() < end and procs[1].poll() is None, rank_log(out, 1)[-2000:]
                 time.sleep(0.02)
-        lost_at = time.monotonic()
-        try:
-            rc = procs[0].wait(timeout=TIMEOUT_S + SLACK_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still runs {TIMEOUT_S + SLACK_S} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}):\n"
-                        + rank_log(out, 0)[-1500:])
+        lost_at, reported_at = time.monotonic(), None
+        while (rc := procs[0].poll()) is None:
+            if time.monotonic() - lost_at > TIMEOUT_S + SLACK_S:
+                pytest.fail(f"rank 0 still runs {TIMEOUT_S + SLACK_S} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}):\n"
+                            + rank_log(out, 0)[-1500:])
+            if reported_at is None and "jetrl: rank 0 failed" in rank_log(out, 0):
+                reported_at = time.monotonic()
+            time.sleep(0.05)
         took = time.monotonic() - lost_at
         RESULTS[f"lost:{case}"] = took
         log = rank_log(out, 0)
-        assert rc != 0
+        assert rc == 1
         line = jetrl_line(log)
-        print(f"{case}: rank 0 exited {took:.1f} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}), rc {rc}\n  {line}")
+        lingered = time.monotonic() - (reported_at or lost_at)
+        print(f"{case}: rank 0 exited {took:.1f} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}), rc {rc}, "
+              f"{lingered:.2f} s after its report\n  {line}")
+        # it leaves right after its report (fixed, was D15: interpreter shutdown then waited 1.4-7 s, once > 9 s,
+        # on the destructors of the broken process group)
+        assert reported_at is not None and lingered < 1.0, lingered
         assert "rank 0 failed at step 1" in line and "lost rank(s) [1]" in line, line
         assert "newest complete checkpoint: " in line and line.rstrip().endswith("(a restart resumes there)")
         assert latest(out).name == "step_000001"
