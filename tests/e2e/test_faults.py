@@ -279,6 +279,8 @@ def test_survivor_stops_within_the_timeout_naming_the_lost_rank(trainer, tmp_pat
         took = time.monotonic() - lost_at
         RESULTS[f"lost:{case}"] = took
         log = rank_log(out, 0)
+        if reported_at is None and "jetrl: rank 0 failed" in log:  # reported and gone within the last poll
+            reported_at = time.monotonic()
         assert rc == 1
         line = jetrl_line(log)
         lingered = time.monotonic() - (reported_at or lost_at)
