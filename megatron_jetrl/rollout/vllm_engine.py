@@ -38,7 +38,7 @@ from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingPar
 from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, check_quantization_config, collect_batch, expected_tensors, validate_weights
 from megatron_jetrl.rollout.sync import TensorMeta, buckets, pack, unpack
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = "0.26.0"
 WORKER_EXTENSION = "megatron_jetrl.rollout.vllm_engine.JetRLWorkerExtension"
 
 
