@@ -1,11 +1,12 @@
 """The live actor's HF `(name, tensor)` stream: the source of the weight sync after every optimizer step.
 
 Each linear's TP shards -- FP8 bytes (`fp8_layers.fp8_weights`, the very `QuantizedWeight`s the forward
-used), their scale grids, or BF16 params -- are all-gathered over the TP group of data-parallel replica 0
-(FP8 as a `uint8` view: gloo refuses float8) and handed to `models.export.hf_tensors`, the one stream the
-converter writes from too. Only global rank 0 (where the rollout engines live) receives pairs; the other
-ranks of replica 0 take part in the gathers. Every rank must run `actor_weight_stream` to the end (the
-gathers are collectives, in the mapping table's order); `drain()` does that where nothing is consumed.
+used), their scale grids, or BF16 params -- are all-gathered over the TP group (FP8 as a `uint8` view: gloo
+refuses float8) and handed to `models.export.hf_tensors`, the one stream the converter writes from too.
+`to="rank0"`: only global rank 0 (where native engines live) receives pairs, the other ranks of data-parallel
+replica 0 take part in the gathers. `to="all"`: every rank receives the whole model (each replica's TP group
+gathers its own copy), for colocated engines on every rank. Every rank must run `actor_weight_stream` to the
+end (the gathers are collectives, in the mapping table's order); `drain()` does that where nothing is consumed.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ def _tp_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [p.view(tensor.dtype) for p in parts]
 
 
-def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF pairs of the actor's current weights on global rank 0 (nothing elsewhere); collective, see above."""
+def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "rank0") -> Iterator[tuple[str, torch.Tensor]]:
+    """HF pairs of the actor's current weights on global rank 0 (`to="rank0"`) or on every rank (`to="all"`);
+    collective, see above."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("the live weight stream gathers over TP only; with PP > 1 save a checkpoint and "
                                   "convert it (tools/convert_checkpoint.py), or run the GRPO loop at PP=1")
-    if ps.get_data_parallel_rank() != 0:
+    if to not in ("rank0", "all"):
+        raise ValueError(f"to must be 'rank0' or 'all', got {to!r}")
+    if to == "rank0" and ps.get_data_parallel_rank() != 0:
         return
     params = dict(unwrap(model).named_parameters())
     quantized = fp8_weights(model) if flow.train_fp8 else {}
@@ -55,7 +59,7 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow) -> Iterator
         return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
 
     pairs = hf_tensors(arch, flow, model_entries(arch), fetch, fetch_fp8)
-    if dist.get_rank() == 0:
+    if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
         drain(pairs)

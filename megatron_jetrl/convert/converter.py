@@ -37,6 +37,17 @@ DTYPES = ("fp8", "bf16")
 QUANT_ROWS = 1024
 
 
+def rollout_hf_config(hf_config: dict, arch: ModelArch, flow: PrecisionFlow) -> dict:
+    """config.json of a rollout checkpoint: the model's, BF16, with the flow's quantization_config (FP8 rollout)."""
+    config = dict(hf_config)
+    config.pop("quantization_config", None)
+    config.setdefault("architectures", [ARCHITECTURES[arch.family]])
+    config["torch_dtype"] = "bfloat16"
+    if flow.rollout_fp8:
+        config["quantization_config"] = flow.quantization_config()
+    return config
+
+
 class ConversionError(ValueError):
     """The input cannot be converted as asked; nothing was written."""
 
@@ -61,13 +72,7 @@ class Plan:
         return sum(len(e.hf) * (2 if (e.fp8 and self.fp8) else 1) for stage in self.stages for e in stage)
 
     def hf_config(self) -> dict:
-        config = dict(self.checkpoint.meta["hf_config"])
-        config.pop("quantization_config", None)
-        config.setdefault("architectures", [ARCHITECTURES[self.arch.family]])
-        config["torch_dtype"] = "bfloat16"
-        if self.fp8:
-            config["quantization_config"] = self.flow.quantization_config()
-        return config
+        return rollout_hf_config(self.checkpoint.meta["hf_config"], self.arch, self.flow)
 
     def tensors(self, quant_rows: int | None = None):
         """The (hf_name, tensor) stream of the whole model, pipeline stage after pipeline stage."""

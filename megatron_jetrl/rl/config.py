@@ -200,8 +200,19 @@ class RolloutConfig:
     """Response length limit."""
     bucket_mb: int = 256
     """Weight sync bucket size (MiB)."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory for the engine."""
+    tp: int = 1
+    """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
+    the world / tp engines share each step's prompts). Independent of parallel.tp."""
+    kv_cache_fraction: float = 0.5
+    """vLLM only: share of the GPU memory free at engine start (after the actor is built and the engine's weights
+    are counted) given to the KV cache. The cache is dropped while the actor trains and mapped again for rollout."""
+    kv_cache_gb: float = 0.0
+    """vLLM only: KV cache size in GiB per engine rank; 0 sizes it with kv_cache_fraction."""
+    max_model_len: int = 0
+    """vLLM only: longest prompt + response; 0 means 1024 prompt tokens + max_new_tokens (capped by the model's
+    max_position_embeddings)."""
+    enforce_eager: bool = False
+    """vLLM only: no CUDA graphs / torch.compile (start-up in seconds, decode several times slower)."""
 
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
@@ -211,7 +222,12 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
-        _check(0 < self.gpu_memory_utilization < 1, f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        _check(self.tp >= 1, f"rollout.tp must be >= 1, got {self.tp}")
+        _check(0 < self.kv_cache_fraction < 1, f"rollout.kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        _check(self.kv_cache_gb >= 0, f"rollout.kv_cache_gb must be >= 0 (0: use kv_cache_fraction), got {self.kv_cache_gb}")
+        _check(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
+               f"rollout.max_model_len={self.max_model_len} must exceed rollout.max_new_tokens={self.max_new_tokens} (0: automatic)")
+        _check(self.engine == "vllm" or self.tp == 1, f"rollout.tp={self.tp} is for rollout.engine=vllm (the native engine is not tensor parallel)")
 
 
 @dataclass(frozen=True)
@@ -276,6 +292,11 @@ class JetRLConfig:
         _check(not (self.model.batch_invariant and fp8 and self.precision.backend not in ("auto", "emulated")),
                f"model.batch_invariant=true needs the emulated FP8 GEMM (exact block products), got precision.backend="
                f"{self.precision.backend!r}: set precision.backend=emulated or model.batch_invariant=false")
+        _check(self.rollout.engine != "vllm" or self.parallel.world_size % self.rollout.tp == 0,
+               f"rollout.tp={self.rollout.tp} must divide the number of ranks parallel.tp * pp * dp = {self.parallel.world_size} "
+               "(each rank runs one TP rank of one vLLM engine)")
+        _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
+               "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
         if self.model.hf_config:
             self.arch()  # architecture problems surface here, before anything is built
 

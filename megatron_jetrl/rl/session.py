@@ -1,9 +1,9 @@
 """What a GRPO run is made of, built from its config: the process group, tokenizer, problems, the actor
 (megatron-core, optimizer), the frozen reference, the rollout pool, and the run directory's checkpoints.
 
-Rank layout: the actor spans all ranks (TP x DP; PP = 1 in the loop); the rollout pool lives on global
-rank 0 (native engines in-process, or vLLM engines it drives), which samples for the whole batch and
-broadcasts it. Checkpoints: `checkpoints/step_XXXXXX/` = the actor's sharded checkpoint with optimizer
+Rank layout: the actor spans all ranks (TP x DP; PP = 1 in the loop). Native engines live on global rank 0,
+which samples the whole batch; vLLM engines run on every rank (`rollout.colocated`: each group of rollout.tp
+ranks samples its share and every rank receives all outputs). Checkpoints: `checkpoints/step_XXXXXX/` = the actor's sharded checkpoint with optimizer
 state (`actor.checkpoint`), the reference under `ref/`, and `trainer_state.json` (step, prompt sampler,
 warm-up done) written last; a directory is complete only once `trainer_state.json` exists, and is
 staged under a `.partial` name and renamed, so a run killed mid-save resumes from the previous one.
@@ -12,6 +12,7 @@ staged under a `.partial` name and renamed, so a run killed mid-save resumes fro
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler, load_problems
+from megatron_jetrl.rollout.native import expected_tensors
 
 STATE_FILE = "trainer_state.json"
 SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
@@ -50,7 +52,7 @@ class Session:
     model: object  # megatron DDP-wrapped GPTModel
     optimizer: object
     reference: object | None  # frozen GPTModel (KL term), None when loss.kl_coef == 0
-    pool: object | None  # RolloutPool on global rank 0, None elsewhere
+    pool: object | None  # RolloutPool on global rank 0 (None elsewhere), or a ColocatedPool on every rank
 
     @property
     def is_main(self) -> bool:
@@ -104,16 +106,24 @@ def _native_pool(cfg: JetRLConfig, arch: ModelArch, flow: PrecisionFlow, device,
 
 
 def start_vllm_pool(s: "Session") -> None:
-    """vLLM engines start from a checkpoint directory: the actor's current weights, exported in the rollout
-    format to `<out_dir>/rollout_init` (collective); afterwards the live sync updates them in place."""
-    from megatron_jetrl.rollout.pool import RolloutPool
-    from megatron_jetrl.rollout.vllm_engine import VllmEngine
+    """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
+    directory, with its KV cache sized from the memory free now; the sync that follows writes the actor's bytes."""
+    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
 
-    init = export(s, save(s, 0, warmup_done=True), s.cfg.run.directory / "rollout_init")
+    r = s.cfg.rollout
+    model_dir = s.cfg.run.directory / "rollout_model"
     if s.is_main:
-        engines = [VllmEngine(init, s.flow, gpu_memory_utilization=s.cfg.rollout.gpu_memory_utilization, seed=s.cfg.run.seed)
-                   for _ in range(s.cfg.rollout.num_engines)]
-        s.pool = RolloutPool(engines, bucket_bytes=s.cfg.rollout.bucket_mb << 20)
+        write_model_dir(model_dir, s.cfg.model.architecture(), s.flow)
+    dist.barrier()
+    free, total = torch.cuda.mem_get_info()
+    weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
+    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction)
+    max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
+    engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
+                        seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
+                        enforce_eager=r.enforce_eager, max_model_len=max_len)
+    s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 
 def build_session(cfg: JetRLConfig) -> Session:

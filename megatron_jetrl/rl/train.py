@@ -1,7 +1,7 @@
 """GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml] [section.key=value ...]`
 (one process per rank; `bash launch/train_grpo.sh` starts torchrun for you).
 
-Each step: rollout (FP8 engines on rank 0) -> rewards -> group advantages -> old/ref logprobs (actor) ->
+Each step: rollout (native FP8 engines on rank 0, or vLLM on every rank) -> rewards -> group advantages -> old/ref logprobs (actor) ->
 update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> checkpoint.
 """
 
@@ -146,11 +146,14 @@ def rollout(s, step: int) -> RolloutBatch:
     cfg = s.cfg
     problems = s.sampler.next_batch()  # every rank advances its sampler: its state is checkpointed
     batch = None
-    if s.is_main:
-        prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in problems]
-        sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
+    prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in problems]
+    sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
+    if s.pool is not None:  # rank 0's native pool, or a colocated pool on every rank (collective)
         outputs = s.pool.generate(prompts, sampling)
+        if getattr(s.pool, "colocated", False):
+            s.pool.sleep()  # the GPU is the actor's until the next sync
+    if s.is_main:
         check_outputs(outputs, cfg.rollout.n, s.arch.vocab_size)
         texts = [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs for c in o.completions]
         golds = [p.answer for p in problems for _ in range(cfg.rollout.n)]
@@ -221,7 +224,7 @@ def nonfinite(s, step: int, where: str) -> None:
 
 def sync(s) -> dict:
     """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0."""
-    pairs = actor_weight_stream(s.model, s.arch, s.flow)
+    pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if getattr(s.pool, "colocated", False) else "rank0")
     if s.pool is None:
         drain(pairs)
         return {}

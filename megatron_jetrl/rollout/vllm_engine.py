@@ -1,25 +1,29 @@
-"""`VllmEngine`: the rollout engine on real vLLM (GPU clusters), written against vllm==0.33.0.
+"""`VllmEngine`: the rollout engine on real vLLM, written against vllm==0.26.0 (read in the wheel's source:
+`entrypoints/llm.py`, `v1/executor/uniproc_executor.py`, `v1/worker/gpu_worker.py`, `model_executor/layers/
+quantization/fp8.py`, `model_executor/kernels/linear/scaled_mm/deep_gemm.py`, `.../input_quant_fp8.py`).
 
-vLLM cannot be installed on the development machines: it is imported lazily inside `VllmEngine`, and
-everything that does not need it -- environment, `LLM(...)` and `SamplingParams(...)` arguments, output
-parsing, HF name -> vLLM parameter mapping and TP slicing, payload packing -- is plain code tested on CPU
-(tests/unit/test_rollout_vllm.py). The GPU paths below were written against the vLLM API as read in its
-source (see /work/research/FINDINGS.md section 3) and have NOT been run here.
+One engine per torchrun rank (`distributed_executor_backend="external_launcher"`: vLLM runs in this process,
+on the process group the trainer already made, with `rollout_tp` consecutive ranks as one vLLM TP group;
+`rollout.colocated` arranges the pool). vLLM is imported lazily, only here; everything that does not need
+it is plain code tested on CPU (tests/unit/test_rollout_vllm.py), the rest on the GPU (tests/gpu/test_vllm.py).
 
-Identical precision with vLLM (FINDINGS 3b): vLLM's DeepGEMM path re-quantizes 128x128 weight scales to
-UE8M0 at load when `VLLM_USE_DEEP_GEMM_E8M0` is on (its default), which changes the trainer's bytes
-unless the flow's scales already are powers of two. `PrecisionFlow.vllm_env()` pins it; `pin_environment`
-writes that into `os.environ` *before* vLLM is imported (its envs are read and cached at import /
-first use) and refuses if vLLM is already imported with different values.
+Numerics are pinned, then checked at start-up, because vLLM's defaults change the trainer's bytes:
+- `VLLM_USE_DEEP_GEMM_E8M0` follows the flow's scale mode (on, vLLM re-quantizes FP32 weight scales to
+  powers of two at load and rounds activation scales up to powers of two);
+- `VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0` (FlashInfer's block GEMM quantizes small batches itself);
+- compiled graphs keep the `quant_fp8` custom op (the CUDA kernel `per_token_group_fp8_quant`, equal to
+  `quantize_blockwise` byte for byte) and no RMSNorm/SiLU/attention+quant fusion: vLLM's `forward_native`
+  and the fused kernels floor the scale at 1/(448*512) instead of flooring amax at 1e-10.
+`check_numerics` reads back the kernel of every FP8 linear, the E8M0 switch, the compile passes, and runs the
+kernels' own activation quantizer on a probe against ours; any difference refuses the engine, naming it.
 
-Weight sync: the trainer's stream (HF names, E4M3 `.weight` + FP32 `.weight_scale_inv`, BF16 rest) is
-packed into uint8 buckets and handed to every worker through `collective_rpc` of the worker extension
-`JetRLWorkerExtension` (passed as `worker_extension_cls`). The worker prefers vLLM's own reload path
-(`model_runner.reload_weights(weights_iterator, process_weights_after_loading=True)`, which restores the
-checkpoint-layout parameters, loads through the model's `load_weights` -- q/k/v and gate/up stacking
-included -- and re-runs the FP8 post-processing, which with E8M0 off re-quantizes nothing). Without it,
-FP8 bytes and scales are copied in place into the fused parameters at the offsets `vllm_target` computes,
-after checking the parameter still has the checkpoint layout; BF16 tensors go through their weight_loader.
+Weights never leave the device. The engine starts on dummy weights (`load_format="dummy"`, a config-only
+model directory) and every sync -- the first included -- writes the trainer's FP8 bytes, scales and BF16
+tensors straight into vLLM's parameters: `copy_plan` maps each HF tensor to a slice of a fused vLLM
+parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj, this rank's TP piece, vocab rows), after checking that
+the live parameter has the checkpoint layout (with E8M0 off, vLLM's DeepGEMM post-processing keeps it) and
+that every vLLM parameter is covered (a level-2 sleep discards them all). An update is validated whole before
+the first byte is written, and the bytes are compared with the trainer's after the copy (one host sync).
 """
 
 from __future__ import annotations
@@ -28,37 +32,65 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
-from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, check_quantization_config, collect_batch, expected_tensors, validate_weights
-from megatron_jetrl.rollout.sync import TensorMeta, buckets, pack, unpack
+from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, collect_batch, expected_tensors, validate_weights
 
 VLLM_VERSION = "0.26.0"
-WORKER_EXTENSION = "megatron_jetrl.rollout.vllm_engine.JetRLWorkerExtension"
+INSTALL = f"pip install vllm=={VLLM_VERSION}"
+ALLOWED_KERNELS = ("DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
+"""Block-FP8 linear kernels whose activation quantizer is `QuantFP8` per 1x128 group (ours, byte for byte)."""
+UNFUSED = {"fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}
 
 
-# ---- environment ------------------------------------------------------------------------------------
+class EngineConformanceError(RuntimeError):
+    """vLLM would not run the precision flow's forward (a kernel, switch or quantizer differs)."""
+
+
+# ---- availability and environment -------------------------------------------------------------------
+
+def vllm_problem() -> str | None:
+    """Why `rollout.engine=vllm` cannot run here (None: it can), without importing vLLM."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed: {INSTALL} (GPU machines; the native engine runs everywhere)"
+    try:
+        found = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        found = "unknown"
+    if found != VLLM_VERSION:
+        return f"vLLM {found} is installed but megatron-jetrl pins {VLLM_VERSION} (its API and numerics were checked): {INSTALL}"
+    if not torch.cuda.is_available():
+        return "rollout.engine=vllm needs a CUDA GPU; use rollout.engine=native on this machine"
+    return None
+
 
 def engine_env(flow: PrecisionFlow, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of the vLLM processes for this flow (`flow.vllm_env()` plus caller extras)."""
+    """Environment vLLM must see for this flow (`flow.vllm_env()`, FlashInfer's block GEMM off) plus extras."""
     env = dict(flow.vllm_env())
+    if flow.rollout_fp8:
+        env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] = "0"
     for key, value in (extra or {}).items():
         if key in env and env[key] != value:
             raise ValueError(f"{key}={value!r} contradicts the precision flow, which needs {key}={env[key]!r} "
-                             "(vLLM would re-quantize the trainer's FP8 weights)")
+                             "(vLLM would re-quantize the trainer's FP8 weights or quantize activations its own way)")
         env[key] = value
     return env
 
 
 def pin_environment(env: dict[str, str], environ=None, modules=None) -> None:
-    """Write `env` into the process environment before vLLM is imported (workers inherit it).
+    """Write `env` into the process environment before vLLM is imported (its envs are read at import).
 
     If vLLM is already imported, its environment is read already: refuse unless it already agrees.
+    `VLLM_DEEP_GEMM_WARMUP` defaults to `skip` (its full warm-up JIT-compiles ~1600 kernels, > 20 min).
     """
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
@@ -71,50 +103,55 @@ def pin_environment(env: dict[str, str], environ=None, modules=None) -> None:
             )
         return
     environ.update(env)
+    environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
+
+
+def write_model_dir(directory: str | Path, hf_config: dict, flow: PrecisionFlow) -> Path:
+    """A config-only HF directory vLLM starts from (dummy weights; the first sync writes the real ones)."""
+    from megatron_jetrl.convert.converter import rollout_hf_config
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = rollout_hf_config(hf_config, ModelArch.from_hf_config(hf_config), flow)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
 
 
 # ---- arguments --------------------------------------------------------------------------------------
 
-def llm_kwargs(model_path: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1,
-               gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = True, seed: int = 0,
-               max_model_len: int | None = None, enforce_eager: bool = False, **extra) -> dict:
-    """Keyword arguments of `vllm.LLM(...)` for a local HF checkpoint in the flow's rollout precision."""
-    path = Path(model_path)
-    config = json.loads((path / "config.json").read_text())
-    check_quantization_config(config, flow, where=str(path / "config.json"))
+def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1, seed: int = 0,
+               kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+               enforce_eager: bool = False, max_model_len: int | None = None, **extra) -> dict:
+    """Keyword arguments of `vllm.LLM(...)`: colocated SPMD engine, dummy load, the flow's numerics pinned."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = ModelArch.from_hf_config(config)
     if flow.rollout_fp8:
         arch.check_fp8_tp(tensor_parallel_size)
     elif arch.num_kv_heads % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide num_key_value_heads={arch.num_kv_heads}")
+        raise ValueError(f"TP={tensor_parallel_size} does not divide num_key_value_heads={arch.num_kv_heads}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    tokenizer = extra.pop("tokenizer", None) or (str(path) if (path / "tokenizer_config.json").is_file() else None)
     kwargs = dict(
-        model=str(path),
-        tokenizer=tokenizer,
-        dtype="bfloat16",
-        quantization="fp8" if flow.rollout_fp8 else None,  # the checkpoint's quantization_config (block FP8)
-        tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enable_sleep_mode=enable_sleep_mode,
-        seed=seed,
-        enforce_eager=enforce_eager,
-        logprobs_mode="raw_logprobs",  # logprobs of the model's logits, as NativeEngine and the trainer compute them
-        worker_extension_cls=WORKER_EXTENSION,
-        skip_tokenizer_init=tokenizer is None,  # prompts are token ids; stop strings need a tokenizer
+        model=str(model_dir), dtype="bfloat16", seed=seed, load_format="dummy", skip_tokenizer_init=True,
+        quantization="fp8" if flow.rollout_fp8 else None,  # the config's quantization_config (block FP8)
+        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
+        enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        enforce_eager=enforce_eager, max_model_len=max_model_len,
+        logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
     )
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
+    if flow.rollout_fp8 and not enforce_eager:
+        kwargs["compilation_config"] = {"custom_ops": ["+quant_fp8"], "pass_config": dict(UNFUSED)}
     kwargs.update(extra)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def sampling_kwargs(sampling: SamplingParams, request_seed: int | None) -> dict:
-    """Keyword arguments of `vllm.SamplingParams(...)`: `logprobs=0` returns the sampled token's logprob."""
+def sampling_kwargs(sampling: SamplingParams, request_seed: int | None, eos_token_ids: Sequence[int] = ()) -> dict:
+    """Keyword arguments of `vllm.SamplingParams(...)`: `logprobs=0` returns the sampled token's logprob. The
+    model's EOS ids join `stop_token_ids` (without a tokenizer vLLM knows no EOS)."""
+    stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([] if sampling.ignore_eos else eos_token_ids)]))
     kwargs = dict(
         n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-        stop=list(sampling.stop) or None, stop_token_ids=list(sampling.stop_token_ids) or None,
+        stop=list(sampling.stop) or None, stop_token_ids=stop_ids or None,
         ignore_eos=sampling.ignore_eos, logprobs=0, seed=request_seed,
     )
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -133,7 +170,7 @@ def parse_output(output) -> RequestOutput:
             if tok not in entry:
                 raise RuntimeError(f"vLLM logprobs lack the sampled token {tok}")
             lps.append(float(entry[tok].logprob))
-        result.completions.append(Completion(ids, lps, c.finish_reason or "length", c.stop_reason, c.text))
+        result.completions.append(Completion(ids, lps, c.finish_reason or "length", c.stop_reason, c.text or None))
     return result
 
 
@@ -144,13 +181,17 @@ _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": 
 _ROW_PARALLEL = ("o_proj", "down_proj")
 
 
+def _is_vocab(hf_name: str) -> bool:
+    return "embed_tokens" in hf_name or hf_name.startswith("lm_head")
+
+
 def vllm_target(arch: ModelArch, hf_name: str, tp_rank: int = 0, tp_size: int = 1):
     """Where an HF tensor lands in vLLM's model on one TP rank.
 
     Returns `(vllm_name, shard_id, split_dim, dst_offset)`: vLLM's fused parameter name and its
-    stacked shard id (vLLM's `stacked_params_mapping`), the dim this rank slices (0 column-parallel,
-    1 row-parallel, None replicated), and the row offset of this rank's slice inside the fused parameter
-    (in rows for weights and biases, in 128-row blocks for `weight_scale_inv`).
+    stacked shard id (vLLM's `stacked_params_mapping`), the dim this rank slices (0 column-parallel and
+    vocab-parallel, 1 row-parallel, None replicated), and the row offset of this rank's slice inside the fused
+    parameter (in rows for weights and biases, in 128-row blocks for `weight_scale_inv`).
     """
     parts = hf_name.split(".")
     module = parts[-2] if parts[-1] in ("weight", "bias", "weight_scale_inv") else None
@@ -164,122 +205,270 @@ def vllm_target(arch: ModelArch, hf_name: str, tp_rank: int = 0, tp_size: int = 
         return hf_name.replace(module, fused), shard, 0, offset
     if module in _ROW_PARALLEL and not hf_name.endswith(".bias"):
         return hf_name, None, 1, 0
-    if "embed_tokens" in hf_name or hf_name.startswith("lm_head"):
-        return hf_name, None, 0, 0  # vocab parallel: vLLM's weight_loader pads and slices
+    if _is_vocab(hf_name):
+        return hf_name, None, 0, 0
     return hf_name, None, None, 0
 
 
-def rank_piece(arch: ModelArch, hf_name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice of a full HF tensor (FP8 blocks never straddle ranks: `check_fp8_tp`)."""
+def rank_piece(arch: ModelArch, hf_name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int,
+               rows_per_rank: int | None = None) -> torch.Tensor:
+    """This rank's slice of a full HF tensor (a view; FP8 blocks never straddle ranks: `check_fp8_tp`).
+
+    Vocab-parallel tensors (embedding, lm_head) take rows `[rank * rows_per_rank, ...)` of the vocabulary,
+    `rows_per_rank` being vLLM's padded per-rank row count; the last ranks may hold fewer real rows (or none).
+    """
     _, _, dim, _ = vllm_target(arch, hf_name, tp_rank, tp_size)
-    if dim is None or tp_size == 1 or "embed_tokens" in hf_name or hf_name.startswith("lm_head"):
+    if _is_vocab(hf_name):
+        per = rows_per_rank or -(-tensor.shape[0] // tp_size)
+        start = min(tp_rank * per, tensor.shape[0])
+        return tensor[start : min(start + per, tensor.shape[0])]
+    if dim is None or tp_size == 1:
         return tensor
     if tensor.shape[dim] % tp_size:
         raise ValueError(f"{hf_name}: dim {dim} of {tuple(tensor.shape)} does not split into TP={tp_size}")
     return tensor.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[tuple]]:
-    """A bucket as (uint8 CPU buffer, plain-tuple metadata): what `collective_rpc` pickles to workers."""
-    flat, metas = pack([(n, t.detach().cpu()) for n, t in bucket])
-    return flat, [(m.name, str(m.dtype).removeprefix("torch."), m.shape, m.offset, m.nbytes) for m in metas]
+@dataclass(frozen=True)
+class Slot:
+    """Where one HF tensor goes on this rank: rows `[row, row + rows)` of vLLM parameter `param`."""
+
+    param: str
+    row: int
+    rows: int
 
 
-def from_payload(flat: torch.Tensor, metas: Sequence[tuple]) -> list[tuple[str, torch.Tensor]]:
-    return unpack(flat, [TensorMeta(n, getattr(torch, d), tuple(s), o, b) for n, d, s, o, b in metas])
+def copy_plan(arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tensor], tp_rank: int = 0,
+              tp_size: int = 1) -> dict[str, Slot]:
+    """HF name -> `Slot` for every tensor of the trainer's stream, checked against vLLM's live parameters.
+
+    Refuses (EngineConformanceError, every problem named) when a parameter is missing, has another dtype, width
+    or layout (e.g. scales re-laid out for another kernel), or when a vLLM parameter would not be written whole.
+    """
+    plan, problems, covered = {}, [], {}
+    for hf_name, (shape, dtype) in expected_tensors(arch, flow).items():
+        target, _, _, offset = vllm_target(arch, hf_name, tp_rank, tp_size)
+        param = params.get(target)
+        if param is None:
+            if hf_name.startswith("lm_head") and arch.tie_word_embeddings:
+                continue  # tied: vLLM's lm_head is the embedding
+            problems.append(f"{hf_name}: vLLM has no parameter {target}")
+            continue
+        per = param.shape[0] if _is_vocab(hf_name) else None
+        piece = rank_piece(arch, hf_name, torch.empty(shape, dtype=dtype, device="meta"), tp_rank, tp_size, per)
+        if param.dtype != dtype or tuple(param.shape[1:]) != tuple(piece.shape[1:]) or not param.is_contiguous():
+            problems.append(f"{target}: vLLM holds {tuple(param.shape)} {param.dtype} (contiguous={param.is_contiguous()}); "
+                            f"{hf_name} needs rows of {tuple(piece.shape[1:])} {dtype}")
+            continue
+        if offset + piece.shape[0] > param.shape[0]:
+            problems.append(f"{target}: {param.shape[0]} rows cannot take {hf_name} at row {offset} (+{piece.shape[0]})")
+            continue
+        plan[hf_name] = Slot(target, offset, piece.shape[0])
+        covered[target] = covered.get(target, 0) + piece.shape[0]
+    for name, param in params.items():
+        vocab = _is_vocab(name)
+        if name not in covered:
+            problems.append(f"{name}: no tensor of the trainer's stream writes this vLLM parameter")
+        elif covered[name] != param.shape[0] and not vocab:
+            problems.append(f"{name}: the stream writes {covered[name]} of its {param.shape[0]} rows")
+    if problems:
+        raise EngineConformanceError("vLLM's parameters do not take the trainer's tensors as they are (was a setting "
+                                     "changed that re-lays out weights, e.g. VLLM_USE_DEEP_GEMM_E8M0?):\n  - "
+                                     + "\n  - ".join(problems[:20]))
+    return plan
 
 
-# ---- worker side (runs inside vLLM worker processes) ------------------------------------------------
-
-class JetRLWorkerExtension:
-    """Mixed into vLLM's GPU worker via `worker_extension_cls`; methods are called by `collective_rpc`."""
-
-    def jetrl_load_weights(self, flat: torch.Tensor, metas: list, arch: dict, tp_size: int) -> int:  # pragma: no cover - needs vLLM
-        pairs = from_payload(flat, metas)
-        runner = self.model_runner
-        device = next(runner.model.parameters()).device
-        pairs = [(n, t.to(device)) for n, t in pairs]
-        if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=iter(pairs), process_weights_after_loading=True)
-            return len(pairs)
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        model_arch, rank = ModelArch(**arch), get_tensor_model_parallel_rank()
-        params = dict(runner.model.named_parameters())
-        for name, tensor in pairs:
-            target, shard, _, offset = vllm_target(model_arch, name, rank, tp_size)
-            param = params.get(target)
-            if param is None:
-                raise KeyError(f"vLLM model has no parameter {target} (for {name})")
-            if tensor.dtype == torch.float8_e4m3fn or name.endswith(SCALE_SUFFIX):  # FP8 bytes/scales: copy in place
-                piece = rank_piece(model_arch, name, tensor, rank, tp_size)
-                dst = param.data.narrow(0, offset, piece.shape[0]) if shard is not None else param.data
-                if dst.shape != piece.shape or dst.dtype != piece.dtype:
-                    raise RuntimeError(f"{target}: vLLM holds {tuple(dst.shape)} {dst.dtype} (post-processed layout?), got "
-                                       f"{tuple(piece.shape)} {piece.dtype}; set VLLM_USE_DEEP_GEMM=0 or use a vLLM with reload_weights")
-                dst.copy_(piece)
-            else:
-                loader = getattr(param, "weight_loader")
-                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-        return len(pairs)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-# ---- driver side ------------------------------------------------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()])
 
-class VllmEngine:  # pragma: no cover - needs vLLM and a GPU
-    """`RolloutEngine` over `vllm.LLM` (in-process driver; TP workers managed by vLLM)."""
 
-    def __init__(self, model_path: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = True, seed: int = 0,
-                 bucket_bytes: int = 512 << 20, env: dict[str, str] | None = None, **llm_extra):
+def apply_plan(arch: ModelArch, plan: dict[str, Slot], params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
+               tp_rank: int = 0, tp_size: int = 1) -> list[str]:
+    """Copy every tensor of a validated batch into its slot, then compare the bytes; the names that differ."""
+    checks = []
+    for name, tensor in batch.items():
+        slot = plan.get(name)
+        if slot is None:
+            continue  # lm_head of a tied model
+        param = params[slot.param]
+        piece = rank_piece(arch, name, tensor, tp_rank, tp_size, param.shape[0] if _is_vocab(name) else None)
+        dst = param.data.narrow(0, slot.row, slot.rows)
+        dst.copy_(piece)
+        checks.append((name, (_bits(dst) != _bits(piece)).any()))
+    if not checks:
+        return []
+    differ = torch.stack([c for _, c in checks]).tolist()  # one host sync for the whole model
+    return [name for (name, _), bad in zip(checks, differ, strict=True) if bad]
+
+
+# ---- numerics read back from the running engine ------------------------------------------------------
+
+def fp8_kernels(model) -> dict[str, object]:
+    """Module name -> the block-FP8 linear kernel object vLLM chose for it."""
+    return {name: m.quant_method.fp8_linear for name, m in model.named_modules()
+            if hasattr(getattr(m, "quant_method", None), "fp8_linear")}
+
+
+def kernel_problems(kernels: dict[str, object], flow: PrecisionFlow) -> list[str]:
+    """Every FP8 linear must run an allowed kernel whose activation quantizer is the CUDA `QuantFP8` op, with
+    UE8M0 scales exactly when the flow's scale mode is ue8m0."""
+    if flow.rollout_fp8 and not kernels:
+        return ["no block-FP8 linear found in the vLLM model (was the checkpoint's quantization_config read?)"]
+    problems = []
+    for name, kernel in kernels.items():
+        subs = [getattr(kernel, "base", None), getattr(kernel, "fallback", None)]
+        for k in [s for s in subs if s is not None] or [kernel]:
+            cls = type(k).__name__
+            quant = getattr(k, "quant_fp8", None)
+            if cls not in ALLOWED_KERNELS or not getattr(k, "apply_input_quant", True) or quant is None:
+                problems.append(f"{name}: kernel {cls} (allowed: {', '.join(ALLOWED_KERNELS)}; a kernel that quantizes "
+                                "activations itself changes the bytes: set VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0)")
+                continue
+            if bool(getattr(quant, "use_ue8m0", False)) != (flow.scale_mode == "ue8m0"):
+                problems.append(f"{name}: {cls} quantizes activations with use_ue8m0={quant.use_ue8m0} but the flow's "
+                                f"scale_mode is {flow.scale_mode!r} (VLLM_USE_DEEP_GEMM_E8M0 must be "
+                                f"{flow.vllm_env().get('VLLM_USE_DEEP_GEMM_E8M0')})")
+            method = getattr(getattr(quant, "_forward_method", None), "__name__", "forward_cuda")
+            if method != "forward_cuda":
+                problems.append(f"{name}: the activation quantizer runs {method} (vLLM's torch version floors the scale "
+                                "at 1/(448*512)): keep compilation_config custom_ops=['+quant_fp8']")
+    return problems[:20]
+
+
+def pass_problems(pass_config) -> list[str]:
+    """Compile passes that fuse quantization into other kernels (their own scale floor and rounding) must be off."""
+    return [f"compilation pass {k}={getattr(pass_config, k, None)} (must be False: the fused kernel quantizes its own way)"
+            for k in UNFUSED if getattr(pass_config, k, False)]
+
+
+def probe_tensor(device, dtype=torch.bfloat16, rows: int = 16, groups: int = 8, seed: int = 0) -> torch.Tensor:
+    """Activations that test the quantizer's edges: a zero group, tiny groups, huge ones, rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups * 128, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    x[0, :128] = 0.0  # amax 0: the eps floor
+    x[1, 128:256] *= 1e-12  # amax below eps * 448
+    x[2, 256:384] = 1e-30
+    x[3, 384:512] = torch.tensor([448.0, 1.0625, -1.1875, 2.125, 3.25, 0.01171875] * 22)[:128]  # s = 1: e4m3 ties
+    x[4, 512:640] = 60000.0 * torch.sign(torch.randn(128, generator=g))
+    return x.to(dtype).to(device)
+
+
+def probe_problems(quant_fp8, flow: PrecisionFlow, x: torch.Tensor) -> list[str]:
+    """vLLM's activation quantizer (the kernel's own `QuantFP8`) against `quantize_blockwise` on `x`."""
+    q, s = quant_fp8(x)
+    q_ref, s_ref = quantize_blockwise(x, (1, 128), flow.scale_mode, eps=flow.eps)
+    rows, groups = q_ref.shape[0], s_ref.shape[1]
+    s = s.float()[:rows, :groups] if s.shape[0] >= rows else s.float().t()[:rows, :groups]
+    problems = []
+    if not torch.equal(q[:rows].view(torch.uint8), q_ref.view(torch.uint8)):
+        bad = (q[:rows].view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:3].tolist()
+        problems.append(f"activation bytes differ from quantize_blockwise at (row, col) {bad}")
+    if not torch.equal(s.contiguous(), s_ref.float()):
+        bad = (s.contiguous() != s_ref.float()).nonzero()[:3].tolist()
+        problems.append(f"activation scales differ from quantize_blockwise at (row, group) {bad}")
+    return problems
+
+
+def check_numerics(model, flow: PrecisionFlow, pass_config, *, compiled: bool) -> dict:
+    """Everything the flow pins, read back from the engine; raises EngineConformanceError naming what differs."""
+    kernels = fp8_kernels(model)
+    problems = kernel_problems(kernels, flow) if flow.rollout_fp8 else []
+    if flow.rollout_fp8 and compiled:
+        problems += pass_problems(pass_config)
+    probed = 0
+    if flow.rollout_fp8 and not problems:
+        device = next(model.parameters()).device
+        for kernel in {type(k).__name__: k for k in kernels.values()}.values():
+            problems += probe_problems(kernel.quant_fp8, flow, probe_tensor(device))
+            probed += 1
+    if problems:
+        raise EngineConformanceError("vLLM would not run the precision flow's forward:\n  - " + "\n  - ".join(problems))
+    return {"kernels": sorted({type(k).__name__ for k in kernels.values()}), "fp8_linears": len(kernels), "probed": probed}
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+
+def _driver_model(worker):
+    return worker.model_runner.model
+
+
+class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vllm.py)
+    """`RolloutEngine` over an in-process `vllm.LLM` on this rank (external launcher, one TP rank of one engine)."""
+
+    def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None, **llm_extra):
+        problem = vllm_problem()
+        if problem:
+            raise RuntimeError(problem)
         pin_environment(engine_env(flow, env))
-        kwargs = llm_kwargs(model_path, flow, tensor_parallel_size=tensor_parallel_size,
-                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                            seed=seed, **llm_extra)
         import vllm
 
-        if vllm.__version__ != VLLM_VERSION:
-            import warnings
-
-            warnings.warn(f"VllmEngine was written against vllm=={VLLM_VERSION}; found {vllm.__version__}", stacklevel=2)
         self._vllm = vllm
-        self.flow, self.tp, self.bucket_bytes = flow, tensor_parallel_size, bucket_bytes
-        self.arch = ModelArch.from_pretrained(model_path)
+        self.flow, self.tp, self.tp_rank = flow, tp, tp_rank
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arch = ModelArch.from_pretrained(model_dir)
         self.specs = expected_tensors(self.arch, flow)
-        self.sleep_mode = enable_sleep_mode
+        kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, **llm_extra)
         self.llm = vllm.LLM(**kwargs)
+        self.model = self.llm.collective_rpc(_driver_model)[0]
+        compiled = not kwargs.get("enforce_eager", False)
+        self.numerics = check_numerics(self.model, flow, self.llm.llm_engine.vllm_config.compilation_config.pass_config,
+                                       compiled=compiled)
+        self.params = dict(self.model.named_parameters())
+        self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
+        self.ready = False  # dummy weights until the first complete, verified update
+        self.sleeping: set[str] = set()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
         sampling = sampling or SamplingParams()
-        if sampling.stop and self.llm.llm_engine.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: give the checkpoint a tokenizer or use stop_token_ids")
+        if not self.ready or self.sleeping:
+            raise WeightUpdateError("the vLLM engine holds no complete, verified weights (asleep, or the last update "
+                                    "failed): sync the trainer's weights first")
+        if sampling.stop:
+            raise ValueError("stop strings need vLLM's tokenizer, which the colocated engine does not load: use stop_token_ids")
         if request_seeds is None:
             request_seeds = request_seeds_for(sampling, len(prompts))
         seeds = list(request_seeds) if request_seeds is not None else [None] * len(prompts)
-        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, s)) for s in seeds]
+        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, s, self.eos_token_ids)) for s in seeds]
         requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as e:
+            raise RuntimeError(f"the vLLM engine failed while generating ({type(e).__name__}: {e})") from e
         results = [parse_output(o) for o in outputs]
         for r, s in zip(results, seeds):
             r.request_seed = s
         return results
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Validate each bucket as the native engine does, then load it on every TP worker."""
-        for bucket in buckets(weights, self.bucket_bytes):
-            batch = collect_batch(bucket)
-            problems = validate_weights(self.specs, batch, family=self.arch.family)
-            if problems:
-                raise WeightUpdateError("refused a weight bucket; it was not sent:\n  - " + "\n  - ".join(problems[:20]))
-            flat, metas = payload(list(batch.items()))
-            self.llm.collective_rpc("jetrl_load_weights", args=(flat, metas, self.arch.to_dict(), self.tp))
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """The whole model: validated first (nothing written if refused), copied on the device, bytes compared."""
+        batch = collect_batch(weights)
+        problems = validate_weights(self.specs, batch, require_complete=True, family=self.arch.family)
+        if problems:
+            raise WeightUpdateError("refused a weight update; nothing was written:\n  - " + "\n  - ".join(problems[:20]))
+        self.ready = False
+        differ = apply_plan(self.arch, self.plan, self.params, batch, self.tp_rank, self.tp)
+        if differ:
+            raise WeightUpdateError(f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
+                                    f"{differ[:5]}; the engine refuses to generate until a complete update lands")
+        self.ready = True
+        return {"tensors": len(batch), "bytes": sum(t.numel() * t.element_size() for t in batch.values())}
 
     def sleep(self) -> None:
-        if self.sleep_mode:
-            self.llm.sleep(level=1)
+        """Level 2: weights and KV cache are discarded (the next sync rewrites every weight)."""
+        if not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping, self.ready = {"weights", "kv_cache"}, False
 
-    def wake(self) -> None:
-        if self.sleep_mode:
-            self.llm.wake_up()
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Map the memory of the tags that sleep (vLLM maps a tag twice if asked while it is awake)."""
+        tags = [t for t in tags if t in self.sleeping]
+        if tags:
+            self.llm.wake_up(tags)
+            self.sleeping -= set(tags)
+            if "kv_cache" in tags:
+                self.llm.reset_prefix_cache()

@@ -1,6 +1,7 @@
 """The vLLM engine's parts that run without vLLM: environment, LLM/SamplingParams arguments, output
 parsing, HF name -> vLLM parameter mapping and TP slicing, payloads."""
 
+import json
 import sys
 from types import SimpleNamespace
 
@@ -11,8 +12,8 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout import SamplingParams
 from megatron_jetrl.rollout.vllm_engine import (
-    VLLM_VERSION, WORKER_EXTENSION, engine_env, from_payload, llm_kwargs, parse_output, payload, pin_environment,
-    rank_piece, sampling_kwargs, vllm_target,
+    VLLM_VERSION, EngineConformanceError, apply_plan, copy_plan, engine_env, kernel_problems, llm_kwargs, parse_output,
+    pass_problems, pin_environment, probe_problems, probe_tensor, rank_piece, sampling_kwargs, vllm_target, write_model_dir,
 )
 from test_rollout_native import JETRL, bf16_state, live_stream, tiny_config, write_checkpoint
 
@@ -22,38 +23,44 @@ def test_vllm_is_not_imported_by_the_rollout_package():
 
 
 def test_environment_is_pinned_before_import():
-    assert engine_env(JETRL) == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    assert engine_env(PrecisionFlow("jetrl", scale_mode="ue8m0")) == {"VLLM_USE_DEEP_GEMM_E8M0": "1"}
+    assert engine_env(JETRL) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+    assert engine_env(PrecisionFlow("jetrl", scale_mode="ue8m0"))["VLLM_USE_DEEP_GEMM_E8M0"] == "1"
     assert engine_env(PrecisionFlow("bf16"), {"VLLM_USE_DEEP_GEMM": "0"}) == {"VLLM_USE_DEEP_GEMM": "0"}
     with pytest.raises(ValueError, match="re-quantize"):
         engine_env(JETRL, {"VLLM_USE_DEEP_GEMM_E8M0": "1"})
     environ = {}
     pin_environment(engine_env(JETRL), environ, modules={})
-    assert environ == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert environ["VLLM_USE_DEEP_GEMM_E8M0"] == "0" and environ["VLLM_DEEP_GEMM_WARMUP"] == "skip"
     with pytest.raises(RuntimeError, match="imported before"):
         pin_environment(engine_env(JETRL), {}, modules={"vllm": object()})
     pin_environment(engine_env(JETRL), dict(environ), modules={"vllm": object()})  # already agrees: fine
 
 
-def test_llm_kwargs_from_an_fp8_checkpoint(tmp_path):
+def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     config = tiny_config("qwen3")
-    arch = ModelArch.from_hf_config(config)
-    write_checkpoint(tmp_path, config, dict(live_stream(arch, bf16_state(arch), JETRL)), JETRL)
-    kw = llm_kwargs(tmp_path, JETRL, tensor_parallel_size=2, gpu_memory_utilization=0.4, seed=7, max_model_len=512)
+    write_model_dir(tmp_path, config, JETRL)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["quantization_config"] == JETRL.quantization_config() and written["architectures"] == ["Qwen3ForCausalLM"]
+    kw = llm_kwargs(tmp_path, JETRL, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30, seed=7, max_model_len=512)
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16" and kw["tensor_parallel_size"] == 2
-    assert kw["enable_sleep_mode"] is True and kw["gpu_memory_utilization"] == 0.4 and kw["max_model_len"] == 512
-    assert kw["worker_extension_cls"] == WORKER_EXTENSION and kw["logprobs_mode"] == "raw_logprobs"
-    assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
+    assert kw["enable_sleep_mode"] is True and kw["kv_cache_memory_bytes"] == 1 << 30 and kw["max_model_len"] == 512
+    assert kw["logprobs_mode"] == "raw_logprobs" and kw["skip_tokenizer_init"] is True
+    assert kw["compilation_config"] == {"custom_ops": ["+quant_fp8"], "pass_config": {
+        "fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}}
+    assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)
     with pytest.raises(ValueError, match="TP=4 does not divide num_key_value_heads=2"):
         llm_kwargs(tmp_path, JETRL, tensor_parallel_size=4)
-    with pytest.raises(ValueError, match="quantization_config.*bf16"):
-        llm_kwargs(tmp_path, PrecisionFlow("bf16"))
+    bf16_dir = write_model_dir(tmp_path / "bf16", config, PrecisionFlow("bf16"))
+    kw = llm_kwargs(bf16_dir, PrecisionFlow("bf16"))
+    assert "quantization" not in kw and "compilation_config" not in kw
 
 
 def test_sampling_kwargs_and_output_parsing():
-    kw = sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=33, stop=("</a>",), stop_token_ids=(2,)), 17)
-    assert kw == dict(n=4, temperature=0.7, top_p=0.9, max_tokens=33, stop=["</a>"], stop_token_ids=[2],
+    kw = sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=33, stop=("</a>",), stop_token_ids=(2,)), 17, [9, 2])
+    assert kw == dict(n=4, temperature=0.7, top_p=0.9, max_tokens=33, stop=["</a>"], stop_token_ids=[2, 9],
                       ignore_eos=False, logprobs=0, seed=17)
+    assert "stop_token_ids" not in sampling_kwargs(SamplingParams(ignore_eos=True), None, [9])
     assert "seed" not in sampling_kwargs(SamplingParams(), None) and "stop" not in sampling_kwargs(SamplingParams(), None)
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
     out = SimpleNamespace(prompt_token_ids=[1, 2], outputs=[
@@ -83,9 +90,148 @@ def test_hf_names_map_to_vllm_fused_parameters_and_tp_slices():
     assert torch.equal(rank_piece(arch, pre + "self_attn.q_proj.weight", q, 1, 2), q[256:])
 
 
-def test_payload_roundtrip_keeps_fp8_bytes():
-    x = (torch.randn(128, 256) * 10).to(torch.float8_e4m3fn)
-    flat, metas = payload([("a.weight", x), ("a.weight_scale_inv", torch.rand(1, 2))])
-    assert flat.dtype == torch.uint8 and all(isinstance(m, tuple) for m in metas) and metas[0][1] == "float8_e4m3fn"
-    (n, y), _ = from_payload(flat, metas)
-    assert n == "a.weight" and torch.equal(y.view(torch.uint8), x.view(torch.uint8))
+
+
+# ---- on-device sync into vLLM's parameters (a stand-in with vLLM 0.26's layout: fused qkv / gate_up, block scales,
+# vocab rows padded to 64 and split by rank); the real layout is checked on the GPU (tests/gpu/test_vllm.py) -------
+
+def vllm_params(arch, flow, tp_rank=0, tp=1, poison=float("nan")):
+    h, hd, i = arch.hidden_size, arch.head_dim, arch.intermediate_size // tp
+    q, kv = arch.num_heads * hd // tp, arch.num_kv_heads * hd // tp
+    fp8 = flow.rollout_fp8
+    vocab = -(-arch.vocab_size // 64) * 64 // tp
+    params = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        params["lm_head.weight"] = (vocab, h)
+    for n in range(arch.num_layers):
+        pre = f"model.layers.{n}."
+        params |= {pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,)}
+        if arch.qk_norm:
+            params |= {pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,)}
+        if arch.qkv_bias:
+            params[pre + "self_attn.qkv_proj.bias"] = (q + 2 * kv,)
+        for name, shape in {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q),
+                            "mlp.gate_up_proj": (2 * i, h), "mlp.down_proj": (h, i)}.items():
+            params[pre + name + ".weight"] = shape
+            if fp8:
+                params[pre + name + ".weight_scale_inv"] = (-(-shape[0] // 128), -(-shape[1] // 128))
+    out = {}
+    for name, shape in params.items():
+        quantized = fp8 and ("proj" in name and not name.endswith(".bias"))
+        dtype = (torch.float32 if name.endswith("scale_inv") else torch.float8_e4m3fn) if quantized else torch.bfloat16
+        out[name] = torch.full(shape, poison, dtype=torch.float32).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("model_type, flow", [("qwen2", JETRL), ("qwen3", JETRL), ("llama", PrecisionFlow("bf16")),
+                                              ("qwen3", PrecisionFlow("bf16-train-fp8-rollout"))])
+def test_copy_plan_writes_every_vllm_parameter_with_the_trainers_bytes(model_type, flow):
+    arch = ModelArch.from_hf_config(tiny_config(model_type))
+    batch = dict(live_stream(arch, bf16_state(arch), flow))
+    for tp in (1, 2):
+        for rank in range(tp):
+            params = vllm_params(arch, flow, rank, tp)
+            plan = copy_plan(arch, flow, params, rank, tp)
+            assert apply_plan(arch, plan, params, batch, rank, tp) == []
+            for hf_name, slot in plan.items():
+                piece = rank_piece(arch, hf_name, batch[hf_name], rank, tp, params[slot.param].shape[0] if "embed" in hf_name or "lm_head" in hf_name else None)
+                got = params[slot.param][slot.row : slot.row + slot.rows]
+                assert torch.equal(got.view(torch.uint8), piece.contiguous().view(torch.uint8)), hf_name
+            for name, t in params.items():  # nothing left unwritten but the vocabulary's padding rows
+                real = t[: arch.vocab_size - rank * t.shape[0]] if ("embed" in name or "lm_head" in name) else t
+                assert not real.float().isnan().any(), name
+    gate = batch["model.layers.0.mlp.gate_proj.weight"]
+    params = vllm_params(arch, flow)
+    copy_plan_ = copy_plan(arch, flow, params)
+    assert torch.equal(params["model.layers.0.mlp.gate_up_proj.weight"][: gate.shape[0]].float(), torch.full_like(gate.float(), float("nan"))) is False
+    apply_plan(arch, copy_plan_, params, batch)
+    assert torch.equal(params["model.layers.0.mlp.gate_up_proj.weight"][: gate.shape[0]].view(torch.uint8), gate.view(torch.uint8))
+
+
+def test_copy_plan_refuses_a_relaid_out_or_uncovered_parameter():
+    arch = ModelArch.from_hf_config(tiny_config("qwen3"))
+    params = vllm_params(arch, JETRL)
+    scale = "model.layers.1.self_attn.qkv_proj.weight_scale_inv"
+    params[scale] = params[scale].t().contiguous()  # e.g. scales transposed for another kernel
+    params["model.layers.0.self_attn.extra.weight"] = torch.zeros(4)
+    params["model.layers.0.mlp.gate_up_proj.weight"] = torch.zeros(2048, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(EngineConformanceError) as e:
+        copy_plan(arch, JETRL, params)
+    text = str(e.value)
+    assert scale in text and "model.layers.0.self_attn.extra.weight: no tensor" in text and "writes 1024 of its 2048 rows" in text
+
+
+def test_apply_plan_names_the_tensors_whose_bytes_did_not_arrive():
+    arch = ModelArch.from_hf_config(tiny_config("qwen3"))
+    batch = dict(live_stream(arch, bf16_state(arch), JETRL))
+    params = vllm_params(arch, JETRL)
+    plan = copy_plan(arch, JETRL, params)
+
+    class Lossy(torch.Tensor):
+        pass
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    real = params[plan[name].param]
+    broken = dict(params)
+    broken[plan[name].param] = real.clone()
+    original_copy = torch.Tensor.copy_
+
+    def copy(dst, src, *a, **k):  # a transfer that drops the last row of one tensor
+        out = original_copy(dst, src, *a, **k)
+        if dst.shape == real.shape and dst.data_ptr() == broken[plan[name].param].data_ptr():
+            dst[-1].view(torch.uint8).fill_(0x7F)
+        return out
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "copy_", copy)
+        assert apply_plan(arch, plan, broken, batch) == [name]
+
+
+# ---- numerics read back from the engine ----------------------------------------------------------------------
+
+class FakeQuant:
+    def __init__(self, use_ue8m0=False, floor=None, method="forward_cuda"):
+        self.use_ue8m0, self.floor = use_ue8m0, floor
+        self._forward_method = SimpleNamespace(__name__=method)
+
+    def __call__(self, x):  # vLLM's layout: column-major scales (shape [M, G], strides (1, M))
+        from megatron_jetrl.fp8 import quantize_blockwise
+
+        flow = PrecisionFlow("jetrl", scale_mode="ue8m0" if self.use_ue8m0 else "fp32")
+        if self.floor is None:
+            q, s = quantize_blockwise(x, (1, 128), flow.scale_mode)
+        else:  # vLLM's forward_native: scale floored at 1/(448*512) instead of amax at 1e-10
+            g = x.float().view(x.shape[0], -1, 128)
+            s = (g.abs().amax(-1) / 448).clamp(min=self.floor)
+            q = (g / s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).view(x.shape)
+        return q, s.t().contiguous().t()
+
+
+def kernel(name="DeepGemmFp8BlockScaledMMKernel", **quant):
+    return type(name, (), {"quant_fp8": FakeQuant(**quant), "apply_input_quant": True})()
+
+
+def test_kernel_and_pass_checks_name_what_differs():
+    ue8m0 = PrecisionFlow("jetrl", scale_mode="ue8m0")
+    assert kernel_problems({"l0.qkv": kernel()}, JETRL) == []
+    assert kernel_problems({"l0.qkv": kernel(use_ue8m0=True)}, ue8m0) == []
+    (msg,) = kernel_problems({"l0.qkv": kernel(use_ue8m0=True)}, JETRL)
+    assert "l0.qkv" in msg and "VLLM_USE_DEEP_GEMM_E8M0 must be 0" in msg
+    (msg,) = kernel_problems({"l1.down": kernel("FlashInferFp8BlockScaledMMKernel")}, JETRL)
+    assert "FlashInferFp8BlockScaledMMKernel" in msg and "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0" in msg
+    (msg,) = kernel_problems({"l1.down": kernel(method="forward_native")}, JETRL)
+    assert "+quant_fp8" in msg
+    assert "no block-FP8 linear" in kernel_problems({}, JETRL)[0]
+    dyn = type("DynamicKernel", (), {"base": kernel(), "fallback": kernel("MarlinFp8Kernel")})()
+    assert "MarlinFp8Kernel" in kernel_problems({"l2.o": dyn}, JETRL)[0]
+    assert pass_problems(SimpleNamespace(fuse_norm_quant=False, fuse_act_quant=True)) == [
+        "compilation pass fuse_act_quant=True (must be False: the fused kernel quantizes its own way)"]
+
+
+def test_probe_accepts_our_quantizer_and_catches_a_scale_floor():
+    x = probe_tensor("cpu")
+    assert probe_problems(FakeQuant(), JETRL, x) == []
+    ue8m0 = PrecisionFlow("jetrl", scale_mode="ue8m0")
+    assert probe_problems(FakeQuant(use_ue8m0=True), ue8m0, x) == []
+    problems = probe_problems(FakeQuant(floor=1 / (448 * 512)), JETRL, x)
+    assert any("activation scales differ" in p and "[1, 1]" in p for p in problems)

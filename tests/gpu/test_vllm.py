@@ -1,0 +1,143 @@
+"""vLLM 0.26.0 as the rollout engine, on the GPU (run with the kit: shared/kits/README.md; tools/gpu_vllm.sh).
+
+One colocated engine in this process (external launcher on a one-rank NCCL group, as the trainer runs it), a
+random Qwen3-shaped model (4 layers, hidden 1024). Checked:
+* start-up conformance: the kernel class of every FP8 linear, UE8M0 off, the activation quantizer probe; the same
+  read-back refuses the running engine for a flow with another scale mode, and a BF16 plan for its FP8 params;
+* the on-device sync: every vLLM parameter holds the trainer's bytes (read back independently of the sync's own
+  check), an update with a bad scale is refused with nothing written, and the engine still serves;
+* sleep(level 2) -> wake weights -> sync -> wake KV cache: greedy generations equal those before the sleep;
+* vLLM's sampled-token logprobs against the native FP8 engine's teacher-forced scores on the same bytes
+  (two programs, one flow: bounded, reported).
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                                  reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)")]
+
+CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=512, eos_token_id=1023,
+              rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import torch.distributed as dist
+
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.models import ModelArch
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    flow = PrecisionFlow("jetrl")
+    arch = ModelArch.from_hf_config(CONFIG)
+    model_dir = write_model_dir(tmp_path_factory.mktemp("vllm_model"), CONFIG, flow)
+    engine = VllmEngine(model_dir, flow, eos_token_ids=[1023], seed=0, kv_cache_memory_bytes=2 << 30,
+                        gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512)
+    return engine, arch, flow
+
+
+def stream(arch, flow, seed):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
+    from test_rollout_native import bf16_state, live_stream
+
+    state = {k: v.cuda() for k, v in bf16_state(arch, seed).items()}
+    return dict(live_stream(arch, state, flow))
+
+
+def prompts(n=6, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def test_startup_conformance_is_read_back_from_the_engine(setup):
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.rollout.vllm_engine import EngineConformanceError, check_numerics, copy_plan
+
+    engine, arch, flow = setup
+    print("numerics:", engine.numerics)
+    assert engine.numerics["fp8_linears"] == 4 * arch.num_layers and engine.numerics["probed"] >= 1
+    assert set(engine.numerics["kernels"]) <= {"DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel"}
+    with pytest.raises(EngineConformanceError, match="use_ue8m0=False.*ue8m0"):
+        check_numerics(engine.model, PrecisionFlow("jetrl", scale_mode="ue8m0"), None, compiled=False)
+    with pytest.raises(EngineConformanceError, match="qkv_proj.weight: vLLM holds .* float8_e4m3fn"):
+        copy_plan(arch, PrecisionFlow("bf16"), engine.params)
+
+
+def test_sync_puts_the_trainers_bytes_in_every_vllm_parameter(setup):
+    from megatron_jetrl.rollout.vllm_engine import rank_piece
+
+    engine, arch, flow = setup
+    batch = stream(arch, flow, seed=1)
+    engine.update_weights(batch.items())
+    for hf_name, slot in engine.plan.items():
+        param = engine.params[slot.param]
+        piece = rank_piece(arch, hf_name, batch[hf_name], 0, 1, param.shape[0] if "embed" in hf_name or "lm_head" in hf_name else None)
+        got = param.data.narrow(0, slot.row, slot.rows)
+        assert torch.equal(got.view(torch.uint8), piece.contiguous().view(torch.uint8)), hf_name
+    assert len(engine.plan) == len(batch)
+
+
+def test_a_bad_update_is_refused_whole_and_the_engine_keeps_serving(setup):
+    from megatron_jetrl.rollout.engine import SamplingParams
+    from megatron_jetrl.rollout.native import WeightUpdateError
+
+    engine, arch, flow = setup
+    engine.update_weights(stream(arch, flow, seed=2).items())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    before = [o.completions[0].token_ids for o in engine.generate(prompts(), greedy)]
+    bad = stream(arch, flow, seed=3)
+    name = "model.layers.2.mlp.down_proj.weight_scale_inv"
+    bad[name] = bad[name].clone()
+    bad[name][0, 0] = float("nan")
+    with pytest.raises(WeightUpdateError, match="down_proj.weight_scale_inv: scales must be finite"):
+        engine.update_weights(bad.items())
+    assert [o.completions[0].token_ids for o in engine.generate(prompts(), greedy)] == before
+
+
+def test_sleep_wake_sync_cycle_restores_the_same_generations(setup):
+    from megatron_jetrl.rollout.colocated import ColocatedPool
+    from megatron_jetrl.rollout.engine import SamplingParams
+
+    engine, arch, flow = setup
+    batch = stream(arch, flow, seed=4)
+    engine.update_weights(batch.items())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    before = [o.completions[0].token_ids for o in engine.generate(prompts(), greedy)]
+    pool = ColocatedPool(engine)
+    free_awake = torch.cuda.mem_get_info()[0]
+    pool.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    print(f"sleep(level=2) freed {freed / 2**30:.2f} GiB")
+    assert freed > 0.9 * (2 << 30)  # at least the KV cache
+    stats = pool.sync(batch.items())
+    print(f"sync: {stats.tensors} tensors, {stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms")
+    after = [o.completions[0].token_ids for o in pool.generate(prompts(), greedy)]
+    assert after == before
+
+
+def test_vllm_logprobs_against_the_native_fp8_engine_on_the_same_bytes(setup):
+    from megatron_jetrl.rollout.engine import SamplingParams
+    from megatron_jetrl.rollout.native import NativeEngine
+
+    engine, arch, flow = setup
+    batch = stream(arch, flow, seed=5)
+    engine.update_weights(batch.items())
+    native = NativeEngine(arch, flow, device="cuda", batch_invariant=False, cuda_graphs=False)
+    native.update_weights(batch.items(), require_complete=True)
+    outs = engine.generate(prompts(16), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=7))
+    seqs = [o.prompt_token_ids + c.token_ids for o in outs for c in o.completions]
+    theirs = [lp for o in outs for c in o.completions for lp in c.logprobs]
+    ours = [lp for o, s in zip(outs, native.score(seqs)) for lp in s[len(o.prompt_token_ids) - 1:]]
+    diff = torch.tensor(theirs) - torch.tensor(ours)
+    print(f"vLLM FP8 vs native FP8, same bytes: mean |dlogp| {diff.abs().mean():.4f}, max {diff.abs().max():.4f}, "
+          f"{len(diff)} tokens")
+    assert diff.abs().mean() < 0.5 and torch.isfinite(diff).all()

@@ -1,0 +1,146 @@
+"""vLLM 0.26.0 as the rollout engine on one GPU: engine start, on-device weight sync, decode tokens/s.
+
+    python tools/bench_vllm.py --mode jetrl [--layers 36] [--batches 64 128 256] [--prompt 256] [--new 512] --json out.json
+    python tools/bench_vllm.py --mode bf16 ...         # the same engine in BF16 (vLLM's own BF16 kernels)
+
+One engine per process (vLLM's external launcher on a one-rank NCCL group, as the trainer runs it), built by
+`megatron_jetrl.rollout.vllm_engine.VllmEngine` with the shipped settings: the trainer's numerics pinned and checked
+at start-up, CUDA graphs + torch.compile unless --eager. Qwen3-8B shapes (hidden 4096, 32/8 heads, 12288 MLP,
+vocab 151936), random weights made on the device and quantized by the flow, as the trainer's FP8 bytes are.
+
+* start: seconds to a ready engine (the DeepGEMM JIT cache in ~/.deep_gemm decides cold vs warm);
+* sync: `VllmEngine.update_weights` of the whole model (validate, copy into vLLM's parameters, compare the bytes:
+  what every GRPO step does), best and median of --sync-reps, against the device copy rate measured here; and one
+  full pool cycle from sleep (wake weights, sync, wake KV cache);
+* decode: batch x (prompt, new) with ignore_eos, random prompt tokens; the first run of each batch (DeepGEMM
+  JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens.
+Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
+from megatron_jetrl.models import ModelArch  # noqa: E402
+from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
+from megatron_jetrl.rollout.native import expected_tensors  # noqa: E402
+
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, eos_token_id=151645)
+
+
+def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every HF tensor of the model on the GPU: FP8 bytes + scales quantized by the flow, BF16 rest."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in expected_tensors(arch, flow).items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        w = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        w = w * (0.02 if len(shape) == 2 else 0.05) + (1.0 if "norm" in name else 0.0)
+        if dtype == torch.float8_e4m3fn:
+            q = QuantizedWeight.quantize(w, flow)
+            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q.q, q.s
+        else:
+            out[name] = w
+    return out
+
+
+def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="jetrl", choices=["jetrl", "bf16"])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--sync-reps", type=int, default=5)
+    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from megatron_jetrl.rollout.colocated import ColocatedPool
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
+
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(k, v)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    flow = PrecisionFlow(a.mode)
+    config = dict(QWEN3_8B, num_hidden_layers=a.layers)
+    arch = ModelArch.from_hf_config(config)
+    res = {"mode": a.mode, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(),
+           "deep_gemm_cache_entries": len(list(Path.home().glob(".deep_gemm/**/*.cubin")))}
+    model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
+    t0 = time.perf_counter()
+    engine = VllmEngine(model_dir, flow, eos_token_ids=[config["eos_token_id"]], seed=0,
+                        kv_cache_memory_bytes=int(a.kv_gb * 2**30), gpu_memory_utilization=0.9, enforce_eager=a.eager,
+                        max_model_len=a.prompt + a.new + 16)
+    res["start_s"] = time.perf_counter() - t0
+    res["numerics"] = engine.numerics
+    batch = device_stream(arch, flow)
+    res["model_GB"] = sum(t.numel() * t.element_size() for t in batch.values()) / 1e9
+    times = [timed(lambda: engine.update_weights(batch.items())) for _ in range(a.sync_reps)]
+    res["sync_best_s"], res["sync_median_s"] = min(times), statistics.median(times)
+    res["sync_GBps"] = res["model_GB"] / res["sync_best_s"]
+    res["copy_GBps"] = copy_rate_gbps()
+    pool = ColocatedPool(engine)
+    pool.sleep()
+    res["pool_cycle_s"] = timed(lambda: pool.sync(batch.items()))
+    del batch
+    torch.cuda.empty_cache()
+    print(f"[{a.mode}] start {res['start_s']:.1f} s, sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
+          f"copy {res['copy_GBps']:.0f} GB/s), pool cycle {res['pool_cycle_s']:.3f} s", flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    res["decode"] = {}
+    for b in a.batches:
+        prompts = torch.randint(0, arch.vocab_size - 1, (b, a.prompt), generator=g).tolist()
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=1)
+        runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
+        res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
+        print(f"[{a.mode}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
+              f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
+# and math-verify wheels, installed once into /tmp/mcore):
+#
+#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | grpo | native
+#
+#   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle)
+#   bench   tools/bench_vllm.py --mode jetrl and --mode bf16 (start, sync, decode), Qwen3-8B shapes -> bench_*.json
+#   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
+#   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
+# Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), GRPO_ARGS (overrides to every GRPO run).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+OUT=${OUT:-$repo/out/gpu_vllm}
+mkdir -p "$OUT"
+[ -f /tmp/vllm-site/env.sh ] || { echo "the vLLM kit is not unpacked (/tmp/vllm-site/env.sh missing)"; exit 3; }
+source /tmp/vllm-site/env.sh
+if ! python3 -c "import megatron.core, math_verify" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
+fi
+export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== stage $stage $(date -u +%TZ)"
+  case $stage in
+    tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm.py 2>&1 | tee "$OUT/tests.log" ;;
+    bench)
+      for mode in jetrl bf16; do
+        python3 tools/bench_vllm.py --mode "$mode" --json "$OUT/bench_$mode.json" ${BENCH_ARGS:-} 2>&1 \
+          | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/bench_$mode.log" | grep -E "^\[|Error|error" ;
+      done ;;
+    grpo) OUT=$OUT/vllm RUN_TIMEOUT=${RUN_TIMEOUT:-240} bash tools/gpu_grpo_run.sh rollout.engine=vllm ${GRPO_ARGS:-} >/dev/null 2>&1
+          tail -20 "$OUT/vllm/run.log"; cat "$OUT/vllm/table.md" ;;
+    native) OUT=$OUT/native bash tools/gpu_grpo_run.sh ${GRPO_ARGS:-} >/dev/null 2>&1; cat "$OUT/native/table.md" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
+done
