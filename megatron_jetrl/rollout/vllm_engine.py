@@ -456,6 +456,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             raise WeightUpdateError(f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
                                     f"{differ[:5]}; the engine refuses to generate until a complete update lands")
         self.ready = True
+        if "kv_cache" not in self.sleeping:
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return {"tensors": len(batch), "bytes": sum(t.numel() * t.element_size() for t in batch.values())}
 
     def sleep(self) -> None:

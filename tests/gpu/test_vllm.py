@@ -7,6 +7,7 @@ random Qwen3-shaped model (4 layers, hidden 1024). Checked:
 * the on-device sync: every vLLM parameter holds the trainer's bytes (read back independently of the sync's own
   check), an update with a bad scale is refused with nothing written, and the engine still serves;
 * sleep(level 2) -> wake weights -> sync -> wake KV cache: greedy generations equal those before the sleep;
+* a new update drops the prefix cache (KV blocks of the old weights are not reused);
 * vLLM's sampled-token logprobs against the native FP8 engine's teacher-forced scores on the same bytes
   (two programs, one flow: bounded, reported).
 """
@@ -68,7 +69,7 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
     assert set(engine.numerics["kernels"]) <= {"DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel"}
     with pytest.raises(EngineConformanceError, match="use_ue8m0=False.*ue8m0"):
         check_numerics(engine.model, PrecisionFlow("jetrl", scale_mode="ue8m0"), None, compiled=False)
-    with pytest.raises(EngineConformanceError, match="qkv_proj.weight: vLLM holds .* float8_e4m3fn"):
+    with pytest.raises(EngineConformanceError, match=r"qkv_proj.weight: vLLM holds \(1536, 1024\) torch.float8_e4m3fn .*bfloat16"):
         copy_plan(arch, PrecisionFlow("bf16"), engine.params)
 
 
@@ -101,6 +102,20 @@ def test_a_bad_update_is_refused_whole_and_the_engine_keeps_serving(setup):
     with pytest.raises(WeightUpdateError, match="down_proj.weight_scale_inv: scales must be finite"):
         engine.update_weights(bad.items())
     assert [o.completions[0].token_ids for o in engine.generate(prompts(), greedy)] == before
+
+
+def test_an_update_drops_kv_blocks_cached_with_the_old_weights(setup):
+    from megatron_jetrl.rollout.engine import SamplingParams
+
+    engine, arch, flow = setup
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    long = [list(range(100, 180)), list(range(300, 390))]  # several full KV blocks: prefix-cache hits
+    engine.update_weights(stream(arch, flow, seed=6).items())
+    engine.generate(long, greedy)
+    engine.update_weights(stream(arch, flow, seed=7).items())
+    warm = [o.completions[0].token_ids for o in engine.generate(long, greedy)]
+    engine.llm.reset_prefix_cache()
+    assert [o.completions[0].token_ids for o in engine.generate(long, greedy)] == warm
 
 
 def test_sleep_wake_sync_cycle_restores_the_same_generations(setup):
