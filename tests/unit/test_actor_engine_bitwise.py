@@ -137,15 +137,24 @@ def _tp2_logprobs(root: str):
 
     model, _, arch, flow = actor_and_engine_tp(root)
     lp = actor_logprobs(model, ragged())
+    everywhere = {name: _digest(t) for name, t in actor_weight_stream(model, arch, flow, to="all")}  # colocated engines
     pairs = actor_weight_stream(model, arch, flow)
     if torch.distributed.get_rank() == 0:
         from megatron_jetrl.rollout.native import NativeEngine
 
         engine = NativeEngine(arch, flow)
-        engine.update_weights(pairs, require_complete=True)
-        return {"actor": lp, "engine": engine.score(ragged()), "tp": ps.get_tensor_model_parallel_world_size()}
+        batch = dict(pairs)
+        engine.update_weights(batch.items(), require_complete=True)
+        return {"actor": lp, "engine": engine.score(ragged()), "tp": ps.get_tensor_model_parallel_world_size(),
+                "all": everywhere, "rank0": {name: _digest(t) for name, t in batch.items()}}
     drain(pairs)
-    return None
+    return {"all": everywhere}
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def actor_and_engine_tp(root: str):
@@ -164,8 +173,9 @@ def test_tp2_actor_streams_the_same_bytes_and_stays_within_the_reduction_order_b
     TP1 actor's). The TP2 actor all-reduces BF16 partial outputs of its row-parallel linears (two roundings
     where TP1 has one, about 2**-9 relative each), which moves some activations across E4M3 rounding edges
     of the next quantizer: close, not bits (measured here: max 0.09, mean 0.02 on random weights)."""
-    result = spawn(2, 2, 1, _tp2_logprobs, str(checkpoints))[0]
+    result, other = spawn(2, 2, 1, _tp2_logprobs, str(checkpoints))
     assert result["tp"] == 2
+    assert result["all"] == other["all"] == result["rank0"]  # to="all": every rank gets rank 0's stream, byte for byte
     model, engine, _, _ = actor_and_engine("qwen3", "jetrl", checkpoints)
     assert engine.score(ragged()) == result["engine"]  # the TP2 stream == the TP1 stream, byte for byte
     diff = torch.cat([(got - want).abs() for got, want in zip(result["actor"], actor_logprobs(model, ragged()))])
