@@ -15,9 +15,11 @@ All means are over tokens. `by_position` buckets the same statistics by the toke
 response (0-based), with bucket edges `position_edges` (the last bucket is open-ended). `by_length` buckets
 whole responses by their length L (response tokens) in powers of two, [1, 2), [2, 4), [4, 8), ...: bucket
 `len<2^k>-<2^(k+1)>` holds every token of the responses with 2^k <= L < 2^(k+1), with `LENGTH_STATS` only
-(tokens, responses, mean_abs_diff, k3_kl, max_abs_diff, abs_diff_gt1_frac). Position buckets ask whether late
-tokens of a response drift; length buckets whether long rollouts do (the paper's finding: the foil's mismatch
-grows with rollout length). Empty buckets are left out, not reported as 0.
+(tokens, responses, mean_abs_diff, k3_kl, max_abs_diff, abs_diff_gt1_frac, and seq_abs_log_ratio: the mean over
+the bucket's responses of |sum_t d_t| = |log pi_train(y) / pi_rollout(y)|, the sequence's log importance ratio,
+which accumulates along the response). Position buckets ask whether late tokens of a response drift; length
+buckets whether long rollouts do (the paper's finding: the foil's mismatch grows with rollout length). Empty
+buckets are left out, not reported as 0.
 In `jetrl` on the native CPU engine these are exactly 0 / 1; report them against the `bf16` floor.
 """
 
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 DEFAULT_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192)
-LENGTH_STATS = ("tokens", "responses", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac")
+LENGTH_STATS = ("tokens", "responses", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac", "seq_abs_log_ratio")
 
 
 def _as_padded(values, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,12 +105,14 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: fl
 def _length_buckets(d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dict]:
     """`by_length` (module docstring): responses of length in [2^k, 2^(k+1)), their tokens pooled."""
     lengths = mask.sum(1)
+    seq_log_ratio = torch.where(mask, d, 0.0).sum(1)
     longest = int(lengths.max()) if lengths.numel() else 0
     buckets, lo = [], 1
     while lo <= longest:
         rows = (lengths >= lo) & (lengths < 2 * lo)
         if rows.any():
-            stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum())}
+            stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum()),
+                                                             "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean())}
             buckets.append({"start": lo, "end": 2 * lo, **{k: stats[k] for k in LENGTH_STATS}})
         lo *= 2
     return buckets
