@@ -94,6 +94,7 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.6))
     axes = axes.flatten()
@@ -105,6 +106,7 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
         for (label, rows), color in zip(floors if stat != "seq_abs_log_ratio" else [], ("gray", "black", "brown")):
             ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("response length (tokens)")
         ax.grid(True, alpha=0.3)
@@ -112,6 +114,7 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
         axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], marker="o", label=label)
     axes[-1].set_title("reward (mean)", fontsize=10)
     axes[-1].set_xlabel("GRPO step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
