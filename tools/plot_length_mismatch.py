@@ -8,7 +8,7 @@ RUN is a run directory or its metrics.jsonl. The trainer logs, per step and per 
 (rollout/metrics.py). Over all steps of a run, a bucket's mean |logp diff|, k3 KL and share of tokens with
 |logp diff| > 1 are token-weighted means of the steps' values, its sequence |log ratio| the response-weighted
 mean, and its max the max; each is drawn at the
-bucket's geometric middle, on a log2 length axis. A floor run (e.g. bf16: the BF16 floor) is drawn as a dashed
+bucket's mean response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor) is drawn as a dashed
 horizontal line at its token-weighted mean over every step (`mismatch/*`, all lengths; the sequence panel has
 no floor line: that statistic exists per bucket only). The last panel is
 reward (mean) per step of every run.
@@ -101,7 +101,7 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
     for ax, (stat, title) in zip(axes, PANELS):
         for label, rows in runs:
             buckets = by_length(rows)
-            xs = [math.sqrt(lo * (hi - 1)) for lo, hi in buckets]  # lengths lo .. hi-1
+            xs = [b["tokens"] / b["responses"] for b in buckets.values()]
             ax.plot(xs, [b[stat] for b in buckets.values()], marker="o", label=label)
         for (label, rows), color in zip(floors if stat != "seq_abs_log_ratio" else [], ("gray", "black", "brown")):
             ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")

@@ -30,7 +30,7 @@ from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, r
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
 from megatron_jetrl.rollout.engine import SamplingParams
-from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
+from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 
 
 class Phases(dict):
@@ -254,7 +254,7 @@ def sync(s) -> dict:
 
 def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, update: dict) -> dict:
     """Reward, length, loss terms and the train/rollout mismatch (old logprobs vs the engine's, response tokens):
-    overall and per response-length bucket (`mismatch/len<lo>-<hi>/*`, rollout.metrics)."""
+    overall and per response-length bucket (`mismatch/len<lo>-<hi>/*`, rollout.metrics; the reward too: `reward/len<lo>-<hi>`)."""
     from megatron.core import parallel_state as ps
 
     mask = mine.mask.bool().cpu()
@@ -272,6 +272,7 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
         "grad_norm": update.get("grad_norm"), "loss/total": update.get("loss"), "loss/pg": update.get("pg_loss"),
         "loss/kl": update.get("kl"), "loss/clip_frac": update.get("clip_frac"), "skipped_updates": update["skipped_updates"],
         "skipped": update["skipped"],
+        **length_means(batch.rewards, batch.response_lengths, "reward/"),
     }
     mm = mismatch_metrics(train, roll, tis_cap=s.cfg.loss.tis_cap or 2.0)
     return out | {k: v for k, v in flat_metrics(mm).items() if "/pos" not in k}

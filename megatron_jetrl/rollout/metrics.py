@@ -102,20 +102,31 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: fl
     return out
 
 
-def _length_buckets(d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dict]:
-    """`by_length` (module docstring): responses of length in [2^k, 2^(k+1)), their tokens pooled."""
-    lengths = mask.sum(1)
-    seq_log_ratio = torch.where(mask, d, 0.0).sum(1)
+def _length_rows(lengths: torch.Tensor):
+    """(lo, hi, rows) for each non-empty power-of-two length bucket [lo, hi); rows: a bool mask over responses."""
     longest = int(lengths.max()) if lengths.numel() else 0
-    buckets, lo = [], 1
+    lo = 1
     while lo <= longest:
         rows = (lengths >= lo) & (lengths < 2 * lo)
         if rows.any():
-            stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum()),
-                                                             "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean())}
-            buckets.append({"start": lo, "end": 2 * lo, **{k: stats[k] for k in LENGTH_STATS}})
+            yield lo, 2 * lo, rows
         lo *= 2
+
+
+def _length_buckets(d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dict]:
+    """`by_length` (module docstring): responses of length in [2^k, 2^(k+1)), their tokens pooled."""
+    seq_log_ratio = torch.where(mask, d, 0.0).sum(1)
+    buckets = []
+    for lo, hi, rows in _length_rows(mask.sum(1)):
+        stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum()),
+                                                         "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean())}
+        buckets.append({"start": lo, "end": hi, **{k: stats[k] for k in LENGTH_STATS}})
     return buckets
+
+
+def length_means(values: torch.Tensor, lengths: torch.Tensor, prefix: str) -> dict[str, float]:
+    """`<prefix>len<lo>-<hi>`: the mean of per-response `values` (e.g. rewards) over each length bucket of `by_length`."""
+    return {f"{prefix}len{lo}-{hi}": float(values[rows].double().mean()) for lo, hi, rows in _length_rows(lengths)}
 
 
 def flat_metrics(metrics: dict, prefix: str = "mismatch/") -> dict[str, float]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
+from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 
 
 def test_identical_logprobs_sit_at_zero():
@@ -81,3 +81,8 @@ def test_length_buckets_of_a_padded_batch_use_the_mask():
     rollout = torch.tensor([[-0.1, -0.1, 0.0, 0.0], [-0.3, -0.3, -0.3, -0.3]])
     m = mismatch_metrics(train, rollout, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
     assert [(x["start"], x["tokens"], round(x["mean_abs_diff"], 6)) for x in m["by_length"]] == [(2, 2, 0.1), (4, 4, 0.3)]
+
+
+def test_length_means_of_rewards():
+    rewards, lengths = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([3, 2, 9, 1])
+    assert length_means(rewards, lengths, "reward/") == {"reward/len1-2": 1.0, "reward/len2-4": 0.5, "reward/len8-16": 1.0}
