@@ -23,8 +23,8 @@ The multiplication-trace task (`MultiplicationTraceTask`) is the long-answer tas
 the worked answer counts the multiplier up one line at a time, `"1*37=37,2*37=74,3*37=111,4*37=148"`; each line
 adds the multiplicand to the previous product, so the answer is meaningful work that a model can check locally
 (counter + 1, product + multiplicand, stop when the counter reaches the multiplier), and its length grows linearly
-with the multiplier: about `b * (2 + 2 * digits)` tokens with the tiny tokenizer (every digit, `*`, `=`, `,` is
-one token), ~10 tokens at b=1, > 2000 at two-digit multiplicands and b=200. The reward reads the number after the
+with the multiplier: b lines of 3 + (digits of k, a and k*a) tokens with the tiny tokenizer (every digit, `*`,
+`=`, `,` is one token): 5 tokens at a < 10, b=1; ~2400 at a=99, b=200. The reward reads the number after the
 last `=` (answer style `final`) and compares it exactly to a*b. Only ASCII digits and `*=,` appear, so the tiny
 SentencePiece tokenizer (trained on the arithmetic corpus, every printable ASCII character a piece) encodes it,
 and a prompt and its answer tokenize the same apart as together.

@@ -19,7 +19,7 @@ whole responses by their length L (response tokens) in powers of two, [1, 2), [2
 the bucket's responses of |sum_t d_t| = |log pi_train(y) / pi_rollout(y)|, the sequence's log importance ratio,
 which accumulates along the response). Position buckets ask whether late tokens of a response drift; length
 buckets whether long rollouts do (the paper's finding: the foil's mismatch grows with rollout length). Empty
-buckets are left out, not reported as 0.
+buckets are left out, not reported as 0 (every response has at least one token, so every response is in one).
 In `jetrl` on the native CPU engine these are exactly 0 / 1; report them against the `bf16` floor.
 """
 
