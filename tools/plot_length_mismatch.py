@@ -4,13 +4,13 @@
     .venv/bin/python tools/plot_length_mismatch.py LABEL=RUN ... [--floor LABEL=RUN ...] -o out.png
 
 RUN is a run directory or its metrics.jsonl. The trainer logs, per step and per response-length bucket
-[2^k, 2^(k+1)) tokens, `mismatch/len<lo>-<hi>/{tokens,responses,mean_abs_diff,k3_kl,max_abs_diff,abs_diff_gt1_frac,seq_abs_log_ratio}`
-(rollout/metrics.py). Over all steps of a run, a bucket's mean |logp diff|, k3 KL and share of tokens with
-|logp diff| > 1 are token-weighted means of the steps' values, its sequence |log ratio| the response-weighted
-mean, and its max the max; each is drawn at the
-bucket's mean response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor) is drawn as a dashed
-horizontal line at its token-weighted mean over every step (`mismatch/*`, all lengths; the sequence panel has
-no floor line: that statistic exists per bucket only). The last panel is
+[2^k, 2^(k+1)) tokens, `mismatch/len<lo>-<hi>/<stat>` with stat in tokens, responses, mean_abs_diff, k3_kl,
+max_abs_diff, abs_diff_gt1_frac, seq_abs_log_ratio (rollout/metrics.py). Over all steps of a run, a bucket's
+mean |logp diff|, k3 KL and share of tokens with |logp diff| > 1 are token-weighted means of the steps' values,
+its sequence |log ratio| the response-weighted mean, its max the max; each is drawn at the bucket's mean
+response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor)
+is a dashed horizontal line at its token-weighted mean over every step (`mismatch/*`, all lengths; max: the
+max); the sequence panel has no floor line (that statistic exists per bucket only). The last panel is the
 reward (mean) per step of every run.
 
 Exit status: 0 written; 2 a run unreadable, without rows, or without length buckets (one line says which).
@@ -135,6 +135,9 @@ def main(argv=None) -> int:
         for spec, (_, rows) in zip(a.runs, runs):
             if not by_length(rows):
                 raise ValueError(f"{spec}: no mismatch/len* buckets (a run from before per-length metrics?)")
+        for spec, (_, rows) in zip(a.floor, floors):
+            if math.isnan(floor_level(rows, "mean_abs_diff")):
+                raise ValueError(f"{spec}: no mismatch/tokens and mismatch/mean_abs_diff rows to draw a floor from")
     except ValueError as e:
         print(f"plot_length_mismatch: {e}", file=sys.stderr)
         return 2

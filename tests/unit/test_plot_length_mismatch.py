@@ -51,4 +51,6 @@ def test_png_and_exit_2(tmp_path, capsys):
         assert tool.main([spec, "-o", str(tmp_path / "no.png")]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+    assert tool.main([f"a={run}", "--floor", f"f={old}", "-o", str(tmp_path / "no.png")]) == 2
+    assert "no mismatch/tokens and mismatch/mean_abs_diff rows" in capsys.readouterr().err
     assert not (tmp_path / "no.png").exists()
