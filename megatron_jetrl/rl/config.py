@@ -164,22 +164,41 @@ class DataConfig:
     """Where the prompts come from and how answers are checked."""
 
     source: str = "arithmetic"
-    """`arithmetic` (generated in-process, the embedded default), `gsm8k`, `math` or `deepmath`."""
+    """`arithmetic` (generated in-process, the embedded default), `multiplication_trace` (generated in-process: long
+    worked answers, `rl.data.MultiplicationTraceTask`), `gsm8k`, `math` or `deepmath`."""
     path: str = ""
-    """Local jsonl/parquet file or directory of the dataset (not used by `arithmetic`)."""
+    """Local jsonl/parquet file or directory of the dataset (not used by the generated sources)."""
     template: str = "arithmetic"
     """Prompt template (`rl.data.PROMPT_TEMPLATES`)."""
     reward_style: str = "number"
-    """Answer extraction: `number` (arithmetic), `gsm8k` (after `####`) or `boxed` (`\\boxed{}`)."""
+    """Answer extraction: `number` (arithmetic), `final` (multiplication_trace: the number after the last `=`),
+    `gsm8k` (after `####`) or `boxed` (`\\boxed{}`)."""
     operand_max: int = 99
-    """Arithmetic only: operands are drawn from [0, operand_max]."""
+    """Generated sources: arithmetic operands are drawn from [0, operand_max], the multiplication_trace multiplicand
+    from [1, operand_max]."""
+    multiplier_min: int = 1
+    """multiplication_trace only: the smallest multiplier = the fewest lines of a worked answer."""
+    multiplier_max: int = 8
+    """multiplication_trace only: the largest multiplier. A worked answer has b lines of ~2 + 2 * digits tokens each,
+    b uniform in [multiplier_min, multiplier_max]: this is the knob of the response length."""
+
+    GENERATED = ("arithmetic", "multiplication_trace")
 
     def __post_init__(self):
-        sources = ("arithmetic", "gsm8k", "math", "deepmath")
+        sources = (*self.GENERATED, "gsm8k", "math", "deepmath")
         _check(self.source in sources, f"data.source must be one of {sources}, got {self.source!r}")
-        _check(self.source == "arithmetic" or bool(self.path), f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)")
+        _check(self.source in self.GENERATED or bool(self.path), f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)")
         _check(self.operand_max >= 1, f"data.operand_max must be >= 1, got {self.operand_max}")
-        _check(self.reward_style in ("number", "gsm8k", "boxed"), f"data.reward_style must be 'number', 'gsm8k' or 'boxed', got {self.reward_style!r}")
+        _check(self.reward_style in ("number", "final", "gsm8k", "boxed"),
+               f"data.reward_style must be 'number', 'final', 'gsm8k' or 'boxed', got {self.reward_style!r}")
+        _check(1 <= self.multiplier_min <= self.multiplier_max,
+               f"data.multiplier_min={self.multiplier_min} and data.multiplier_max={self.multiplier_max} must satisfy "
+               "1 <= multiplier_min <= multiplier_max")
+        _check(self.source != "multiplication_trace" or self.reward_style == "final",
+               f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
+               f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)")
+        _check(self.source != "multiplication_trace" or not self.path,
+               f"data.source=multiplication_trace is generated in-process: drop data.path ({self.path!r})")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,16 @@ then EOS. Results are never negative by default (`allow_negative=False`: a subtr
 ordered so that the larger comes first), so a gold answer is a plain digit string, the whole completion
 before EOS is that string, and a tokenizer trained on the corpus never learns an `=-` piece that would
 straddle the prompt/answer boundary.
+
+The multiplication-trace task (`MultiplicationTraceTask`) is the long-answer task: the question is `"37*4="` and
+the worked answer counts the multiplier up one line at a time, `"1*37=37,2*37=74,3*37=111,4*37=148"`; each line
+adds the multiplicand to the previous product, so the answer is meaningful work that a model can check locally
+(counter + 1, product + multiplicand, stop when the counter reaches the multiplier), and its length grows linearly
+with the multiplier: b lines of 3 + (digits of k, a and k*a) tokens with the tiny tokenizer (every digit, `*`,
+`=`, `,` is one token): 5 tokens at a < 10, b=1; ~2400 at a=99, b=200. The reward reads the number after the
+last `=` (answer style `final`) and compares it exactly to a*b. Only ASCII digits and `*=,` appear, so the tiny
+SentencePiece tokenizer (trained on the arithmetic corpus, every printable ASCII character a piece) encodes it,
+and a prompt and its answer tokenize the same apart as together.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ class Problem:
     answer: str
     """The gold final answer only (e.g. "72", "\\frac{3}{4}"), not a worked solution."""
     source: str
-    """"gsm8k", "math", "deepmath" or "arithmetic"."""
+    """"gsm8k", "math", "deepmath", "arithmetic" or "multiplication_trace"."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,8 +217,48 @@ class ArithmeticTask:
         return problems
 
     def sft_corpus(self, n: int, seed: int) -> list[str]:
-        """`n` full strings question+answer (`"37+45=82"`): supervised warm-start and tokenizer training text."""
+        """`n` full strings question+answer (`"37+45=82"`): tokenizer training text."""
         return [p.question + p.answer for p in self.problems(n, seed)]
+
+    def sft_pairs(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """`n` (question, answer) pairs (`("37+45=", "82")`): the supervised warm-start's sequences."""
+        return [(p.question, p.answer) for p in self.problems(n, seed)]
+
+
+@dataclass(frozen=True)
+class MultiplicationTraceTask:
+    """`"<a>*<b>="` answered by the trace `"1*a=a,2*a=2a,...,b*a=ab"` (module docstring), generated from a seed."""
+
+    operand_max: int = 9
+    """The multiplicand a is drawn from [1, operand_max]."""
+    multiplier_min: int = 1
+    """Smallest multiplier b = the fewest lines of a worked answer."""
+    multiplier_max: int = 8
+    """Largest multiplier b: the answer's length (lines) is drawn uniformly from [multiplier_min, multiplier_max]."""
+
+    def __post_init__(self):
+        if not 1 <= self.operand_max or not 1 <= self.multiplier_min <= self.multiplier_max:
+            raise ValueError("invalid MultiplicationTraceTask: need operand_max >= 1 and 1 <= multiplier_min <= "
+                             f"multiplier_max, got operand_max={self.operand_max}, multiplier_min={self.multiplier_min}, "
+                             f"multiplier_max={self.multiplier_max}")
+
+    @staticmethod
+    def trace(a: int, b: int) -> str:
+        """The worked answer of `a*b=`: one line `k*a=<k*a>` per k = 1..b, comma-separated."""
+        return ",".join(f"{k}*{a}={k * a}" for k in range(1, b + 1))
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` problems drawn with `random.Random(seed)`; the gold answer is the product only."""
+        rng = random.Random(seed)
+        problems = []
+        for i in range(n):
+            a, b = rng.randint(1, self.operand_max), rng.randint(self.multiplier_min, self.multiplier_max)
+            problems.append(Problem(f"multiplication_trace/{seed}/{i}", f"{a}*{b}=", str(a * b), "multiplication_trace"))
+        return problems
+
+    def sft_pairs(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """`n` (question, worked answer) pairs: the supervised warm-start teaches the trace format."""
+        return [(p.question, self.trace(*map(int, p.question[:-1].split("*")))) for p in self.problems(n, seed)]
 
 
 def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic: int = 4096,
@@ -242,7 +292,8 @@ model wants one, is applied by the caller on top."""
 TEMPLATE_ANSWER_STYLE: dict[str, str] = {"gsm8k": "gsm8k", "boxed": "boxed", "arithmetic": "number"}
 """The `rewards.extract_answer` style that reads an answer written as each template asks."""
 
-DEFAULT_TEMPLATE: dict[str, str] = {"gsm8k": "gsm8k", "math": "boxed", "deepmath": "boxed", "arithmetic": "arithmetic"}
+DEFAULT_TEMPLATE: dict[str, str] = {"gsm8k": "gsm8k", "math": "boxed", "deepmath": "boxed", "arithmetic": "arithmetic",
+                                    "multiplication_trace": "arithmetic"}
 """The template each problem source is usually trained with."""
 
 

@@ -8,7 +8,8 @@ The run directory holds `metrics.jsonl`: one JSON object per optimizer step, wri
      "time/update": 0.9, "time/sync": 0.05, "time/step": 2.5, "throughput/tokens_per_s": 310.0,
      "mode": "jetrl", "tp": 2, "pp": 1, "dp": 1}
 
-Each line is flushed and fsync'ed as it is written, so a killed run keeps every finished step. Non-finite
+Lines also carry `mismatch/len<lo>-<hi>/*`, the mismatch per response-length bucket (rollout/metrics.py), for the
+buckets that hold responses that step. Each line is flushed and fsync'ed as it is written, so a killed run keeps every finished step. Non-finite
 floats are written as `null` (strict JSON; `jq` and every reader accept it). A resumed run passes the first
 step it will log as `resume_step`: lines with `step >= resume_step` are dropped on open, so the file never
 holds a step twice (the default 0 starts the file afresh; the lines dropped are reported on stderr).

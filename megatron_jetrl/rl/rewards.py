@@ -5,6 +5,8 @@ Answer styles (`extract_answer`):
     gsm8k   the first line of text after the last `####`         ("... #### 1,234" -> "1,234")
     boxed   the contents of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`), nested braces kept
     number  the leading number of the completion (the arithmetic task: the model emits "82" then EOS)
+    final   the integer after the last `=` that ends the completion (the multiplication-trace task's worked
+            answer "1*7=7,2*7=14" -> "14"; a trace cut off before its last product, "...,2*7", has none)
 
 Equivalence (`verify`) goes through math-verify: both strings are wrapped in `$...$` (so bare LaTeX such as
 `\\frac{1}{2}` or `\\text{(A)}` is read as math), parsed and compared symbolically and numerically (so
@@ -28,11 +30,12 @@ import re
 import threading
 from collections.abc import Sequence
 
-ANSWER_STYLES = ("gsm8k", "boxed", "number")
+ANSWER_STYLES = ("gsm8k", "boxed", "number", "final")
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _LEADING_NUMBER = re.compile(r"\s*([+-]?\d+(?:\.\d+)?)")
 _INTEGER = re.compile(r"[+-]?\d+")
+_FINAL_INTEGER = re.compile(r"=\s*([+-]?\d+)\s*$")
 
 
 def last_boxed(text: str) -> str | None:
@@ -75,6 +78,9 @@ def extract_answer(text: str, style: str) -> str | None:
         answer = (last_boxed(text) or "").strip()
     elif style == "number":
         m = _LEADING_NUMBER.match(text)
+        answer = m.group(1) if m else ""
+    elif style == "final":
+        m = _FINAL_INTEGER.search(text)
         answer = m.group(1) if m else ""
     else:
         raise ValueError(f"unknown answer style {style!r}: use one of {ANSWER_STYLES}")

@@ -8,6 +8,7 @@ update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -23,13 +24,13 @@ from megatron_jetrl.rl import faults
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
-from megatron_jetrl.rl.data import format_prompt
+from megatron_jetrl.rl.data import MultiplicationTraceTask, PromptSampler, format_prompt
 from megatron_jetrl.rl.loss import policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
 from megatron_jetrl.rollout.engine import SamplingParams
-from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
+from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 
 
 class Phases(dict):
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
         sess.init_distributed(cfg)
         faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
-        s = sess.build_session(cfg)
+        s = build_session(cfg)
         if s.is_main:
             cfg.run.directory.mkdir(parents=True, exist_ok=True)
             (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -96,6 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def generated_task(cfg):
+    """The in-process task that warm-starts the policy: data.source's if it is generated, else arithmetic."""
+    d = cfg.data
+    if d.source == "multiplication_trace":
+        return MultiplicationTraceTask(d.operand_max, d.multiplier_min, d.multiplier_max)
+    return sess.arithmetic_task(cfg)
+
+
+def build_session(cfg):
+    """The session; with data.source=multiplication_trace its prompts are that task's. (The session builds the
+    arithmetic prompts, the one generated source it knows, and its tokenizer encodes any ASCII text.)"""
+    if cfg.data.source != "multiplication_trace":
+        return sess.build_session(cfg)
+    s = sess.build_session(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="arithmetic", reward_style="number")))
+    s.cfg = cfg
+    s.sampler = PromptSampler(generated_task(cfg).problems(sess.ARITHMETIC_PROBLEMS, seed=cfg.run.seed),
+                              cfg.grpo.prompts_per_step, seed=cfg.run.seed)
+    return s
+
+
 def warm_start(s) -> None:
     """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
     w = s.cfg.warmup
@@ -103,9 +124,9 @@ def warm_start(s) -> None:
         return
     from megatron.core import parallel_state as ps
 
-    problems = sess.arithmetic_task(s.cfg).problems(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
+    pairs = generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
     tok = s.tokenizer
-    seqs = [(tok.encode(p.question), tok.encode(p.answer) + [tok.eos_id]) for p in problems]
+    seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     groups = s.optimizer.param_groups
     lrs = [g["lr"] for g in groups]
@@ -232,7 +253,8 @@ def sync(s) -> dict:
 
 
 def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, update: dict) -> dict:
-    """Reward, length, loss terms and the train/rollout mismatch (old logprobs vs the engine's, response tokens)."""
+    """Reward, length, loss terms and the train/rollout mismatch (old logprobs vs the engine's, response tokens):
+    overall and per response-length bucket (`mismatch/len<lo>-<hi>/*`, rollout.metrics; the reward too: `reward/len<lo>-<hi>`)."""
     from megatron.core import parallel_state as ps
 
     mask = mine.mask.bool().cpu()
@@ -250,6 +272,7 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
         "grad_norm": update.get("grad_norm"), "loss/total": update.get("loss"), "loss/pg": update.get("pg_loss"),
         "loss/kl": update.get("kl"), "loss/clip_frac": update.get("clip_frac"), "skipped_updates": update["skipped_updates"],
         "skipped": update["skipped"],
+        **length_means(batch.rewards, batch.response_lengths, "reward/"),
     }
     mm = mismatch_metrics(train, roll, tis_cap=s.cfg.loss.tis_cap or 2.0)
     return out | {k: v for k, v in flat_metrics(mm).items() if "/pos" not in k}

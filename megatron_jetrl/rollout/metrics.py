@@ -7,11 +7,19 @@ mask. With `d = train - rollout` (log of the importance ratio r = pi_train / pi_
     mean_abs_diff      mean |d|; max_abs_diff: max |d|
     k3_kl              mean (r - 1) - log r      (k3 estimator of KL(rollout || train), tokens ~ rollout)
     exp_abs_diff       mean exp(|d|)             (1 when identical)
+    abs_diff_gt1_frac  fraction of tokens with |d| > 1 (the rollout's probability off by more than a factor e)
     ratio_mean/min/max r statistics; ratio_clip_frac = fraction of tokens with r > tis_cap (truncated
                        importance sampling weights min(r, cap)); tis_weight_mean = mean min(r, cap)
 
 All means are over tokens. `by_position` buckets the same statistics by the token's index in its
-response (0-based), with bucket edges `position_edges` (the last bucket is open-ended).
+response (0-based), with bucket edges `position_edges` (the last bucket is open-ended). `by_length` buckets
+whole responses by their length L (response tokens) in powers of two, [1, 2), [2, 4), [4, 8), ...: bucket
+`len<2^k>-<2^(k+1)>` holds every token of the responses with 2^k <= L < 2^(k+1), with `LENGTH_STATS` only
+(tokens, responses, mean_abs_diff, k3_kl, max_abs_diff, abs_diff_gt1_frac, and seq_abs_log_ratio: the mean over
+the bucket's responses of |sum_t d_t| = |log pi_train(y) / pi_rollout(y)|, the sequence's log importance ratio,
+which accumulates along the response). Position buckets ask whether late tokens of a response drift; length
+buckets whether long rollouts do (the paper's finding: the foil's mismatch grows with rollout length). Empty
+buckets are left out, not reported as 0 (every response has at least one token, so every response is in one).
 In `jetrl` on the native CPU engine these are exactly 0 / 1; report them against the `bf16` floor.
 """
 
@@ -22,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 DEFAULT_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192)
+LENGTH_STATS = ("tokens", "responses", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac", "seq_abs_log_ratio")
 
 
 def _as_padded(values, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +63,7 @@ def _stats(d: torch.Tensor, cap: float) -> dict[str, float]:
         "max_abs_diff": float(d.abs().max()),
         "k3_kl": float((r - 1 - d).mean()),
         "exp_abs_diff": float(torch.exp(d.abs()).mean()),
+        "abs_diff_gt1_frac": float((d.abs() > 1).double().mean()),
         "ratio_mean": float(r.mean()),
         "ratio_min": float(r.min()),
         "ratio_max": float(r.max()),
@@ -88,13 +98,43 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: fl
         if sel.any():
             buckets.append({"start": lo, "end": hi, **_stats(d[sel], tis_cap)})
     out["by_position"] = buckets
+    out["by_length"] = _length_buckets(d, m1, tis_cap)
     return out
 
 
+def _length_rows(lengths: torch.Tensor):
+    """(lo, hi, rows) for each non-empty power-of-two length bucket [lo, hi); rows: a bool mask over responses."""
+    longest = int(lengths.max()) if lengths.numel() else 0
+    lo = 1
+    while lo <= longest:
+        rows = (lengths >= lo) & (lengths < 2 * lo)
+        if rows.any():
+            yield lo, 2 * lo, rows
+        lo *= 2
+
+
+def _length_buckets(d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dict]:
+    """`by_length` (module docstring): responses of length in [2^k, 2^(k+1)), their tokens pooled."""
+    seq_log_ratio = torch.where(mask, d, 0.0).sum(1)
+    buckets = []
+    for lo, hi, rows in _length_rows(mask.sum(1)):
+        stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum()),
+                                                         "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean())}
+        buckets.append({"start": lo, "end": hi, **{k: stats[k] for k in LENGTH_STATS}})
+    return buckets
+
+
+def length_means(values: torch.Tensor, lengths: torch.Tensor, prefix: str) -> dict[str, float]:
+    """`<prefix>len<lo>-<hi>`: the mean of per-response `values` (e.g. rewards) over each length bucket of `by_length`."""
+    return {f"{prefix}len{lo}-{hi}": float(values[rows].double().mean()) for lo, hi, rows in _length_rows(lengths)}
+
+
 def flat_metrics(metrics: dict, prefix: str = "mismatch/") -> dict[str, float]:
-    """Scalars for a logger: overall stats and `<prefix>pos<start>-<end>/<stat>` per position bucket."""
-    flat = {f"{prefix}{k}": v for k, v in metrics.items() if k != "by_position"}
-    for b in metrics.get("by_position", []):
-        tag = f"pos{b['start']}-{b['end'] if b['end'] is not None else 'inf'}"
-        flat.update({f"{prefix}{tag}/{k}": v for k, v in b.items() if k not in ("start", "end")})
+    """Scalars for a logger: overall stats, `<prefix>pos<start>-<end>/<stat>` per position bucket and
+    `<prefix>len<start>-<end>/<stat>` per response-length bucket (end exclusive)."""
+    flat = {f"{prefix}{k}": v for k, v in metrics.items() if k not in ("by_position", "by_length")}
+    for kind, key in (("pos", "by_position"), ("len", "by_length")):
+        for b in metrics.get(key, []):
+            tag = f"{kind}{b['start']}-{b['end'] if b['end'] is not None else 'inf'}"
+            flat.update({f"{prefix}{tag}/{k}": v for k, v in b.items() if k not in ("start", "end")})
     return flat

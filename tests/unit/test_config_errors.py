@@ -75,6 +75,12 @@ CASES = {
     "group of one": (["rollout.n=1"], r"GRPO needs at least 2 samples per prompt"),
     # ---- data / model sources
     "dataset without a path": (["data.source=gsm8k"], r"data.source='gsm8k' needs data.path"),
+    "trace task scored by its leading number": (["data.source=multiplication_trace"],
+                                                r"data.source=multiplication_trace .* set data.reward_style=final \(got 'number'"),
+    "trace task given a path": (["data.source=multiplication_trace", "data.reward_style=final", "data.path=x.jsonl"],
+                                r"multiplication_trace is generated in-process: drop data.path \('x.jsonl'\)"),
+    "multiplier range upside down": (["data.multiplier_min=5", "data.multiplier_max=4"],
+                                     r"data.multiplier_min=5 and data.multiplier_max=4 must satisfy 1 <= multiplier_min <= multiplier_max"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_jetrl.rl.data import (
-    PROMPT_TEMPLATES, TEMPLATE_ANSWER_STYLE, ArithmeticTask, Problem, PromptSampler, format_prompt, load_deepmath,
-    load_gsm8k, load_math, load_problems,
+    PROMPT_TEMPLATES, TEMPLATE_ANSWER_STYLE, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
+    load_deepmath, load_gsm8k, load_math, load_problems,
 )
 from megatron_jetrl.rl.rewards import compute_rewards
 
@@ -184,6 +184,37 @@ def test_arithmetic_options():
                       (dict(ops=()), "non-empty"), (dict(ops=("/",)), "non-empty selection")]:
         with pytest.raises(ValueError, match=match):
             ArithmeticTask(**kw)
+
+
+def test_multiplication_trace_task_answers_are_exact_and_lengths_follow_the_multiplier():
+    task = MultiplicationTraceTask(operand_max=99, multiplier_min=1, multiplier_max=200)
+    problems = task.problems(300, seed=0)
+    assert problems == task.problems(300, seed=0) != task.problems(300, seed=1)
+    pairs = task.sft_pairs(300, seed=0)
+    assert [q for q, _ in pairs] == [p.question for p in problems]
+    for p, (_, trace) in zip(problems, pairs):
+        a, b = map(int, p.question[:-1].split("*"))
+        assert 1 <= a <= 99 and 1 <= b <= 200 and p.answer == str(a * b) and p.source == "multiplication_trace"
+        lines = trace.split(",")
+        assert lines == [f"{k}*{a}={k * a}" for k in range(1, b + 1)]
+    assert MultiplicationTraceTask.trace(7, 3) == "1*7=7,2*7=14,3*7=21"
+    assert compute_rewards([t for _, t in pairs[:20]], [p.answer for p in problems[:20]], "final") == [1.0] * 20
+    lengths = sorted(len(t) for _, t in pairs)  # characters = tokens of the tiny tokenizer (tests/unit/test_rl_tokenizer.py)
+    assert lengths[0] <= 20 and lengths[-1] >= 2000
+    with pytest.raises(ValueError, match="1 <= multiplier_min <= multiplier_max"):
+        MultiplicationTraceTask(multiplier_min=3, multiplier_max=2)
+
+
+def test_multiplication_trace_tokenizes_one_character_a_token_and_apart_as_together(tmp_path):
+    from megatron_jetrl.rl.tokenizer import UNK_ID, SentencePieceTokenizer, ensure_sentencepiece
+
+    path = tmp_path / "tok.model"
+    ensure_sentencepiece(path, ArithmeticTask().sft_corpus(2000, 0), 256)  # the tokenizer the trainer makes
+    tok = SentencePieceTokenizer(path)
+    for question, trace in MultiplicationTraceTask(operand_max=99, multiplier_max=30).sft_pairs(20, seed=3):
+        ids = tok.encode(question + trace)
+        assert ids == tok.encode(question) + tok.encode(trace) and len(ids) == len(question + trace)
+        assert tok.decode(ids) == question + trace and UNK_ID not in ids
 
 
 # ---------------------------------------------------------------------------------------------------------

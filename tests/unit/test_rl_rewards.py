@@ -52,6 +52,14 @@ def test_extract_number(text, want):
     assert extract_answer(text, "number") == want
 
 
+@pytest.mark.parametrize("text,want", [
+    ("1*7=7,2*7=14", "14"), ("1*7=7,2*7=14\n", "14"), ("=5", "5"), ("1*7=7,2*7", None), ("1*7=7,", None),
+    ("", None), ("14", None), ("1*7=7,2*7=-3", "-3"),
+])
+def test_extract_final(text, want):
+    assert extract_answer(text, "final") == want
+
+
 def test_last_boxed_edge_cases():
     assert last_boxed("\\boxed{a{b}c}") == "a{b}c"
     assert last_boxed("\\boxed") is None

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
+from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 
 
 def test_identical_logprobs_sit_at_zero():
@@ -52,3 +52,37 @@ def test_layout_mismatch_is_refused():
         mismatch_metrics([[0.0, 1.0]], [[0.0]])
     with pytest.raises(ValueError, match="position_edges"):
         mismatch_metrics([[0.0]], [[0.0]], position_edges=(5, 1))
+
+
+def test_length_buckets_pool_whole_responses_by_length():
+    # lengths 1, 3, 2, 5 -> buckets [1, 2): row 0; [2, 4): rows 1 and 2; [4, 8): row 3
+    train = [[0.0], [0.0, 0.0, 0.0], [0.0, 0.0], [0.0] * 5]
+    rollout = [[-0.1], [-0.2, -1.5, 0.3], [0.4, -0.5], [-2.0, 0.0, 0.0, 0.0, 0.0]]
+    m = mismatch_metrics(train, rollout)
+    assert m["abs_diff_gt1_frac"] == pytest.approx(2 / 11)
+    b = {(x["start"], x["end"]): x for x in m["by_length"]}
+    assert sorted(b) == [(1, 2), (2, 4), (4, 8)]
+    assert b[(1, 2)] == {"start": 1, "end": 2, "tokens": 1, "responses": 1, "mean_abs_diff": pytest.approx(0.1),
+                         "k3_kl": pytest.approx(math.exp(0.1) - 1 - 0.1), "max_abs_diff": pytest.approx(0.1),
+                         "abs_diff_gt1_frac": 0.0, "seq_abs_log_ratio": pytest.approx(0.1)}
+    # log ratios of rows 1 and 2: 0.2 + 1.5 - 0.3 = 1.4 and -0.4 + 0.5 = 0.1
+    assert b[(2, 4)]["seq_abs_log_ratio"] == pytest.approx((1.4 + 0.1) / 2)
+    assert (b[(2, 4)]["tokens"], b[(2, 4)]["responses"]) == (5, 2)
+    assert b[(2, 4)]["mean_abs_diff"] == pytest.approx((0.2 + 1.5 + 0.3 + 0.4 + 0.5) / 5)
+    assert b[(2, 4)]["max_abs_diff"] == pytest.approx(1.5) and b[(2, 4)]["abs_diff_gt1_frac"] == pytest.approx(1 / 5)
+    assert b[(4, 8)]["mean_abs_diff"] == pytest.approx(0.4) and b[(4, 8)]["abs_diff_gt1_frac"] == pytest.approx(1 / 5)
+    flat = flat_metrics(m)
+    assert flat["mismatch/len2-4/responses"] == 2 and flat["mismatch/len4-8/max_abs_diff"] == pytest.approx(2.0)
+    assert "mismatch/len8-16/tokens" not in flat  # empty buckets are left out, not logged as 0
+
+
+def test_length_buckets_of_a_padded_batch_use_the_mask():
+    train = torch.zeros(2, 4)
+    rollout = torch.tensor([[-0.1, -0.1, 0.0, 0.0], [-0.3, -0.3, -0.3, -0.3]])
+    m = mismatch_metrics(train, rollout, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    assert [(x["start"], x["tokens"], round(x["mean_abs_diff"], 6)) for x in m["by_length"]] == [(2, 2, 0.1), (4, 4, 0.3)]
+
+
+def test_length_means_of_rewards():
+    rewards, lengths = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([3, 2, 9, 1])
+    assert length_means(rewards, lengths, "reward/") == {"reward/len1-2": 1.0, "reward/len2-4": 0.5, "reward/len8-16": 1.0}

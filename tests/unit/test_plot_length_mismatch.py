@@ -1,0 +1,56 @@
+"""tools/plot_length_mismatch.py: per-length aggregation over steps, the PNG, exit 2 on unreadable input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("plot_length_mismatch", REPO / "tools" / "plot_length_mismatch.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+def row(step: int, **buckets) -> dict:
+    r = {"step": step, "reward/mean": 0.5, "mismatch/tokens": sum(b[0] for b in buckets.values()), "mismatch/mean_abs_diff": 0.1,
+         "mismatch/k3_kl": 0.01, "mismatch/max_abs_diff": 0.5, "mismatch/abs_diff_gt1_frac": 0.0}
+    for tag, (tokens, responses, mean, mx, seq) in buckets.items():
+        r |= {f"mismatch/{tag}/{k}": v for k, v in dict(tokens=tokens, responses=responses, mean_abs_diff=mean, k3_kl=mean / 10,
+                                                          max_abs_diff=mx, abs_diff_gt1_frac=0.0, seq_abs_log_ratio=seq).items()}
+    return r
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_buckets_are_weighted_over_steps():
+    rows = [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2)}), row(1, **{"len4-8": (30, 4, 0.2, 0.2, 0.5), "len16-32": (40, 2, 0.4, 1.5, 3.0)})]
+    b = tool.by_length(rows)
+    assert list(b) == [(4, 8), (16, 32)]
+    assert b[(4, 8)]["mean_abs_diff"] == pytest.approx((10 * 0.1 + 30 * 0.2) / 40)  # token-weighted
+    assert b[(4, 8)]["seq_abs_log_ratio"] == pytest.approx((2 * 0.2 + 4 * 0.5) / 6)  # response-weighted
+    assert b[(4, 8)]["max_abs_diff"] == 0.3 and b[(16, 32)]["tokens"] == 40
+    assert tool.floor_level(rows, "mean_abs_diff") == pytest.approx(0.1)
+
+
+def test_png_and_exit_2(tmp_path, capsys):
+    run = write(tmp_path / "run", [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2), "len32-64": (90, 2, 0.3, 1.2, 2.0)})])
+    old = write(tmp_path / "old", [{"step": 0, "reward/mean": 0.1}])
+    out = tmp_path / "p.png"
+    assert tool.main([f"a={run}", "--floor", f"f={run / 'metrics.jsonl'}", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    for spec, message in [(str(run), "write LABEL=RUN"), (f"b={tmp_path}/nowhere", "no metrics.jsonl there"),
+                          (f"b={old}", "no mismatch/len* buckets")]:
+        assert tool.main([spec, "-o", str(tmp_path / "no.png")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert tool.main([f"a={run}", "--floor", f"f={old}", "-o", str(tmp_path / "no.png")]) == 2
+    assert "no mismatch/tokens and mismatch/mean_abs_diff rows" in capsys.readouterr().err
+    assert not (tmp_path / "no.png").exists()

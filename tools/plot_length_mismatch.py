@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Train/rollout mismatch against response length (one curve per run), and reward against step, into one PNG.
+
+    .venv/bin/python tools/plot_length_mismatch.py LABEL=RUN ... [--floor LABEL=RUN ...] -o out.png
+
+RUN is a run directory or its metrics.jsonl. The trainer logs, per step and per response-length bucket
+[2^k, 2^(k+1)) tokens, `mismatch/len<lo>-<hi>/<stat>` with stat in tokens, responses, mean_abs_diff, k3_kl,
+max_abs_diff, abs_diff_gt1_frac, seq_abs_log_ratio (rollout/metrics.py). Over all steps of a run, a bucket's
+mean |logp diff|, k3 KL and share of tokens with |logp diff| > 1 are token-weighted means of the steps' values,
+its sequence |log ratio| the response-weighted mean, its max the max; each is drawn at the bucket's mean
+response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor)
+is a dashed horizontal line at its token-weighted mean over every step (`mismatch/*`, all lengths; max: the
+max); the sequence panel has no floor line (that statistic exists per bucket only). The last panel is the
+reward (mean) per step of every run.
+
+Exit status: 0 written; 2 a run unreadable, without rows, or without length buckets (one line says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_jetrl.rl.metrics import read_metrics  # noqa: E402
+
+PANELS = (("mean_abs_diff", "mean |logp train - rollout|"), ("k3_kl", "k3 KL"),
+          ("max_abs_diff", "max |logp diff|"), ("abs_diff_gt1_frac", "share of tokens with |logp diff| > 1"),
+          ("seq_abs_log_ratio", "sequence |log pi_train/pi_rollout|"))
+TOKEN_MEANS = ("mean_abs_diff", "k3_kl", "abs_diff_gt1_frac")
+BUCKET = re.compile(r"^mismatch/len(\d+)-(\d+)/tokens$")
+
+
+def read_run(spec: str) -> tuple[str, list[dict]]:
+    """`LABEL=RUN` -> (label, metrics rows); ValueError naming the problem."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise ValueError(f"{spec!r}: write LABEL=RUN (a run directory or its metrics.jsonl)")
+    p = Path(path)
+    if not (p.is_file() or (p / "metrics.jsonl").is_file()):
+        raise ValueError(f"{path}: no metrics.jsonl there (give a GRPO run directory or its metrics.jsonl)")
+    try:
+        rows = read_metrics(p)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e})") from None
+    if not rows:
+        raise ValueError(f"{path}: no readable metrics rows")
+    return label, rows
+
+
+def by_length(rows: list[dict]) -> dict[tuple[int, int], dict[str, float]]:
+    """{(lo, hi): {stat: value over all steps}} (module docstring)."""
+    out: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        for key in r:
+            m = BUCKET.match(key)
+            if not m or not r[key]:
+                continue
+            lo, hi = int(m.group(1)), int(m.group(2))
+            acc = out.setdefault((lo, hi), dict.fromkeys(("tokens", "responses", *(s for s, _ in PANELS)), 0.0))
+            values = {stat: r.get(f"mismatch/len{lo}-{hi}/{stat}") for stat in acc}
+            if None in values.values():
+                raise ValueError(f"step {r['step']}: bucket len{lo}-{hi} lacks a value or holds a non-finite one ({values})")
+            acc["tokens"] += values["tokens"]
+            acc["responses"] += values["responses"]
+            for stat in TOKEN_MEANS:
+                acc[stat] += values["tokens"] * values[stat]
+            acc["seq_abs_log_ratio"] += values["responses"] * values["seq_abs_log_ratio"]
+            acc["max_abs_diff"] = max(acc["max_abs_diff"], values["max_abs_diff"])
+    for acc in out.values():
+        for stat in TOKEN_MEANS:
+            acc[stat] /= acc["tokens"]
+        acc["seq_abs_log_ratio"] /= acc["responses"]
+    return dict(sorted(out.items()))
+
+
+def floor_level(rows: list[dict], stat: str) -> float:
+    """A floor run's value of `stat` over all its steps: token-weighted mean (max for max_abs_diff)."""
+    pairs = [(r.get("mismatch/tokens") or 0, r.get(f"mismatch/{stat}")) for r in rows]
+    pairs = [(n, v) for n, v in pairs if n and v is not None]
+    if not pairs:
+        return math.nan
+    if stat == "max_abs_diff":
+        return max(v for _, v in pairs)
+    return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs)
+
+
+def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.6))
+    axes = axes.flatten()
+    for ax, (stat, title) in zip(axes, PANELS):
+        for label, rows in runs:
+            buckets = by_length(rows)
+            xs = [b["tokens"] / b["responses"] for b in buckets.values()]
+            ax.plot(xs, [b[stat] for b in buckets.values()], marker="o", label=label)
+        for (label, rows), color in zip(floors if stat != "seq_abs_log_ratio" else [], ("gray", "black", "brown")):
+            ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("response length (tokens)")
+        ax.grid(True, alpha=0.3)
+    for label, rows in runs:
+        axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], marker="o", label=label)
+    axes[-1].set_title("reward (mean)", fontsize=10)
+    axes[-1].set_xlabel("GRPO step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1].grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="LABEL=RUN (run directory or metrics.jsonl)")
+    ap.add_argument("--floor", action="append", default=[], help="LABEL=RUN drawn as a horizontal line")
+    ap.add_argument("-o", "--output", required=True, help="PNG file to write")
+    a = ap.parse_args(argv)
+    try:
+        runs, floors = [read_run(s) for s in a.runs], [read_run(s) for s in a.floor]
+        for spec, (_, rows) in zip(a.runs, runs):
+            if not by_length(rows):
+                raise ValueError(f"{spec}: no mismatch/len* buckets (a run from before per-length metrics?)")
+        for spec, (_, rows) in zip(a.floor, floors):
+            if math.isnan(floor_level(rows, "mean_abs_diff")):
+                raise ValueError(f"{spec}: no mismatch/tokens and mismatch/mean_abs_diff rows to draw a floor from")
+    except ValueError as e:
+        print(f"plot_length_mismatch: {e}", file=sys.stderr)
+        return 2
+    plot(runs, floors, a.output)
+    print(f"wrote {a.output} ({len(runs)} run(s), {len(floors)} floor(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
