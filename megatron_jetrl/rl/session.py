@@ -28,7 +28,7 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
-from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler, load_problems
+from megatron_jetrl.rl.data import ArithmeticTask, MultiplicationTraceTask, PromptSampler, load_problems
 from megatron_jetrl.rollout.native import expected_tensors
 
 STATE_FILE = "trainer_state.json"
@@ -36,8 +36,12 @@ SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
 ARITHMETIC_PROBLEMS = 4096  # GRPO prompts of the arithmetic task
 
 
-def arithmetic_task(cfg: JetRLConfig) -> ArithmeticTask:
-    return ArithmeticTask(high=cfg.data.operand_max)
+def generated_task(cfg: JetRLConfig):
+    """The in-process task that warm-starts the policy: data.source's when it is generated, else arithmetic."""
+    d = cfg.data
+    if d.source == "multiplication_trace":
+        return MultiplicationTraceTask(d.operand_max, d.multiplier_min, d.multiplier_max)
+    return ArithmeticTask(high=d.operand_max)
 
 
 @dataclass
@@ -141,8 +145,8 @@ def build_session(cfg: JetRLConfig) -> Session:
     if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":
         flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
     tokenizer = _tokenizer(cfg, arch)
-    if cfg.data.source == "arithmetic":
-        problems = arithmetic_task(cfg).problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed)
+    if cfg.data.source in ("arithmetic", "multiplication_trace"):
+        problems = generated_task(cfg).problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed)
     else:
         problems = load_problems(cfg.data.source, cfg.data.path)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)

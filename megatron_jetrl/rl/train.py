@@ -8,7 +8,6 @@ update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -24,7 +23,7 @@ from megatron_jetrl.rl import faults
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
-from megatron_jetrl.rl.data import MultiplicationTraceTask, PromptSampler, format_prompt
+from megatron_jetrl.rl.data import format_prompt
 from megatron_jetrl.rl.loss import policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
         sess.init_distributed(cfg)
         faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
-        s = build_session(cfg)
+        s = sess.build_session(cfg)
         if s.is_main:
             cfg.run.directory.mkdir(parents=True, exist_ok=True)
             (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -97,26 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def generated_task(cfg):
-    """The in-process task that warm-starts the policy: data.source's if it is generated, else arithmetic."""
-    d = cfg.data
-    if d.source == "multiplication_trace":
-        return MultiplicationTraceTask(d.operand_max, d.multiplier_min, d.multiplier_max)
-    return sess.arithmetic_task(cfg)
-
-
-def build_session(cfg):
-    """The session; with data.source=multiplication_trace its prompts are that task's. (The session builds the
-    arithmetic prompts, the one generated source it knows, and its tokenizer encodes any ASCII text.)"""
-    if cfg.data.source != "multiplication_trace":
-        return sess.build_session(cfg)
-    s = sess.build_session(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="arithmetic", reward_style="number")))
-    s.cfg = cfg
-    s.sampler = PromptSampler(generated_task(cfg).problems(sess.ARITHMETIC_PROBLEMS, seed=cfg.run.seed),
-                              cfg.grpo.prompts_per_step, seed=cfg.run.seed)
-    return s
-
-
 def warm_start(s) -> None:
     """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
     w = s.cfg.warmup
@@ -124,7 +103,7 @@ def warm_start(s) -> None:
         return
     from megatron.core import parallel_state as ps
 
-    pairs = generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
+    pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
     tok = s.tokenizer
     seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
