@@ -117,13 +117,15 @@ def test_hf_import_equals_reference_and_fp8_is_in_the_forward(family, checkpoint
     ref_fp8 = reference_logits(config, ref_state, tokens, fp8_reference_linear(JETRL))
     bf16_model, _ = _imported(family, BF16, root)
     fp8_model, _ = _imported(family, JETRL, root)
-    # The reference follows megatron's op order (actor_helpers._attention), so equality is exact here.
-    assert torch.equal(_logits(bf16_model, tokens), ref_bf16)
+    # The reference follows megatron's op order (actor_helpers._attention), so equality is exact here, except that on
+    # AVX2 CPUs (CI's AMD EPYC) qwen2's q/k/v bias added by the fused QKV GEMM differs from the split reference in the
+    # last bit (measured 2.9e-6 of logits ~7.6); the FP8 forward stays bit-equal (its GEMM is the emulated one).
+    torch.testing.assert_close(_logits(bf16_model, tokens), ref_bf16, atol=1e-5, rtol=0)
     assert torch.equal(_logits(fp8_model, tokens), ref_fp8)
     assert (ref_fp8 - ref_bf16).abs().max() > 0.1  # FP8 changes the logits (~0.3-0.45 here)
     # mode bf16-train-fp8-rollout trains with the same plain linears as bf16
     foil_model, _ = _imported(family, PrecisionFlow(mode="bf16-train-fp8-rollout"), root)
-    assert torch.equal(_logits(foil_model, tokens), ref_bf16)
+    assert torch.equal(_logits(foil_model, tokens), _logits(bf16_model, tokens))
 
 
 def test_logprobs_equal_log_softmax_of_reference(checkpoints):

@@ -80,8 +80,8 @@ def test_tp2_import_matches_tp1(results):
             assert lg.shape == ref[case]["logits"].shape == (4, 32, 300)
             torch.testing.assert_close(lg, ref[case]["logits"], atol=atol, rtol=0, msg=str(case))
             torch.testing.assert_close(lp, ref[case]["logprobs"], atol=atol, rtol=0, msg=str(case))
-        if mode == "bf16":
-            assert torch.equal(logits[0], ref[case]["logits"]), case  # measured bit-equal
+        # (bit-equal on AVX-512 CPUs; on AVX2 ones, such as CI's 2-core AMD EPYC, qwen2's biased q/k/v differ in
+        # the last bit between the fused TP1 and the split TP2 GEMMs: the 5e-6 bound above is the contract)
 
 
 def test_pp2_import_logprobs_bit_equal_tp1(results):
@@ -110,11 +110,14 @@ def test_train_pp2_and_dp2_match_tp1(results, mode):
     (ref,) = results("tp1")
     ref_steps = ref["train"][mode]["steps"]
     pp2_losses = [[s["loss"] for s in r["train"][mode]["steps"]] for r in results("pp2") if r["train"][mode]["logprobs"] is not None]
-    assert pp2_losses and pp2_losses[0] == pytest.approx([s["loss"] for s in ref_steps], rel=1e-6)
+    # 1e-6 apart on AVX-512 CPUs; 2.8e-6 in jetrl on AVX2 ones (CI's AMD EPYC) after two updates
+    assert pp2_losses and pp2_losses[0] == pytest.approx([s["loss"] for s in ref_steps], rel=1e-5)
     for r in results("dp2"):
         steps = r["train"][mode]["steps"]
-        assert [s["grad_norm"] for s in steps] == [s["grad_norm"] for s in ref_steps]
-        assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in ref_steps], rel=1e-6)  # DP-averaged
+        # bit-equal on AVX-512 CPUs; on AVX2 ones the two half-batch WGrads summed by the all-reduce round differently
+        assert [s["grad_norm"] for s in steps] == pytest.approx([s["grad_norm"] for s in ref_steps], rel=1e-6)
+        # DP-averaged; 2.8e-6 apart in jetrl on AVX2 after two updates (the grads above round differently)
+        assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in ref_steps], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["tp1", "tp2", "pp2"])
