@@ -1,5 +1,8 @@
-"""GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml] [section.key=value ...]`
-(one process per rank; `bash launch/train_grpo.sh` starts torchrun for you).
+"""GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml ...] [section.key=value ...]`
+(one process per rank; `bash launch/train_grpo.sh` starts torchrun for you). Config files compose left to right
+(default configs/tiny.yaml), then the overrides, e.g. `run.steps=10 optim.lr=1e-4`; `python -m
+megatron_jetrl.rl.config ARGS --print` shows every key. A run that is started again resumes from its newest
+checkpoint (rl/run_state.py: already complete, or resumed with the changes it may take).
 
 Each step: rollout (FP8 engines on rank 0) -> rewards -> group advantages -> old/ref logprobs (actor) ->
 update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> checkpoint.
@@ -9,17 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from megatron_jetrl.actor.logprobs import compute_logprobs
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
-from megatron_jetrl.rl import faults
+from megatron_jetrl.rl import faults, preflight
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
@@ -43,17 +46,28 @@ class Phases(dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip())
+        return 0
     try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
-        cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
+        cfg = load_config(*split_args(args))
+        previous = preflight.check(cfg)  # machine, inputs and run directory, before anything is written or started
+        if previous is not None and previous.complete(cfg):
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(previous.complete_message(cfg))
+            return 0
         sess.init_distributed(cfg)
-        faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
+        faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase
         s = sess.build_session(cfg)
-        if s.is_main:
-            cfg.run.directory.mkdir(parents=True, exist_ok=True)
-            (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         state = sess.resume(s)
+        if s.is_main:  # only now: a refused run leaves its directory as it was
+            sess.write_config(cfg)
+            if previous is not None:
+                print(previous.resume_message(cfg), file=sys.stderr)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        faults.record_failure(f"config error: {e}")
         return 2
     start = state["step"] if state else 0
     if state is None:
