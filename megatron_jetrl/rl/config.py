@@ -36,7 +36,9 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.loss import PolicyLossConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+_CONFIGS = [Path(__file__).resolve().parents[2] / "configs", Path(__file__).resolve().parents[1] / "_configs"]
+DEFAULT_CONFIG = next((d / "tiny.yaml" for d in _CONFIGS if (d / "tiny.yaml").is_file()), _CONFIGS[0] / "tiny.yaml")
+"""configs/tiny.yaml of the repository, else the copy an installed package carries (pyproject.toml's package data)."""
 
 
 class ConfigError(ValueError):
