@@ -4,7 +4,7 @@ torchrun) and by the trainer (`rl/train.py`, before the process group).
 
 `check(cfg)` refuses with a ConfigError naming the key and the fix:
 
-* the machine: `run.device=cuda` without a GPU; `rollout.engine=vllm` without CUDA, without vLLM, or with a
+* the machine: `run.device=cuda` without a GPU, or fewer GPUs than ranks on this node; `rollout.engine=vllm` without CUDA, without vLLM, or with a
   vLLM of another version than `rollout.vllm_engine.VLLM_VERSION` (found with importlib, vLLM is never
   imported here); an FP8 GEMM `precision.backend` this machine does not have;
 * the inputs: a `model.path` that is missing, has no config.json, is of a family megatron-jetrl does not
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
+import os
 from pathlib import Path
 
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
@@ -35,11 +35,25 @@ def check(cfg: JetRLConfig):
     from megatron_jetrl.rl.run_state import previous_run
 
     device = cfg.run.device_type()
+    check_gpus(device)
     check_vllm(cfg, device)
     check_backend(cfg, device)
     check_model_path(cfg)
     check_data(cfg)
     return previous_run(cfg)
+
+
+def check_gpus(device: str) -> None:
+    """A CUDA rank needs a GPU of its own on its node (LOCAL_WORLD_SIZE: torchrun's processes on this node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if device != "cuda" or not local:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if local > have:
+        raise ConfigError(f"{local} processes on this node but {have} visible GPU(s): each CUDA rank needs its own; lower "
+                          "parallel.tp * parallel.dp, spread the run over more nodes, or check CUDA_VISIBLE_DEVICES")
 
 
 def check_vllm(cfg: JetRLConfig, device: str) -> None:
@@ -112,11 +126,3 @@ def check_data(cfg: JetRLConfig) -> None:
         data_files(cfg.data.path)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data.path (data.source={cfg.data.source}): {e}") from None
-
-
-def read_json(path: Path):
-    """A JSON file's content, or None when it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

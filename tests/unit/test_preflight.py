@@ -123,3 +123,9 @@ def test_a_rank_refusing_after_torchrun_is_the_launchers_last_line(tmp_path):
     assert last.startswith("train_grpo.sh: the run failed with exit code 2 (torchrun: 1): rank 0 failed first (exit code 2): "
                            "config error: this run needs parallel.tp * pp * dp = 2 processes but WORLD_SIZE=1"), last
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_more_cuda_ranks_on_a_node_than_gpus(gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    refused("parallel.tp=2", match=r"2 processes on this node but 1 visible GPU\(s\): each CUDA rank needs its own")
