@@ -86,8 +86,7 @@ def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
     else:
         path = cfg.run.directory / "tokenizer.model"
         if dist.get_rank() == 0:
-            sp = ensure_sentencepiece(path, ArithmeticTask().sft_corpus(SFT_CORPUS, cfg.run.seed), arch.vocab_size)
-            atomic_write_bytes(path.with_name("tokenizer_config.json"), json.dumps(sp.hf_config(), indent=1).encode())
+            ensure_sentencepiece(path, ArithmeticTask().sft_corpus(SFT_CORPUS, cfg.run.seed), arch.vocab_size)
         dist.barrier()
         tok = SentencePieceTokenizer(path)
     if tok.vocab_size > arch.vocab_size:
@@ -273,7 +272,10 @@ def export(s: Session, ckpt: Path, out: Path | None = None) -> Path:
     out = out or s.cfg.run.directory / "export"
     if s.is_main:  # with the tokenizer: a usable HF model directory
         dtype = "fp8" if s.flow.rollout_fp8 else "bf16"
-        tokenizer = s.cfg.model.path if s.cfg.model.tokenizer == "hf" else s.cfg.run.directory
+        tokenizer = s.cfg.model.path
+        if s.cfg.model.tokenizer != "hf":  # the embedded one: tokenizer.model + its tokenizer_config.json
+            tokenizer = s.cfg.run.directory
+            atomic_write_bytes(tokenizer / "tokenizer_config.json", json.dumps(s.tokenizer.hf_config(), indent=1).encode())
         convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True, tokenizer_dir=tokenizer)
     dist.barrier()
     return out

@@ -31,6 +31,7 @@ from megatron_jetrl.rl.loss import policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
+from megatron_jetrl.rl.warmup import warm_start
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, mismatch_metrics
 
@@ -108,51 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(rows))
     dist.barrier()
     return 0
-
-
-def warm_start(s) -> None:
-    """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
-    w = s.cfg.warmup
-    if w.steps == 0:
-        return
-    from megatron.core import parallel_state as ps
-
-    problems = sess.arithmetic_task(s.cfg).problems(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
-    tok = s.tokenizer
-    seqs = [(tok.encode(p.question), tok.encode(p.answer) + [tok.eos_id]) for p in problems]
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    groups = s.optimizer.param_groups
-    lrs = [g["lr"] for g in groups]
-    for g in groups:
-        g["lr"] = w.lr
-    bar = progress(w.steps, "warm-start (SFT)", enabled=s.is_main)
-    for i in range(w.steps):
-        chunk = seqs[i * w.batch_size : (i + 1) * w.batch_size]
-        per_rank = w.batch_size // dp
-        tokens, mask = sft_tensors(chunk[rank * per_rank : (rank + 1) * per_rank], tok.pad_id)
-        tokens, mask = tokens.to(s.device), mask.to(s.device)  # the actor is on the GPU in a CUDA run
-        out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
-                         micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
-                         on_nonfinite="raise")
-        bar.update(1, loss=f"{out.get('loss', float('nan')):.3f}")
-    bar.close()
-    for g, lr in zip(groups, lrs):
-        g["lr"] = lr
-
-
-def sft_tensors(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) + len(a) for p, a in pairs)
-    tokens = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(pairs), width - 1)
-    for i, (p, a) in enumerate(pairs):
-        tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, len(p) - 1 : len(p) + len(a) - 1] = 1.0
-    return tokens, mask
-
-
-def sft_loss(logprobs: torch.Tensor, extras: dict):
-    mask = extras["mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {}
 
 
 def rollout(s, step: int) -> RolloutBatch:
