@@ -113,11 +113,10 @@ def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     changes = changed_keys(saved, cfg)
-    sections = sorted({k.split(".")[0] for k in changes if k.split(".")[0] in ("model", "precision")})
-    if sections:
-        keys = ", ".join(k for k in sorted(changes) if k.split(".")[0] in sections)
-        raise ConfigError(f"{ckpt} was written by a run with another model or precision section ({keys}); resume with the "
-                          f"same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)")
+    identity = sorted(k for k in changes if k.split(".")[0] in ("model", "precision"))
+    if identity:
+        raise ConfigError(f"{ckpt} was written by a run with another model or precision section ({', '.join(identity)}); "
+                          f"resume with the same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)")
     refused = {k: v for k, v in changes.items() if k not in APPLIED_ON_RESUME}
     if refused:
         what = "; ".join(f"{k}: trained with {old!r}, now {new!r}" for k, (old, new) in sorted(refused.items()))
