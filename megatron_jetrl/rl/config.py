@@ -359,7 +359,8 @@ def _coerce(value, hint, where: str):
     return value
 
 
-def _unknown(key: str, known, where: str) -> ConfigError:
+def _unknown(key, known, where: str) -> ConfigError:
+    key = str(key)  # YAML keys may be null, numbers, ...
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
     return ConfigError(f"unknown key {where}{key!r}{hint}")
