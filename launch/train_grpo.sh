@@ -13,7 +13,9 @@
 #   * under torchrun (RANK set), e.g. `torchrun --no-python --nproc-per-node=2 launch/train_grpo.sh ARGS`:
 #     runs the trainer for this rank.
 # It exits with the trainer's exit code: torchrun itself reports any worker failure as 1, so each rank records
-# its exit code in $JETRL_EXIT_DIR (when set) and the code of the first rank that failed is returned.
+# its exit code in $JETRL_EXIT_DIR (when set) and the code of the first rank that failed is returned; the last line
+# printed is that rank's one-line error (the trainer writes it to $JETRL_EXIT_DIR/rank<R>.msg), after torchrun's
+# report. A config the machine or the run directory cannot run is refused before torchrun starts.
 #
 # Environment (all optional):
 #   PYTHON               interpreter (default: <repo>/.venv/bin/python if present, else python3)
@@ -118,12 +120,18 @@ main() {
     nproc_source="$config_module --get parallel.world_size"
     mapfile -t cmod < <(module_cmd "$config_module")
     get_rc=0
-    nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size) || get_rc=$?
+    get_err=$(mktemp "${TMPDIR:-/tmp}/jetrl-get.XXXXXX")
+    nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size 2>"$get_err") || get_rc=$?
     if [ "$get_rc" -ne 0 ]; then
-      echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc, message above);" \
-           "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question" >&2
+      # the config module's own message last: it names the key and the fix
+      echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc);" \
+           "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question:" >&2
+      cat "$get_err" >&2
+      rm -f "$get_err"
       exit "$get_rc"
     fi
+    cat "$get_err" >&2
+    rm -f "$get_err"
     nproc_run=$(printf '%s' "$nproc_run" | tail -n 1 | tr -d '[:space:]')
   fi
   if ! [[ $nproc_run =~ ^[1-9][0-9]*$ ]]; then
@@ -162,8 +170,18 @@ main() {
   if [ "$code" -ne 0 ]; then
     signal=""
     if [ "$code" -gt 128 ]; then signal=", SIG$(kill -l $((code - 128)) 2>/dev/null || echo $((code - 128)))"; fi
+    # the last line the user sees, after torchrun's report: the failing rank's own one-line message
+    # (rank<R>.msg, written by the trainer: `config error: ...` or the failure report), else another rank's
+    if [ -n "$rank" ] && [ -s "$JETRL_EXIT_DIR/rank$rank.msg" ]; then
+      why=": $(head -n 1 "$JETRL_EXIT_DIR/rank$rank.msg")"
+    else
+      why="; its error is above"
+      for f in "$JETRL_EXIT_DIR"/rank*.msg; do
+        if [ -s "$f" ]; then why="; $(head -n 1 "$f")"; break; fi
+      done
+    fi
     if [ -n "$rank" ]; then
-      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc): rank $rank failed first (exit code $code$signal); its error is above" >&2
+      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc): rank $rank failed first (exit code $code$signal)$why" >&2
     else
       echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc); no rank recorded an exit code (torchrun's report above says why)" >&2
     fi

@@ -9,7 +9,8 @@ trainer's: each TP shard is quantized with the trainer's forward quantizer (the 
 stream as the live weight sync), so the output does not depend on the trainer's TP or PP.
 
 The output is built in <output>.partial-<pid> and renamed into place when complete; every file carries
-a sha256 in jetrl_manifest.json. Exit status: 0 done, 2 bad input or arguments (nothing written).
+a sha256 in jetrl_manifest.json. Exit status: 0 done, 2 bad input or arguments, or the output cannot be written
+(one line; nothing written).
 
 Example:
   python tools/convert_checkpoint.py runs/ckpt/iter_0000100 out/qwen3-fp8 --tokenizer-dir /models/Qwen3-8B --rollout-tp 2
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
                          progress=not args.quiet, verify_sha256=not args.skip_sha256)
     except (ConversionError, OutputExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: converting {args.checkpoint} to {args.output}: {e}", file=sys.stderr)
         return 2
     shards = [f for f in result.files if f.endswith(".safetensors")]
     print(f"wrote {result.output}: {result.num_tensors} tensors, {result.total_size / 2**20:.1f} MiB in {len(shards)} shard(s), "

@@ -6,7 +6,7 @@ One panel per metric (reward mean with a +-std band, response length, tokens/s, 
 the policy loss), every run overlaid in its own colour, labelled by run name, precision mode and TP. A metric a
 run never logged is left out of that run's line; a panel no run has says so.
 
-Exit status: 0 written, 2 no readable metrics in any run (nothing written).
+Exit status: 0 written, 2 no readable metrics in any run or the PNG cannot be written (one line, nothing written).
 
 Example:
   python tools/plot_run.py runs/sweep_tp1_bf16 runs/sweep_tp1_bf16-train-fp8-rollout runs/sweep_tp1_jetrl -o tp1.png
@@ -63,6 +63,15 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def reward_band(rows: list[dict], xs: list[int], ys: list[float]) -> tuple[list[float], list[float]]:
+    """The reward's mean +- std band at steps `xs`, clipped to [0, 1] (a reward is a pass rate: it never leaves it)."""
+    sx, sd = series(rows, "reward/std")
+    std = dict(zip(sx, sd))
+    lo = [max(0.0, y - std.get(x, 0.0)) for x, y in zip(xs, ys)]
+    hi = [min(1.0, y + std.get(x, 0.0)) for x, y in zip(xs, ys)]
+    return lo, hi
+
+
 def plot(run_dirs: list[str], output: str, title: str | None = None) -> list[str]:
     """Write the PNG; returns the runs left out (no metrics)."""
     import matplotlib
@@ -94,10 +103,7 @@ def plot(run_dirs: list[str], output: str, title: str | None = None) -> list[str
             (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, color=color, label=label)
             handles.setdefault(label, line)
             if key == "reward/mean":
-                sx, sd = series(rows, "reward/std")
-                std = dict(zip(sx, sd))
-                lo = [y - std.get(x, 0.0) for x, y in zip(xs, ys)]
-                hi = [y + std.get(x, 0.0) for x, y in zip(xs, ys)]
+                lo, hi = reward_band(rows, xs, ys)
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
             drawn = True
         ax.set_title(name, fontsize=10)
@@ -134,6 +140,9 @@ def main(argv=None) -> int:
         empty = plot(args.runs, args.output, args.title)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write {args.output}: {e}", file=sys.stderr)
         return 2
     for d in empty:
         print(f"warning: {d}: no metrics.jsonl rows, left out of the plot", file=sys.stderr)

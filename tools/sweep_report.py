@@ -15,7 +15,8 @@ run the sweep skipped (not enough devices) a row marked skipped, one the config 
 cannot be split into) a row marked invalid with the config's message: nothing is dropped.
 
 Prints the markdown table and writes <prefix>.md and <prefix>.csv (default prefix: <common parent of the
-runs>/sweep_report). Exit status: 0 table written, 1 with --strict when a run failed, 2 bad arguments.
+runs>/sweep_report). Exit status: 0 table written, 1 with --strict when a run failed, 2 bad arguments or the
+report cannot be written (one line). Unreadable run files (missing, truncated, corrupt) make that run a FAILED row.
 
 Example:
   python tools/sweep_report.py runs/sweep_tp1_bf16 runs/sweep_tp1_jetrl runs/sweep_tp2_bf16 runs/sweep_tp2_jetrl
@@ -137,7 +138,9 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     elif not rows:
         row.status, row.reason = "failed", "no metrics.jsonl rows"
     elif summary is None:
-        row.status, row.reason = "failed", "no summary.json (run did not finish)"
+        damaged = (d / "summary.json").exists()
+        row.status, row.reason = "failed", ("summary.json unreadable (truncated or corrupt)" if damaged
+                                            else "no summary.json (run did not finish)")
     timed = rows[warmup:] if len(rows) > warmup else rows
     row.steps_timed = len(timed)
     row.times = {p: _median(timed, f"time/{p}") for p in PHASES}
@@ -239,9 +242,13 @@ def main(argv=None) -> int:
         parents = [str(Path(d).resolve().parent) for d in args.runs]
         prefix = str(Path(os.path.commonpath(parents)) / "sweep_report")
     md, table_csv = to_markdown(rows), to_csv(rows)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    Path(prefix + ".md").write_text(md)
-    Path(prefix + ".csv").write_text(table_csv)
+    try:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        Path(prefix + ".md").write_text(md)
+        Path(prefix + ".csv").write_text(table_csv)
+    except OSError as e:
+        print(f"error: cannot write the report {prefix}.md/.csv: {e}", file=sys.stderr)
+        return 2
     print(md, end="")
     print(f"\nwrote {prefix}.md and {prefix}.csv")
     failed = [r for r in rows if r.status == "failed"]

@@ -16,7 +16,7 @@ Why not `TransformerConfig(fp8="e4m3", fp8_recipe="blockwise")` with the local s
 builds plain linears without a word (FP8 only exists through TE modules); tests prove FP8 is in this
 spec's forward.
 
-With `batch_invariant=True` every BF16 piece runs `megatron_jetrl.models.ops`, the functions the native
+With `batch_invariant=True` every BF16 piece runs `megatron_jetrl.models.batch_invariant_ops`, the functions the native
 rollout engine runs: the norms (`RMSNorm`), RoPE + causal attention (`BatchInvariantAttention`, built with
 GPTModel's own RoPE off), SwiGLU (`ops.silu`, set by the provider) and the BF16 lm_head
 (`BatchInvariantOutputLayer`); the log-softmax is `actor.logprobs`'. With BF16 params and the emulated
@@ -41,7 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear
-from megatron_jetrl.models import ops
+from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 
 
@@ -69,7 +69,7 @@ class RMSNorm(torch.nn.Module):
 
 class BatchInvariantAttention(torch.nn.Module):
     """Core attention of the batch-invariant spec: RoPE at positions 0..s-1, then causal softmax attention,
-    both `models.ops` (the engine's). GPTModel is built without its own RoPE for this spec (the provider
+    both `models.batch_invariant_ops` (the engine's). GPTModel is built without its own RoPE for this spec (the provider
     sets `position_embedding_type="none"`), so q/k arrive here after megatron's q/k norms, un-rotated.
     Megatron layout in and out: q `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`."""
 

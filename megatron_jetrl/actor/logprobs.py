@@ -6,14 +6,14 @@ tokens; HF's softmax has no such columns), then megatron's `vocab_parallel_cross
 max and sum-exp across TP ranks: log p(target) = -CE. Always FP32.
 
 A model built with `ActorOptions(batch_invariant=True)` takes the engine's log-softmax instead
-(`models.ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced).
+(`models.batch_invariant_ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_jetrl.models import ops
+from megatron_jetrl.models import batch_invariant_ops as ops
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -30,7 +30,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
 
 
 def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """`vocab_parallel_logprobs` with `models.ops.log_softmax`'s arithmetic (at TP1 its exact bits), differentiable."""
+    """`vocab_parallel_logprobs` with `models.batch_invariant_ops.log_softmax`'s arithmetic (at TP1 its exact bits), differentiable."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 

@@ -25,15 +25,18 @@ _OWNS_PROCESS_GROUP = False
 
 
 def _load_cpu_patch():
-    """Import the CPU patch module, from the repository's ``patches/`` if not importable."""
+    """Import the CPU patch module, from the repository's ``patches/`` if not importable, else from the copy an
+    installed package carries (``megatron_jetrl/_patches/``, pyproject.toml's package data)."""
     try:
         return importlib.import_module(_CPU_PATCH_MODULE)
     except ModuleNotFoundError:
         pass
-    path = Path(__file__).resolve().parents[2] / "patches" / "megatron_core_0_16_1_cpu.py"
-    if not path.is_file():
+    here = Path(__file__).resolve().parents[1]
+    tried = [here.parent / "patches" / "megatron_core_0_16_1_cpu.py", here / "_patches" / "megatron_core_0_16_1_cpu.py"]
+    path = next((p for p in tried if p.is_file()), None)
+    if path is None:
         raise ModuleNotFoundError(
-            f"megatron-core CPU patch not found (tried import {_CPU_PATCH_MODULE!r} and {path})"
+            f"megatron-core CPU patch not found (tried import {_CPU_PATCH_MODULE!r} and {', '.join(map(str, tried))})"
         )
     spec = importlib.util.spec_from_file_location(_CPU_PATCH_MODULE, path)
     module = importlib.util.module_from_spec(spec)

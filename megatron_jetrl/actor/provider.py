@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.fp8 import PrecisionFlow
-from megatron_jetrl.models import ops
+from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.mapping import padded_vocab_size
 
@@ -35,7 +35,7 @@ class ActorOptions:
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
     batch_invariant: bool = False
-    """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.ops` (the native
+    """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.batch_invariant_ops` (the native
     engine's functions). With BF16 params and the emulated FP8 backend the actor's logprobs then equal the
     engine's bit for bit (TP1). A slow reference path: meant for CPU runs and tests."""
 
@@ -113,7 +113,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        # the batch-invariant core attention applies RoPE itself (models.ops, as the engine does)
+        # the batch-invariant core attention applies RoPE itself (models.batch_invariant_ops, as the engine does)
         **({"position_embedding_type": "none"} if options.batch_invariant else rope_kwargs(arch)),
     )
     if options.batch_invariant:

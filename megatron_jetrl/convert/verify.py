@@ -14,6 +14,7 @@ plus 2^-8 |x| for a reference that is itself a BF16 rounding of FP32 master weig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -41,12 +42,15 @@ class HFCheckpoint:
         self.directory = Path(directory)
         if not (self.directory / "config.json").is_file():
             raise FileNotFoundError(f"{self.directory} has no config.json")
-        self.config = json.loads((self.directory / "config.json").read_text())
+        self.config = _json(self.directory / "config.json")
         index = self.directory / INDEX_NAME
         if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map mapping (damaged index)")
+            self.weight_map = weight_map
         elif (self.directory / "model.safetensors").is_file():
-            with safe_open(self.directory / "model.safetensors", framework="pt") as f:
+            with _open(self.directory / "model.safetensors") as f:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"{self.directory} has neither {INDEX_NAME} nor model.safetensors")
@@ -59,7 +63,7 @@ class HFCheckpoint:
             if not path.is_file():
                 problems.append(f"{file}: listed in the index but missing")
                 continue
-            with safe_open(path, framework="pt") as f:
+            with _open(path) as f:
                 for k in f.keys():
                     sl = f.get_slice(k)
                     out[k] = (sl.get_dtype(), tuple(sl.get_shape()))
@@ -71,8 +75,31 @@ class HFCheckpoint:
         return out, problems
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.directory / self.weight_map[name], framework="pt") as f:
+        with _open(self.directory / self.weight_map[name]) as f:
             return f.get_tensor(name)
+
+
+def _json(path: Path) -> dict:
+    """A JSON object file, or ValueError naming it (truncated, corrupt, not an object)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): truncated or corrupt") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object: corrupt")
+    return data
+
+
+@contextlib.contextmanager
+def _open(path: Path):
+    """safe_open, with an unreadable file (truncated, corrupt header or data) as a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): truncated or corrupt") from None
 
 
 @dataclass

@@ -12,7 +12,9 @@ TP, ...) are refused with a message that names the key and the fix.
     python -m megatron_jetrl.rl.config configs/models/qwen3-8b-base.yaml configs/modes/jetrl.yaml --print
 
 `--get` is the launchers' question on the machine that will run the ranks, so it also refuses what this machine
-cannot run (`run.device=cuda` without a visible GPU); a config checked alone is valid on any machine.
+or the run directory cannot run (`rl/preflight.py`: `run.device=cuda` without a visible GPU, `rollout.engine=vllm`
+without vLLM, a missing `model.path` or `data.path`, a changed hyper-parameter of a run that would resume, ...);
+a config checked alone is valid on any machine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.loss import PolicyLossConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+_CONFIGS = [Path(__file__).resolve().parents[2] / "configs", Path(__file__).resolve().parents[1] / "_configs"]
+DEFAULT_CONFIG = next((d / "tiny.yaml" for d in _CONFIGS if (d / "tiny.yaml").is_file()), _CONFIGS[0] / "tiny.yaml")
+"""configs/tiny.yaml of the repository, else the copy an installed package carries (pyproject.toml's package data)."""
 
 
 class ConfigError(ValueError):
@@ -55,6 +59,9 @@ class RunConfig:
     """GRPO steps."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept in `checkpoints/`: after each save the oldest beyond this many are deleted (the
+    newest complete one is always kept); 0: keep every one."""
     resume: str = "auto"
     """`auto`: continue from the newest complete checkpoint in out_dir if there is one; `never`: refuse to
     start when out_dir already holds checkpoints (pick another name or delete them)."""
@@ -70,6 +77,7 @@ class RunConfig:
     def __post_init__(self):
         _check(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
         _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         _check(0 < self.timeout_s < 1e7, f"run.timeout_s must be positive, got {self.timeout_s:g} (seconds, below 1e7)")
@@ -107,7 +115,7 @@ class ModelConfig:
     """`sentencepiece`: the embedded tokenizer, trained on the synthetic corpus at first run (tiny default);
     `hf`: the tokenizer in `path`."""
     batch_invariant: bool | None = None
-    """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.ops`, which
+    """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.batch_invariant_ops`, which
     makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
 
     def __post_init__(self):
@@ -391,7 +399,8 @@ def _coerce(value, hint, where: str):
     return value
 
 
-def _unknown(key: str, known, where: str) -> ConfigError:
+def _unknown(key, known, where: str) -> ConfigError:
+    key = str(key)  # YAML keys may be null, numbers, ...
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
     return ConfigError(f"unknown key {where}{key!r}{hint}")
@@ -480,25 +489,49 @@ def load_config(paths: str | Path | list | None = None, overrides: list[str] = (
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """`[CONFIG.yaml ...] [section.key=value ...]` -> (config paths, overrides)."""
+    """`[CONFIG.yaml ...] [section.key=value ...]` -> (config paths, overrides); an `--option` is refused with the
+    override it probably means (`--steps 10` -> run.steps=10)."""
     files = []
     for i, arg in enumerate(argv):
+        if arg.startswith("-"):
+            raise ConfigError(_option_hint(argv, i))
         if "=" in arg:
             return files, list(argv[i:])
         files.append(arg)
     return files, []
 
 
+def _option_hint(argv: list[str], i: int) -> str:
+    name, sep, value = argv[i].lstrip("-").partition("=")
+    if not sep and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+        value = argv[i + 1]
+    value = value or "VALUE"
+    if "." in name:
+        keys = [name]
+    else:
+        keys = [f"{section}.{g.name}" for section, cls in typing.get_type_hints(JetRLConfig).items()
+                for g in dataclasses.fields(cls) if g.name == name.replace("-", "_")]
+    example = " or ".join(f"{k}={value}" for k in keys) if keys else "run.steps=10"
+    return (f"{argv[i]!r} is not an option: settings are section.key=value overrides after the config files, e.g. {example} "
+            "(--help lists the sections; `python -m megatron_jetrl.rl.config --print` shows every key)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml ...] [section.key=value ...]")
-    parser.add_argument("--get", help="print one value, e.g. parallel.world_size (also refuses what this machine cannot run)")
+    parser.add_argument("--get", help="print one value, e.g. parallel.world_size (also refuses what this machine or the "
+                                      "run directory cannot run: rl/preflight.py)")
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
-    ns = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns, unknown = parser.parse_known_args(argv)
     try:
+        if unknown:
+            raise ConfigError(_option_hint(argv, argv.index(unknown[0])))
         cfg = load_config(*split_args(ns.args))
         if ns.get:  # the launchers' question before they start the ranks here: can this machine run it?
-            cfg.run.device_type()
+            from megatron_jetrl.rl.preflight import check
+
+            check(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -515,4 +548,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_jetrl.rl import config  # the imported module: its ConfigError is the one rl/preflight.py raises
+
+    sys.exit(config.main())

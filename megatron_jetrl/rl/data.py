@@ -69,7 +69,7 @@ LAYOUTS = {
 SUFFIXES = (".jsonl", ".parquet")
 
 
-def _files(path: str | Path) -> list[Path]:
+def data_files(path: str | Path) -> list[Path]:
     """`path` itself, or the sorted `.jsonl`/`.parquet` files of a directory."""
     p = Path(path)
     if p.is_dir():
@@ -146,7 +146,7 @@ def _load(source: str, path: str | Path, question_col: str, answer_col: str, fin
     """Rows of every file under `path` -> Problems; `final_answer(cell) -> str | None` reads the gold."""
     layout = LAYOUTS[source]
     problems = []
-    for file in _files(path):
+    for file in data_files(path):
         rows = _parquet_rows if file.suffix == ".parquet" else _jsonl_rows
         for row, cells in rows(file, (question_col, answer_col), layout):
             question = _text(cells[question_col], file, row, question_col, layout)

@@ -40,6 +40,8 @@ METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PHASES = ("rollout", "eval", "update", "sync", "step")
 """Per-phase step times, keys `time/<phase>` in seconds; `step` is the whole step."""
+REWARD_WINDOW = 10
+"""Steps averaged at each end of a run for the headline reward (summary.json, format_summary)."""
 
 METRIC_KEYS = (
     "reward/mean", "reward/std", "response_length/mean",
@@ -267,6 +269,14 @@ def _first_last(rows: list[Mapping], key: str) -> tuple[float | None, float | No
     return (vals[0], vals[-1]) if vals else (None, None)
 
 
+def _window_means(rows: list[Mapping], key: str, window: int) -> dict:
+    """{"first", "last": mean of the first / last `window` logged values, "window": values in each} (a single
+    step of a noisy metric says little)."""
+    vals = _values(rows, key)
+    n = min(window, len(vals))
+    return {"first": _mean(vals[:n]), "last": _mean(vals[-n:]) if n else None, "window": n}
+
+
 def _mean(vals: list[float]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
@@ -281,12 +291,12 @@ def _constant(rows: list[Mapping], key: str):
 def summarize(rows: list[Mapping]) -> dict:
     """The `summary.json` of a run from its metrics rows (None where a metric was never logged).
 
-    {"steps", "mode", "tp", "pp", "dp", "reward": {"first", "last"}, "response_length": {"first", "last"},
+    {"steps", "mode", "tp", "pp", "dp", "reward": {"first", "last", "window"} (means of the first / last
+     `window` = min(10, steps) steps), "response_length": {"first", "last"} (single steps),
      "mismatch": {"mean_abs_diff": mean, "k3_kl": mean, "max_abs_diff": max}, "time": {phase: mean seconds},
      "throughput_tokens_per_s": mean}
     """
     rows = list(rows)
-    reward = _first_last(rows, "reward/mean")
     length = _first_last(rows, "response_length/mean")
     max_abs = _values(rows, "mismatch/max_abs_diff")
     return {
@@ -295,7 +305,7 @@ def summarize(rows: list[Mapping]) -> dict:
         "tp": _constant(rows, "tp"),
         "pp": _constant(rows, "pp"),
         "dp": _constant(rows, "dp"),
-        "reward": {"first": reward[0], "last": reward[1]},
+        "reward": _window_means(rows, "reward/mean", REWARD_WINDOW),
         "response_length": {"first": length[0], "last": length[1]},
         "mismatch": {
             "mean_abs_diff": _mean(_values(rows, "mismatch/mean_abs_diff")),
@@ -312,10 +322,11 @@ def _fmt(value: float | None, spec: str = ".4g", unit: str = "") -> str:
 
 
 def format_summary(rows: list[Mapping]) -> str:
-    """A short human table of a run: reward first -> last, response length, mismatch, mean per-phase times.
+    """A short human table of a run: reward (mean of the first -> last 10 steps), response length, mismatch, mean
+    per-phase times.
 
     GRPO run: 3 steps, mode jetrl, TP 2 PP 1 DP 1
-      reward           0.25 -> 0.5
+      reward           0.25 -> 0.5  (mean of the first -> last 3 steps)
       response length  12 -> 10.5
       mismatch         mean |logp diff| 0, k3 KL 0, max |logp diff| 0
       time/step (s)    rollout 1.2 | eval 0.1 | update 0.8 | sync 0.05 | total 2.15  (mean of 3 steps)
@@ -334,7 +345,8 @@ def format_summary(rows: list[Mapping]) -> str:
     times = " | ".join(f"{'total' if p == 'step' else p} {_fmt(s['time'][p], '.3g')}" for p in PHASES)
     lines = [
         head,
-        f"  reward           {_fmt(s['reward']['first'])} -> {_fmt(s['reward']['last'])}",
+        f"  reward           {_fmt(s['reward']['first'])} -> {_fmt(s['reward']['last'])}  "
+        f"(mean of the first -> last {s['reward']['window']} step{'s' if s['reward']['window'] != 1 else ''})",
         f"  response length  {_fmt(s['response_length']['first'])} -> {_fmt(s['response_length']['last'])}",
         f"  mismatch         mean |logp diff| {_fmt(m['mean_abs_diff'])}, k3 KL {_fmt(m['k3_kl'])}, "
         f"max |logp diff| {_fmt(m['max_abs_diff'])}",

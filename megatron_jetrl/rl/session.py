@@ -29,9 +29,9 @@ from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.data import ArithmeticTask, MultiplicationTraceTask, PromptSampler, load_problems
+from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint
 from megatron_jetrl.rollout.native import expected_tensors
 
-STATE_FILE = "trainer_state.json"
 SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
 ARITHMETIC_PROBLEMS = 4096  # GRPO prompts of the arithmetic task
 
@@ -145,7 +145,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":
         flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
     tokenizer = _tokenizer(cfg, arch)
-    if cfg.data.source in ("arithmetic", "multiplication_trace"):
+    if cfg.data.source in cfg.data.GENERATED:
         problems = generated_task(cfg).problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed)
     else:
         problems = load_problems(cfg.data.source, cfg.data.path)
@@ -181,18 +181,26 @@ def checkpoint_root(cfg: JetRLConfig) -> Path:
 
 def latest_checkpoint(cfg: JetRLConfig) -> Path | None:
     """The newest complete checkpoint (has its trainer_state.json), or None."""
-    root = checkpoint_root(cfg)
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial") and (p / STATE_FILE).is_file())
-    return done[-1] if done else None
+    return newest_checkpoint(checkpoint_root(cfg))
+
+
+def write_config(cfg: JetRLConfig) -> None:
+    """`<run directory>/config.yaml`: the resolved config of the run (written once every check has passed)."""
+    import yaml
+
+    cfg.run.directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(cfg.run.directory / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
 
 def check_output_space(cfg: JetRLConfig) -> None:
-    """Before any work: this rank can create files in `checkpoints/`, and its file system has room for one more
-    checkpoint the size of the newest (ConfigError otherwise: a run that cannot save would lose its steps)."""
+    """Before any work: this rank can create files in `checkpoints/` (probed there, or in the nearest directory
+    above it that exists: nothing is created, so a run that fails early leaves no empty `checkpoints/`), and its
+    file system has room for one more checkpoint the size of the newest (ConfigError otherwise: a run that cannot
+    save would lose its steps)."""
     root = checkpoint_root(cfg)
-    probe = root / f".write-probe-{dist.get_rank()}-{os.getpid()}"
+    where = next(p for p in (root, *root.parents) if p.exists())
+    probe = where / f".write-probe-{dist.get_rank()}-{os.getpid()}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"probe")
         probe.unlink()
     except OSError as e:
@@ -200,7 +208,7 @@ def check_output_space(cfg: JetRLConfig) -> None:
                           "directory this user can write") from None
     newest = latest_checkpoint(cfg)
     need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
-    free = shutil.disk_usage(root).free
+    free = shutil.disk_usage(where).free
     if need > free:
         raise ConfigError(f"{root} has {free / 2**20:.1f} MiB free but a checkpoint takes {need / 2**20:.1f} MiB "
                           f"({newest.name}): free space there or set run.out_dir to a larger disk")
@@ -227,8 +235,19 @@ def save(s: Session, step: int, warmup_done: bool) -> Path:
         atomic_write_bytes(staging / STATE_FILE, json.dumps(state, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        prune_checkpoints(root, s.cfg.run.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep` (0: keep all); the deleted ones. Unfinished
+    `.partial` directories and the newest complete checkpoint are never touched."""
+    done = complete_checkpoints(root)
+    old = done[:-keep] if keep and len(done) > keep else []
+    for p in old:
+        shutil.rmtree(p)
+    return old
 
 
 def resume(s: Session) -> dict | None:
@@ -265,8 +284,12 @@ def export(s: Session, ckpt: Path, out: Path | None = None) -> Path:
     from megatron_jetrl.convert.converter import convert
 
     out = out or s.cfg.run.directory / "export"
-    if s.is_main:
+    if s.is_main:  # with the tokenizer: a usable HF model directory
         dtype = "fp8" if s.flow.rollout_fp8 else "bf16"
-        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True)
+        tokenizer = s.cfg.model.path
+        if s.cfg.model.tokenizer != "hf":  # the embedded one: tokenizer.model + its tokenizer_config.json
+            tokenizer = s.cfg.run.directory
+            atomic_write_bytes(tokenizer / "tokenizer_config.json", json.dumps(s.tokenizer.hf_config(), indent=1).encode())
+        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True, tokenizer_dir=tokenizer)
     dist.barrier()
     return out

@@ -130,6 +130,14 @@ class SentencePieceTokenizer:
         atomic_write_bytes(out_path, train_sentencepiece_bytes(lines, vocab_size))
         return cls(out_path)
 
+    def hf_config(self) -> dict:
+        """tokenizer_config.json that makes the directory of this model file a Hugging Face tokenizer: transformers'
+        `LlamaTokenizer` reads the same file and encodes like `encode` (no BOS/EOS, no dummy prefix; tested)."""
+        sp = self.sp
+        return {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
+                "add_prefix_space": False, "bos_token": sp.id_to_piece(self.bos_id), "eos_token": sp.id_to_piece(self.eos_id),
+                "unk_token": sp.id_to_piece(sp.unk_id()), "pad_token": sp.id_to_piece(self.pad_id)}
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 

@@ -1,5 +1,8 @@
-"""GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml] [section.key=value ...]`
-(one process per rank; `bash launch/train_grpo.sh` starts torchrun for you).
+"""GRPO with the Jet-RL precision flow: `python -m megatron_jetrl.rl.train [CONFIG.yaml ...] [section.key=value ...]`
+(one process per rank; `bash launch/train_grpo.sh` starts torchrun for you). Config files compose left to right
+(default configs/tiny.yaml), then the overrides, e.g. `run.steps=10 optim.lr=1e-4`; `python -m
+megatron_jetrl.rl.config ARGS --print` shows every key. A run that is started again resumes from its newest
+checkpoint (rl/run_state.py: already complete, or resumed with the changes it may take).
 
 Each step: rollout (native FP8 engines on rank 0, or vLLM on every rank) -> rewards -> group advantages -> old/ref logprobs (actor) ->
 update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> checkpoint.
@@ -9,17 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from megatron_jetrl.actor.logprobs import compute_logprobs
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
-from megatron_jetrl.rl import faults
+from megatron_jetrl.rl import faults, preflight
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
@@ -28,6 +31,7 @@ from megatron_jetrl.rl.loss import policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
+from megatron_jetrl.rl.warmup import warm_start
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 
@@ -43,17 +47,28 @@ class Phases(dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip())
+        return 0
     try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
-        cfg = load_config(*split_args(sys.argv[1:] if argv is None else argv))
+        cfg = load_config(*split_args(args))
+        previous = preflight.check(cfg)  # machine, inputs and run directory, before anything is written or started
+        if previous is not None and previous.complete(cfg):
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(previous.complete_message(cfg))
+            return 0
         sess.init_distributed(cfg)
-        faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase; JETRL_FAULT injection for tests
+        faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase
         s = sess.build_session(cfg)
-        if s.is_main:
-            cfg.run.directory.mkdir(parents=True, exist_ok=True)
-            (cfg.run.directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         state = sess.resume(s)
+        if s.is_main:  # only now: a refused run leaves its directory as it was
+            sess.write_config(cfg)
+            if previous is not None:
+                print(previous.resume_message(cfg), file=sys.stderr)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        faults.record_failure(f"config error: {e}")
         return 2
     start = state["step"] if state else 0
     if state is None:
@@ -94,51 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(rows))
     dist.barrier()
     return 0
-
-
-def warm_start(s) -> None:
-    """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
-    w = s.cfg.warmup
-    if w.steps == 0:
-        return
-    from megatron.core import parallel_state as ps
-
-    pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
-    tok = s.tokenizer
-    seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    groups = s.optimizer.param_groups
-    lrs = [g["lr"] for g in groups]
-    for g in groups:
-        g["lr"] = w.lr
-    bar = progress(w.steps, "warm-start (SFT)", enabled=s.is_main)
-    for i in range(w.steps):
-        chunk = seqs[i * w.batch_size : (i + 1) * w.batch_size]
-        per_rank = w.batch_size // dp
-        tokens, mask = sft_tensors(chunk[rank * per_rank : (rank + 1) * per_rank], tok.pad_id)
-        tokens, mask = tokens.to(s.device), mask.to(s.device)  # the actor is on the GPU in a CUDA run
-        out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
-                         micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
-                         on_nonfinite="raise")
-        bar.update(1, loss=f"{out.get('loss', float('nan')):.3f}")
-    bar.close()
-    for g, lr in zip(groups, lrs):
-        g["lr"] = lr
-
-
-def sft_tensors(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) + len(a) for p, a in pairs)
-    tokens = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(pairs), width - 1)
-    for i, (p, a) in enumerate(pairs):
-        tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, len(p) - 1 : len(p) + len(a) - 1] = 1.0
-    return tokens, mask
-
-
-def sft_loss(logprobs: torch.Tensor, extras: dict):
-    mask = extras["mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {}
 
 
 def rollout(s, step: int) -> RolloutBatch:

@@ -8,7 +8,7 @@ dequantized or re-quantized here. On CUDA, decode steps replay as CUDA graphs (`
 
 Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Llama-3 (llama3 rope scaling) share one forward.
 Sequences are right-padded; each row has its own KV-cache length and positions. With
-`batch_invariant=True` (default) every BF16 piece uses `megatron_jetrl.models.ops`, and the FP8 GEMM's
+`batch_invariant=True` (default) every BF16 piece uses `megatron_jetrl.models.batch_invariant_ops`, and the FP8 GEMM's
 emulated backend is batch invariant by construction, so on CPU a token's logprob is the same bits in
 prefill, in KV-cache decode, in teacher-forced `score()`, and whatever its batch neighbours are.
 """
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward, scale_shape
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
-from megatron_jetrl.models import ops
+from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.decode_graphs import DecodeGraphs
 from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator

@@ -55,21 +55,23 @@ class EngineConformanceError(RuntimeError):
 
 # ---- availability and environment -------------------------------------------------------------------
 
-def vllm_problem() -> str | None:
-    """Why `rollout.engine=vllm` cannot run here (None: it can), without importing vLLM."""
+def vllm_problem(device: str) -> str | None:
+    """Why `rollout.engine=vllm` cannot run on `device` ('cuda' or 'cpu'; None: it can), without importing vLLM."""
     import importlib.metadata
     import importlib.util
 
+    if device != "cuda":
+        return (f"rollout.engine=vllm needs a CUDA GPU and this run is on the {device}: set rollout.engine=native, "
+                f"or run on a GPU node with vLLM ({INSTALL})")
     if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed: {INSTALL} (GPU machines; the native engine runs everywhere)"
+        return f"rollout.engine=vllm but vLLM is not installed in this environment: {INSTALL}, or set rollout.engine=native"
     try:
         found = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        found = "unknown"
+        found = "unknown (no package metadata)"
     if found != VLLM_VERSION:
-        return f"vLLM {found} is installed but megatron-jetrl pins {VLLM_VERSION} (its API and numerics were checked): {INSTALL}"
-    if not torch.cuda.is_available():
-        return "rollout.engine=vllm needs a CUDA GPU; use rollout.engine=native on this machine"
+        return (f"rollout.engine=vllm needs vLLM {VLLM_VERSION} (the version its engine is written against), "
+                f"found {found}: {INSTALL}, or set rollout.engine=native")
     return None
 
 
@@ -400,7 +402,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
     def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None, **llm_extra):
-        problem = vllm_problem()
+        problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
         pin_environment(engine_env(flow, env))

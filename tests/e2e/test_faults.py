@@ -6,8 +6,8 @@ Two kinds of test:
 * multi-process (`slow`, about 3-4 minutes together on 2 cores): `launch/train_grpo.sh` on the tiny config, with
   ranks killed (`kill -9`) or frozen (SIGSTOP) mid-step, killed while writing a checkpoint, a full disk (a
   tmpfs in a user namespace), a read-only checkpoint directory, NaN/Inf rewards and gradients, a dying engine.
-  Faults are armed with `JETRL_FAULT` (megatron_jetrl/rl/faults.py); the trainer runs as
-  `python -m megatron_jetrl.rl.faults`, which is rl/train.py with `faults.watch(cfg)` called after
+  Faults are armed with `JETRL_FAULT` (megatron_jetrl/rl/fault_injection.py); the trainer runs as
+  `python -m megatron_jetrl.rl.fault_injection`, which is rl/train.py with `faults.watch(cfg)` called after
   `init_distributed` -- the one line rl/train.py is to call itself.
 
 Tests marked xfail(strict=True) are defects found here (RELIABILITY.md, "open defects"): each turns into a
@@ -48,8 +48,8 @@ INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 
 @pytest.fixture(scope="session")
 def trainer() -> str:
-    """The trainer module the runs use: rl/train.py with faults.watch(cfg) in place (rl/faults.py main)."""
-    return "megatron_jetrl.rl.faults"
+    """The trainer module the runs use: rl/train.py with faults.watch(cfg) in place and JETRL_FAULT armed (rl/fault_injection.py main)."""
+    return "megatron_jetrl.rl.fault_injection"
 
 
 def env_for(trainer: str | None = None, **extra) -> dict:
@@ -616,7 +616,7 @@ def _tokens(cfg, batch=4, seq=12):
 
 
 def _loss(poison: str | None):
-    from megatron_jetrl.rl.faults import PoisonGrad
+    from megatron_jetrl.rl.fault_injection import PoisonGrad
 
     def loss_fn(logprobs, extras):
         if poison == "grad":
@@ -805,7 +805,7 @@ def test_malformed_engine_output_is_refused(one_rank, tmp_path, case):
 
 
 def test_fault_spec_parsing():
-    from megatron_jetrl.rl.faults import FaultSpecError, parse
+    from megatron_jetrl.rl.fault_injection import FaultSpecError, parse
 
     faults = parse("kill@update:step=1:rank=1, nan@reward,die@engine:step=0")
     assert [str(f) for f in faults] == ["kill@update:step=1:rank=1", "nan@reward", "die@engine:step=0"]

@@ -156,26 +156,32 @@ ROWS = [
 def test_summarize():
     s = summarize(ROWS)
     assert s["steps"] == 2 and s["mode"] == "jetrl" and (s["tp"], s["pp"], s["dp"]) == (2, 1, 1)
-    assert s["reward"] == {"first": 0.25, "last": 0.5}
+    assert s["reward"] == {"first": 0.375, "last": 0.375, "window": 2}  # means of the first / last min(10, steps)
     assert s["response_length"] == {"first": 12.0, "last": 9.0}
     assert s["mismatch"] == {"mean_abs_diff": 0.001, "k3_kl": 5e-7, "max_abs_diff": 0.02}
     assert s["time"] == pytest.approx({"rollout": 1.5, "eval": 0.3, "update": 0.7, "sync": 0.1, "step": 2.6})
     assert s["throughput_tokens_per_s"] == 320.0
     empty = summarize([{"step": 0, "reward/mean": None}])
-    assert empty["reward"] == {"first": None, "last": None} and empty["time"]["step"] is None
+    assert empty["reward"] == {"first": None, "last": None, "window": 0} and empty["time"]["step"] is None
+
+
+def test_headline_reward_is_a_mean_over_the_first_and_last_10_steps():
+    rows = [{"step": i, "reward/mean": i / 100} for i in range(30)]
+    assert summarize(rows)["reward"] == pytest.approx({"first": 0.045, "last": 0.245, "window": 10})
+    assert "  reward           0.045 -> 0.245  (mean of the first -> last 10 steps)" in format_summary(rows).splitlines()
 
 
 def test_format_summary():
     assert format_summary(ROWS) == "\n".join([
         "GRPO run: 2 steps, mode jetrl, TP 2 PP 1 DP 1",
-        "  reward           0.25 -> 0.5",
+        "  reward           0.375 -> 0.375  (mean of the first -> last 2 steps)",
         "  response length  12 -> 9",
         "  mismatch         mean |logp diff| 0.001, k3 KL 5e-07, max |logp diff| 0.02",
         "  time/step (s)    rollout 1.5 | eval 0.3 | update 0.7 | sync 0.1 | total 2.6  (mean of 2 steps)",
         "  throughput       320 tokens/s",
     ])
     assert format_summary([]) == "GRPO run: no steps logged"
-    assert "reward           n/a -> n/a" in format_summary([{"step": 0}])
+    assert "reward           n/a -> n/a  (mean of the first -> last 0 steps)" in format_summary([{"step": 0}])
 
 
 class _Tty(io.StringIO):
@@ -317,3 +323,9 @@ def test_tools_run_as_scripts(sweep, tmp_path):
     for tool in ("sweep_report.py", "plot_run.py"):
         r = subprocess.run([sys.executable, str(REPO / "tools" / tool), "--help"], capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
+
+
+def test_reward_band_stays_within_0_and_1():
+    rows = [{"step": 0, "reward/mean": 0.9, "reward/std": 0.3}, {"step": 1, "reward/mean": 0.1, "reward/std": 0.3}]
+    lo, hi = plot_run.reward_band(rows, [0, 1], [0.9, 0.1])
+    assert lo == pytest.approx([0.6, 0.0]) and hi == pytest.approx([1.0, 0.4])

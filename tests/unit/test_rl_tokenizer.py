@@ -135,3 +135,18 @@ def test_hf_tokenizer_falls_back_to_the_tokenizer_eos(tmp_path):
     assert hf.eos_ids == (2,) and hf.eos_id == 2
     with pytest.raises(ValueError, match="not a directory"):
         HFTokenizer(tmp_path / "missing")
+
+
+def test_the_embedded_tokenizer_is_an_hf_tokenizer_directory(tok, tmp_path):
+    """What the trainer puts next to tokenizer.model (and so into export/): transformers loads it and encodes the same."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copy(tok.path, tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok.hf_config()))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    for text in CORPUS[:50] + ["Hello world  x\tz\n1+2=3", " leading space"]:
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text), text
+    assert (hf.eos_token_id, hf.pad_token_id, len(hf)) == (tok.eos_id, tok.pad_id, tok.vocab_size)

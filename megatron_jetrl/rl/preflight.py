@@ -1,0 +1,112 @@
+"""What a valid config still needs of this machine and of its run directory, checked in seconds before anything
+is written or started: by the launchers' question (`python -m megatron_jetrl.rl.config ARGS --get KEY`, before
+torchrun) and by the trainer (`rl/train.py`, before the process group).
+
+`check(cfg)` refuses with a ConfigError naming the key and the fix:
+
+* the machine: `run.device=cuda` without a GPU, or fewer GPUs than ranks on this node; `rollout.engine=vllm` without CUDA, without vLLM, or with a
+  vLLM of another version than `rollout.vllm_engine.VLLM_VERSION` (found with importlib, vLLM is never
+  imported here); an FP8 GEMM `precision.backend` this machine does not have;
+* the inputs: a `model.path` that is missing, has no config.json, is of a family megatron-jetrl does not
+  support, has no safetensors weights, or lacks the tokenizer `model.tokenizer=hf` reads; a `data.path`
+  that is missing or holds no jsonl/parquet file;
+* the run directory (`run_state.previous_run`): a checkpoint of another model/precision, `run.resume=never`,
+  or a changed hyper-parameter of a run that would resume.
+
+It returns the run it would resume (`run_state.PreviousRun`, or None for a fresh run); the trainer says what
+that means (already complete, or resuming with the changes it applies).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def check(cfg: JetRLConfig):
+    """Every machine, input and run-directory check (ConfigError on the first problem); the previous run or None."""
+    from megatron_jetrl.rl.run_state import previous_run
+
+    device = cfg.run.device_type()
+    check_gpus(device)
+    check_vllm(cfg, device)
+    check_backend(cfg, device)
+    check_model_path(cfg)
+    check_data(cfg)
+    return previous_run(cfg)
+
+
+def check_gpus(device: str) -> None:
+    """A CUDA rank needs a GPU of its own on its node (LOCAL_WORLD_SIZE: torchrun's processes on this node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if device != "cuda" or not local:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if local > have:
+        raise ConfigError(f"{local} processes on this node but {have} visible GPU(s): each CUDA rank needs its own; lower "
+                          "parallel.tp * parallel.dp, spread the run over more nodes, or check CUDA_VISIBLE_DEVICES")
+
+
+def check_vllm(cfg: JetRLConfig, device: str) -> None:
+    from megatron_jetrl.rollout.vllm_engine import vllm_problem
+
+    problem = vllm_problem(device) if cfg.rollout.engine == "vllm" else None
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_backend(cfg: JetRLConfig, device: str) -> None:
+    flow = cfg.precision
+    if flow.mode == "bf16" or flow.backend in ("auto", "emulated"):
+        return
+    import torch
+
+    from megatron_jetrl.fp8.gemm import available_backends
+
+    have = available_backends(torch.device(device))
+    if flow.backend not in have:
+        raise ConfigError(f"precision.backend={flow.backend!r} is not available on this machine's {device} (available: "
+                          f"{', '.join(have)}): set precision.backend=auto")
+
+
+def check_model_path(cfg: JetRLConfig) -> None:
+    m = cfg.model
+    if not m.path:
+        return
+    path = Path(m.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path={m.path!r} does not exist or is not a directory: point it at a local HF model "
+                          "directory (config.json, *.safetensors, tokenizer files), e.g. one `huggingface-cli download` made")
+    try:
+        disk = m.path_config()
+    except (ValueError, OSError) as e:  # ConfigError (no config.json) is a ValueError too
+        raise ConfigError(str(e) if isinstance(e, ConfigError) else f"model.path: {path}/config.json is unreadable ({e})") from None
+    from megatron_jetrl.models.arch import FAMILIES
+
+    if disk.get("model_type") not in FAMILIES:
+        raise ConfigError(f"model.path={m.path!r} holds a {disk.get('model_type')!r} model; megatron-jetrl supports "
+                          f"model_type {sorted(FAMILIES)} (Qwen2/Qwen2.5, Qwen3, Llama-3): point model.path at one of those")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"model.path={m.path!r} has no *.safetensors weights: download the model's safetensors "
+                          "(or drop model.path for a random init from model.hf_config)")
+    m.check_path_matches()
+    if m.tokenizer == "hf" and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.tokenizer=hf but model.path={m.path!r} holds none of {list(TOKENIZER_FILES)}: "
+                          "add the model's tokenizer files, or set model.tokenizer=sentencepiece")
+
+
+def check_data(cfg: JetRLConfig) -> None:
+    if cfg.data.source in cfg.data.GENERATED:
+        return
+    from megatron_jetrl.rl.data import data_files
+
+    try:
+        data_files(cfg.data.path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.path (data.source={cfg.data.source}): {e}") from None

@@ -1,0 +1,126 @@
+"""The run a config would continue, read from its run directory before anything is written.
+
+A run directory's newest complete checkpoint (`checkpoints/step_XXXXXX/trainer_state.json`) holds the step and
+the config it was trained with. Started again with the same `run.name`, the run resumes there, and:
+
+* if it already reached `run.steps` it is complete: the trainer says so, where the results are and how to
+  train further (raise `run.steps`) or start anew (another `run.name`), and trains nothing;
+* settings that do not change what is learnt may change on resume and are applied, each said in one line
+  (`APPLIED_ON_RESUME`: the length of the run, checkpointing, export, device, timeouts, parallel layout and
+  rollout plumbing);
+* any other change (a hyper-parameter such as `optim.lr`, the data, the loss, the model, the precision) is
+  refused naming every changed key: a resumed run keeps the hyper-parameters it was trained with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+
+STATE_FILE = "trainer_state.json"
+APPLIED_ON_RESUME = frozenset({
+    "run.steps", "run.save_every", "run.keep_checkpoints", "run.export", "run.device", "run.timeout_s", "run.on_nonfinite",
+    "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
+    "rollout.gpu_memory_utilization", "grpo.micro_batch_size",
+})
+"""Keys a resumed run may change (applied, and said); every other changed key is refused."""
+IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})
+"""Keys that name the run directory or the resume policy itself: not compared."""
+
+
+@dataclass(frozen=True)
+class PreviousRun:
+    """The newest complete checkpoint of a run directory and what this config changes of its settings."""
+
+    directory: Path
+    checkpoint: Path
+    step: int
+    changes: dict  # "section.key" -> (old, new), every one of them in APPLIED_ON_RESUME
+
+    def complete(self, cfg: JetRLConfig) -> bool:
+        """Reached run.steps and wrote its summary (a run stopped during its export resumes to finish it)."""
+        return self.step >= cfg.run.steps and (self.directory / "summary.json").is_file()
+
+    def complete_message(self, cfg: JetRLConfig) -> str:
+        d = self.directory
+        return (f"{d} is already complete at step {self.step} (run.steps={cfg.run.steps}); nothing to train. Results: "
+                f"{d / 'summary.json'}, {d / 'metrics.jsonl'}, {d / 'export'}. To train further, raise run.steps "
+                f"(e.g. run.steps={self.step + cfg.run.steps}: it resumes at step {self.step}); for a new run, set another "
+                f"run.name (e.g. run.name={d.name}-2)")
+
+    def resume_message(self, cfg: JetRLConfig) -> str:
+        line = f"resuming {self.directory} at step {self.step} of {cfg.run.steps} ({self.checkpoint.name})"
+        if self.changes:
+            line += "; applied: " + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in sorted(self.changes.items()))
+        return line
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete `step_XXXXXX` directories under `root` (they have their trainer_state.json), oldest first."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial") and (p / STATE_FILE).is_file())
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def _flat(config: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def _defaults() -> dict:
+    """{"section.key": default} of every field."""
+    out = {}
+    for f in dataclasses.fields(JetRLConfig):
+        section = f.default_factory()
+        for g in dataclasses.fields(section):
+            value = getattr(section, g.name)
+            if g.init:
+                out[f"{f.name}.{g.name}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def changed_keys(saved: dict, cfg: JetRLConfig) -> dict:
+    """{"section.key": (saved value, this config's value)} for every compared key that differs (a key the saved
+    config lacks, e.g. one added since, counts as its default)."""
+    old, new = _flat(saved), _flat(cfg.to_dict())
+    defaults = _defaults()
+    return {k: (old.get(k, defaults.get(k)), v) for k, v in new.items()
+            if k not in IGNORED and old.get(k, defaults.get(k)) != v}
+
+
+def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
+    """The run `cfg` would resume, or None (a fresh run; also when the newest trainer state is unreadable: the
+    resume itself then refuses it, naming the file). ConfigError for a change a resumed run cannot take."""
+    ckpt = newest_checkpoint(cfg.run.directory / "checkpoints")
+    if ckpt is None:
+        return None
+    if cfg.run.resume == "never":
+        raise ConfigError(f"{cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
+                          "choose another run.name / run.out_dir, or delete them")
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        step, saved = int(state["step"]), state["config"]
+        if not isinstance(saved, dict):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    changes = changed_keys(saved, cfg)
+    identity = sorted(k for k in changes if k.split(".")[0] in ("model", "precision"))
+    if identity:
+        raise ConfigError(f"{ckpt} was written by a run with another model or precision section ({', '.join(identity)}); "
+                          f"resume with the same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)")
+    refused = {k: v for k, v in changes.items() if k not in APPLIED_ON_RESUME}
+    if refused:
+        what = "; ".join(f"{k}: trained with {old!r}, now {new!r}" for k, (old, new) in sorted(refused.items()))
+        raise ConfigError(f"{cfg.run.directory} (step {step}) would resume with changed hyper-parameters ({what}): a resumed "
+                          f"run keeps its own; drop the override(s), or start a new run with another run.name "
+                          f"(e.g. run.name={cfg.run.directory.name}-2)")
+    return PreviousRun(cfg.run.directory, ckpt, step, changes)

@@ -1,0 +1,79 @@
+"""What a new user types first: --help, an --option instead of an override, a GPU script on a CPU box; and the
+layout the next engineer reads (no import circle between the trainer and the fault watch)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_jetrl.rl import config, train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_train_help_is_real_help(capsys):
+    assert train.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[CONFIG.yaml ...] [section.key=value ...]" in out and "run.steps=10" in out and "--print" in out
+
+
+@pytest.mark.parametrize("args", [["--steps", "10"], ["configs/tiny.yaml", "--steps=10"]])
+def test_an_option_gets_the_override_it_means(args, capsys):
+    assert train.main(args) == 2
+    assert "is not an option: settings are section.key=value overrides after the config files, e.g. run.steps=10 or " \
+           "warmup.steps=10" in capsys.readouterr().err
+    assert config.main([*args, "--get", "parallel.world_size"]) == 2
+    assert "e.g. run.steps=10" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warnings are kept on GPU machines")
+def test_no_apex_or_te_warnings_on_cpu():
+    r = subprocess.run([sys.executable, "-c", "import megatron_jetrl.rl.train, megatron_jetrl.actor.provider"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "not installed" not in r.stderr and "deprecated" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("python", ["no torch", "no gpu"])
+def test_run_gpu_tests_says_it_needs_a_gpu(tmp_path, python):
+    """With a python3 that lacks torch (`-S`: no site-packages) or has it without CUDA: the script's own message."""
+    if python == "no gpu" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {'-S' if python == 'no torch' else ''} \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(REPO / "tools/run_gpu_tests.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "No module named" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("tools/run_gpu_tests.sh needs a CUDA GPU"), r.stderr
+
+
+def imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return names
+
+
+def test_the_fault_watch_does_not_import_the_trainer_or_the_injection():
+    rl = REPO / "megatron_jetrl" / "rl"
+    watch = imports(rl / "faults.py")
+    assert not {n for n in watch if "rl.train" in n or "fault_injection" in n}, watch
+    assert not {n for p in rl.glob("*.py") if p.name != "fault_injection.py" for n in imports(p) if "fault_injection" in n}
+    assert len((rl / "faults.py").read_text().splitlines()) < 300
+
+
+def test_batch_invariant_ops_are_named_so():
+    assert not (REPO / "megatron_jetrl/models/ops.py").exists()
+    from megatron_jetrl.models import batch_invariant_ops
+
+    assert callable(batch_invariant_ops.tree_sum)
