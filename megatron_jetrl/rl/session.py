@@ -124,9 +124,11 @@ def start_vllm_pool(s: "Session") -> None:
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
     kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction)
     max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
+    groups = dist.get_world_size() // r.tp
+    seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
-                        enforce_eager=r.enforce_eager, max_model_len=max_len)
+                        enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs)
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 
