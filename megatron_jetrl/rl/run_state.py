@@ -25,7 +25,8 @@ STATE_FILE = "trainer_state.json"
 APPLIED_ON_RESUME = frozenset({
     "run.steps", "run.save_every", "run.keep_checkpoints", "run.export", "run.device", "run.timeout_s", "run.on_nonfinite",
     "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
-    "rollout.gpu_memory_utilization", "grpo.micro_batch_size",
+    "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.max_model_len", "rollout.enforce_eager",
+    "grpo.micro_batch_size",
 })
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""
 IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rollout(s, step: int) -> RolloutBatch:
-    """Rank 0 samples n completions per prompt, scores them and broadcasts the batch to every rank."""
+    """n completions per prompt (rank 0's native pool, or every rank's colocated engine for its share); rank 0 scores
+    them and broadcasts the batch to every rank."""
     cfg = s.cfg
     problems = s.sampler.next_batch()  # every rank advances its sampler: its state is checkpointed
     batch = None
@@ -121,7 +122,7 @@ def rollout(s, step: int) -> RolloutBatch:
                               max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
     if s.pool is not None:  # rank 0's native pool, or a colocated pool on every rank (collective)
         outputs = s.pool.generate(prompts, sampling)
-        if getattr(s.pool, "colocated", False):
+        if s.colocated:
             s.pool.sleep()  # the GPU is the actor's until the next sync
     if s.is_main:
         check_outputs(outputs, cfg.rollout.n, s.arch.vocab_size)
@@ -194,7 +195,7 @@ def nonfinite(s, step: int, where: str) -> None:
 
 def sync(s) -> dict:
     """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0."""
-    pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if getattr(s.pool, "colocated", False) else "rank0")
+    pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if s.colocated else "rank0")
     if s.pool is None:
         drain(pairs)
         return {}
