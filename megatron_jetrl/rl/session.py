@@ -62,11 +62,6 @@ class Session:
     def is_main(self) -> bool:
         return dist.get_rank() == 0
 
-    @property
-    def colocated(self) -> bool:
-        """Engines on every rank (vLLM): rollout and sync are collective, and the engine sleeps while the actor trains."""
-        return self.pool is not None and getattr(self.pool, "colocated", False)
-
 
 def resolve_device(cfg: JetRLConfig) -> torch.device:
     if cfg.run.device_type() == "cuda":

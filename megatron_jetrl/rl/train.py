@@ -122,7 +122,7 @@ def rollout(s, step: int) -> RolloutBatch:
                               max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
     if s.pool is not None:  # rank 0's native pool, or a colocated pool on every rank (collective)
         outputs = s.pool.generate(prompts, sampling)
-        if s.colocated:
+        if colocated(s):
             s.pool.sleep()  # the GPU is the actor's until the next sync
     if s.is_main:
         check_outputs(outputs, cfg.rollout.n, s.arch.vocab_size)
@@ -193,9 +193,14 @@ def nonfinite(s, step: int, where: str) -> None:
         print(f"step {step}: update skipped: {where}", file=sys.stderr, flush=True)
 
 
+def colocated(s) -> bool:
+    """Engines on every rank (vLLM): rollout and sync are collective, and the engine sleeps while the actor trains."""
+    return getattr(s.pool, "colocated", False)
+
+
 def sync(s) -> dict:
     """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0."""
-    pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if s.colocated else "rank0")
+    pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if colocated(s) else "rank0")
     if s.pool is None:
         drain(pairs)
         return {}
