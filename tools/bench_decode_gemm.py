@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jetrl.fp8 import kernels  # noqa: E402
-from megatron_jetrl.fp8.gemm import _gemm_emulated, blockwise_gemm  # noqa: E402
+from megatron_jetrl.fp8.gemm import blockwise_gemm, gemm_emulated  # noqa: E402
 from megatron_jetrl.fp8.quant import quantize_blockwise  # noqa: E402
 
 H, I, KV = 4096, 12288, 1024
@@ -70,7 +70,7 @@ def main():
         xs = {k: torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for k in (H, I)}
         xq = {k: kernels.quantize_1x128(x, check_finite=False) for k, x in xs.items()}
         q0, s0 = fp8[0][0]
-        want = _gemm_emulated(*xq[H], q0, s0, (128, 128), torch.float64)
+        want = gemm_emulated(*xq[H], q0, s0, (128, 128), torch.float64)
 
         def rel(y):
             return ((y.double() - want).norm() / want.norm()).item()

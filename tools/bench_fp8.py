@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, blockwise_gemm, quantize_blockwise  # noqa: E402
 from megatron_jetrl.fp8 import kernels as K  # noqa: E402
-from megatron_jetrl.fp8.gemm import _gemm_emulated, available_backends  # noqa: E402
+from megatron_jetrl.fp8.gemm import available_backends, gemm_emulated  # noqa: E402
 
 DEV = "cuda"
 MODELS = {  # hidden, intermediate, q heads, kv heads, head dim
@@ -168,7 +168,7 @@ def make_gemm_operands(m, n, k, b_block, count):
 
 
 def check_rows(out, a_q, a_s, b_q, b_s, b_block, rows=256):
-    want = _gemm_emulated(a_q[:rows], a_s[:rows], b_q, b_s, b_block, torch.float64)
+    want = gemm_emulated(a_q[:rows], a_s[:rows], b_q, b_s, b_block, torch.float64)
     got = out[:rows].double()
     return ((got - want).norm() / want.norm()).item()
 

@@ -143,6 +143,7 @@ class _FP8Weight:
 
     def _init_fp8(self, flow: PrecisionFlow):
         self.flow = flow
+        self.fp8_site = type(self).__name__  # the module's name once `name_fp8_layers` has run (non-finite reports)
         self._fp8_cache: tuple[tuple, QuantizedWeight] | None = None
 
     def forget_fp8(self) -> None:
@@ -156,13 +157,13 @@ class _FP8Weight:
         w = self.weight
         key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
         if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow))
+            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=True))
         return self._fp8_cache[1]
 
     def _fp8_gemm(self, x, weight, bias):
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported")
-        return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight())
+        return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site)
 
 
 class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
@@ -243,6 +244,13 @@ def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def name_fp8_layers(model) -> None:
+    """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports."""
+    for name, m in unwrap(model).named_modules():
+        if isinstance(m, _FP8Weight):
+            m.fp8_site = name
 
 
 def requantize_weights(model) -> None:

@@ -116,9 +116,10 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
         # the batch-invariant core attention applies RoPE itself (models.batch_invariant_ops, as the engine does)
         **({"position_embedding_type": "none"} if options.batch_invariant else rope_kwargs(arch)),
     )
-    if options.batch_invariant:
-        from megatron_jetrl.actor.fp8_layers import use_batch_invariant_output_layer
+    from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer
 
+    name_fp8_layers(model)
+    if options.batch_invariant:
         use_batch_invariant_output_layer(model)
     model.actor_options = options  # read by actor.logprobs (which log-softmax)
     if torch.cuda.is_available():  # megatron builds some modules (our RMSNorm) on the CPU; its own setup calls .cuda()

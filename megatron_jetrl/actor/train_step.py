@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
+from megatron_jetrl.fp8 import finite
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -84,29 +85,47 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     return ddp, optimizer
 
 
-def _nonfinite_gradients(ddp_model) -> list[str]:
-    """Names of this rank's parameters whose (DDP main) gradient holds a NaN or Inf."""
-    bad = []
+def _grads(ddp_model) -> list[tuple[str, torch.Tensor]]:
+    """This rank's (DDP main) gradients by parameter name."""
+    named = []
     for name, p in ddp_model.module.named_parameters():
         grad = getattr(p, "main_grad", None)
         grad = p.grad if grad is None else grad
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            bad.append(name)
-    return bad
+        if grad is not None:
+            named.append((name, grad))
+    return named
 
 
-def _check_finite(ddp_model, out: list[dict], on_nonfinite: str) -> str | None:
-    """Collective: None when loss and gradients are finite on every rank; else what is not, on which ranks
-    (every rank gets the same text), or NonFiniteError when `on_nonfinite="raise"`."""
-    local = sorted({k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())})
-    grads = _nonfinite_gradients(ddp_model)
+def _all_finite(out: list[dict], grads, watch) -> torch.Tensor:
+    """One device bool for loss/metrics, gradients and the FP8 quantizer record together: no host sync."""
+    parts = []
+    if values := [torch.isfinite(v).all() for o in out for v in o.values()]:
+        parts.append(torch.stack(values).all())
+    if grads:
+        parts.append(torch.stack([torch.isfinite(g).all() for _, g in grads]).all())
+    if (quantized := watch.finite()) is not None:
+        parts.append(quantized)
+    device = parts[0].device if parts else None
+    return torch.stack([p.to(device) for p in parts]).all() if parts else torch.tensor(True)
+
+
+def _check_finite(ddp_model, out: list[dict], on_nonfinite: str, watch) -> str | None:
+    """Collective, one host sync when all is well: None when loss, gradients and every FP8 quantizer input were
+    finite on every rank; else what was not, on which ranks (every rank gets the same text), or NonFiniteError
+    when `on_nonfinite="raise"`."""
+    grads = _grads(ddp_model)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
-    flag = torch.tensor([1.0 if (local or grads) else 0.0], device=device)
+    flag = (~_all_finite(out, grads, watch)).float().reshape(1).to(device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if not flag.item():
         return None
+    # the rare path: name what is not finite (syncs allowed)
+    local = sorted({k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())})
+    bad = [name for name, g in grads if not bool(torch.isfinite(g).all())]
+    quantizer = watch.first_problem()
     parts = ([f"{local} from the loss callback"] if local else []) + \
-        ([f"the gradients of {grads[:3]}{' ...' if len(grads) > 3 else ''}"] if grads else [])
+        ([f"the gradients of {bad[:3]}{' ...' if len(bad) > 3 else ''}"] if bad else []) + \
+        ([f"the FP8 quantizer input {quantizer}"] if quantizer else [])
     mine = f"rank {torch.distributed.get_rank()}: NaN/Inf in {' and in '.join(parts)}" if parts else None
     reports = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(reports, mine)  # only on this rare path: every rank names every bad rank
@@ -124,7 +143,8 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
     per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks.
     Returns {"ok", "grad_norm", and on the last stage "loss" and each metric: the mean over micro-batches and
-    DP ranks}. NaN/Inf in a returned loss/metric or in any gradient: `on_nonfinite="raise"` raises
+    DP ranks}. NaN/Inf in a returned loss/metric, in any gradient or at any FP8 quantizer input (found on the
+    device, `megatron_jetrl.fp8.finite`; one host sync for all of it): `on_nonfinite="raise"` raises
     `NonFiniteError` naming rank and tensors, `"skip"` returns {"ok": False, "skipped": <where>} -- either
     way before the optimizer step, so the weights are untouched.
     """
@@ -137,11 +157,12 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     ddp_model.train()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro), model=ddp_model,
-        num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=False,
-    )
-    problem = _check_finite(ddp_model, out or [], on_nonfinite)
+    with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro), model=ddp_model,
+            num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=False,
+        )
+    problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)
     if problem is not None:
         return {"ok": False, "skipped": problem, "grad_norm": None}
     ok, grad_norm, _ = optimizer.step()

@@ -1,31 +1,72 @@
-"""Hopper GEMM backends for `megatron_jetrl.fp8.gemm.blockwise_gemm`: cuBLASLt (through torch) and DeepGEMM.
+"""The blockwise FP8 GEMM backends; `megatron_jetrl.fp8.gemm` picks one (this module imports none of its callers).
 
-Both want K-major operands ([M, K] and [N, K] row-major) whose K is a whole number of 128-blocks.
-A partial last K block is padded with zero bytes, which is exact: a zero contributes nothing to any
-dot product and leaves the scales (computed over the real elements) untouched.
+Every backend computes `dequant(a) @ dequant(b)^T` from the same operands (see `gemm.blockwise_gemm`) and
+differs only in accumulation order. Each returns a new tensor in `out_dtype`, or adds its FP32 result
+into `acc` (an FP32 [M, N] buffer such as megatron's `main_grad`) and returns `acc`.
 
-cuBLASLt through `torch.nn.functional.scaled_mm` (torch >= 2.10), scale layouts as torch's
-`ScaledBlas.cpp` checks them (pytorch commit 0174dfab):
-    A 1x128    [M, K/128]      strides (1, M)    (outer-dim-major)
-    B 128x128  [L4, N/128]     strides (1, L4)   L4 = round_up(K/128, 4): cuBLASLt takes no leading
-                                                dimension for block scales and reads this pitch, which
-                                                is why an unpadded transposed view with K/128 = 5 gave
-                                                silently wrong results through `torch._scaled_mm`
-    B 1x128    [N, K/128]      strides (1, N)
-The old `torch._scaled_mm` entry point is not used for blockwise scales for that reason, and the first
-use in a process checks the backend against the emulated reference on a K/128 = 5 shape.
+emulated   any device: exact per-block products in FP64 (the reference).
+cublaslt   torch `F.scaled_mm` (torch >= 2.10, sm90). Scale layouts as torch's `ScaledBlas.cpp` checks them
+           (pytorch commit 0174dfab):
+               A 1x128    [M, K/128]      strides (1, M)    (outer-dim-major)
+               B 128x128  [L4, N/128]     strides (1, L4)   L4 = round_up(K/128, 4): cuBLASLt takes no leading
+                                                            dimension for block scales and reads this pitch,
+                                                            why an unpadded transposed view with K/128 = 5 gave
+                                                            silently wrong results through `torch._scaled_mm`
+               B 1x128    [N, K/128]      strides (1, N)
+deepgemm   DeepGEMM's `fp8_gemm_nt` (2.5.0 as bundled in vLLM 0.26 as `vllm.third_party.deep_gemm`, or a
+           `deep_gemm` install; read in deepseek-ai/DeepGEMM@54e22612 csrc/apis/gemm.hpp + layout.hpp):
+               FProp/DGrad  1D2D kernel, recipe (1, 128, 128): BF16 output, no accumulator. A's 1x128
+                            scales MN-major with a 16-byte-aligned pitch -- the (1, M) layout our Triton
+                            quantizers write, used as is when M % 4 == 0 (DeepGEMM re-lays others out);
+                            B's 128x128 scales contiguous or a transposed view of contiguous (DGrad's W^T).
+               WGrad        1D1D kernel, recipe (1, 1, 128): FP32 output that must be its own accumulator
+                            (`c = d`), so the product lands in `acc` (the parameter's `main_grad`) with
+                            no zeros buffer and no cast. K (tokens) is compiled as a runtime dim
+                            (`compiled_dims="mn"`), so variable micro-batch lengths JIT no new kernels.
+triton     `megatron_jetrl.fp8.kernels.gemm` (any sm89+ GPU; the portable fallback).
 
-DeepGEMM (deepseek-ai/DeepGEMM @0274ad7b, `fp8_gemm_nt`; not installable here, so written against its
-source and never run by our CI): FP32 scales on sm90; FProp/DGrad recipe (1, 128, 128) with BF16 output;
-WGrad recipe (1, 1, 128) needs an FP32 output and accumulator `c`.
+Operands must be K-major ([M, K], [N, K] row-major). cuBLASLt and DeepGEMM want K a whole number of
+128-blocks: a partial last K block is padded with zero bytes, which is exact (a zero adds nothing and the
+scales, taken over the real elements, are unchanged). cuBLASLt and DeepGEMM are checked against the
+emulated reference at first use in a process, on shapes that hit their layout traps.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
+
+
+def gemm_emulated(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
+    """Exact per-block products in FP64, scaled and summed over K blocks in ascending order.
+
+    Each block product sums 128 products of two E4M3 values (multiples of 2**-18 below 2**18), so it
+    needs at most 43 significant bits and is exact in FP64 whatever the matmul's internal order. The
+    result for a row depends on that row only (batch invariant) and is the same on every device.
+    """
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    a = a_q.to(torch.float64)
+    b = b_q.to(torch.float64)
+    sa = a_s.to(torch.float64)
+    sb = b_s.to(torch.float64)
+    if b_block == (128, 128):
+        sb = sb.repeat_interleave(128, dim=0)[:n]
+    out = torch.zeros(m, n, dtype=torch.float64, device=a_q.device)
+    for kb in range(sa.shape[1]):
+        cols = slice(kb * 128, min(k, (kb + 1) * 128))
+        block = a[:, cols] @ b[:, cols].T
+        out += block * (sa[:, kb, None] * sb[None, :, kb])
+    return _deliver(out, out_dtype, acc)
+
+
+def _deliver(out, out_dtype, acc):
+    if acc is None:
+        return out.to(out_dtype)
+    return acc.add_(out.to(torch.float32))
 
 
 def _pad_k(q: torch.Tensor) -> torch.Tensor:
@@ -39,8 +80,12 @@ def _pad_k(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---- cuBLASLt ---------------------------------------------------------------------------------------
+
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
-    """[R, L] scales stored column-major: strides (1, R)."""
+    """[R, L] scales stored column-major: strides (1, R) (no copy when they already are)."""
+    if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0]):
+        return s
     return s.t().contiguous().t()
 
 
@@ -52,11 +97,6 @@ def _block_scales_l4(s: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=s.dtype, device=s.device)
     padded[:, :kb] = s
     return padded.t()
-
-
-def gemm_cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
-    _self_test_cublaslt(a_q.device)
-    return _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype)
 
 
 M_ALIGN = 16
@@ -80,7 +120,7 @@ def _pad_m(a: torch.Tensor, a_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return a_pad, s_pad
 
 
-def _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
+def gemm_cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
     from torch.nn.functional import ScalingType
 
     m = a_q.shape[0]
@@ -90,41 +130,82 @@ def _cublaslt(a_q, a_s, b_q, b_s, b_block, out_dtype):
         scale_b, recipe_b = _block_scales_l4(b_s), ScalingType.BlockWise128x128
     else:
         scale_b, recipe_b = _outer_major(b_s), ScalingType.BlockWise1x128
-    out = F.scaled_mm(
-        a, b.t(), _outer_major(a_s), ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype
-    )
-    return out if out.shape[0] == m else out[:m]
+    dtype = torch.float32 if acc is not None else out_dtype
+    out = F.scaled_mm(a, b.t(), _outer_major(a_s), ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=dtype)
+    out = out if out.shape[0] == m else out[:m]
+    return out if acc is None else acc.add_(out)
+
+
+# ---- DeepGEMM ---------------------------------------------------------------------------------------
+
+DEEP_GEMM_MODULES = ("deep_gemm", "vllm.third_party.deep_gemm")
 
 
 @functools.cache
-def _self_test_cublaslt(device: torch.device) -> None:
-    """Refuse cuBLASLt if it is wrong on a K/128 = 5, N/128 = 2 product (the stride trap)."""
-    from megatron_jetrl.fp8.gemm import _gemm_emulated
+def deep_gemm_module():
+    """The first of `DEEP_GEMM_MODULES` that imports with an `fp8_gemm_nt`, or None."""
+    for name in DEEP_GEMM_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # absent, or present without its CUDA libraries: not usable here
+            continue
+        if hasattr(module, "fp8_gemm_nt"):
+            return module
+    return None
+
+
+def deepgemm_takes(n: int) -> bool:
+    """DeepGEMM stores D with TMA: its rows must be 16-byte aligned, N % 8 == 0 for BF16 (every model linear,
+    all of whose dims are multiples of 128; `auto` passes other shapes to the next backend)."""
+    return n % 8 == 0
+
+
+def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
+    if not deepgemm_takes(b_q.shape[0]):
+        raise ValueError(f"DeepGEMM needs N % 8 == 0 (a TMA store of the output rows), got N={b_q.shape[0]}: "
+                         "use backend='auto' (which passes such shapes on), 'cublaslt' or 'triton'")
+    dg = deep_gemm_module()
+    a, b = _pad_k(a_q), _pad_k(b_q)
+    m, n = a.shape[0], b.shape[0]
+    if b_block == (128, 128):  # 1D2D: BF16 out, no accumulator
+        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        dg.fp8_gemm_nt((a, a_s), (b, b_s), d, disable_ue8m0_cast=True)
+        if acc is not None:
+            return acc.add_(d)
+        return d if out_dtype == torch.bfloat16 else d.to(out_dtype)
+    d = acc if acc is not None else torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    dg.fp8_gemm_nt((a, a_s), (b, b_s), d, c=d, recipe=(1, 1, 128), compiled_dims="mn", disable_ue8m0_cast=True)
+    return d if acc is not None or out_dtype == torch.float32 else d.to(out_dtype)
+
+
+# ---- first-use checks ---------------------------------------------------------------------------------
+
+GEMMS = {"emulated": gemm_emulated, "cublaslt": gemm_cublaslt, "deepgemm": gemm_deepgemm}
+SELF_TEST_BOUND = {"cublaslt": 1e-3, "deepgemm": 1e-2}
+"""Relative error allowed against the emulated reference; DeepGEMM's 1D2D output is BF16 (~2**-9 per element)."""
+
+
+@functools.cache
+def self_test(name: str, device: torch.device) -> None:
+    """Refuse backend `name` if it is wrong on shapes that hit the layout traps: K/128 = 5 (the cuBLASLt
+    scale-pitch trap), M = 61 (padding / scale re-layout), N/128 = 2, both B scale kinds, accumulation."""
     from megatron_jetrl.fp8.quant import quantize_blockwise
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, b_block in ((64, (128, 128)), (64, (1, 128)), (61, (128, 128))):  # 61: the M padding (_pad_m)
+    for m, b_block, accumulate in ((64, (128, 128), False), (64, (1, 128), False), (61, (128, 128), False), (64, (1, 128), True)):
         a_q, a_s = quantize_blockwise(torch.randn(m, 640, device=device, generator=g), (1, 128))
         b_q, b_s = quantize_blockwise(torch.randn(256, 640, device=device, generator=g), b_block)
-        want = _gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float32)
-        got = _cublaslt(a_q, a_s, b_q, b_s, b_block, torch.float32)
-        err = ((got - want).norm() / want.norm()).item()
-        if not err < 1e-3:
+        want = gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float32)
+        if accumulate:
+            start = torch.randn(m, 256, device=device, generator=g)
+            want += start
+            got = GEMMS[name](a_q, a_s, b_q, b_s, b_block, torch.float32, acc=start.clone())
+        else:
+            got = GEMMS[name](a_q, a_s, b_q, b_s, b_block, torch.float32)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        if not err < SELF_TEST_BOUND[name]:
             raise RuntimeError(
-                f"cuBLASLt blockwise FP8 GEMM ({b_block} B scales) is wrong on this torch/cuBLAS "
-                f"(relative error {err:.3g} at M={m}, K/128=5): use backend='emulated' or 'triton', and report the torch version"
+                f"the {name} blockwise FP8 GEMM ({b_block} B scales{', accumulating' if accumulate else ''}) is wrong on this "
+                f"machine (relative error {err:.3g} against the emulated reference at M={m}, K/128=5): use backend='triton' "
+                "or 'emulated', and report the torch / DeepGEMM version"
             )
-
-
-def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype):
-    import deep_gemm
-
-    a, b = _pad_k(a_q), _pad_k(b_q)
-    m, n = a.shape[0], b.shape[0]
-    if b_block == (128, 128):
-        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-        deep_gemm.fp8_gemm_nt((a, a_s.contiguous()), (b, b_s.contiguous()), d, disable_ue8m0_cast=True)
-        return d if out_dtype == torch.bfloat16 else d.to(out_dtype)
-    d = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    deep_gemm.fp8_gemm_nt((a, a_s.contiguous()), (b, b_s.contiguous()), d, c=d, recipe=(1, 1, 128), disable_ue8m0_cast=True)
-    return d if out_dtype == torch.float32 else d.to(out_dtype)

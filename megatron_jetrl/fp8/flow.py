@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from megatron_jetrl.fp8.finite import CHECK_MODES
 from megatron_jetrl.fp8.gemm import BACKENDS as GEMM_BACKENDS
 from megatron_jetrl.fp8.quant import EPS, SCALE_MODES
 
@@ -39,13 +40,15 @@ class PrecisionFlow:
     """Floor of a group's amax before the scale is taken (vLLM uses 1e-10). Changing it breaks bit
     identity with a vLLM rollout, which always uses 1e-10."""
 
-    check_finite: bool = True
-    """Refuse NaN/inf input to the quantizer with an error that names the element (one host sync
-    per quantization on GPU). Off: NaN/inf propagates as NaN instead (never as a silent 448)."""
+    check_finite: str = "step"
+    """NaN/Inf input to the quantizer (`megatron_jetrl.fp8.finite`): `step` records it on the device and
+    `train_step` refuses the step naming the layer and tensor (no host sync per quantization); `sync`
+    raises at the quantization itself, naming the element (one host sync each: debugging); `off` lets
+    NaN propagate as NaN (never as a silent 448)."""
 
     backend: str = "auto"
-    """FP8 GEMM backend: `auto` (deepgemm > cublaslt > emulated, what the device has),
-    or one of those by name."""
+    """FP8 GEMM backend: `auto` (deepgemm > cublaslt > triton > emulated: the first the device has, see
+    `megatron_jetrl.fp8.gemm.available_backends`), or one of those by name."""
 
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""
@@ -68,6 +71,9 @@ class PrecisionFlow:
             problems.append("scale_mode='ue8m0' has no effect in mode='bf16' (nothing is quantized): pick an FP8 mode or leave scale_mode='fp32'")
         if not (isinstance(self.eps, float) and math.isfinite(self.eps) and 0 < self.eps < 1e-3):
             problems.append(f"eps must be a small positive float (vLLM uses 1e-10), got {self.eps!r}")
+        if self.check_finite not in CHECK_MODES:
+            hint = " (booleans are gone: true is now 'sync', false 'off')" if isinstance(self.check_finite, bool) else ""
+            problems.append(f"check_finite must be one of {CHECK_MODES}, got {self.check_finite!r}{hint}")
         if self.backend not in GEMM_BACKENDS:
             problems.append(f"backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
         if problems:

@@ -2,7 +2,8 @@
 
 Numerics are described once in `megatron_jetrl.fp8`. In short, for Y = X W^T + b:
 FProp X(1x128) . W(128x128); DGrad dY(1x128) . W with the same weight bytes; WGrad dY^T(128x1) . X(128x1),
-X being the FP8 activation saved by the forward, re-quantized along tokens.
+X being the FP8 activation saved by the forward, re-quantized along tokens; under megatron DDP the WGrad
+product lands in the parameter's FP32 `main_grad` directly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from megatron_jetrl.fp8 import finite
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import blockwise_gemm
 from megatron_jetrl.fp8.quant import dequantize_blockwise, quantize_blockwise
@@ -30,12 +32,28 @@ class QuantizedWeight:
     _t: tuple | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow) -> "QuantizedWeight":
-        q, s = _quantize(weight.detach(), WEIGHT, flow)
-        return cls(q, s)
+    def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False) -> "QuantizedWeight":
+        """Quantize `weight` once (per optimizer step). `transposed=True` also makes DGrad's W^T bytes now, in the
+        same pass on CUDA. Non-finite weights: recorded under `check_finite="step"` inside a step's watch, else
+        refused on the spot (outside a step a weight is quantized for export or sync, never per token)."""
+        w = weight.detach()
+        check = flow.check_finite
+        site = site or f"FP8 linear {list(w.shape)}"
+        sync = check == "sync" or (check == "step" and not finite.active())
+        if transposed and _fast(w) and w.dim() == 2:
+            from megatron_jetrl.fp8 import kernels
+
+            q, s, qt, st = kernels.quantize_128x128(w, flow.scale_mode, eps=flow.eps, check_finite=sync, transposed=True)
+            t = (qt, st)
+        else:
+            q, s = _quantize(w, WEIGHT, flow, sync)
+            t = (q.t().contiguous(), s.t().contiguous()) if transposed else None
+        if check == "step":
+            finite.record(f"{site}: weight", s)
+        return cls(q, s, t)
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^T's bytes [K, N] (contiguous, K-major for DGrad) and scales: a byte copy, cached with this weight.
+        """W^T's bytes [K, N] (contiguous, K-major for DGrad) and scales: made once per weight, then cached.
 
         A 128x128 tile has one scale, so these are exactly the bytes and scales of quantizing W^T.
         """
@@ -53,34 +71,43 @@ def _fast(x: torch.Tensor) -> bool:
     return kernels.supported(x.device)
 
 
-def _quantize(x, block, flow, check_finite=None):
-    check_finite = flow.check_finite if check_finite is None else check_finite
+def _quantize(x, block, flow, sync: bool):
+    """`quantize_blockwise` bytes (Triton kernels on CUDA); `sync`: refuse NaN/Inf now (one host sync)."""
     if _fast(x) and (x.dim() == 2 or tuple(block) == ACT):
         from megatron_jetrl.fp8 import kernels
 
-        return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=check_finite)
-    return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=check_finite)
+        return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=sync)
+    return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=sync)
 
 
-def _fprop(x2d, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
-    x_q, x_s = _quantize(x2d, ACT, flow)
+def _quantize_input(x2d, flow: PrecisionFlow, site: str):
+    """1x128 quantization of a GEMM input under `flow.check_finite` (see `megatron_jetrl.fp8.finite`)."""
+    x_q, x_s = _quantize(x2d, ACT, flow, flow.check_finite == "sync")
+    if flow.check_finite == "step":
+        finite.record(f"{site}: input", x_s)
+    return x_q, x_s
+
+
+def _fprop(x2d, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype, site: str):
+    x_q, x_s = _quantize_input(x2d, flow, site)
     y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y, x_q, x_s
 
 
-def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow) -> torch.Tensor:
+def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`."""
-    y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), weight, bias, flow, x.dtype)
+    site = site or f"FP8 linear {list(weight.q.shape)}"
+    y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), weight, bias, flow, x.dtype, site)
     return y.reshape(*x.shape[:-1], weight.q.shape[0])
 
 
-def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow) -> list[torch.Tensor]:
+def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow, site: str | None = None) -> list[torch.Tensor]:
     """FProp of several weights that read the same `x` (q/k/v, gate/up): `x` is quantized once, and each
     output is, bit for bit, what `fp8_linear_forward(x, weight, bias)` returns."""
     x2d = x.reshape(-1, x.shape[-1])
-    x_q, x_s = _quantize(x2d, ACT, flow)
+    x_q, x_s = _quantize_input(x2d, flow, site or f"FP8 linears {[list(w.q.shape) for w in weights]}")
     outs = []
     for weight, bias in zip(weights, biases, strict=True):
         y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=x.dtype, backend=flow.backend)
@@ -90,69 +117,96 @@ def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow
     return outs
 
 
+def _wgrad_done(weight: torch.Tensor):
+    """What backward returns for a weight whose gradient went straight into `main_grad`: megatron's protocol
+    (`grad_added_to_main_grad` + a placeholder its DDP hook drops), or None outside megatron DDP."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_q, weight_s, flow, qweight=None):
+    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str):
         x2d = x.reshape(-1, x.shape[-1])
-        y, x_q, x_s = _fprop(x2d, QuantizedWeight(weight_q, weight_s), bias, flow, x.dtype)
-        ctx.save_for_backward(x_q, x_s, weight_q, weight_s)
-        ctx.qweight = qweight  # the cached QuantizedWeight (holds W^T bytes for DGrad once made)
-        ctx.flow, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = flow, x.shape, x.dtype, weight.dtype
+        y, x_q, x_s = _fprop(x2d, qweight, bias, flow, x.dtype, site)
+        ctx.save_for_backward(x_q, x_s)
+        ctx.qweight, ctx.weight, ctx.flow, ctx.site = qweight, weight, flow, site
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], weight_q.shape[0])
+        return y.reshape(*x.shape[:-1], qweight.q.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        # Gradients are quantized without the finiteness check: a NaN/Inf gradient propagates as NaN into the
-        # parameter gradients, where train_step's collective check finds it, names it and stops or skips the
-        # update (run.on_nonfinite). The activations were checked in the forward.
-        x_q, x_s, w_q, w_s = ctx.saved_tensors
-        flow = ctx.flow
+        # Gradients are never refused mid-backward: a NaN/Inf output gradient is recorded under
+        # check_finite="step" (naming this layer) and propagates as NaN into the parameter gradients, where
+        # train_step's one finiteness check finds it and stops or skips the update (run.on_nonfinite).
+        x_q, x_s = ctx.saved_tensors
+        flow, weight = ctx.flow, ctx.weight
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if _fast(dy2d):
-            # One pass over dY gives both its 1x128 (DGrad) and its transposed 128x1 (WGrad) bytes, and X is
-            # re-quantized along tokens straight from its saved E4M3 bytes and scales; the bytes are those of
-            # the reference path below (tests/gpu/test_kernels.py).
-            from megatron_jetrl.fp8 import kernels
-
-            q_kw = dict(eps=flow.eps, check_finite=False)
-            dy_q, dy_s, dyt_q, dyt_s = kernels.quantize_dual(dy2d, flow.scale_mode, rows=need_dx, cols=need_dw, **q_kw)
-            if need_dx:
-                wt_q, wt_s = ctx.qweight.transposed() if ctx.qweight is not None else (w_q.t().contiguous(), w_s.t())
-                dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
-                dx = dx.reshape(ctx.x_shape)
-            if need_dw:
-                _, _, xt_q, xt_s = kernels.quantize_dual(x_q, flow.scale_mode, rows=False, x_scale=x_s, **q_kw)
-                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend)
-        else:
-            if need_dx:  # DGrad: dY(1x128 along N) . W, W's blocks used transposed
-                dy_q, dy_s = _quantize(dy2d, ACT, flow, check_finite=False)
-                dx = blockwise_gemm(dy_q, dy_s, w_q.t(), w_s.t(), b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
-                dx = dx.reshape(ctx.x_shape)
-            if need_dw:  # WGrad: both operands grouped along tokens
-                dyt_q, dyt_s = _quantize(dy2d, TOKENS, flow, check_finite=False)
-                x_hat = dequantize_blockwise(x_q, x_s, ACT)
-                xt_q, xt_s = _quantize(x_hat, TOKENS, flow, check_finite=False)
-                dw = blockwise_gemm(
-                    dyt_q.t(), dyt_s.t(), xt_q.t(), xt_s.t(), b_block=(1, 128), out_dtype=ctx.w_dtype, backend=flow.backend
-                )
+        dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
+        if flow.check_finite == "step":
+            finite.record(f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
+        if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
+            wt_q, wt_s = ctx.qweight.transposed()
+            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
+            dx = dx.reshape(ctx.x_shape)
+        if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
+            xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
+            main_grad = getattr(weight, "main_grad", None)
+            if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
+                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), backend=flow.backend, acc=main_grad)
+                dw = _wgrad_done(weight)
+            else:
+                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=weight.dtype, backend=flow.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2d.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None, None, None, None
+            db = dy2d.float().sum(0).to(weight.dtype)
+        return dx, dw, db, None, None, None
 
 
-def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None):
+def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
+    """dY's 1x128 bytes (DGrad) and its 128x1 bytes transposed to [N, T] (WGrad). On CUDA one kernel call
+    gives both (tests/gpu/test_kernels.py: the reference's bytes)."""
+    if _fast(dy2d):
+        from megatron_jetrl.fp8 import kernels
+
+        return kernels.quantize_dual(dy2d, flow.scale_mode, eps=flow.eps, check_finite=False, rows=rows, cols=cols)
+    dy_q = dy_s = dyt_q = dyt_s = None
+    if rows:
+        dy_q, dy_s = quantize_blockwise(dy2d, ACT, flow.scale_mode, eps=flow.eps, check_finite=False)
+    if cols:
+        q, s = quantize_blockwise(dy2d, TOKENS, flow.scale_mode, eps=flow.eps, check_finite=False)
+        dyt_q, dyt_s = q.t(), s.t()
+    return dy_q, dy_s, dyt_q, dyt_s
+
+
+def _requantize_tokens(x_q, x_s, flow):
+    """The saved FP8 activation dequantized in FP32 (q * s) and re-quantized along tokens, as [K, T] K-major."""
+    if _fast(x_q):
+        from megatron_jetrl.fp8 import kernels
+
+        _, _, xt_q, xt_s = kernels.quantize_dual(x_q, flow.scale_mode, eps=flow.eps, check_finite=False, rows=False, x_scale=x_s)
+        return xt_q, xt_s
+    x_hat = dequantize_blockwise(x_q, x_s, ACT)
+    q, s = quantize_blockwise(x_hat, TOKENS, flow.scale_mode, eps=flow.eps, check_finite=False)
+    return q.t(), s.t()
+
+
+def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
-    Pass `weight_q` to reuse a weight quantized once per optimizer step.
+    Pass `weight_q` to reuse a weight quantized once per optimizer step; `site` names the layer in non-finite
+    reports. WGrad goes straight into `weight.main_grad` when the weight has one (megatron DDP).
     """
     if not flow.train_fp8:
         return F.linear(x, weight, bias)
+    site = site or f"FP8 linear {list(weight.shape)}"
     if weight_q is None:
-        weight_q = QuantizedWeight.quantize(weight, flow)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q.q, weight_q.s, flow, weight_q)
+        weight_q = QuantizedWeight.quantize(weight, flow, site=site, transposed=True)
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site)
 
 
 class FP8Linear(torch.nn.Module):
@@ -177,7 +231,7 @@ class FP8Linear(torch.nn.Module):
         w = self.weight
         key = (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
         if self._cached is None or self._cached[0] != key:
-            self._cached = (key, QuantizedWeight.quantize(w, self.flow))
+            self._cached = (key, QuantizedWeight.quantize(w, self.flow, transposed=self.flow.train_fp8 and w.requires_grad))
         return self._cached[1]
 
     def forward(self, x):

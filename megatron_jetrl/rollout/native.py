@@ -248,7 +248,7 @@ class NativeEngine:
         self.cuda_graphs = cuda_graphs
         # A captured step cannot stop on the host for the quantizer's NaN/Inf check; NaN/Inf reaches the
         # logits instead (an inf scale makes NaN bytes), and generate() checks every logits row it samples.
-        self._fwd_flow = dataclasses.replace(flow, check_finite=False) if cuda_graphs else flow
+        self._fwd_flow = dataclasses.replace(flow, check_finite="off") if cuda_graphs else flow
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer
         self.batch_invariant = batch_invariant

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_jetrl.fp8 import (
+    NonFiniteInputError,
     FP8Linear,
     PrecisionFlow,
     QuantizedWeight,
@@ -162,7 +163,7 @@ def test_weight_is_quantized_once_per_optimizer_step(monkeypatch):
 
     calls = []
     real = linear_mod.QuantizedWeight.quantize.__func__
-    monkeypatch.setattr(linear_mod.QuantizedWeight, "quantize", classmethod(lambda cls, w, f: calls.append(1) or real(cls, w, f)))
+    monkeypatch.setattr(linear_mod.QuantizedWeight, "quantize", classmethod(lambda cls, w, f, **kw: calls.append(1) or real(cls, w, f, **kw)))
     lin = FP8Linear(128, 256, flow=JETRL)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     for _ in range(3):  # three micro-batches, one weight version
@@ -196,3 +197,102 @@ def test_bf16_mode_is_a_plain_linear_and_the_foil_quantizes_only_rollout():
     jet = FP8Linear(256, 128, flow=JETRL, dtype=torch.bfloat16)
     jet.load_state_dict(foil.state_dict())
     assert torch.equal(foil.rollout_forward(x), jet.rollout_forward(x))
+
+
+# ---- WGrad into megatron's main_grad, and non-finite inputs found on the device ---------------------------
+
+
+def test_gemm_accumulates_into_an_fp32_buffer_as_a_separate_add_would():
+    a_q, a_s, b_q, b_s = quantized_pair(200, 256, 384, (1, 128))
+    start = torch.randn(200, 256)
+    acc = start.clone()
+    assert blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), backend="emulated", acc=acc) is acc
+    separate = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), out_dtype=torch.float32, backend="emulated")
+    assert torch.equal(acc, start + separate)
+    with pytest.raises(ValueError, match=r"acc must be a contiguous FP32 \[200, 256\] buffer, got torch.bfloat16"):
+        blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), backend="emulated", acc=start.bfloat16())
+
+
+def _wgrad_operands(x, dy):
+    """WGrad's operands as the linear makes them: dY and X (through its 1x128 bytes) grouped along tokens."""
+    x_q, x_s = quantize_blockwise(x, (1, 128))
+    xt_q, xt_s = quantize_blockwise(dequantize_blockwise(x_q, x_s, (1, 128)), (128, 1))
+    dyt_q, dyt_s = quantize_blockwise(dy, (128, 1))
+    return dyt_q.t(), dyt_s.t(), xt_q.t(), xt_s.t()
+
+
+@pytest.mark.parametrize("under_ddp", [False, True])
+def test_wgrad_lands_in_main_grad_in_fp32(under_ddp):
+    """With `main_grad` (megatron DDP's FP32 buffer) WGrad is added there in FP32 and no BF16 dW is made; under
+    DDP's protocol (`grad_added_to_main_grad`) the flag is set and a placeholder goes to the DDP hook."""
+    g = torch.Generator().manual_seed(3)
+    plain = FP8Linear(256, 384, bias=False, flow=JETRL, dtype=torch.bfloat16)
+    fused = FP8Linear(256, 384, bias=False, flow=JETRL, dtype=torch.bfloat16)
+    fused.weight.data.copy_(plain.weight.data)
+    start = torch.randn(384, 256, generator=g)
+    fused.weight.main_grad = start.clone()
+    if under_ddp:
+        fused.weight.grad_added_to_main_grad = False
+    x = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    dy = torch.randn(130, 384, generator=g).to(torch.bfloat16)
+    plain(x).backward(dy)
+    fused(x).backward(dy)
+    # the same FP32 product: plain's dW is it rounded to BF16; main_grad holds start + it, rounded once in FP32
+    dw = blockwise_gemm(*_wgrad_operands(x, dy), b_block=(1, 128), out_dtype=torch.float32, backend="emulated")
+    assert torch.equal(dw.to(torch.bfloat16), plain.weight.grad)
+    assert torch.equal(fused.weight.main_grad, start + dw)
+    if under_ddp:
+        assert fused.weight.grad_added_to_main_grad is True and fused.weight.grad is not None  # the placeholder
+    else:
+        assert fused.weight.grad is None
+
+
+def test_check_finite_step_names_the_layer_and_tensor_without_a_sync_per_quantization():
+    from megatron_jetrl.fp8 import finite
+
+    flow = PrecisionFlow(mode="jetrl", check_finite="step")
+    x = torch.randn(4, 128)
+    x[2, 5] = float("nan")
+    w = torch.randn(256, 128)
+    outside = fp8_linear(x, w, flow=flow, site="decoder.layers.1.mlp.linear_fc1")  # no watch: NaN propagates as NaN
+    assert outside[2].isnan().all() and not outside[[0, 1, 3]].isnan().any()
+    with finite.watch() as watch:
+        fp8_linear(torch.randn(4, 128), w, flow=flow, site="decoder.layers.0.mlp.linear_fc1")
+        fp8_linear(x, w, flow=flow, site="decoder.layers.1.mlp.linear_fc1")
+        fp8_linear(x, w, flow=flow, site="decoder.layers.2.mlp.linear_fc1")
+        assert not bool(watch.finite())
+        assert watch.first_problem() == ("decoder.layers.1.mlp.linear_fc1: input (NaN; first of 2 non-finite FP8 quantizer input(s))")
+        with pytest.raises(NonFiniteInputError, match=r"NaN/Inf reached the FP8 quantizer: decoder.layers.1.mlp.linear_fc1: input"):
+            watch.check()
+    assert not finite.active()
+
+
+def test_check_finite_step_records_output_gradients_and_weights():
+    from megatron_jetrl.fp8 import finite
+
+    flow = PrecisionFlow(mode="jetrl", check_finite="step")
+    lin = FP8Linear(128, 128, bias=False, flow=flow)
+    with finite.watch() as watch:
+        y = lin(torch.randn(4, 128, requires_grad=True))
+        assert bool(watch.finite())
+        y.backward(torch.full_like(y, float("inf")))
+        assert watch.first_problem().startswith("FP8Linear: output gradient (Inf;") or \
+            watch.first_problem().startswith("FP8 linear [128, 128]: output gradient (Inf;")
+    bad = torch.randn(128, 128)
+    bad[3, 4] = float("inf")
+    with pytest.raises(NonFiniteInputError, match=r"got inf at index \(3, 4\)"):  # outside a step: refused on the spot
+        QuantizedWeight.quantize(bad, flow)
+    with finite.watch() as watch:
+        QuantizedWeight.quantize(bad, flow, site="decoder.layers.0.self_attention.linear_proj")
+        assert watch.first_problem().startswith("decoder.layers.0.self_attention.linear_proj: weight (Inf;")
+
+
+def test_check_finite_sync_raises_at_the_quantization_and_modes_are_validated():
+    x = torch.randn(4, 128)
+    x[1, 7] = float("inf")
+    with pytest.raises(NonFiniteInputError, match=r"got inf at index \(1, 7\)"):
+        fp8_linear(x, torch.randn(128, 128), flow=PrecisionFlow(mode="jetrl", check_finite="sync"))
+    assert fp8_linear(x, torch.randn(128, 128), flow=PrecisionFlow(mode="jetrl", check_finite="off"))[1].isnan().all()
+    with pytest.raises(ValueError, match=r"check_finite must be one of \('step', 'sync', 'off'\), got False \(booleans are gone: "
+                                         r"true is now 'sync', false 'off'\)"):
+        PrecisionFlow(check_finite=False)
