@@ -163,7 +163,8 @@ class _FP8Weight:
     def _fp8_gemm(self, x, weight, bias):
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported")
-        return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site)
+        return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site,
+                          gated_act=getattr(self, "gated_act", None))
 
 
 class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
@@ -186,6 +187,31 @@ class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
 
     def _forward_impl(self, input, weight, bias, **_):
         return self._fp8_gemm(input, weight, bias)
+
+
+class FP8GatedMLP(MLP):
+    """megatron's gated MLP (SwiGLU) in FP8: the down projection takes fc1's `[gate | up]` and forms its input
+    `act(gate) * up` inside its 1x128 quantization (`fp8_linear(gated_act=...)`: one Triton kernel on CUDA), so
+    the BF16 product is neither written nor saved; backward is torch's autograd of the same ops."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        unsupported = {"gated_linear_unit": not config.gated_linear_unit, "glu_linear_offset": config.glu_linear_offset != 0,
+                       "activation_func_clamp_value": config.activation_func_clamp_value is not None}
+        if any(unsupported.values()):
+            raise ValueError(f"FP8GatedMLP fuses a plain gated unit act(gate) * up; unsupported config: "
+                             f"{[k for k, v in unsupported.items() if v]}")
+        if not isinstance(self.linear_fc2, FP8RowParallelLinear):
+            raise TypeError(f"FP8GatedMLP needs FP8RowParallelLinear as linear_fc2, got {type(self.linear_fc2).__name__}")
+        self.linear_fc2.gated_act = config.activation_func
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise NotImplementedError("FP8GatedMLP has no per-token (MoE expert) scales")
+        gate_up, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            gate_up = gate_up + bias
+        return self.linear_fc2(gate_up)
 
 
 def _linears(flow: PrecisionFlow, batch_invariant: bool):
@@ -224,7 +250,7 @@ def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: boo
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp=ModuleSpec(module=FP8GatedMLP if flow.train_fp8 else MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
             mlp_bda=get_bias_dropout_add,
         ),
     )

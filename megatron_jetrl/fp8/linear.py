@@ -88,19 +88,16 @@ def _quantize_input(x2d, flow: PrecisionFlow, site: str):
     return x_q, x_s
 
 
-def _fprop(x2d, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype, site: str):
-    x_q, x_s = _quantize_input(x2d, flow, site)
+def _fprop(x_q, x_s, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
+    """FProp from the quantized input: X(1x128) . W(128x128)^T (+ bias), in `out_dtype`."""
     y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend)
-    if bias is not None:
-        y = y + bias.to(out_dtype)
-    return y, x_q, x_s
+    return y if bias is None else y + bias.to(out_dtype)
 
 
 def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`."""
-    site = site or f"FP8 linear {list(weight.q.shape)}"
-    y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), weight, bias, flow, x.dtype, site)
-    return y.reshape(*x.shape[:-1], weight.q.shape[0])
+    x_q, x_s = _quantize_input(x.reshape(-1, x.shape[-1]), flow, site or f"FP8 linear {list(weight.q.shape)}")
+    return _fprop(x_q, x_s, weight, bias, flow, x.dtype).reshape(*x.shape[:-1], weight.q.shape[0])
 
 
 def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow, site: str | None = None) -> list[torch.Tensor]:
@@ -108,13 +105,8 @@ def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow
     output is, bit for bit, what `fp8_linear_forward(x, weight, bias)` returns."""
     x2d = x.reshape(-1, x.shape[-1])
     x_q, x_s = _quantize_input(x2d, flow, site or f"FP8 linears {[list(w.q.shape) for w in weights]}")
-    outs = []
-    for weight, bias in zip(weights, biases, strict=True):
-        y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=x.dtype, backend=flow.backend)
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        outs.append(y.reshape(*x.shape[:-1], weight.q.shape[0]))
-    return outs
+    return [_fprop(x_q, x_s, weight, bias, flow, x.dtype).reshape(*x.shape[:-1], weight.q.shape[0])
+            for weight, bias in zip(weights, biases, strict=True)]
 
 
 def _wgrad_done(weight: torch.Tensor):
@@ -126,13 +118,42 @@ def _wgrad_done(weight: torch.Tensor):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _quantize_gated(gate_up2d, act, flow: PrecisionFlow, site: str):
+    """1x128 quantization of `act(gate) * up` from `gate_up = [gate | up]`. With torch's SiLU on CUDA one Triton
+    kernel reads gate_up and writes the bytes (the BF16 product is never stored; tests/gpu: the bytes of
+    quantizing torch's `silu(g) * u`); otherwise the product is formed as megatron's MLP forms it."""
+    sync = flow.check_finite == "sync"
+    if act is F.silu and _fast(gate_up2d):
+        from megatron_jetrl.fp8 import kernels
+
+        q, s = kernels.swiglu_quantize_1x128(gate_up2d, flow.scale_mode, eps=flow.eps, check_finite=sync)
+        if flow.check_finite == "step":
+            finite.record(f"{site}: input", s)
+        return q, s
+    gate, up = gate_up2d.chunk(2, dim=-1)
+    return _quantize_input(act(gate) * up, flow, site)
+
+
+def _gated_backward(gate_up, act, d_out):
+    """d[gate | up] of `act(gate) * up` by torch's own autograd of those ops (what megatron's MLP backward runs)."""
+    with torch.enable_grad():
+        gate, up = (t.detach().requires_grad_(True) for t in gate_up.chunk(2, dim=-1))
+        d_gate, d_up = torch.autograd.grad(act(gate) * up, (gate, up), d_out)
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str):
+    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None):
         x2d = x.reshape(-1, x.shape[-1])
-        y, x_q, x_s = _fprop(x2d, qweight, bias, flow, x.dtype, site)
-        ctx.save_for_backward(x_q, x_s)
-        ctx.qweight, ctx.weight, ctx.flow, ctx.site = qweight, weight, flow, site
+        if act is None:
+            x_q, x_s = _quantize_input(x2d, flow, site)
+            ctx.save_for_backward(x_q, x_s)
+        else:  # x = [gate | up] of a gated MLP: this linear's input is act(gate) * up, never stored in BF16
+            x_q, x_s = _quantize_gated(x2d, act, flow, site)
+            ctx.save_for_backward(x_q, x_s, x2d)
+        y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
+        ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act = qweight, weight, flow, site, act
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], qweight.q.shape[0])
@@ -142,7 +163,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # Gradients are never refused mid-backward: a NaN/Inf output gradient is recorded under
         # check_finite="step" (naming this layer) and propagates as NaN into the parameter gradients, where
         # train_step's one finiteness check finds it and stops or skips the update (run.on_nonfinite).
-        x_q, x_s = ctx.saved_tensors
+        x_q, x_s = ctx.saved_tensors[:2]
         flow, weight = ctx.flow, ctx.weight
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
@@ -153,6 +174,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
             dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
+            if ctx.act is not None:
+                dx = _gated_backward(ctx.saved_tensors[2], ctx.act, dx)
             dx = dx.reshape(ctx.x_shape)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
@@ -164,7 +187,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=weight.dtype, backend=flow.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -195,18 +218,24 @@ def _requantize_tokens(x_q, x_s, flow):
     return q.t(), s.t()
 
 
-def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None):
+def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None,
+               gated_act=None):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
     Pass `weight_q` to reuse a weight quantized once per optimizer step; `site` names the layer in non-finite
-    reports. WGrad goes straight into `weight.main_grad` when the weight has one (megatron DDP).
+    reports. WGrad goes straight into `weight.main_grad` when the weight has one (megatron DDP). With
+    `gated_act`, `x` is a gated MLP's `[gate | up]` and the linear's input is `gated_act(gate) * up`, fused
+    into the input quantization (the down projection of a SwiGLU MLP).
     """
     if not flow.train_fp8:
+        if gated_act is not None:
+            gate, up = x.chunk(2, dim=-1)
+            x = gated_act(gate) * up
         return F.linear(x, weight, bias)
     site = site or f"FP8 linear {list(weight.shape)}"
     if weight_q is None:
         weight_q = QuantizedWeight.quantize(weight, flow, site=site, transposed=True)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site)
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act)
 
 
 class FP8Linear(torch.nn.Module):
