@@ -773,7 +773,7 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
             # stream alone would hide a wrong branch
             v["err_y"] = rel_err(y.detach().float() - x0.detach().float(), y_ref - x0.detach().float())
             v["err_dx"] = rel_err(x1.grad.float() - dys[0].float(), dx_ref - dys[0].float())
-            if not (v["err_y"] < 0.15 and v["err_dx"] < 0.25):
+            if not (v["err_y"] < 0.3 and v["err_dx"] < 0.4):  # FP8 noise of the branch ~0.05-0.1; a wrong GEMM ~1
                 raise RuntimeError(f"wrong result: relative error vs the BF16 layer y-x {v['err_y']:.3g}, dx-dy {v['err_dx']:.3g}")
             del y, x1
             t = bench(step(lay), grad_to_none=grads_none(lay))
