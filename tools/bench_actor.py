@@ -83,7 +83,8 @@ def mode_file(mode: str) -> str:
     path = os.path.join(REPO, "configs", "modes", f"{mode}.yaml")
     if not os.path.isfile(path):
         known = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "configs", "modes")) if f.endswith(".yaml"))
-        raise SystemExit(f"error: no precision mode preset {path}; known modes: {known}")
+        print(f"error: no precision mode preset {path}; known modes: {known}", file=sys.stderr)
+        raise SystemExit(2)
     return path
 
 
@@ -350,7 +351,8 @@ def parse_modes(entries):
         mode, *ov = e.split("+")
         bad = [o for o in ov if "=" not in o or "." not in o.split("=", 1)[0]]
         if bad:
-            raise SystemExit(f"error: --modes entry {e!r}: overrides are section.key=value joined by '+', got {bad}")
+            print(f"error: --modes entry {e!r}: overrides are section.key=value joined by '+', got {bad}", file=sys.stderr)
+            raise SystemExit(2)
         mode_file(mode)
         out.append((e, mode, ov))
     if not any(label == "bf16" for label, _, _ in out):
@@ -688,6 +690,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first step compiles kernels and allocates the optimizer state)")
+    if not a.layer:
+        parse_modes(a.modes)  # unknown modes and malformed overrides: exit 2 before anything is built
     if not torch.cuda.is_available() and not a.tiny:
         print("error: tools/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
               "(bash tools/gpu_fp8.sh bench), or --tiny for a CPU smoke run", file=sys.stderr)
