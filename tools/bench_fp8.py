@@ -340,12 +340,13 @@ def te_autocast(te, recipe):
     """`te.autocast(recipe=...)` (TE >= 2.8) or the older `te.fp8_autocast(fp8_recipe=...)`."""
     import warnings
 
+    @contextlib.contextmanager
     def ctx():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            if hasattr(te, "autocast"):
-                return te.autocast(enabled=True, recipe=recipe)
-            return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            cm = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            with cm:
+                yield
 
     return ctx
 
