@@ -311,6 +311,12 @@ def describe_flow(flow: PrecisionFlow) -> str:
 def import_deep_gemm():
     """DeepGEMM as the library finds it (`deep_gemm`, else vLLM's bundle), or None."""
     try:
+        from megatron_jetrl.fp8.backends import deep_gemm_module
+
+        return deep_gemm_module()
+    except ImportError:  # a library without that helper: look for it here
+        pass
+    try:
         import deep_gemm
 
         return deep_gemm
@@ -411,11 +417,13 @@ def deepgemm_ceiling(dg, m, n, k, check=True):
         "dgrad": ((dy_q, dy_s), (wt_q, wt_s.contiguous()), torch.empty(m, k, device=DEV, dtype=torch.bfloat16), None, (128, 128)),
         "wgrad": ((dyt_q, dyt_s), (xt_q, xt_s), torch.zeros(n, k, device=DEV, dtype=torch.float32), (1, 1, 128), (1, 128)),
     }
+    # compiled_dims as megatron_jetrl.fp8.backends passes them (the same JIT kernels): "nk" (DeepGEMM's default) for
+    # 1D2D, "mn" for the 1D1D WGrad
     out = {}
     for name, ((a, sa), (b, sb), d, recipe, b_block) in ops.items():
         sa_l = mn_major(sa)
         sb_l = mn_major(sb) if b_block == (1, 128) else sb
-        kw = dict(c=d, recipe=recipe) if recipe else {}
+        kw = dict(c=d, recipe=recipe, compiled_dims="mn") if recipe else {}
 
         def call(a=a, sa_l=sa_l, b=b, sb_l=sb_l, d=d, kw=kw):
             dg.fp8_gemm_nt((a, sa_l), (b, sb_l), d, disable_ue8m0_cast=True, **kw)
