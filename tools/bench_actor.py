@@ -1,35 +1,57 @@
 #!/usr/bin/env python3
-"""Step time of one megatron-core actor layer (the native Jet-RL spec): FP8 (`jetrl`) against BF16.
+"""Step time of the megatron-core actor, FP8 (`jetrl`) against BF16: a whole training step, or one layer.
 
-    PYTHONPATH=. python3 tools/bench_actor.py [--shapes 4096x2 8192x1] [--json PATH]   # one GPU
-    PYTHONPATH=. python3 tools/bench_actor.py --tiny                                  # CPU smoke run
+    PYTHONPATH=/tmp/mcore:. python3 tools/bench_actor.py [--layers auto] [--json PATH]    # whole step, one GPU
+    PYTHONPATH=/tmp/mcore:. python3 tools/bench_actor.py --layer [--shapes 4096x2 8192x1]  # one layer
+    PYTHONPATH=. python3 tools/bench_actor.py --tiny [--layer]                            # CPU smoke run
 
-The layer is what `actor.provider.build_model` puts in the decoder: megatron's `TransformerLayer` built
-from the native spec (`actor.provider.layer_spec(arch, flow, "native", 1)`) with `actor.provider.transformer_config`
-(Qwen3-8B shapes: hidden 4096, intermediate 12288, 32 heads, 8 KV heads, head_dim 128, QK-norm; BF16
-params), megatron RoPE, input `[seq, micro_batch, hidden]` BF16. Each variant gets the same weights.
+Whole step (default). What the trainer runs for one GRPO update on one GPU: `actor.provider.build_model` (GPTModel,
+native spec, BF16 params) with Qwen3-8B-shaped layers (hidden 4096, intermediate 12288, 32/8 heads x 128, QK-norm,
+vocabulary 151936), `actor.train_step.wrap_for_training` (megatron DDP + megatron's mixed-precision optimizer as
+the preset sets it) and `actor.train_step.train_step` over `--micro-batches` micro-batches of
+`--micro-batch x --seq` tokens with the GRPO policy loss (`rl.loss.policy_loss`, the preset's clip/KL settings;
+old = reference logprobs = the BF16 model's own, advantages random, the first quarter of each sequence masked as
+prompt), ending in the optimizer step and the FP8 weight re-quantization. Every precision is built the way the
+launcher builds it: `rl.config.load_config([--preset, configs/modes/<mode>.yaml], overrides)` and its
+`precision` (the shipped `PrecisionFlow`), `optim` and `loss` sections; nothing is hand-tuned. Extra labelled
+variants take overrides: `--modes bf16 jetrl jetrl+precision.backend=cublaslt`.
 
-Variants (FP8 ones with `check_finite=False` unless named):
-  bf16                    megatron's plain ColumnParallel/RowParallel linears
-  jetrl/cublaslt          FP8 linears on cuBLASLt; weight FP8 bytes cached (later micro-batches of a step)
+Layers: `--layers auto` (default) fits as many Qwen3-8B layers as the memory budget allows for every variant
+(`--mem-gib`, default 80 GiB, capped by the free memory; 10% kept back): it measures the peak memory of one step
+with 1 and 2 layers per variant (fixed part + per layer) and takes the smallest fit, at most the model's 36. The
+same layer count serves every variant. Give two or more counts (`--layers 4 auto`) to also get the step time
+extrapolated linearly to the full 36 layers. An out-of-memory in the timed runs retries with 20% fewer layers.
+
+Checks before timing: every variant gets the BF16 variant's initial weights (copied through the CPU); its
+logprobs of the first micro-batch (centered per sequence) must be within a relative error of 0.5 of the BF16
+ones (FP8 noise is ~0.05-0.2, a wrong GEMM ~1), and the first step must be finite and taken.
+Timing: wall clock of `train_step` between CUDA syncs, median over `--steps` after `--warmup` steps (the first
+compiles DeepGEMM/Triton kernels and allocates the Adam state).
+
+One layer (`--layer`): one megatron `TransformerLayer` of the native spec as `build_model` builds it
+(`actor.provider.layer_spec(arch, flow, "native", 1)`, `actor.provider.transformer_config`), input
+`[seq, micro_batch, hidden]` BF16, megatron RoPE; each variant gets the same weights. Variants:
+  bf16                    megatron's plain ColumnParallel/RowParallel linears (the bf16 preset)
+  jetrl                   the shipped jetrl preset flow
+  jetrl/cublaslt          FP8 linears on cuBLASLt, check_finite off; weight FP8 bytes cached (later micro-batches)
   jetrl/cublaslt+requant  the same, re-quantizing all four weights every iteration (one micro-batch per step)
-  jetrl/cublaslt+finite   check_finite=True (one host sync per quantization)
-  jetrl/triton            FP8 linears on the Triton GEMM
+  jetrl/cublaslt+finite   check_finite="sync" (one host sync per quantization)
+  jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
 Core attention: `local` = megatron's DotProductAttention (what the native spec uses: unfused baddbmm +
 FP32 softmax + bmm over [b*heads, s, s]) and `sdpa` = this tool's drop-in that calls
 `F.scaled_dot_product_attention(is_causal=True)` (flash), to show the layer with a fused attention core.
+Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
+backward = the difference. Also: ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
+kernel time per fwd+bwd by category (`torch.profiler`).
 
-Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording (what training
-runs) and of forward+backward; backward = the difference. Also reported: ||y - y_bf16|| / ||y_bf16|| of
-the layer output (sanity: FP8 noise, not garbage) and the peak memory of the fwd+bwd. `--profile` variants
-(default bf16 and jetrl/cublaslt) on the last shape also get their GPU kernel time per fwd+bwd from
-`torch.profiler`, summed by category (GEMM, Triton quantizers, attention core, copies, the rest).
+Without a CUDA GPU (and without --tiny): exit 2 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -44,14 +66,58 @@ QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, n
                 head_dim=128, vocab_size=151936, num_hidden_layers=1, max_position_embeddings=40960, rope_theta=1_000_000.0,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
-VARIANTS = {
-    "bf16": dict(mode="bf16"),
-    "jetrl/cublaslt": dict(mode="jetrl", backend="cublaslt", check_finite=False),
-    "jetrl/cublaslt+requant": dict(mode="jetrl", backend="cublaslt", check_finite=False),
-    "jetrl/cublaslt+finite": dict(mode="jetrl", backend="cublaslt", check_finite=True),
-    "jetrl/triton": dict(mode="jetrl", backend="triton", check_finite=False),
-    "jetrl/emulated": dict(mode="jetrl", backend="emulated", check_finite=False),
+VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlow changes on top of it)
+    "bf16": ("bf16", {}),
+    "jetrl": ("jetrl", {}),
+    "jetrl/cublaslt": ("jetrl", dict(backend="cublaslt", check_finite="off")),
+    "jetrl/cublaslt+requant": ("jetrl", dict(backend="cublaslt", check_finite="off")),
+    "jetrl/cublaslt+finite": ("jetrl", dict(backend="cublaslt", check_finite="sync")),
+    "jetrl/triton": ("jetrl", dict(backend="triton", check_finite="off")),
+    "jetrl/emulated": ("jetrl", dict(backend="emulated", check_finite="off")),
 }
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PRESET = os.path.join(REPO, "configs", "models", "qwen3-8b-base.yaml")
+
+
+def mode_file(mode: str) -> str:
+    path = os.path.join(REPO, "configs", "modes", f"{mode}.yaml")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "configs", "modes")) if f.endswith(".yaml"))
+        print(f"error: no precision mode preset {path}; known modes: {known}", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
+def load_preset(mode: str, preset: str = DEFAULT_PRESET, overrides=()):
+    """The JetRLConfig the launcher builds from `preset` + configs/modes/<mode>.yaml (+ overrides), at TP1."""
+    from megatron_jetrl.rl.config import load_config
+
+    return load_config([preset, mode_file(mode)], ["parallel.tp=1", *overrides])
+
+
+def _check_finite_value(value):
+    """`check_finite` by name ("off", "sync", "step"); mapped to False/True where the library's field is still a bool."""
+    from dataclasses import fields
+
+    from megatron_jetrl.fp8 import PrecisionFlow
+
+    default = next((f.default for f in fields(PrecisionFlow) if f.name == "check_finite"), None)
+    if isinstance(value, str) and isinstance(default, bool):
+        if value not in ("off", "sync"):
+            raise ValueError(f"check_finite={value!r} does not exist in this library (its check_finite is a bool)")
+        return value == "sync"
+    return value
+
+
+def variant_flow(name: str):
+    """The PrecisionFlow of a one-layer variant: its mode preset's flow plus the variant's changes."""
+    from megatron_jetrl.fp8 import PrecisionFlow
+
+    mode, changes = VARIANTS[name]
+    flow = load_preset(mode).precision
+    if "check_finite" in changes:
+        changes = {**changes, "check_finite": _check_finite_value(changes["check_finite"])}
+    return PrecisionFlow.from_dict({**flow.to_dict(), **changes}) if changes else flow
 
 
 def _free_port() -> int:
@@ -150,17 +216,8 @@ def profile_step(fn, params, iters: int = 3) -> dict:
     return {"total_ms": sum(kernels.values()), "categories": cats, "top": top}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
-    p.add_argument("--variants", nargs="*", default=["bf16", "jetrl/cublaslt", "jetrl/cublaslt+requant", "jetrl/cublaslt+finite", "jetrl/triton"])
-    p.add_argument("--attn", nargs="*", default=["local", "sdpa"])
-    p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--profile", nargs="*", default=["bf16", "jetrl/cublaslt"],
-                   help="variants to profile (kernel time by category) on the last shape, every core attention")
-    p.add_argument("--tiny", action="store_true", help="smoke run: hidden 256, 64x2 tokens (CPU: emulated FP8)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
+def layer_main(a):
+    """The one-layer benchmark (`--layer`)."""
     cuda = torch.cuda.is_available()
     cfg = TINY if a.tiny else QWEN3_8B
     if a.tiny:
@@ -177,6 +234,10 @@ def main():
     from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
+
+    bad = [v for v in a.variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"error: unknown --variants {bad}; known: {list(VARIANTS)}")
 
     init_parallel(tp=1, pp=1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -200,7 +261,7 @@ def main():
             y_ref = None
             base = {}
             for name in a.variants:
-                flow = PrecisionFlow(**VARIANTS[name])
+                flow = variant_flow(name)
                 layer = build_layer(arch, flow, attn, dtype)
                 missing, unexpected = layer.load_state_dict(ref_state, strict=False)
                 if [m for m in missing if not m.endswith("_extra_state")] or unexpected:
@@ -277,5 +338,388 @@ def main():
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rows": rows}, f, indent=1)
 
 
+
+# ---- the whole actor training step ------------------------------------------------------------------------
+
+STEP_TARGET = 1.3
+
+
+def parse_modes(entries):
+    """`MODE[+section.key=value...]` -> (label, mode, overrides); the bf16 baseline first (added if missing)."""
+    out = []
+    for e in entries:
+        mode, *ov = e.split("+")
+        bad = [o for o in ov if "=" not in o or "." not in o.split("=", 1)[0]]
+        if bad:
+            print(f"error: --modes entry {e!r}: overrides are section.key=value joined by '+', got {bad}", file=sys.stderr)
+            raise SystemExit(2)
+        mode_file(mode)
+        out.append((e, mode, ov))
+    if not any(label == "bf16" for label, _, _ in out):
+        out.insert(0, ("bf16", "bf16", []))
+    out.sort(key=lambda v: v[0] != "bf16")
+    return out
+
+
+def _gc():
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class StepRun:
+    """One variant's actor at `layers` layers: model, DDP, optimizer, and the data of a step."""
+
+    def __init__(self, label, cfg, arch, layers, device, attn="shipped", state=None):
+        import dataclasses
+
+        from megatron_jetrl.actor.provider import ActorOptions, build_model
+        from megatron_jetrl.actor.train_step import wrap_for_training
+        from megatron_jetrl.actor.fp8_layers import unwrap
+
+        self.label, self.cfg, self.flow = label, cfg, cfg.precision
+        self.arch = dataclasses.replace(arch, num_layers=layers)
+        cuda = device.type == "cuda"
+        optim = cfg.optim if cuda else dataclasses.replace(cfg.optim, bf16=False, distributed=False)  # CPU: FP32 params
+        self.options = ActorOptions(params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
+                                    max_sequence_length=max(self.arch.max_position_embeddings, 1))
+        self.optim = optim
+        torch.manual_seed(1234)
+        if attn == "sdpa":  # the native spec looks its core attention class up in fp8_layers' namespace when it builds
+            import megatron_jetrl.actor.fp8_layers as fl
+
+            saved, fl.DotProductAttention = fl.DotProductAttention, sdpa_core_attention_class()
+            try:
+                model = build_model(self.arch, self.flow, self.options)
+            finally:
+                fl.DotProductAttention = saved
+        else:
+            model = build_model(self.arch, self.flow, self.options)
+        cores = [type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")]
+        self.core_attention = cores[0] if cores else "?"
+        if state is not None:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing = [m for m in missing if not m.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"{label}: the BF16 weights do not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        self.unwrap = unwrap
+        self.model = model
+        self.ddp, self.optimizer = wrap_for_training(model, optim)
+
+    def cpu_state(self):
+        sd = self.unwrap(self.ddp).state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def logprobs(self, tokens, mb):
+        from megatron_jetrl.actor.logprobs import compute_logprobs
+
+        return compute_logprobs(self.ddp, tokens, vocab_size=self.arch.vocab_size, micro_batch_size=mb)
+
+    def step(self, tokens, extras, mb):
+        from megatron_jetrl.actor.train_step import train_step
+        from megatron_jetrl.rl.loss import policy_loss
+
+        loss_cfg = self.cfg.loss
+
+        def loss_fn(logprobs, ex):  # as rl.train.update_policy builds it
+            return policy_loss(logprobs, ex["old"], ex["adv"], ex["mask"], cfg=loss_cfg, ref_logprobs=ex.get("ref"),
+                               rollout_logprobs=ex["rollout"])
+
+        return train_step(self.ddp, self.optimizer, tokens, loss_fn, vocab_size=self.arch.vocab_size, micro_batch_size=mb,
+                          extras=extras)
+
+    def close(self):
+        del self.ddp, self.optimizer, self.model
+        _gc()
+
+
+def make_batch(vocab, batch, seq, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    mask = torch.zeros(batch, seq - 1)
+    mask[:, seq // 4:] = 1.0
+    adv = torch.randn(batch, generator=g)
+    return tokens, mask.to(device), adv.to(device)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def probe_layers(a, variants, cfgs, arch, device):
+    """Layers that fit the budget for every variant, from the peak memory of a one-micro-batch step at 1 and 2 layers."""
+    free, total = torch.cuda.mem_get_info()
+    budget = min(free + torch.cuda.memory_allocated(), int(a.mem_gib * 2**30)) * 0.9
+    tokens, mask, adv = make_batch(arch.vocab_size, a.micro_batch, a.seq, device)
+    lp0 = torch.full((a.micro_batch, a.seq - 1), -math.log(arch.vocab_size), device=device)
+    extras = {"old": lp0, "adv": adv, "mask": mask, "rollout": lp0, "ref": lp0}
+    fits = {}
+    for label, _, _ in variants:
+        peaks = {}
+        for n in (1, 2):
+            base = torch.cuda.memory_allocated()
+            run = StepRun(label, cfgs[label], arch, n, device, a.attn_step)
+            run.step(tokens, extras, a.micro_batch)
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats()
+            run.step(tokens, extras, a.micro_batch)  # the Adam state exists now
+            _sync(device)
+            peaks[n] = torch.cuda.max_memory_allocated() - base
+            run.close()
+        per_layer = peaks[2] - peaks[1]
+        fixed = peaks[1] - per_layer
+        n_fit = int((budget - fixed) // per_layer) if per_layer > 0 else 1
+        fits[label] = dict(peak_1_layer_gib=peaks[1] / 2**30, peak_2_layers_gib=peaks[2] / 2**30, per_layer_gib=per_layer / 2**30,
+                           fixed_gib=fixed / 2**30, fits=n_fit)
+        print(f"  memory probe {label:28s} fixed {fixed / 2**30:6.1f} GiB + {per_layer / 2**30:5.2f} GiB/layer -> {n_fit} layers "
+              f"in {budget / 2**30:.0f} GiB", flush=True)
+    layers = max(1, min(arch.num_layers, min(f["fits"] for f in fits.values())))
+    return layers, {"budget_gib": budget / 2**30, "free_gib": free / 2**30, "total_gib": total / 2**30, "variants": fits}
+
+
+def run_variants(a, variants, cfgs, arch, layers, device):
+    """Every variant at `layers` layers: check against BF16, then time the steps. Returns rows."""
+    batch = a.micro_batch * a.micro_batches
+    tokens, mask, adv = make_batch(arch.vocab_size, batch, a.seq, device)
+    rows, state, old = [], None, None
+    cuda = device.type == "cuda"
+    for label, mode, _ in variants:
+        row = {"variant": label, "mode": mode, "layers": layers, "tokens_per_step": batch * a.seq, "micro_batches": a.micro_batches,
+               "micro_batch": a.micro_batch, "seq": a.seq}
+        run = None
+        try:
+            run = StepRun(label, cfgs[label], arch, layers, device, a.attn_step, state=state)
+            row["flow"] = run.flow.to_dict()
+            row["core_attention"] = run.core_attention
+            try:
+                from megatron_jetrl.fp8.gemm import resolve_backend
+
+                row["backend_resolved"] = resolve_backend(run.flow.backend, device) if run.flow.train_fp8 else None
+            except Exception as e:  # noqa: BLE001
+                row["backend_resolved"] = f"unavailable ({type(e).__name__})"
+            if state is None:  # the baseline: its weights and logprobs are every other variant's reference
+                state = run.cpu_state()
+                with torch.no_grad():
+                    old = run.logprobs(tokens, a.micro_batch).float()
+                lp = old[: a.micro_batch]
+                row["lp_rel_err_vs_bf16"] = 0.0
+            else:
+                with torch.no_grad():
+                    lp = run.logprobs(tokens[: a.micro_batch], a.micro_batch).float()
+                ref = old[: a.micro_batch]
+                c, cr = lp - lp.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
+                err = float((c - cr).norm() / cr.norm().clamp_min(1e-30))
+                row["lp_rel_err_vs_bf16"] = err
+                if not (math.isfinite(err) and err < 0.5):
+                    raise RuntimeError(f"logprobs differ from BF16 on the same weights: centered relative error {err:.3g} (bound 0.5)")
+            if not bool(torch.isfinite(lp).all()):
+                raise RuntimeError("non-finite logprobs before training")
+            extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old}
+            times, results = [], []
+            for i in range(a.warmup + a.steps):
+                if i == a.warmup and cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                _sync(device)
+                t0 = time.perf_counter()
+                out = run.step(tokens, extras, a.micro_batch)
+                _sync(device)
+                dt = (time.perf_counter() - t0) * 1e3
+                results.append(out)
+                if i == 0 and not (out.get("ok") and math.isfinite(out.get("loss", float("nan")))):
+                    raise RuntimeError(f"first step not taken or not finite: {out}")
+                if i >= a.warmup:
+                    times.append(dt)
+            times.sort()
+            row.update(step_ms=times[len(times) // 2], step_ms_all=times,
+                       tokens_per_s=batch * a.seq / (times[len(times) // 2] / 1e3),
+                       first_loss=results[0].get("loss"), first_grad_norm=results[0].get("grad_norm"),
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+        except torch.cuda.OutOfMemoryError:
+            if run is not None:
+                run.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in the table; the other variants still run
+            import traceback
+
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if run is not None:
+            run.close()
+        rows.append(row)
+        base = rows[0].get("step_ms")
+        if base and row.get("step_ms"):
+            row["speedup_vs_bf16"] = base / row["step_ms"]
+            if rows[0].get("first_grad_norm") and row.get("first_grad_norm"):
+                row["grad_norm_rel_diff"] = abs(row["first_grad_norm"] / rows[0]["first_grad_norm"] - 1)
+        print(f"  {label:28s} layers {layers:2d}  " + (
+            f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
+            f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
+            f"peak {row['peak_gib']:.1f} GiB" if "step_ms" in row else f"FAILED: {row.get('error')}"), flush=True)
+    del state
+    _gc()
+    return rows
+
+
+def step_main(a):
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    variants = parse_modes(a.modes)
+    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+    from megatron_jetrl.models.arch import ModelArch
+
+    cfgs = {label: load_preset(mode, a.preset, [*ov, *a.override]) for label, mode, ov in variants}
+    arch = cfgs[variants[0][0]].arch() if not a.tiny else ModelArch.from_hf_config(dict(TINY, num_hidden_layers=2))
+    if a.tiny:
+        a.seq, a.micro_batch, a.micro_batches, a.steps, a.warmup = min(a.seq, 64), 2, 2, 1, 1
+        if a.layers == ["auto"]:
+            a.layers = ["2"]
+    if a.seq > arch.max_position_embeddings:
+        import dataclasses
+
+        arch = dataclasses.replace(arch, max_position_embeddings=a.seq)
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    init_parallel(tp=1, pp=1)
+    print(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; actor step: hidden "
+          f"{arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}, vocab "
+          f"{arch.vocab_size}; {a.micro_batches} micro-batches of {a.micro_batch}x{a.seq} tokens per step", flush=True)
+    for label, _, _ in variants:
+        c = cfgs[label]
+        print(f"  {label}: precision {c.precision.to_dict()}  optim {c.optim}", flush=True)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "bench": "step", "preset": a.preset,
+           "args": {k: v for k, v in vars(a).items()}, "rows": []}
+    counts = []
+    for item in a.layers:
+        if item == "auto":
+            if not cuda:
+                counts.append(2)
+                continue
+            try:
+                n, probe = probe_layers(a, variants, cfgs, arch, device)
+            except torch.cuda.OutOfMemoryError as e:
+                _gc()
+                n, probe = 1, {"error": f"out of memory in the probe: {str(e)[:200]}"}
+                print(f"  memory probe ran out of memory: 1 layer ({str(e)[:120]})", flush=True)
+            out["memory_probe"] = probe
+            counts.append(n)
+        else:
+            counts.append(int(item))
+    for layers in sorted(set(counts)):
+        while True:
+            try:
+                out["rows"] += run_variants(a, variants, cfgs, arch, layers, device)
+                break
+            except torch.cuda.OutOfMemoryError as e:
+                _gc()
+                if layers <= 1:
+                    out.setdefault("errors", []).append(f"out of memory at 1 layer: {str(e)[:200]}")
+                    break
+                smaller = max(1, int(layers * 0.8))
+                print(f"  out of memory at {layers} layers: retrying with {smaller}", flush=True)
+                out["rows"] = [r for r in out["rows"] if r["layers"] != layers]
+                layers = smaller
+        if a.json:
+            _write_json(a.json, out)
+    destroy_parallel()
+    report_steps(out, arch)
+    if a.json:
+        _write_json(a.json, out)
+    return 1 if out.get("errors") or any("error" in r for r in out["rows"]) else 0
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+def report_steps(out, arch):
+    rows = out["rows"]
+    print("\n| layers | variant | backend | core attention | step ms (median) | tokens/s | vs BF16 | logprob rel. err vs BF16 | first loss | grad norm | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "step_ms" not in r:
+            print(f"| {r['layers']} | {r['variant']} | - | {r.get('core_attention', '-')} | n/a: {r.get('error', '')[:80]} | | | | | | |")
+            continue
+        print(f"| {r['layers']} | {r['variant']} | {r.get('backend_resolved') or '-'} | {r.get('core_attention', '-')} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+              f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
+              f"{r['first_grad_norm'] if r['first_grad_norm'] is None else round(r['first_grad_norm'], 4)} | {r['peak_gib']:.1f} |")
+    by_variant: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if "step_ms" in r:
+            by_variant.setdefault(r["variant"], {})[r["layers"]] = r["step_ms"]
+    full = arch.num_layers
+    if len(by_variant.get("bf16", {})) >= 2:
+        print(f"\nextrapolated to {full} layers (linear fit of step ms over the layer counts):")
+        out["extrapolated"] = {}
+        fit = {}
+        for v, pts in by_variant.items():
+            if len(pts) < 2:
+                continue
+            xs, ys = list(pts), [pts[x] for x in pts]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            fit[v] = my + slope * (full - mx)
+            out["extrapolated"][v] = {"per_layer_ms": slope, "fixed_ms": my - slope * mx, f"step_ms_{full}_layers": fit[v]}
+        for v, t in fit.items():
+            print(f"  {v:28s} {t:9.1f} ms  x{fit['bf16'] / t:.3f}  (per layer {out['extrapolated'][v]['per_layer_ms']:.1f} ms)")
+    for r in rows:
+        if r["mode"] == "jetrl" and r["variant"] == "jetrl" and "speedup_vs_bf16" in r:
+            ok = r["speedup_vs_bf16"] >= STEP_TARGET
+            print(f"target: whole actor step jetrl (shipped preset) >= {STEP_TARGET}x BF16 at {r['layers']} layers: "
+                  f"{r['speedup_vs_bf16']:.2f}x -> {'MET' if ok else 'NOT MET'}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", action="store_true", help="benchmark one decoder layer instead of the whole step")
+    p.add_argument("--tiny", action="store_true", help="smoke run: hidden 256, a few tokens (CPU: emulated FP8)")
+    p.add_argument("--json", default=None)
+    g = p.add_argument_group("whole step")
+    g.add_argument("--modes", nargs="+", default=["bf16", "jetrl"],
+                   help="MODE[+section.key=value...]: a configs/modes preset plus overrides; bf16 is the baseline")
+    g.add_argument("--preset", default=DEFAULT_PRESET, help="model preset the modes compose onto (default Qwen3-8B-Base)")
+    g.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
+    g.add_argument("--layers", nargs="+", default=["auto"], help="layer counts, or auto (fit --mem-gib)")
+    g.add_argument("--attn-step", choices=["shipped", "sdpa"], default="shipped",
+                   help="core attention: what build_model builds (shipped), or this tool's SDPA drop-in (labelled in the table)")
+    g.add_argument("--mem-gib", type=float, default=80.0, help="memory budget of --layers auto (capped by the free memory)")
+    g.add_argument("--seq", type=int, default=4096)
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (M = micro-batch x seq tokens per GEMM)")
+    g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
+    g.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    g = p.add_argument_group("one layer (--layer)")
+    g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
+    g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])
+    g.add_argument("--attn", nargs="*", default=["local", "sdpa"])
+    g.add_argument("--rep-ms", type=int, default=200)
+    g.add_argument("--profile", nargs="*", default=["bf16", "jetrl"],
+                   help="variants to profile (kernel time by category) on the last shape, every core attention")
+    a = p.parse_args(argv)
+    bad = [x for x in a.layers if x != "auto" and not (x.isdigit() and int(x) >= 1)]
+    if bad:
+        p.error(f"--layers takes positive integers or auto, got {bad}")
+    for name in ("seq", "micro_batch", "micro_batches", "steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step compiles kernels and allocates the optimizer state)")
+    if not a.layer:
+        parse_modes(a.modes)  # unknown modes and malformed overrides: exit 2 before anything is built
+    if not torch.cuda.is_available() and not a.tiny:
+        print("error: tools/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
+              "(bash tools/gpu_fp8.sh bench), or --tiny for a CPU smoke run", file=sys.stderr)
+        return 2
+    if a.layer:
+        layer_main(a)
+        return 0
+    return step_main(a)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,4 +16,4 @@ if not torch.cuda.is_available():
              "CPU tests: bash tools/test.sh")
 print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, cc {torch.cuda.get_device_capability()}")
 PY
-PYTHONPATH=. exec python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu "$@"
+PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} exec python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu "$@"

@@ -1,0 +1,73 @@
+"""The FP8 benchmark tools (tools/bench_fp8.py, tools/bench_actor.py, tools/gpu_fp8.sh) parse their arguments and refuse
+cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here times anything."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+
+
+def run(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([*map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    err = r.stderr.strip()
+    assert r.returncode == code, r.stdout + r.stderr
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert all(w in last for w in words), err
+
+
+def test_bench_fp8_help_names_every_section():
+    r = run(sys.executable, "tools/bench_fp8.py", "--help")
+    assert r.returncode == 0, r.stderr
+    for section in ("ceilings", "quant", "gemm", "linear", "layer", "profile", "--json", "--sections"):
+        assert section in r.stdout
+
+
+def test_bench_fp8_refuses_an_unknown_section():
+    one_line(run(sys.executable, "tools/bench_fp8.py", "--sections", "linear", "bogus"), 2, "unknown section", "bogus")
+    one_line(run(sys.executable, "tools/bench_fp8.py", "--linear-m", "100"), 2, "--linear-m")
+
+
+@no_cuda
+@pytest.mark.parametrize("sections", [["linear", "layer", "profile"], ["quant,gemm"]])
+def test_bench_fp8_without_cuda_exits_2_in_one_line(tmp_path, sections):
+    r = run(sys.executable, REPO / "tools/bench_fp8.py", "--sections", *sections, "--json", tmp_path / "b.json", cwd=tmp_path)
+    one_line(r, 2, "error: ", "needs a CUDA GPU")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.json").exists()
+
+
+def test_bench_actor_help_and_bad_arguments():
+    r = run(sys.executable, "tools/bench_actor.py", "--help")
+    assert r.returncode == 0 and "--layers" in r.stdout and "--modes" in r.stdout and "--layer" in r.stdout, r.stderr
+    one_line(run(sys.executable, "tools/bench_actor.py", "--layers", "0"), 2, "--layers")
+    one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "fp4"), 2, "no precision mode preset", "fp4", "jetrl")
+    one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "jetrl+backend"), 2, "section.key=value")
+
+
+@no_cuda
+def test_bench_actor_without_cuda_exits_2_in_one_line(tmp_path):
+    r = run(sys.executable, REPO / "tools/bench_actor.py", "--json", tmp_path / "a.json", cwd=tmp_path)
+    one_line(r, 2, "error: ", "needs a CUDA GPU", "--tiny")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "a.json").exists()
+
+
+def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():
+    r = run("bash", "tools/gpu_fp8.sh")
+    assert r.returncode == 2 and "usage" in r.stdout
+    r = run("bash", "tools/gpu_fp8.sh", "setup", "benchmark")
+    assert r.returncode == 2 and "unknown stage benchmark" in r.stdout
+    header = (REPO / "tools/gpu_fp8.sh").read_text()
+    carry = json.loads(re.search(r"^#\s+(\[\"\.kits.*\])$", header, re.M).group(1))
+    assert carry == [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
