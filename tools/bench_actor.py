@@ -37,9 +37,8 @@ One layer (`--layer`): one megatron `TransformerLayer` of the native spec as `bu
   jetrl/cublaslt+requant  the same, re-quantizing all four weights every iteration (one micro-batch per step)
   jetrl/cublaslt+finite   check_finite="sync" (one host sync per quantization)
   jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
-Core attention: `local` = megatron's DotProductAttention (what the native spec uses: unfused baddbmm +
-FP32 softmax + bmm over [b*heads, s, s]) and `sdpa` = this tool's drop-in that calls
-`F.scaled_dot_product_attention(is_causal=True)` (flash), to show the layer with a fused attention core.
+Core attention: `shipped` = the native spec's `SDPAttention` (torch SDPA, flash on GPU) and `megatron` = megatron's
+unfused DotProductAttention (baddbmm + FP32 softmax + bmm over [b*heads, s, s]) swapped in for comparison.
 Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
 backward = the difference. Also: ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
 kernel time per fwd+bwd by category (`torch.profiler`).
@@ -95,28 +94,12 @@ def load_preset(mode: str, preset: str = DEFAULT_PRESET, overrides=()):
     return load_config([preset, mode_file(mode)], ["parallel.tp=1", *overrides])
 
 
-def _check_finite_value(value):
-    """`check_finite` by name ("off", "sync", "step"); mapped to False/True where the library's field is still a bool."""
-    from dataclasses import fields
-
-    from megatron_jetrl.fp8 import PrecisionFlow
-
-    default = next((f.default for f in fields(PrecisionFlow) if f.name == "check_finite"), None)
-    if isinstance(value, str) and isinstance(default, bool):
-        if value not in ("off", "sync"):
-            raise ValueError(f"check_finite={value!r} does not exist in this library (its check_finite is a bool)")
-        return value == "sync"
-    return value
-
-
 def variant_flow(name: str):
     """The PrecisionFlow of a one-layer variant: its mode preset's flow plus the variant's changes."""
     from megatron_jetrl.fp8 import PrecisionFlow
 
     mode, changes = VARIANTS[name]
     flow = load_preset(mode).precision
-    if "check_finite" in changes:
-        changes = {**changes, "check_finite": _check_finite_value(changes["check_finite"])}
     return PrecisionFlow.from_dict({**flow.to_dict(), **changes}) if changes else flow
 
 
@@ -126,24 +109,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sdpa_core_attention_class():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class SDPACoreAttention(DotProductAttention):
-        """megatron's DotProductAttention interface, computed by torch SDPA (causal, flash on GPU)."""
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-            s, b = query.shape[0], query.shape[1]
-            rep = query.shape[2] // key.shape[2]
-            q = query.permute(1, 2, 0, 3)
-            k = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-            v = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-            return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-    return SDPACoreAttention
-
-
 def build_layer(arch, flow, attn: str, dtype):
     from megatron.core.transformer.spec_utils import build_module
 
@@ -151,8 +116,10 @@ def build_layer(arch, flow, attn: str, dtype):
 
     config = transformer_config(arch, flow, tp=1, pp=1, options=ActorOptions(params_dtype=dtype))
     spec = layer_spec(arch, flow, "native", 1).layer_specs[0]  # the decoder's layer, as build_model makes it
-    if attn == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention_class()
+    if attn == "megatron":  # megatron's unfused DotProductAttention instead of the spec's SDPA, for comparison
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
     layer = build_module(spec, config=config, layer_number=1)
     # the native RMSNorm weights are made on the CPU; megatron's get_model() moves modules with .cuda()
     return layer.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else layer
@@ -248,7 +215,7 @@ def layer_main(a):
     rope = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=arch.rope_theta,
                            use_cpu_initialization=not cuda)
     torch.manual_seed(0)
-    ref_state = build_layer(arch, PrecisionFlow("bf16"), "local", dtype).state_dict()
+    ref_state = build_layer(arch, PrecisionFlow("bf16"), "shipped", dtype).state_dict()
     ref_state = {k: v.detach().clone() for k, v in ref_state.items() if v is not None and isinstance(v, torch.Tensor)}
     rows = []
     for shape in a.shapes:
@@ -372,7 +339,7 @@ def _gc():
 class StepRun:
     """One variant's actor at `layers` layers: model, DDP, optimizer, and the data of a step."""
 
-    def __init__(self, label, cfg, arch, layers, device, attn="shipped", state=None):
+    def __init__(self, label, cfg, arch, layers, device, state=None):
         import dataclasses
 
         from megatron_jetrl.actor.provider import ActorOptions, build_model
@@ -387,16 +354,7 @@ class StepRun:
                                     max_sequence_length=max(self.arch.max_position_embeddings, 1))
         self.optim = optim
         torch.manual_seed(1234)
-        if attn == "sdpa":  # the native spec looks its core attention class up in fp8_layers' namespace when it builds
-            import megatron_jetrl.actor.fp8_layers as fl
-
-            saved, fl.DotProductAttention = fl.DotProductAttention, sdpa_core_attention_class()
-            try:
-                model = build_model(self.arch, self.flow, self.options)
-            finally:
-                fl.DotProductAttention = saved
-        else:
-            model = build_model(self.arch, self.flow, self.options)
+        model = build_model(self.arch, self.flow, self.options)
         cores = [type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")]
         self.core_attention = cores[0] if cores else "?"
         if state is not None:
@@ -461,7 +419,7 @@ def probe_layers(a, variants, cfgs, arch, device):
         peaks = {}
         for n in (1, 2):
             base = torch.cuda.memory_allocated()
-            run = StepRun(label, cfgs[label], arch, n, device, a.attn_step)
+            run = StepRun(label, cfgs[label], arch, n, device)
             run.step(tokens, extras, a.micro_batch)
             _sync(device)
             torch.cuda.reset_peak_memory_stats()
@@ -491,7 +449,7 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                "micro_batch": a.micro_batch, "seq": a.seq}
         run = None
         try:
-            run = StepRun(label, cfgs[label], arch, layers, device, a.attn_step, state=state)
+            run = StepRun(label, cfgs[label], arch, layers, device, state=state)
             row["flow"] = run.flow.to_dict()
             row["core_attention"] = run.core_attention
             try:
@@ -685,8 +643,6 @@ def main(argv=None):
     g.add_argument("--preset", default=DEFAULT_PRESET, help="model preset the modes compose onto (default Qwen3-8B-Base)")
     g.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
     g.add_argument("--layers", nargs="+", default=["auto"], help="layer counts, or auto (fit --mem-gib)")
-    g.add_argument("--attn-step", choices=["shipped", "sdpa"], default="shipped",
-                   help="core attention: what build_model builds (shipped), or this tool's SDPA drop-in (labelled in the table)")
     g.add_argument("--mem-gib", type=float, default=80.0, help="memory budget of --layers auto (capped by the free memory)")
     g.add_argument("--seq", type=int, default=4096)
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (M = micro-batch x seq tokens per GEMM)")
@@ -696,7 +652,7 @@ def main(argv=None):
     g = p.add_argument_group("one layer (--layer)")
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
     g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])
-    g.add_argument("--attn", nargs="*", default=["local", "sdpa"])
+    g.add_argument("--attn", nargs="*", default=["shipped"], choices=["shipped", "megatron"])
     g.add_argument("--rep-ms", type=int, default=200)
     g.add_argument("--profile", nargs="*", default=["bf16", "jetrl"],
                    help="variants to profile (kernel time by category) on the last shape, every core attention")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import json
 import math
@@ -288,16 +287,6 @@ def shipped_flow() -> PrecisionFlow:
     return PrecisionFlow(mode="jetrl")
 
 
-def flow_variant(**changes) -> PrecisionFlow:
-    """`PrecisionFlow(mode="jetrl", **changes)`. `check_finite` by name ("off", "sync", "step"); on a library whose
-    field is still a bool, "off"/"sync" map to False/True and "step" is refused (there is no such mode there)."""
-    cf = changes.get("check_finite")
-    default = next((f.default for f in dataclasses.fields(PrecisionFlow) if f.name == "check_finite"), None)
-    if isinstance(cf, str) and isinstance(default, bool):
-        if cf not in ("off", "sync"):
-            raise ValueError(f"check_finite={cf!r} does not exist in this library (its check_finite is a bool)")
-        changes["check_finite"] = cf == "sync"
-    return PrecisionFlow(mode="jetrl", **changes)
 
 
 def describe_flow(flow: PrecisionFlow) -> str:
@@ -449,7 +438,7 @@ def linear_section(res, m=8192, te_fused=True):
     FP8 variants get `weight.main_grad` (FP32 zeros, what megatron DDP attaches): with the DeepGEMM backend the
     WGrad accumulates into it and returns no separate dW. Inputs x (grad on) and dY are rotated over two sets;
     grads of x and weight are reset outside the timed region each iteration (triton do_bench)."""
-    flows = {"ours": shipped_flow(), "ours_cublaslt": flow_variant(backend="cublaslt")}
+    flows = {"ours": shipped_flow(), "ours_cublaslt": PrecisionFlow(mode="jetrl", backend="cublaslt")}
     te, te_recipe = import_te()
     dg = import_deep_gemm()
     notes = [
@@ -766,7 +755,7 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
     y_ref, dx_ref = y_ref.detach().float(), x0.grad.float()
     t_bf = bench(step(ref), grad_to_none=grads_none(ref))
     row = {"model": model, "tokens": batch * seq, "bf16_ms": t_bf, "variants": {}}
-    variants = {"jetrl (shipped defaults)": shipped_flow, "jetrl backend=cublaslt": lambda: flow_variant(backend="cublaslt")}
+    variants = {"jetrl (shipped defaults)": shipped_flow, "jetrl backend=cublaslt": lambda: PrecisionFlow(mode="jetrl", backend="cublaslt")}
     for label, make in variants.items():
         v = {}
         try:

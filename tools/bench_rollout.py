@@ -11,7 +11,7 @@ on the device, one layer at a time, and installed through `NativeEngine.update_w
 path); the FP8 engine gets the same BF16 weights quantized on the device (128x128 blocks, the trainer's
 quantizer), and shares the BF16 embedding / lm_head / norms with the BF16 engine. Both engines run with
 `batch_invariant=False` (library kernels). FP8: `PrecisionFlow("jetrl", backend=--backend,
-check_finite=False)` unless `--check-finite` (which adds a host sync per quantization).
+check_finite="off")` unless `--check-finite` (which adds a host sync per quantization).
 
 Two measurements per (precision, batch, new tokens), prompts of `--prompt` random ids:
 
@@ -244,7 +244,7 @@ def main(argv=None) -> dict:
     shape = TINY if args.tiny else QWEN3_8B
     arch = ModelArch.from_hf_config(hf_config(shape, args.layers))
     backend = resolve_backend(args.backend, device)
-    fp8_flow = PrecisionFlow("jetrl", backend=backend, check_finite=args.check_finite)
+    fp8_flow = PrecisionFlow("jetrl", backend=backend, check_finite="sync" if args.check_finite else "off")
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

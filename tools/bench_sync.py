@@ -130,7 +130,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def bench_mode(mode, arch, entries, params, device, a, log) -> dict:
-    flow = PrecisionFlow(mode, check_finite=False) if mode != "bf16" else PrecisionFlow("bf16")
+    flow = PrecisionFlow(mode, check_finite="off") if mode != "bf16" else PrecisionFlow("bf16")
     fetch = lambda name: [params[name]]  # noqa: E731
     cache: dict = {}
     fetch_fp8 = (lambda name: [cache[name]]) if mode == "jetrl" else None  # noqa: E731
@@ -144,7 +144,7 @@ def bench_mode(mode, arch, entries, params, device, a, log) -> dict:
             cache.clear()
             cache.update(q)
             del q
-            tc, _ = timed(device, lambda: quantize_all(params, entries, PrecisionFlow("jetrl", check_finite=True)))
+            tc, _ = timed(device, lambda: quantize_all(params, entries, PrecisionFlow("jetrl", check_finite="sync")))
             if r:
                 times["quantize"].append(t)
                 times["quantize_checked"].append(tc)
@@ -228,7 +228,7 @@ def bench_actor_stream(a, arch: ModelArch, device, rank: int, log) -> list[dict]
             continue
         init_parallel(tp=tp, pp=1)
         for mode in a.modes:
-            flow = PrecisionFlow(mode, check_finite=False) if mode != "bf16" else PrecisionFlow("bf16")
+            flow = PrecisionFlow(mode, check_finite="off") if mode != "bf16" else PrecisionFlow("bf16")
             t_build, model = timed(device, lambda: build_model(arch, flow, ActorOptions(params_dtype=dtype)))
             if device.type == "cuda":
                 model.cuda(device)  # the native RMSNorm weights are made on the CPU (see tools/gpu_actor_tp.py)
@@ -321,7 +321,7 @@ def main():
             if cuda:
                 torch.cuda.empty_cache()
     if world == 2:
-        flow = PrecisionFlow("jetrl", check_finite=False)
+        flow = PrecisionFlow("jetrl", check_finite="off")
         shards = megatron_params(arch, entries, device, 2, rank)
         rounds = []
         for r in range(a.repeats + 1):

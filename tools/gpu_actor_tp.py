@@ -150,7 +150,7 @@ def run_layout(tp: int, a, root: Path, device, tokens, advantages, var_list) -> 
         for name, kw in var_list:
             if name.endswith(BUG) and tp == 1:
                 continue  # the base variant's TP1 run is the reference
-            flow = PrecisionFlow(**kw, check_finite=a.check_finite) if kw["mode"] != "bf16" else PrecisionFlow(**kw)
+            flow = PrecisionFlow(**kw, check_finite="sync" if a.check_finite else "off") if kw["mode"] != "bf16" else PrecisionFlow(**kw)
             model = build_model(arch, flow, ActorOptions(params_dtype=dtype, max_sequence_length=max(a.seq, 64)))
             if device.type == "cuda":
                 # build_model leaves the native spec's RMSNorm weights on the CPU (torch.ones without a device);

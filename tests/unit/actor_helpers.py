@@ -103,17 +103,13 @@ def _rope(x, cos, sin):
 
 
 def _attention(q, k, v):
-    """Causal softmax attention, `[b, s, heads, hd]` -> `[b, s, heads * hd]`, in megatron DotProductAttention's op
-    order (baddbmm with the scale folded in, masked_fill -10000, FP32 softmax, bmm over [b*heads, s, hd]): the FP8
-    reference must feed its quantizers the same bits, or last-bit differences flip E4M3 roundings and move the
-    logits by the FP8 noise itself (~1e-1 here)."""
+    """Causal GQA attention, q `[b, s, heads, hd]`, k/v `[b, s, groups, hd]` -> `[b, s, heads * hd]`, through torch's
+    SDPA as the native spec's `SDPAttention` calls it (enable_gqa, default scale): the FP8 reference must feed its
+    quantizers the same bits, or last-bit differences flip E4M3 roundings and move the logits by the FP8 noise
+    itself (~1e-1 here)."""
     b, s, nh, hd = q.shape
-    q_, k_, v_ = (t.transpose(0, 1).reshape(s, b * nh, hd).transpose(0, 1) for t in (q, k, v))
-    scores = torch.baddbmm(q_.new_empty(b * nh, s, s), q_, k_.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(hd))
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
-    probs = scores.view(b, nh, s, s).masked_fill(mask, -10000.0).softmax(-1)
-    context = torch.bmm(probs.view(b * nh, s, s), v_).view(b, nh, s, hd)
-    return context.permute(0, 2, 1, 3).reshape(b, s, nh * hd)
+    out = F.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+    return out.permute(0, 2, 1, 3).reshape(b, s, nh * hd)
 
 
 def reference_logits(config: dict, state: dict, tokens: torch.Tensor, linear=None) -> torch.Tensor:
@@ -135,7 +131,6 @@ def reference_logits(config: dict, state: dict, tokens: torch.Tensor, linear=Non
         if p + "self_attn.q_norm.weight" in w:
             q, k = _rms(q, w[p + "self_attn.q_norm.weight"], eps), _rms(k, w[p + "self_attn.k_norm.weight"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k, v = k.repeat_interleave(nh // nkv, dim=2), v.repeat_interleave(nh // nkv, dim=2)
         attn = _attention(q, k, v)
         h = h + linear(attn, w[p + "self_attn.o_proj.weight"])
         x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
