@@ -207,7 +207,7 @@ def test_te_train_step_matches_local_spec(te_ready, mode):
     after = [logprobs(ddp, toks) for ddp, _ in results]
     (_, r_local), (_, r_te) = results
     rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
-    d0, d1 = (b[1] - b[0]).abs(), (a[1] - a[0]).abs()
+    d0, d1 = (before[1] - before[0]).abs(), (after[1] - after[0]).abs()
     print(f"TRAINSTEP {mode}: before mean|dlogp| {d0.mean():.3g} max {d0.max():.3g}; after mean {d1.mean():.3g} max {d1.max():.3g}; "
           f"loss local {r_local['loss']:.6g} te {r_te['loss']:.6g}; grad norm local {r_local['grad_norm']:.6g} te {r_te['grad_norm']:.6g}",
           flush=True)
