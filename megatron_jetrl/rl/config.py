@@ -341,6 +341,14 @@ class JetRLConfig:
         _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
                "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
         if self.model.spec == "te":
+            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0,
+                   f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
+                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size to a multiple of 8 "
+                   f"(got {self.grpo.micro_batch_size})")
+            _check(not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
+                   f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
+                   f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "
+                   "FP8 GEMMs: set warmup.batch_size accordingly")
             _check(self.run.device != "cpu", "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
                                              "run.device=cpu: set run.device=cuda (or auto) or model.spec=local")
             _check(self.precision.eps == PrecisionFlow().eps,

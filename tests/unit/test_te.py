@@ -51,6 +51,7 @@ def test_te_spec_refused_without_te_with_the_install_line(monkeypatch):
     (["model.batch_invariant=true"], "set model.batch_invariant=false"),
     (["run.device=cpu"], r"model\.spec=te needs a GPU run"),
     (["precision.eps=1.0e-8"], r"leave precision\.eps at its default"),
+    (["grpo.micro_batch_size=4", "grpo.prompts_per_step=4", "rollout.n=4"], r"set grpo\.micro_batch_size to a multiple of 8"),
 ])
 def test_te_spec_refuses_what_it_cannot_honour(monkeypatch, overrides, message):
     monkeypatch.setattr(te_mod, "te_installed", lambda: True)
