@@ -28,7 +28,7 @@ What TE computes (read in `common/recipe/recipe_common.cuh` `compute_scale_from_
 
 Our contract (vLLM's) is `s = RN(amax / 448)`, ue8m0 `s = 2**ceil(log2(max(s, 1e-10)))`, `q = e4m3(x / s)`.
 `te_quantize` below is TE's rule in torch; the GPU test proves it equals TE's kernels byte for byte, and the CPU
-tests compare it with `quantize_blockwise`. Consequences (asserted in tests/unit/test_te.py and tests/gpu/test_te.py):
+tests compare it with `quantize_blockwise`. Consequences (asserted in tests/unit/test_te_cpu.py and tests/gpu/test_te.py):
 
 * `ue8m0`: identical bytes and scales in every group with max(amax, eps) > 448 * 2**-34 = 2.6e-8. There, 1/scale is
   2**ceil(log2(amax/448)) exactly: neither RN(448/amax) nor RN(amax/448) can round onto a power of two unless it
