@@ -2,9 +2,10 @@
 
 `build_model(arch, flow)` validates first (FP8 block alignment for the model x TP, before any weight is
 allocated), then builds the GPTModel for this rank's pipeline stage with the layer spec of the flow:
-`spec="native"` (megatron's local layer with `fp8_layers`' FP8 linears in mode `jetrl`, plain linears
-otherwise; runs on CPU and on GPUs without TE) or `spec="te"` (TE layers with the Jet-RL quantizers,
-`te_recipe`). Parallel sizes come from megatron's parallel state (`actor.parallel.init_parallel`).
+`spec="local"` (megatron's local layer with `fp8_layers`' FP8 linears in mode `jetrl`, plain linears
+otherwise; runs on CPU and on GPUs without TE; `"native"` is accepted as its old name) or `spec="te"` (megatron's
+TE layer spec with the flow's recipe, `te_recipe`; CUDA + Transformer Engine). Parallel sizes come from megatron's
+parallel state (`actor.parallel.init_parallel`). `copy_weights` moves weights between the two specs' namings.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 class ActorOptions:
     """How the actor model is built (everything not fixed by the model's config.json)."""
 
-    spec: str = "native"
-    """`native` (megatron local layers + megatron_jetrl FP8 linears) or `te` (Transformer Engine layers)."""
+    spec: str = "local"
+    """`local` (megatron local layers + megatron_jetrl FP8 linears; `native` is an alias) or `te` (megatron's
+    Transformer Engine layer spec, FP8 through TE with the flow's recipe: `actor.te_recipe`)."""
     params_dtype: torch.dtype = torch.float32
     """Parameter dtype. On CPU keep float32: megatron's bf16 optimizer and DistributedOptimizer need CUDA."""
     sequence_parallel: bool = False
@@ -40,10 +42,12 @@ class ActorOptions:
     engine's bit for bit (TP1). A slow reference path: meant for CPU runs and tests."""
 
     def __post_init__(self):
-        if self.spec not in ("native", "te"):
-            raise ValueError(f"spec must be 'native' or 'te', got {self.spec!r}")
-        if self.batch_invariant and self.spec != "native":
-            raise ValueError("batch_invariant=True needs spec='native' (TE layers run TE's own kernels)")
+        if self.spec == "native":
+            object.__setattr__(self, "spec", "local")
+        if self.spec not in ("local", "te"):
+            raise ValueError(f"spec must be 'local' or 'te', got {self.spec!r}")
+        if self.batch_invariant and self.spec != "local":
+            raise ValueError("batch_invariant=True needs spec='local' (TE layers run TE's own kernels)")
 
 
 def rope_kwargs(arch: ModelArch) -> dict:
@@ -99,10 +103,18 @@ def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_i
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
-    """This rank's GPTModel (pipeline stage from megatron's parallel state). Vocabulary padded per `padded_vocab_size`."""
+    """This rank's GPTModel (pipeline stage from megatron's parallel state). Vocabulary padded per `padded_vocab_size`.
+    `options.spec="te"` refuses (install line) before anything is built when Transformer Engine is missing."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if options.spec == "te":
+        from megatron_jetrl.fp8.te import require_te
+
+        require_te()
+        if not torch.cuda.is_available():
+            raise RuntimeError("the TE layer spec needs a CUDA device (Transformer Engine has no CPU kernels): "
+                               "run on a GPU or use spec='local'")
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     model = GPTModel(
@@ -125,3 +137,26 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     if torch.cuda.is_available():  # megatron builds some modules (our RMSNorm) on the CPU; its own setup calls .cuda()
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def copy_weights(src, dst, arch: ModelArch, *, src_spec: str, dst_spec: str) -> list[str]:
+    """Copy every parameter of this pipeline stage's `src` model into `dst` (same TP x PP layout), names mapped
+    through the one mapping table (`models.mapping.model_entries`: both specs hold the same HF tensors); returns the
+    destination names. E.g. a TE-spec actor starts from the weights the local spec draws for the same seed."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.actor.fp8_layers import unwrap
+    from megatron_jetrl.models.mapping import model_entries
+
+    spec_name = {"native": "local"}
+    stage = {"pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size()}
+    pairs = list(zip(model_entries(arch, spec=spec_name.get(src_spec, src_spec), **stage),
+                     model_entries(arch, spec=spec_name.get(dst_spec, dst_spec), **stage)))
+    src_params, dst_params = dict(unwrap(src).named_parameters()), dict(unwrap(dst).named_parameters())
+    missing = sorted({d.megatron for _, d in pairs} ^ set(dst_params)) + sorted({s.megatron for s, _ in pairs} ^ set(src_params))
+    if missing:
+        raise KeyError(f"the models' parameters and the mapping table disagree on {missing} (spec {src_spec!r} -> {dst_spec!r})")
+    with torch.no_grad():
+        for s_entry, d_entry in pairs:
+            dst_params[d_entry.megatron].copy_(src_params[s_entry.megatron])
+    return [d.megatron for _, d in pairs]

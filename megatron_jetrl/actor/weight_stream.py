@@ -1,7 +1,8 @@
 """The live actor's HF `(name, tensor)` stream: the source of the weight sync after every optimizer step.
 
 Each linear's TP shards -- FP8 bytes (`fp8_layers.fp8_weights`, the very `QuantizedWeight`s the forward
-used), their scale grids, or BF16 params -- are all-gathered over the TP group (FP8 as a `uint8` view: gloo
+used; for the TE spec `te_recipe.te_fp8_weights`, TE's own kernel's bytes and scale_inv), their scale grids, or BF16
+params -- are all-gathered over the TP group (FP8 as a `uint8` view: gloo
 refuses float8) and handed to `models.export.hf_tensors`, the one stream the converter writes from too.
 `to="rank0"`: only global rank 0 (where native engines live) receives pairs, the other ranks of data-parallel
 replica 0 take part in the gathers. `to="all"`: every rank receives the whole model (each replica's TP group
@@ -47,7 +48,15 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
     if to == "rank0" and ps.get_data_parallel_rank() != 0:
         return
     params = dict(unwrap(model).named_parameters())
-    quantized = fp8_weights(model) if flow.train_fp8 else {}
+    spec = model_spec(model)
+    quantized = {}
+    if flow.train_fp8:
+        if spec == "te":
+            from megatron_jetrl.actor.te_recipe import te_fp8_weights
+
+            quantized = te_fp8_weights(model, flow)
+        else:
+            quantized = fp8_weights(model)
 
     def fetch(name: str) -> list[torch.Tensor]:
         return _tp_gather(params[name].detach())
@@ -58,11 +67,17 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
         w = quantized[name]
         return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
 
-    pairs = hf_tensors(arch, flow, model_entries(arch), fetch, fetch_fp8)
+    pairs = hf_tensors(arch, flow, model_entries(arch, spec=spec), fetch, fetch_fp8)
     if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
         drain(pairs)
+
+
+def model_spec(model) -> str:
+    """The mapping naming of a model built by `actor.provider.build_model`: 'local' or 'te'."""
+    options = getattr(unwrap(model), "actor_options", None)
+    return "te" if getattr(options, "spec", "local") == "te" else "local"
 
 
 def drain(pairs) -> None:

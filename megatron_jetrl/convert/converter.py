@@ -62,6 +62,8 @@ class Plan:
     dtype: str
     rollout_tp: int
     stages: list[list[Entry]] = field(default_factory=list)
+    spec: str = "local"
+    """The checkpoint's layer spec (meta.json): `te` with an FP8-trained flow exports TE's weight bytes."""
 
     @property
     def fp8(self) -> bool:
@@ -78,10 +80,21 @@ class Plan:
         """The (hf_name, tensor) stream of the whole model, pipeline stage after pipeline stage."""
         for pp_rank, entries in enumerate(self.stages):
             fetch = self.checkpoint.fetch(pp_rank)
-            yield from hf_tensors(self.arch, self.flow, entries, fetch, quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS))
+            yield from hf_tensors(self.arch, self.flow, entries, fetch,
+                                  quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS, self.weight_quantizer()))
+
+    def weight_quantizer(self):
+        """`QuantizedWeight.quantize`, or for a TE-spec checkpoint trained in FP8 `fp8.te.te_quantize_weight`: TE's
+        128x128 numerics (`x * RN(448/amax)`, scale_inv = 1/scale), the bytes its forward ran -- with fp32 scales
+        they differ from ours in a few elements and scale ulps, so the rollout gets exactly what TE trained with."""
+        if self.spec == "te" and self.source_flow.train_fp8 and self.flow.rollout_fp8:
+            from megatron_jetrl.fp8.te import te_quantize_weight
+
+            return te_quantize_weight
+        return QuantizedWeight.quantize
 
 
-def quantize_ranks_in_rows(fetch, flow: PrecisionFlow, rows: int = QUANT_ROWS):
+def quantize_ranks_in_rows(fetch, flow: PrecisionFlow, rows: int = QUANT_ROWS, quantize_weight=None):
     """`QuantizedWeight.quantize` of every TP shard, run on slices of `rows` rows (a multiple of 128).
 
     128x128 blocks are quantized independently (amax, scale and bytes depend on the block alone), so
@@ -91,11 +104,12 @@ def quantize_ranks_in_rows(fetch, flow: PrecisionFlow, rows: int = QUANT_ROWS):
     """
     if rows % 128:
         raise ValueError(f"rows must be a multiple of 128, got {rows}")
+    quantize_weight = quantize_weight or QuantizedWeight.quantize
 
     def quantize(weight: torch.Tensor) -> QuantizedWeight:
         if weight.shape[0] <= rows:
-            return QuantizedWeight.quantize(weight, flow)
-        parts = [QuantizedWeight.quantize(weight[i : i + rows], flow) for i in range(0, weight.shape[0], rows)]
+            return quantize_weight(weight, flow)
+        parts = [quantize_weight(weight[i : i + rows], flow) for i in range(0, weight.shape[0], rows)]
         return QuantizedWeight(torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn), torch.cat([p.s for p in parts]))
 
     return lambda name: [quantize(t) for t in fetch(name)]
@@ -187,7 +201,7 @@ def plan(checkpoint_dir: str | Path, *, dtype: str = "fp8", rollout_tp: int = 1,
                         f"{name}: {key} has shape {list(shape)}, but TP rank {t} of TP={tp} holds {list(want)} "
                         f"for this {arch.family} config -- TP/PP metadata and shards disagree"
                     )
-    return Plan(ckpt, arch, flow, source_flow, dtype, rollout_tp, stages)
+    return Plan(ckpt, arch, flow, source_flow, dtype, rollout_tp, stages, spec)
 
 
 @dataclass

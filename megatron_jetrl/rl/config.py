@@ -117,12 +117,28 @@ class ModelConfig:
     batch_invariant: bool | None = None
     """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.batch_invariant_ops`, which
     makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
+    spec: str = "local"
+    """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
+    bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE
+    attention), FP8 through TE's own kernels with the recipe the precision flow derives (`actor.te_recipe`): CUDA and
+    TE 2.20.2 needed; in `jetrl` with `scale_mode: fp32` a small fraction of activation elements differ by one E4M3 step
+    from the rollout's (weights are shipped as TE trained them), with `ue8m0` the bytes agree (`fp8/te.py`);
+    `precision.backend` then applies to the native rollout engine only. Checkpoints
+    of the two specs name the norms differently: resume with the spec you trained with."""
 
     def __post_init__(self):
         _check(bool(self.hf_config) or bool(self.path),
                "model: give model.hf_config (an inline architecture: random init) and/or model.path (a local HF directory)")
         _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
         _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
+        _check(self.spec in ("local", "te"), f"model.spec must be 'local' or 'te', got {self.spec!r}")
+        if self.spec == "te":
+            from megatron_jetrl.fp8.te import INSTALL_HINT, te_installed
+
+            _check(te_installed(), f"model.spec=te: {INSTALL_HINT}")
+            _check(not self.batch_invariant, "model.spec=te runs Transformer Engine's own norm, attention and GEMM kernels, "
+                                             "not models.batch_invariant_ops: set model.batch_invariant=false (or null), or "
+                                             "model.spec=local")
 
     def architecture(self) -> dict:
         """The HF config dict: inline, else `path`'s config.json."""
@@ -324,6 +340,21 @@ class JetRLConfig:
                "(each rank runs one TP rank of one vLLM engine)")
         _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
                "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
+        if self.model.spec == "te":
+            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0,
+                   f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
+                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size to a multiple of 8 "
+                   f"(got {self.grpo.micro_batch_size})")
+            _check(not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
+                   f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
+                   f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "
+                   "FP8 GEMMs: set warmup.batch_size accordingly")
+            _check(self.run.device != "cpu", "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
+                                             "run.device=cpu: set run.device=cuda (or auto) or model.spec=local")
+            _check(self.precision.eps == PrecisionFlow().eps,
+                   f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
+                   f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
+                   "precision.eps at its default or use model.spec=local")
         if self.model.hf_config:
             self.arch()  # architecture problems surface here, before anything is built
 

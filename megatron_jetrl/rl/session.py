@@ -153,10 +153,11 @@ def build_session(cfg: JetRLConfig) -> Session:
         problems = load_problems(cfg.data.source, cfg.data.path)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
-    options = ActorOptions(params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32, batch_invariant=batch_invariant)
-    model = build_model(arch, flow, options)
+    options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
+                           batch_invariant=batch_invariant)
+    model = build_model_same_init(arch, flow, options) if cfg.model.spec == "te" and not cfg.model.path else build_model(arch, flow, options)
     if cfg.model.path:
-        load_hf_weights(model, arch, cfg.model.path)
+        load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)
     reference = None
     if cfg.loss.kl_coef > 0:
         reference = build_model(arch, flow, options).eval().requires_grad_(False)
@@ -164,6 +165,21 @@ def build_session(cfg: JetRLConfig) -> Session:
     native = cfg.rollout.engine == "native" and dist.get_rank() == 0
     pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
     return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool)
+
+
+def build_model_same_init(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions):
+    """A TE-spec actor that starts from the weights the local spec draws for this seed (megatron initializes TE and
+    local layers in another order): a local model is built first -- the RNG state a local-spec run builds its actor
+    from -- and copied over through the mapping table, so the two specs train from the same init."""
+    from dataclasses import replace
+
+    from megatron_jetrl.actor.provider import copy_weights
+
+    local = build_model(arch, flow, replace(options, spec="local"))
+    model = build_model(arch, flow, options)
+    copy_weights(local, model, arch, src_spec="local", dst_spec=options.spec)
+    del local
+    return model
 
 
 def freeze_reference(s: Session) -> None:
@@ -226,12 +242,13 @@ def save(s: Session, step: int, warmup_done: bool) -> Path:
         staging.mkdir(parents=True)
     dist.barrier()
     hf_config = s.cfg.model.architecture()
-    save_checkpoint(s.model, staging, hf_config=hf_config, flow=s.flow, iteration=step, optimizer=s.optimizer)
+    spec = s.cfg.model.spec  # the mapping naming of the parameters (TE fuses the norms into linear_qkv / linear_fc1)
+    save_checkpoint(s.model, staging, hf_config=hf_config, flow=s.flow, iteration=step, spec=spec, optimizer=s.optimizer)
     if s.reference is not None:
         if s.is_main:
             (staging / "ref").mkdir()
         dist.barrier()
-        save_checkpoint(s.reference, staging / "ref", hf_config=hf_config, flow=s.flow, iteration=step)
+        save_checkpoint(s.reference, staging / "ref", hf_config=hf_config, flow=s.flow, iteration=step, spec=spec)
     if s.is_main:
         state = {"step": step, "warmup_done": warmup_done, "sampler": s.sampler.state_dict(), "config": s.cfg.to_dict()}
         atomic_write_bytes(staging / STATE_FILE, json.dumps(state, indent=1).encode())
@@ -268,7 +285,10 @@ def resume(s: Session) -> dict | None:
             raise ValueError(f"step, sampler and config do not match a {ckpt.name}")
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{ckpt / STATE_FILE} is damaged ({e}): {elsewhere}") from None
-    if state["config"].get("model") != s.cfg.to_dict()["model"] or state["config"].get("precision") != s.cfg.to_dict()["precision"]:
+    saved_model = state["config"].get("model")
+    if isinstance(saved_model, dict):
+        saved_model = {"spec": "local", **saved_model}  # written before model.spec existed: the local spec
+    if saved_model != s.cfg.to_dict()["model"] or state["config"].get("precision") != s.cfg.to_dict()["precision"]:
         raise ConfigError(f"{ckpt} was written by a run with another model or precision section; "
                           "resume with the same config or use a new run.name")
     try:

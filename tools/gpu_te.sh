@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Transformer Engine on the GPU machine (issue 15): install the kit, run tests/gpu/test_te.py, compare the TE spec with
+# the local spec in short GRPO runs. One GPU; .kits/te (shared/kits/te) and .whl/ (megatron-core, math-verify wheels)
+# travel with the call:
+#
+#   bash tools/gpu_te.sh STAGE...      STAGE: install | tests | train
+#
+#   install  the TE kit's one-call install (`fp8.te.INSTALL_LINE`: build.sh installs the prebuilt extension into
+#            /tmp/te-site and ends with CHECK OK) and .whl/*.whl into /tmp/mcore; skipped when both are importable
+#   tests    pytest -s tests/gpu/test_te.py -> $OUT/tests.log; its CONFORMANCE / TRAINSTEP / EXPORT lines -> $OUT/te_numbers.txt
+#   train    tools/gpu_grpo_run.sh once per spec (local, te), modes $MODES, same seed -> $OUT/train_{local,te}/, then
+#            tools/te_compare.py -> $OUT/train_table.md (loss, mismatch vs the native rollout, step and phase times)
+#
+# Environment: OUT (default out/gpu_te), MODES (default "jetrl bf16-train-fp8-rollout bf16"), SCALE (precision.scale_mode,
+# default fp32), TRAIN_MODEL (small | 1p5b; default small: a Qwen-shaped 8-layer hidden-1024 model, 6 steps, so that
+# six runs fit in ~4 minutes; 1p5b: configs/gpu_1p5b.yaml's Qwen2.5-1.5B shapes, 4 steps, ~10 minutes), RUN_TIMEOUT
+# (per GRPO run, default 110 s small / 200 s 1p5b), TRAIN_ARGS (extra overrides for every run).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+OUT=${OUT:-$repo/out/gpu_te}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+have_te() { [ -f /tmp/te-site/transformer_engine/__init__.py ] && (source .kits/te/bin/env.sh && python3 -c "import transformer_engine.pytorch" 2>/dev/null); }
+env_te() {
+  [ -f .kits/te/bin/env.sh ] || { echo "no .kits/te/bin/env.sh: carry .kits/te/bin (cp -r shared/kits .kits)"; exit 3; }
+  source .kits/te/bin/env.sh
+  if ! python3 -c "import megatron.core, math_verify" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
+  fi
+  export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH
+}
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== stage $stage $(date -u +%TZ)"
+  case $stage in
+    install)
+      if have_te; then echo "TE already installed in /tmp/te-site"; else
+        timeout 560 bash .kits/te/bin/build.sh 2.20.2 .kits/te/v2.20.2/base .kits/te/v2.20.2/core-sm90 2>&1 | tail -25 | tee "$OUT/install.log"
+        rc=${PIPESTATUS[0]}
+        [ "$rc" = 0 ] || { echo "TE install failed (exit $rc; 3 = build still running: rerun install)"; exit 3; }
+      fi
+      env_te
+      python3 -c "import transformer_engine.pytorch as t, megatron.core as m, torch; print('TE', t.__version__ if hasattr(t, '__version__') else '?', 'megatron-core', m.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee -a "$OUT/install.log" ;;
+    tests)
+      env_te
+      timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te.py 2>&1 \
+        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/tests.log" | grep -E "^(CONFORMANCE|TRAINSTEP|EXPORT)|passed|failed|Error"
+      grep -E "^(CONFORMANCE|TRAINSTEP|EXPORT)" "$OUT/tests.log" >"$OUT/te_numbers.txt" ;;
+    train)
+      env_te
+      if [ "${TRAIN_MODEL:-small}" = 1p5b ]; then
+        model=(run.steps=4); timeout_s=${RUN_TIMEOUT:-200}
+      else
+        model=("model.hf_config={model_type: qwen2, hidden_size: 1024, intermediate_size: 2816, num_hidden_layers: 8, num_attention_heads: 8, num_key_value_heads: 2, head_dim: 128, vocab_size: 32768, max_position_embeddings: 1024, rope_theta: 1000000.0, rms_norm_eps: 1.0e-6, tie_word_embeddings: true, bos_token_id: 1, eos_token_id: 2}"
+               run.steps=6); timeout_s=${RUN_TIMEOUT:-110}
+      fi
+      modes=${MODES:-jetrl bf16-train-fp8-rollout bf16}
+      if [ "${SCALE:-fp32}" = ue8m0 ]; then  # PrecisionFlow refuses scale_mode=ue8m0 in mode bf16 (nothing is quantized)
+        modes=$(echo " $modes " | sed 's/ bf16 / /g'); echo "SCALE=ue8m0: modes $modes (bf16 has no scale mode)"
+      fi
+      for spec in local te; do
+        OUT=$OUT/train_$spec MODES="$modes" RUN_TIMEOUT=$timeout_s PYTHON=python3 \
+          bash tools/gpu_grpo_run.sh "model.spec=$spec" "precision.scale_mode=${SCALE:-fp32}" "${model[@]}" ${TRAIN_ARGS:-} >/dev/null 2>&1
+        echo "-- spec $spec:"; grep -E "^== .*exit|Error|error" "$OUT/train_$spec/run.log" | tail -8
+      done
+      python3 tools/te_compare.py "$OUT/train_local" "$OUT/train_te" | tee "$OUT/train_table.md" ;;
+    *) echo "unknown stage $stage (install | tests | train)"; exit 2 ;;
+  esac
+  echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
+done
