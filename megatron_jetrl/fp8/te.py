@@ -56,6 +56,7 @@ layout (`quant.scale_shape`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -81,9 +82,18 @@ _INPUT_MAX = {torch.bfloat16: torch.finfo(torch.bfloat16).max, torch.float16: to
               torch.float32: torch.finfo(torch.float32).max}
 
 
+@functools.cache
 def te_installed() -> bool:
-    """Whether TE's Python package and its torch extension are importable (a look-up, nothing is imported)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "transformer_engine_torch"))
+    """Whether TE's PyTorch side imports. `transformer_engine_torch` is not on sys.path in the kit's install (TE's
+    loader puts it in sys.modules when `transformer_engine.pytorch` imports), so it is imported, not looked up;
+    a machine without the `transformer_engine` package answers at once."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def require_te() -> None:
