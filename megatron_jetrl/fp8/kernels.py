@@ -150,8 +150,10 @@ def _k():
         stride_xt, stride_xst, stride_xsn, stride_qtn, stride_stn, stride_stt,
         eps,
         BLOCK_N: tl.constexpr, FP8_IN: tl.constexpr, UE8M0: tl.constexpr, EVEN: tl.constexpr, TRANS: tl.constexpr,
+        TMA: tl.constexpr,
     ):
-        # 128x1 groups along T of a [128, BLOCK_N] tile, written transposed ([N, T], T contiguous)
+        # 128x1 groups along T of a [128, BLOCK_N] tile, written transposed ([N, T], T contiguous). TMA: `qt_ptr` is a
+        # tensor descriptor of qt and the transposed tile leaves through a TMA store (which clips partial tiles).
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_t = pid_t * 128 + tl.arange(0, 128)
@@ -172,7 +174,9 @@ def _k():
         s = scale_of(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, eps, UE8M0)
         q = to_e4m3(x, s[None, :])
         st_ptrs = st_ptr + offs_n.to(tl.int64) * stride_stn + pid_t * stride_stt
-        if TRANS:
+        if TMA:
+            qt_ptr.store([pid_n * BLOCK_N, pid_t * 128], tl.trans(q))
+        elif TRANS:
             qt_ptrs = qt_ptr + offs_n[:, None].to(tl.int64) * stride_qtn + offs_t[None, :]
             if EVEN:
                 tl.store(qt_ptrs, tl.trans(q))
@@ -184,40 +188,6 @@ def _k():
                 tl.store(qt_ptrs, q)
             else:
                 tl.store(qt_ptrs, q, mask=mask)
-        if EVEN:
-            tl.store(st_ptrs, s)
-        else:
-            tl.store(st_ptrs, s, mask=offs_n < N)
-
-    @triton.jit
-    def _quant_cols_tma(
-        x_ptr, xs_ptr, qt_desc, st_ptr, T, N,
-        stride_xt, stride_xst, stride_xsn, stride_stn, stride_stt,
-        eps,
-        BLOCK_N: tl.constexpr, FP8_IN: tl.constexpr, UE8M0: tl.constexpr, EVEN: tl.constexpr,
-    ):
-        # `_quant_cols` whose transposed tile leaves through a TMA store (the descriptor clips partial tiles)
-        pid_t = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_t = pid_t * 128 + tl.arange(0, 128)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
-        ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_n[None, :]
-        if EVEN:
-            x = tl.load(ptrs).to(tl.float32)
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if FP8_IN:
-            xs = tl.load(
-                xs_ptr + offs_t[:, None].to(tl.int64) * stride_xst + (offs_n[None, :] // 128) * stride_xsn,
-                mask=mask, other=1.0,
-            )
-            x = x * xs
-        amax = tl.max(tl.abs(x), axis=0)
-        s = scale_of(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, eps, UE8M0)
-        q = to_e4m3(x, s[None, :])
-        qt_desc.store([pid_n * BLOCK_N, pid_t * 128], tl.trans(q))
-        st_ptrs = st_ptr + offs_n.to(tl.int64) * stride_stn + pid_t * stride_stt
         if EVEN:
             tl.store(st_ptrs, s)
         else:
@@ -417,7 +387,6 @@ def _k():
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
         "quant_cols": _quant_cols,
-        "quant_cols_tma": _quant_cols_tma,
         "quant_128x128": _quant_128x128,
         "gemm_ptr": _gemm_ptr,
         "gemm_tma": _gemm_tma,
@@ -513,17 +482,16 @@ def _quant_cols(x2, xs, qt, st, t, n, eps, fp8_in, ue8m0, block_n=None, num_warp
     grid = (triton_cdiv(t, GROUP), triton_cdiv(n, bn))
     even = t % GROUP == 0 and n % bn == 0
     warps = num_warps or cfg["num_warps"]
-    if (cfg["tma"] if tma is None else tma) and _tma_ok(qt):
+    use_tma = (cfg["tma"] if tma is None else tma) and _tma_ok(qt)
+    qt_arg = qt
+    if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        _k()["quant_cols_tma"][grid](
-            x2, xs, TensorDescriptor.from_tensor(qt, [bn, GROUP]), st, t, n, x2.stride(0), xs.stride(0), xs.stride(1),
-            st.stride(0), st.stride(1), float(eps), BLOCK_N=bn, FP8_IN=fp8_in, UE8M0=ue8m0, EVEN=even, num_warps=warps,
-        )
-        return
+        qt_arg = TensorDescriptor.from_tensor(qt, [bn, GROUP])
     _k()["quant_cols"][grid](
-        x2, xs, qt, st, t, n, x2.stride(0), xs.stride(0), xs.stride(1), qt.stride(0), st.stride(0), st.stride(1), float(eps),
-        BLOCK_N=bn, FP8_IN=fp8_in, UE8M0=ue8m0, EVEN=even, TRANS=cfg["trans"] if trans is None else trans, num_warps=warps,
+        x2, xs, qt_arg, st, t, n, x2.stride(0), xs.stride(0), xs.stride(1), qt.stride(0), st.stride(0), st.stride(1), float(eps),
+        BLOCK_N=bn, FP8_IN=fp8_in, UE8M0=ue8m0, EVEN=even, TRANS=cfg["trans"] if trans is None else trans, TMA=use_tma,
+        num_warps=warps,
     )
 
 
