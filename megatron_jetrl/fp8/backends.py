@@ -178,9 +178,16 @@ def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
     return d if acc is not None or out_dtype == torch.float32 else d.to(out_dtype)
 
 
+def gemm_triton(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
+    from megatron_jetrl.fp8.kernels import gemm
+
+    out = gemm(a_q, a_s, b_q, b_s, b_block, torch.float32 if acc is not None else out_dtype)
+    return out if acc is None else acc.add_(out)
+
+
 # ---- first-use checks ---------------------------------------------------------------------------------
 
-GEMMS = {"emulated": gemm_emulated, "cublaslt": gemm_cublaslt, "deepgemm": gemm_deepgemm}
+GEMMS = {"emulated": gemm_emulated, "cublaslt": gemm_cublaslt, "deepgemm": gemm_deepgemm, "triton": gemm_triton}
 SELF_TEST_BOUND = {"cublaslt": 1e-3, "deepgemm": 1e-2}
 """Relative error allowed against the emulated reference; DeepGEMM's 1D2D output is BF16 (~2**-9 per element)."""
 

@@ -87,11 +87,6 @@ def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bf
     b_block = tuple(b_block)
     _check_operands(a_q, a_s, b_q, b_s, b_block, acc)
     name = resolve_backend(backend, a_q.device, b_q.shape[0])
-    if name == "triton":
-        from megatron_jetrl.fp8.kernels import gemm
-
-        out = gemm(a_q, a_s, b_q, b_s, b_block, torch.float32 if acc is not None else out_dtype)
-        return out if acc is None else acc.add_(out)
     if name in CHECKED_AT_FIRST_USE:
         backends.self_test(name, a_q.device)
     return backends.GEMMS[name](a_q, a_s, b_q, b_s, b_block, out_dtype, acc)

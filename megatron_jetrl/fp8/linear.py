@@ -48,8 +48,7 @@ class QuantizedWeight:
         else:
             q, s = _quantize(w, WEIGHT, flow, sync)
             t = (q.t().contiguous(), s.t().contiguous()) if transposed else None
-        if check == "step":
-            finite.record(f"{site}: weight", s)
+        _record(flow, f"{site}: weight", s)
         return cls(q, s, t)
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +79,16 @@ def _quantize(x, block, flow, sync: bool):
     return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=sync)
 
 
+def _record(flow: PrecisionFlow, site: str, scales: torch.Tensor) -> None:
+    """Under `check_finite="step"`: the quantization's scales go to the active watch (`megatron_jetrl.fp8.finite`)."""
+    if flow.check_finite == "step":
+        finite.record(site, scales)
+
+
 def _quantize_input(x2d, flow: PrecisionFlow, site: str):
     """1x128 quantization of a GEMM input under `flow.check_finite` (see `megatron_jetrl.fp8.finite`)."""
     x_q, x_s = _quantize(x2d, ACT, flow, flow.check_finite == "sync")
-    if flow.check_finite == "step":
-        finite.record(f"{site}: input", x_s)
+    _record(flow, f"{site}: input", x_s)
     return x_q, x_s
 
 
@@ -127,8 +131,7 @@ def _quantize_gated(gate_up2d, act, flow: PrecisionFlow, site: str):
         from megatron_jetrl.fp8 import kernels
 
         q, s = kernels.swiglu_quantize_1x128(gate_up2d, flow.scale_mode, eps=flow.eps, check_finite=sync)
-        if flow.check_finite == "step":
-            finite.record(f"{site}: input", s)
+        _record(flow, f"{site}: input", s)
         return q, s
     gate, up = gate_up2d.chunk(2, dim=-1)
     return _quantize_input(act(gate) * up, flow, site)
@@ -168,9 +171,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
-        if flow.check_finite == "step":
-            finite.record(f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
+        if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
+            dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
+            _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
             dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)

@@ -317,3 +317,17 @@ def test_gated_input_fused_into_quantization_equals_the_unfused_mlp():
         outs.append((y, x.grad, w.grad))
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_bias_only_gradient_quantizes_nothing():
+    """A frozen weight, an input without grad: backward gives the bias gradient only (dY is not quantized)."""
+    from megatron_jetrl.fp8 import finite
+
+    lin = FP8Linear(128, 256, flow=JETRL)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(5, 128)
+    dy = torch.randn(5, 256)
+    with finite.watch() as watch:
+        lin(x).backward(dy)
+        assert not any(site.endswith("output gradient") for site in watch._sites)
+    assert torch.allclose(lin.bias.grad, dy.sum(0)) and lin.weight.grad is None
