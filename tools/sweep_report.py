@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Table-4-style report of a TP x precision-mode sweep: median per-phase step times and FP8 speedups over BF16.
+"""Table-4-style report of a TP x precision-mode sweep: median per-phase step times, FP8 speedups over BF16 and the
+train/rollout mismatch.
 
 For each run directory (metrics.jsonl from megatron_jetrl.rl.metrics, plus summary.json and the sweep's
 sweep_status.json when present) one row: TP, precision mode, status, the median time of each phase (rollout,
@@ -60,6 +61,8 @@ class RunRow:
     rollout_tokens_per_s: float | None = None
     speedup: dict = field(default_factory=dict)  # phase -> float, or None (not computable)
     baseline: str = ""  # why there is no speedup, when there is none
+    rollout: str = ""  # the rollout engine and its TP ("vllm tp2"), when the metrics say; "" for older runs
+    mismatch: dict = field(default_factory=dict)  # "mean" / "k3" (medians over the timed steps), "max" (over all steps)
 
     @property
     def status_text(self) -> str:
@@ -146,6 +149,12 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     row.times = {p: _median(timed, f"time/{p}") for p in PHASES}
     row.tokens_per_s = _median(timed, "throughput/tokens_per_s")
     row.rollout_tokens_per_s = _median([_rollout_rate(r) for r in timed], "rate")
+    last = rows[-1] if rows else {}
+    if last.get("rollout_engine"):
+        row.rollout = f"{last['rollout_engine']} tp{last.get('rollout_tp', 1)}"
+    maxes = [r["mismatch/max_abs_diff"] for r in rows if isinstance(r.get("mismatch/max_abs_diff"), (int, float))]
+    row.mismatch = {"mean": _median(timed, "mismatch/mean_abs_diff"), "k3": _median(timed, "mismatch/k3_kl"),
+                    "max": max(maxes) if maxes else None}
     return row
 
 
@@ -155,14 +164,15 @@ def _mode_key(mode: str | None) -> tuple:
 
 def build_rows(directories: list[str], warmup: int = 1) -> list[RunRow]:
     rows = [load_run(d, warmup) for d in directories]
-    rows.sort(key=lambda r: (r.tp is None, r.tp or 0, _mode_key(r.mode), r.directory))
+    rows.sort(key=lambda r: (r.tp is None, r.tp or 0, r.rollout, _mode_key(r.mode), r.directory))
     for row in rows:
         row.speedup = {p: None for p in SPEEDUP_PHASES}
         if row.status != "ok":
             continue
-        base = next((b for b in rows if b.mode == BASELINE and b.tp == row.tp and b.status == "ok"), None)
+        base = next((b for b in rows if b.mode == BASELINE and (b.tp, b.rollout) == (row.tp, row.rollout)
+                     and b.status == "ok"), None)
         if base is None:
-            row.baseline = f"no successful {BASELINE} run at TP {row.tp}"
+            row.baseline = f"no successful {BASELINE} run at TP {row.tp}" + (f" with rollout {row.rollout}" if row.rollout else "")
             continue
         for p in SPEEDUP_PHASES:
             if p == "rollout":  # throughput ratio, as the paper's Table 4
@@ -178,18 +188,19 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-HEADER = ["TP", "mode", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
-          *(f"{p} speedup" for p in SPEEDUP_PHASES)]
+HEADER = ["TP", "mode", "rollout", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
+          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp"]
 CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2): time per "
            "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
            f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
            f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
-           f"{BASELINE} run at that TP.")
+           f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
+           "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps.")
 
 
 def to_markdown(rows: list[RunRow]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join(["---:", ":---", ":---"] + ["---:"] * (len(HEADER) - 3)) + "|"]
+             "|" + "|".join(["---:", ":---", ":---", ":---"] + ["---:"] * (len(HEADER) - 4)) + "|"]
     for r in rows:
         if r.status == "ok":
             speed = [("n/a" if r.baseline else _cell(r.speedup[p], ".2f", "x")) for p in SPEEDUP_PHASES]
@@ -197,11 +208,13 @@ def to_markdown(rows: list[RunRow]) -> str:
             speed = ["-"] * len(SPEEDUP_PHASES)
         has_times = r.status not in ("skipped", "invalid") and r.steps_total > 0
         cells = [
-            "?" if r.tp is None else str(r.tp), r.mode or "?", r.status_text, str(r.steps_timed) if has_times else "-",
+            "?" if r.tp is None else str(r.tp), r.mode or "?", r.rollout or "-", r.status_text,
+            str(r.steps_timed) if has_times else "-",
             *(_cell(r.times.get(p), ".3f") if has_times else "-" for p in PHASES),
             _cell(r.tokens_per_s, ".1f") if has_times else "-",
             _cell(r.rollout_tokens_per_s, ".1f") if has_times else "-",
             *speed,
+            *(_cell(r.mismatch.get(k), ".4g") if has_times else "-" for k in ("mean", "k3", "max")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + CAPTION + "\n"
@@ -210,18 +223,19 @@ def to_markdown(rows: list[RunRow]) -> str:
 def to_csv(rows: list[RunRow]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["tp", "mode", "status", "reason", "directory", "steps_total", "steps_timed",
+    w.writerow(["tp", "mode", "rollout", "status", "reason", "directory", "steps_total", "steps_timed",
                 *(f"time_{p}" for p in PHASES), "tokens_per_s", "rollout_tokens_per_s",
-                *(f"speedup_{p}" for p in SPEEDUP_PHASES)])
+                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs"])
 
     def num(v):
         return "" if v is None else repr(float(v))
 
     for r in rows:
-        w.writerow(["" if r.tp is None else r.tp, r.mode or "", r.status, r.reason or r.baseline, r.directory,
+        w.writerow(["" if r.tp is None else r.tp, r.mode or "", r.rollout, r.status, r.reason or r.baseline, r.directory,
                     r.steps_total, r.steps_timed, *(num(r.times.get(p)) for p in PHASES), num(r.tokens_per_s),
                     num(r.rollout_tokens_per_s),
-                    *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES)])
+                    *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES),
+                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max"))])
     return buf.getvalue()
 
 

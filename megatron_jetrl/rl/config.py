@@ -59,6 +59,10 @@ class RunConfig:
     """GRPO steps."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    checkpoint: bool = True
+    """False: write no checkpoint at all -- for timing runs and sweeps at large shapes, where one checkpoint with
+    optimizer state is ~16 bytes per parameter. A stopped run then cannot resume (it starts over), and run.export,
+    which converts the final checkpoint, must be false."""
     keep_checkpoints: int = 3
     """Complete checkpoints kept in `checkpoints/`: after each save the oldest beyond this many are deleted (the
     newest complete one is always kept); 0: keep every one."""
@@ -77,6 +81,8 @@ class RunConfig:
     def __post_init__(self):
         _check(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
         _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        _check(self.checkpoint or not self.export, "run.checkpoint=false writes no checkpoint, but run.export=true "
+               "converts the final one: set run.export=false too (or keep run.checkpoint=true)")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -6,7 +6,7 @@ The run directory holds `metrics.jsonl`: one JSON object per optimizer step, wri
      "mismatch/mean_abs_diff": 0.0, "mismatch/k3_kl": 0.0, "mismatch/max_abs_diff": 0.0,
      "loss/pg": -0.02, "loss/kl": 0.001, "grad_norm": 0.8, "time/rollout": 1.2, "time/eval": 0.3,
      "time/update": 0.9, "time/sync": 0.05, "time/step": 2.5, "throughput/tokens_per_s": 310.0,
-     "mode": "jetrl", "tp": 2, "pp": 1, "dp": 1}
+     "mode": "jetrl", "tp": 2, "pp": 1, "dp": 1, "rollout_engine": "native", "rollout_tp": 1}
 
 Lines also carry `mismatch/len<lo>-<hi>/*`, the mismatch per response-length bucket (rollout/metrics.py), for the
 buckets that hold responses that step. Each line is flushed and fsync'ed as it is written, so a killed run keeps every finished step. Non-finite
@@ -50,9 +50,10 @@ METRIC_KEYS = (
     *(f"time/{p}" for p in PHASES),
     "throughput/tokens_per_s",
 )
-"""The numeric keys every line of metrics.jsonl carries (besides `step`, `mode`, `tp`, `pp`, `dp`)."""
+"""The numeric keys every line of metrics.jsonl carries (besides `step`, `mode`, `tp`, `pp`, `dp`, `rollout_engine`,
+`rollout_tp`)."""
 
-_TB_SKIP = frozenset({"step", "tp", "pp", "dp"})
+_TB_SKIP = frozenset({"step", "tp", "pp", "dp", "rollout_tp"})
 
 
 def _plain(value: Any) -> Any:

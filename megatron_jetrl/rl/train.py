@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
         writer.write(row)
         bar.update(1, reward=f"{row['reward/mean']:.3f}", mismatch=f"{row.get('mismatch/mean_abs_diff', 0):.2g}")
-        if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
+        if cfg.run.checkpoint and (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps):
             last_saved = sess.save(s, step + 1, warmup_done=True)
     bar.close()
     writer.close()
@@ -221,6 +221,7 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
     roll = [row for _, rolled in shares for row in rolled]
     out = {
         "mode": s.flow.mode, "tp": s.cfg.parallel.tp, "pp": s.cfg.parallel.pp, "dp": s.cfg.parallel.dp,
+        "rollout_engine": s.cfg.rollout.engine, "rollout_tp": s.cfg.rollout.tp,
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(unbiased=False)),
         "response_length/mean": float(batch.response_lengths.float().mean()),
         "response_length/truncated_frac": float(batch.truncated.float().mean()),

@@ -54,3 +54,10 @@ def test_tp2_run_with_two_processes(tmp_path):
     assert all(0 < r["mismatch/mean_abs_diff"] < 0.05 for r in rows)
     meta = json.loads((out / "checkpoints" / "step_000003" / "meta.json").read_text())
     assert meta["tp"] == 2
+
+
+def test_a_timing_run_without_checkpoints_writes_none(tmp_path):
+    rows, out = launch(tmp_path, "e2e-nockpt", "run.steps=2", "run.checkpoint=false", "run.export=false")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert not (out / "checkpoints").exists() and not (out / "export").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2

@@ -52,6 +52,7 @@ CASES = {
     "choice": (["run.on_nonfinite=ignore"], r"run.on_nonfinite must be 'stop' or 'skip', got 'ignore'"),
     "choice (resume)": (["run.resume=maybe"], r"run.resume must be 'auto' or 'never'"),
     "negative timeout": (["run.timeout_s=0"], r"run.timeout_s must be positive, got 0"),
+    "no checkpoint but an export": (["run.checkpoint=false"], r"run.checkpoint=false writes no checkpoint, but run.export=true .*set run.export=false"),
     # ---- precision / scale settings that do not fit together
     "ue8m0 scales in bf16 mode": (["precision.mode=bf16", "precision.scale_mode=ue8m0"],
                                   r"scale_mode='ue8m0' has no effect in mode='bf16' .*pick an FP8 mode or leave scale_mode='fp32'"),

@@ -214,13 +214,19 @@ def test_progress_lines_off_a_terminal_bar_on_one():
 # ---------------------------------------------------------------- sweep report
 
 
-def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None, summary=True, tokens=100.0):
-    """A run dir as the trainer + tp_sweep.sh leave it; times: per step {phase: seconds}; tokens: per step."""
+def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None, summary=True, tokens=100.0,
+             rollout=("native", 1), mismatch=None):
+    """A run dir as the trainer + tp_sweep.sh leave it; times: per step {phase: seconds}; tokens: per step;
+    mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it)."""
     directory.mkdir(parents=True)
     if times is not None:
         with open(directory / "metrics.jsonl", "w") as f:
             for i, t in enumerate(times):
-                r = {"step": i, "reward/mean": 0.5, **{f"time/{k}": v for k, v in t.items()}, "mode": mode, "tp": tp}
+                r = {"step": i, "reward/mean": 0.5, **{f"time/{k}": v for k, v in t.items()}, "mode": mode, "tp": tp,
+                     "rollout_engine": rollout[0], "rollout_tp": rollout[1]}
+                if mismatch is not None:
+                    r |= {"mismatch/mean_abs_diff": mismatch[i], "mismatch/k3_kl": mismatch[i] / 10,
+                          "mismatch/max_abs_diff": mismatch[i] * 10}
                 r["throughput/tokens_per_s"] = tokens / t["step"]
                 f.write(json.dumps(r) + "\n")
     if summary:
@@ -242,7 +248,11 @@ def sweep(tmp_path):
     make_run(d / "sweep_tp1_bf16", 1, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5), phases(2.2, 0.5, 1.2, 0.5),
                                                phases(1.8, 0.5, 0.8, 0.5)], status=ok(1, "bf16"))
     # jetrl answers with longer responses: its rollout speedup is in tokens/s (120/1.6 vs 100/2.0), not in time
-    make_run(d / "sweep_tp1_jetrl", 1, "jetrl", [warm, phases(1.6, 0.4, 0.5, 0.5)], status=ok(1, "jetrl"), tokens=120.0)
+    make_run(d / "sweep_tp1_jetrl", 1, "jetrl", [warm, phases(1.6, 0.4, 0.5, 0.5)], status=ok(1, "jetrl"), tokens=120.0,
+             mismatch=[0.5, 0.125])
+    # TP2 with vLLM (rollout TP2): its own bf16 baseline, not the native engine's
+    make_run(d / "multi_tp2_rtp2_bf16", 2, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5)], rollout=("vllm", 2), mismatch=[0.02, 0.02])
+    make_run(d / "multi_tp2_rtp2_jetrl", 2, "jetrl", [warm, phases(1.0, 0.5, 0.5, 0.5)], rollout=("vllm", 2), mismatch=[0.2, 0.1])
     make_run(d / "sweep_tp1_bf16-train-fp8-rollout", 1, "bf16-train-fp8-rollout", [warm],
              status={"status": "failed", "tp": 1, "mode": "bf16-train-fp8-rollout", "rc": 3}, summary=False)
     # TP2: no bf16 run at all (its directory was never written) -> n/a speedups
@@ -254,21 +264,24 @@ def sweep(tmp_path):
     make_run(d / "sweep_tp8_jetrl", None, None, None, summary=False,
              status={"status": "invalid", "tp": 8, "mode": "jetrl", "rc": None, "reason": "config error: TP=8 does not divide 2"})
     dirs = [d / n for n in ("sweep_tp2_jetrl", "tp4_skip", "sweep_tp1_jetrl", "sweep_tp1_bf16-train-fp8-rollout",
-                            "manual_tp2", "sweep_tp1_bf16", "sweep_tp2_bf16", "sweep_tp8_jetrl")]
+                            "manual_tp2", "sweep_tp1_bf16", "sweep_tp2_bf16", "sweep_tp8_jetrl", "multi_tp2_rtp2_jetrl",
+                            "multi_tp2_rtp2_bf16")]
     return d, [str(x) for x in dirs]
 
 
 EXPECTED_TABLE = """\
-| TP | mode | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup |
-|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 1 | bf16 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x |
-| 1 | bf16-train-fp8-rollout | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - |
-| 1 | jetrl | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x |
-| 2 | bf16 | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - |
-| 2 | bf16-train-fp8-rollout | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - |
-| 2 | jetrl | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a |
-| 4 | jetrl | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - |
-| 8 | jetrl | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - |
+| TP | mode | rollout | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup | mean abs dlogp | k3 KL | max abs dlogp |
+|---:|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1 | bf16 | native tp1 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | - | - | - |
+| 1 | bf16-train-fp8-rollout | native tp1 | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - | - | - | - |
+| 1 | jetrl | native tp1 | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x | 0.125 | 0.0125 | 5 |
+| 2 | bf16 | - | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 2 | bf16-train-fp8-rollout | native tp1 | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - | - | - | - |
+| 2 | jetrl | native tp1 | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a | - | - | - |
+| 2 | bf16 | vllm tp2 | ok | 1 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | 0.02 | 0.002 | 0.2 |
+| 2 | jetrl | vllm tp2 | ok | 1 | 1.000 | 0.500 | 0.500 | 0.500 | 2.500 | 40.0 | 100.0 | 2.00x | 2.00x | 1.60x | 0.1 | 0.01 | 2 |
+| 4 | jetrl | - | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 8 | jetrl | - | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
 """
 
 
@@ -285,12 +298,16 @@ def test_sweep_report_table(sweep, capsys):
     rows = list(csv.DictReader(open(d / "sweep_report.csv")))
     assert [(r["tp"], r["mode"], r["status"]) for r in rows] == [
         ("1", "bf16", "ok"), ("1", "bf16-train-fp8-rollout", "failed"), ("1", "jetrl", "ok"), ("2", "bf16", "failed"),
-        ("2", "bf16-train-fp8-rollout", "failed"), ("2", "jetrl", "ok"), ("4", "jetrl", "skipped"), ("8", "jetrl", "invalid")]
+        ("2", "bf16-train-fp8-rollout", "failed"), ("2", "jetrl", "ok"), ("2", "bf16", "ok"), ("2", "jetrl", "ok"),
+        ("4", "jetrl", "skipped"), ("8", "jetrl", "invalid")]
     jet1 = rows[2]
     assert float(jet1["speedup_update"]) == 2.0 and math.isclose(float(jet1["speedup_step"]), 4 / 3)
     assert float(jet1["speedup_rollout"]) == 1.5 and float(jet1["rollout_tokens_per_s"]) == 75.0
     assert jet1["steps_total"] == "2" and jet1["steps_timed"] == "1"
-    assert rows[5]["reason"] == "no successful bf16 run at TP 2" and rows[5]["speedup_step"] == ""
+    assert rows[5]["reason"] == "no successful bf16 run at TP 2 with rollout native tp1" and rows[5]["speedup_step"] == ""
+    vllm = rows[7]  # baseline: the vLLM-TP2 bf16 run, not the native one
+    assert vllm["rollout"] == "vllm tp2" and float(vllm["speedup_step"]) == 1.6 and float(vllm["mismatch_mean_abs"]) == 0.1
+    assert float(vllm["mismatch_max_abs"]) == 2.0 and float(jet1["mismatch_k3"]) == 0.0125
     assert sweep_report.main(dirs + ["--strict", "-o", str(d / "again")]) == 1
     assert (d / "again.md").read_text() == md
 

@@ -45,7 +45,7 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
     assert kw["enable_sleep_mode"] is True and kw["kv_cache_memory_bytes"] == 1 << 30 and kw["max_model_len"] == 512
-    assert kw["logprobs_mode"] == "raw_logprobs" and kw["skip_tokenizer_init"] is True
+    assert kw["logprobs_mode"] == "raw_logprobs" and kw["skip_tokenizer_init"] is True and kw["disable_custom_all_reduce"] is True
     assert kw["compilation_config"] == {"custom_ops": ["+quant_fp8"], "pass_config": {
         "fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}}
     assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Multi-GPU runs on one GPU host (issue 18): 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them.
+# (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
+# launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)
+#
+#   bash tools/gpu_multi.sh STAGE...      STAGE: setup | tests | sweep | vllm     e.g. bash tools/gpu_multi.sh setup sweep
+#
+#   setup  .whl/*.whl (megatron-core, math-verify) -> /tmp/mcore; DeepGEMM -> /tmp/dg, from .kits/deep_gemm when carried,
+#          else the copy the vLLM kit bundles (/tmp/vllm-site/vllm/third_party/deep_gemm, the same files).
+#   tests  GPU 0: tools/run_gpu_tests.sh -k "$TESTS_K" (the FP8 kernels, DeepGEMM, the FP8 linear); then
+#          tests/gpu/test_actor_tp_gpu.py (megatron TP 2 on both GPUs against TP 1).
+#   sweep  launch/tp_sweep.sh --tp "$SWEEP_TP" --modes "$SWEEP_MODES" at configs/gpu_8b_shapes.yaml (Qwen3-8B layer
+#          shapes, 8 layers) with the native engine -> $OUT/sweep_report.{md,csv} (the paper's Table 4 with our numbers).
+#   vllm   GRPO with rollout.engine=vllm on every rank, trainer TP 2, one run per ROLLOUT_TP:MODE in $RUNS (rollout
+#          TP 2: one vLLM TP-2 engine over both GPUs; 1: two TP-1 engines, each sampling half the prompts), same config
+#          -> $OUT/vllm_report.{md,csv}. Every sync compares the bytes inside every rank's vLLM with the
+#          trainer's and stops the run if one differs, so exit 0 means the check passed on every rank at every step.
+# Each run's metrics.jsonl is copied to $OUT/<run>.metrics.jsonl and the last lines of a failed run's log are printed.
+#
+# Environment: OUT (default out/gpu_multi), WORK (run directories; default /dev/shm/jetrl_multi), STEPS (GRPO steps per
+# run, default 4), SWEEP_TP ("1 2"), SWEEP_MODES ("bf16 jetrl"), RUNS ("2:jetrl 2:bf16 1:jetrl 1:bf16
+# 2:bf16-train-fp8-rollout"), RUN_TIMEOUT (per run, default 170 s), TOTAL_TIMEOUT (all stages, default 570 s: a
+# stage gets what is left), TESTS_K, ARGS (extra overrides for every GRPO run).
+# vLLM stages need the vLLM kit unpacked first (shared/kits/README.md: two calls) and source /tmp/vllm-site/env.sh.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+OUT=${OUT:-$repo/out/gpu_multi}
+WORK=${WORK:-/dev/shm/jetrl_multi}
+STEPS=${STEPS:-4}
+CONFIG=configs/gpu_8b_shapes.yaml
+mkdir -p "$OUT" "$WORK"
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu_multi.sh STAGE... (setup | tests | sweep | vllm)"; exit 2; }
+for stage in "$@"; do
+  case $stage in setup|tests|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | sweep | vllm)"; exit 2 ;; esac
+done
+T_END=$(( $(date +%s) + ${TOTAL_TIMEOUT:-570} ))
+left() { local s=$(( T_END - $(date +%s) - 5 )); [ "$s" -lt 1 ] && s=1; [ "$1" -lt "$s" ] && echo "$1" || echo "$s"; }
+
+export PYTHONPATH=/tmp/mcore:$repo${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 PYTHONUNBUFFERED=1 \
+  CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# DeepGEMM for the trainer: /tmp/dg's `deep_gemm` outside vLLM stages; inside them vLLM's own copy
+# (`vllm.third_party.deep_gemm`, the same files): one extension module per process, never both.
+with_dg() { PYTHONPATH=/tmp/dg:$PYTHONPATH "$@"; }
+
+setup() {
+  if python3 -c "import megatron.core, math_verify" 2>/dev/null; then echo "megatron-core: already importable"
+  else python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/*.whl && echo "wheels -> /tmp/mcore"; fi
+  if [ -f /tmp/dg/deep_gemm/__init__.py ]; then echo "DeepGEMM: already in /tmp/dg"
+  elif [ -f .kits/deep_gemm/deep_gemm.tar.xz ]; then mkdir -p /tmp/dg && tar -xJf .kits/deep_gemm/deep_gemm.tar.xz -C /tmp/dg && echo "DeepGEMM: kit -> /tmp/dg"
+  elif [ -f /tmp/vllm-site/vllm/third_party/deep_gemm/__init__.py ]; then
+    mkdir -p /tmp/dg && ln -sfn /tmp/vllm-site/vllm/third_party/deep_gemm /tmp/dg/deep_gemm && echo "DeepGEMM: vLLM's bundle -> /tmp/dg"
+  else echo "DeepGEMM: none (backend auto falls back to cuBLASLt)"; fi
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, 'GPUs', torch.cuda.device_count())"
+}
+
+keep() {  # run dir -> $OUT: metrics, and the tail of a failed run's log
+  local dir=$1 log=$2 rc=$3 name
+  name=$(basename "$dir")
+  [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  if [ "$rc" != 0 ]; then echo "-- $name exit $rc; last lines:"; grep -v -E "UserWarning|warnings.warn" "$log" | tail -15; fi
+}
+
+vllm_runs() {
+  local dirs=() run rtp mode name dir log rc t0
+  for run in ${RUNS:-2:jetrl 2:bf16 1:jetrl 1:bf16 2:bf16-train-fp8-rollout}; do
+    rtp=${run%%:*}; mode=${run#*:}
+    name=multi_tp2_rtp${rtp}_$mode; dir=$WORK/$name; log=$OUT/$name.log
+    rm -rf "$dir"; dirs+=("$dir"); t0=$(date +%s)
+    if [ $(( T_END - t0 )) -lt 60 ]; then echo "$name: not run (under 60 s left of TOTAL_TIMEOUT)"; continue; fi
+    timeout -k 15 "$(left "${RUN_TIMEOUT:-170}")" bash launch/train_grpo.sh "$CONFIG" parallel.tp=2 rollout.engine=vllm \
+      "rollout.tp=$rtp" "precision.mode=$mode" "run.steps=$STEPS" "run.name=$name" "run.out_dir=$dir" ${ARGS:-} >"$log" 2>&1
+    rc=$?
+    echo "$name: exit $rc in $(( $(date +%s) - t0 )) s"
+    keep "$dir" "$log" "$rc"
+  done
+  python3 tools/sweep_report.py "${dirs[@]}" -o "$OUT/vllm_report"
+}
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== stage $stage $(date -u +%TZ)"
+  case $stage in
+    setup) setup 2>&1 | tee "$OUT/setup.log" ;;
+    tests)
+      CUDA_VISIBLE_DEVICES=0 with_dg timeout "$(left 200)" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" \
+        2>&1 | tee "$OUT/tests_gpu0.log" | grep -E "passed|failed|Error|FAILED" | tail -15
+      with_dg timeout "$(left 240)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_actor_tp_gpu.py 2>&1 \
+        | tee "$OUT/tests_tp2.log" | grep -E "passed|failed|Error|FAILED|skipped" | tail -15 ;;
+    sweep)
+      with_dg timeout -k 15 "$(left 420)" bash launch/tp_sweep.sh --tp "${SWEEP_TP:-1 2}" --modes "${SWEEP_MODES:-bf16 jetrl}" \
+        --steps "$STEPS" --out "$WORK/sweep" "$CONFIG" ${ARGS:-} 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sweep.log" | tail -30
+      cp "$WORK"/sweep/sweep_report.md "$WORK"/sweep/sweep_report.csv "$OUT"/ 2>/dev/null
+      for d in "$WORK"/sweep/sweep_tp*/; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$OUT/$(basename "$d").metrics.jsonl"; done ;;
+    vllm)
+      bash .kits/vllm/unpack.sh --need-complete >/dev/null 2>&1 || [ "$(ls /tmp/vllm-site/.kit/*.sha256 2>/dev/null | wc -l)" -ge 2 ] \
+        || { echo "the vLLM kit is not unpacked whole (shared/kits/README.md: two calls)"; exit 3; }
+      source /tmp/vllm-site/env.sh
+      vllm_runs 2>&1 | tee "$OUT/vllm.log" ;;
+  esac
+  echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
+done
