@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # Transformer Engine on the GPU machine (issue 15): install the kit, run tests/gpu/test_te.py, compare the TE spec with
-# the local spec in short GRPO runs. One GPU; .kits/te (shared/kits/te) and .whl/ (megatron-core, math-verify wheels)
-# travel with the call:
+# the local spec in short GRPO runs, and (stages vllm, grpo) with vLLM as the rollout engine. One GPU (stage tp: two);
+# .kits/te (shared/kits/te) and .whl/ (megatron-core, math-verify wheels) travel with the call:
 #
-#   bash tools/gpu_te.sh STAGE...      STAGE: install | tests | train
+#   bash tools/gpu_te.sh STAGE...      STAGE: install | tests | train | vllm | tp | grpo
 #
 #   install  the TE kit's one-call install (`fp8.te.INSTALL_LINE`: build.sh installs the prebuilt extension into
 #            /tmp/te-site and ends with CHECK OK) and .whl/*.whl into /tmp/mcore; skipped when both are importable
 #   tests    pytest -s tests/gpu/test_te.py -> $OUT/tests.log; its CONFORMANCE / TRAINSTEP / EXPORT lines -> $OUT/te_numbers.txt
 #   train    tools/gpu_grpo_run.sh once per spec (local, te), modes $MODES, same seed -> $OUT/train_{local,te}/, then
 #            tools/te_compare.py -> $OUT/train_table.md (loss, mismatch vs the native rollout, step and phase times)
+#   vllm     pytest -s tests/gpu/test_te_vllm.py (TE's FP8 bytes in vLLM: the converted checkpoint loaded with real
+#            weights and the live sync, per scale mode in its own process; greedy generation) -> $OUT/vllm.log, its
+#            TEVLLM lines -> $OUT/te_vllm_numbers.txt. Needs the vLLM kit unpacked first (shared/kits/README.md:
+#            /tmp/vllm-site/env.sh is sourced when it exists) and TE installed (stage install)
+#   tp       pytest -s tests/gpu/test_te_tp_gpu.py (2 GPUs: torchrun tests/gpu/te_tp_run.py, TE vs local spec at TP2 and the
+#            TP2 TE export vs TE's full TP1 tensors) -> $OUT/tp.log, its TETP lines -> $OUT/te_tp_numbers.txt
+#   grpo     tools/gpu_grpo_run.sh with model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 on
+#            configs/gpu_1p5b.yaml, modes $MODES (default here "jetrl bf16-train-fp8-rollout") -> $OUT/grpo/
+#            (needs the vLLM kit too)
 #
 # Environment: OUT (default out/gpu_te), MODES (default "jetrl bf16-train-fp8-rollout bf16"), SCALE (precision.scale_mode,
 # default fp32), TRAIN_MODEL (small | 1p5b; default small: a Qwen-shaped 8-layer hidden-1024 model, 6 steps, so that
 # six runs fit in ~4 minutes; 1p5b: configs/gpu_1p5b.yaml's Qwen2.5-1.5B shapes, 4 steps, ~10 minutes), RUN_TIMEOUT
-# (per GRPO run, default 110 s small / 200 s 1p5b), TRAIN_ARGS (extra overrides for every run).
+# (per GRPO run, default 110 s small / 200 s 1p5b; grpo: 280 s, so two modes fit one 10-minute call), TRAIN_ARGS (extra overrides for every train and grpo run).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -30,6 +39,11 @@ env_te() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
   fi
   export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH
+}
+
+env_vllm() {  # after env_te: vLLM's site goes first on PYTHONPATH (both kits carry pydantic; vLLM's is the one it was checked with)
+  if [ -f /tmp/vllm-site/env.sh ]; then source /tmp/vllm-site/env.sh
+  else echo "no /tmp/vllm-site/env.sh: unpack the vLLM kit first (shared/kits/README.md); trying an installed vllm"; fi
 }
 
 for stage in "$@"; do
@@ -67,7 +81,22 @@ for stage in "$@"; do
         echo "-- spec $spec:"; grep -E "^== .*exit|Error|error" "$OUT/train_$spec/run.log" | tail -8
       done
       python3 tools/te_compare.py "$OUT/train_local" "$OUT/train_te" | tee "$OUT/train_table.md" ;;
-    *) echo "unknown stage $stage (install | tests | train)"; exit 2 ;;
+    vllm)
+      env_te; env_vllm
+      timeout 580 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te_vllm.py 2>&1 \
+        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/vllm.log" | grep -oE "TEVLLM .*|[0-9]+ (passed|failed).*|[A-Za-z]*Error.*"
+      grep -oE "TEVLLM .*" "$OUT/vllm.log" >"$OUT/te_vllm_numbers.txt" ;;
+    tp)
+      env_te
+      timeout 580 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te_tp_gpu.py 2>&1 \
+        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/tp.log" | grep -oE "TETP .*|[0-9]+ (passed|failed|skipped).*|[A-Za-z]*Error.*"
+      grep -oE "TETP .*" "$OUT/tp.log" >"$OUT/te_tp_numbers.txt" ;;
+    grpo)
+      env_te; env_vllm
+      OUT=$OUT/grpo CONFIG=configs/gpu_1p5b.yaml MODES="${MODES:-jetrl bf16-train-fp8-rollout}" RUN_TIMEOUT=${RUN_TIMEOUT:-280} PYTHON=python3 \
+        bash tools/gpu_grpo_run.sh model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 ${TRAIN_ARGS:-} >/dev/null 2>&1
+      grep -E "^== .*exit|Error|error" "$OUT/grpo/run.log" | tail -12; cat "$OUT/grpo/table.md" ;;
+    *) echo "unknown stage $stage (install | tests | train | vllm | tp | grpo)"; exit 2 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
 done

@@ -12,72 +12,19 @@ The train step bound (stated in BOUNDS) compares the TE spec with the local spec
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_helpers import ARCH, BATCH, arch, build, hf_fp8, logprobs, pair, tokens
 
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.fp8 import te as te_mod
 
 pytestmark = pytest.mark.gpu
 
-ARCH = {"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,
-        "max_position_embeddings": 256, "tie_word_embeddings": False, "rope_theta": 10000.0}
-SEQ, BATCH = 128, 4
 # (mean |d logprob|, max |d logprob|, relative loss difference, relative grad-norm difference): TE spec vs local spec,
 # same weights and tokens, before and after one Adam step. bf16: the two specs differ only in attention / norm kernels
 # and GEMM order; jetrl: also FP8 roundings that flip (fp32 scales: ~1e-4 of activation bytes differ by an E4M3 step).
 BOUNDS = {"bf16": (0.01, 0.1, 1e-2, 2e-2), "jetrl": (0.05, 0.5, 3e-2, 5e-2)}
-
-
-@pytest.fixture(scope="module")
-def te_ready():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not te_mod.te_installed():
-        pytest.skip(te_mod.INSTALL_HINT)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
-        os.environ.setdefault(k, v)
-    from megatron_jetrl.actor.parallel import init_parallel
-
-    init_parallel(tp=1, pp=1, seed=1234)
-    import transformer_engine.pytorch  # noqa: F401  (fails loudly here if the kit is broken)
-
-    return True
-
-
-def arch():
-    from megatron_jetrl.models import ModelArch
-
-    return ModelArch.from_hf_config(ARCH)
-
-
-def build(spec: str, flow: PrecisionFlow):
-    from megatron_jetrl.actor.provider import ActorOptions, build_model
-
-    return build_model(arch(), flow, ActorOptions(spec=spec, params_dtype=torch.bfloat16))
-
-
-def pair(flow: PrecisionFlow):
-    """A local-spec and a TE-spec model with the same weights."""
-    from megatron_jetrl.actor.provider import copy_weights
-
-    local, te = build("local", flow), build("te", flow)
-    copy_weights(local, te, arch(), src_spec="local", dst_spec="te")
-    return local, te
-
-
-def tokens(seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randint(0, ARCH["vocab_size"], (BATCH, SEQ), device="cuda", generator=g)
-
-
-def logprobs(model, toks):
-    from megatron_jetrl.actor.logprobs import compute_logprobs
-
-    return compute_logprobs(model, toks, vocab_size=ARCH["vocab_size"], micro_batch_size=BATCH)
 
 
 def check_conformance(kind: str, mode: str, x: torch.Tensor, q_te, s_te, block) -> dict:
@@ -226,8 +173,6 @@ def test_export_ships_te_bytes_to_native_engine_and_disk(te_ready, mode, tmp_pat
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.actor.weight_stream import actor_weight_stream
     from megatron_jetrl.convert.converter import convert
-    from megatron_jetrl.models import model_entries
-    from megatron_jetrl.models.mapping import to_hf
     from megatron_jetrl.rollout.native import NativeEngine
 
     flow = PrecisionFlow(mode="jetrl", scale_mode=mode)
@@ -238,13 +183,9 @@ def test_export_ships_te_bytes_to_native_engine_and_disk(te_ready, mode, tmp_pat
     logprobs(ddp, toks)  # TE re-quantizes the updated weights on this first micro-batch
     held = {f"{n}.weight": te_mod.te_weight(m._fp8_workspaces["weight"]) for n, m in te_linears(ddp).items()}
     exported = te_fp8_weights(ddp, flow)
-    want = {}
-    for e in model_entries(a, spec="te"):
-        if e.fp8:
-            assert torch.equal(exported[e.megatron].q.view(torch.uint8), held[e.megatron].q.view(torch.uint8)), e.megatron
-            q, s = to_hf(e, a, held[e.megatron].q.view(torch.uint8)), to_hf(e, a, held[e.megatron].s, unit=128)
-            for name in e.hf:
-                want[name], want[name.removesuffix("weight") + "weight_scale_inv"] = q[name], s[name]
+    for name, w in held.items():
+        assert torch.equal(exported[name].q.view(torch.uint8), w.q.view(torch.uint8)), name
+    want = hf_fp8(held, a)  # HF names through the one mapping table
     pairs = dict(actor_weight_stream(ddp, a, flow))
     for name, t in want.items():
         got = pairs[name].view(torch.uint8) if t.dtype == torch.uint8 else pairs[name]

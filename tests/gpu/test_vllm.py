@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
 CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=512, eos_token_id=1023,
               rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+ENGINE = dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512)
+"""`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,7 @@ def setup(tmp_path_factory):
     flow = PrecisionFlow("jetrl")
     arch = ModelArch.from_hf_config(CONFIG)
     model_dir = write_model_dir(tmp_path_factory.mktemp("vllm_model"), CONFIG, flow)
-    engine = VllmEngine(model_dir, flow, eos_token_ids=[1023], seed=0, kv_cache_memory_bytes=2 << 30,
-                        gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512)
+    engine = VllmEngine(model_dir, flow, eos_token_ids=[1023], **ENGINE)
     return engine, arch, flow
 
 
@@ -74,16 +75,13 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
 
 
 def test_sync_puts_the_trainers_bytes_in_every_vllm_parameter(setup):
-    from megatron_jetrl.rollout.vllm_engine import rank_piece
+    from gpu_helpers import vllm_bytes
 
     engine, arch, flow = setup
     batch = stream(arch, flow, seed=1)
     engine.update_weights(batch.items())
-    for hf_name, slot in engine.plan.items():
-        param = engine.params[slot.param]
-        piece = rank_piece(arch, hf_name, batch[hf_name], 0, 1, param.shape[0] if "embed" in hf_name or "lm_head" in hf_name else None)
-        got = param.data.narrow(0, slot.row, slot.rows)
-        assert torch.equal(got.view(torch.uint8), piece.contiguous().view(torch.uint8)), hf_name
+    for hf_name, (same, n) in vllm_bytes(engine, arch, batch).items():
+        assert same == n, f"{hf_name}: {n - same} of {n} bytes differ"
     assert len(engine.plan) == len(batch)
 
 
