@@ -17,10 +17,11 @@
 #          trainer's and stops the run if one differs, so exit 0 means the check passed on every rank at every step.
 # Each run's metrics.jsonl is copied to $OUT/<run>.metrics.jsonl and the last lines of a failed run's log are printed.
 #
-# Environment: OUT (default out/gpu_multi), WORK (run directories; default /dev/shm/jetrl_multi), STEPS (GRPO steps per
-# run, default 4), SWEEP_TP ("1 2"), SWEEP_MODES ("bf16 jetrl"), RUNS ("2:jetrl 2:bf16 1:jetrl 1:bf16
-# 2:bf16-train-fp8-rollout"), RUN_TIMEOUT (per run, default 170 s), TOTAL_TIMEOUT (all stages, default 570 s: a
-# stage gets what is left), TESTS_K, ARGS (extra overrides for every GRPO run).
+# Environment: OUT (default out/gpu_multi), WORK (run directories; default /dev/shm/jetrl_multi), STEPS (GRPO steps
+# per run, default 4), SWEEP_TP ("1 2"), SWEEP_MODES ("bf16 jetrl"), RUNS ("2:jetrl 2:bf16 1:jetrl 1:bf16
+# 2:bf16-train-fp8-rollout"), RUN_TIMEOUT (per run, default 260 s: a cold FP8 vLLM engine spends 50-70 s of its
+# start JIT-compiling DeepGEMM kernels; the first jetrl run took 183 s), TOTAL_TIMEOUT (all stages, default 570 s:
+# a stage gets what is left), TESTS_K, ARGS (extra overrides for every GRPO run).
 # vLLM stages need the vLLM kit unpacked first (shared/kits/README.md: two calls) and source /tmp/vllm-site/env.sh.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -69,7 +70,7 @@ vllm_runs() {
     name=multi_tp2_rtp${rtp}_$mode; dir=$WORK/$name; log=$OUT/$name.log
     rm -rf "$dir"; dirs+=("$dir"); t0=$(date +%s)
     if [ $(( T_END - t0 )) -lt 60 ]; then echo "$name: not run (under 60 s left of TOTAL_TIMEOUT)"; continue; fi
-    timeout -k 15 "$(left "${RUN_TIMEOUT:-170}")" bash launch/train_grpo.sh "$CONFIG" parallel.tp=2 rollout.engine=vllm \
+    timeout -k 15 "$(left "${RUN_TIMEOUT:-260}")" bash launch/train_grpo.sh "$CONFIG" parallel.tp=2 rollout.engine=vllm \
       "rollout.tp=$rtp" "precision.mode=$mode" "run.steps=$STEPS" "run.name=$name" "run.out_dir=$dir" ${ARGS:-} >"$log" 2>&1
     rc=$?
     echo "$name: exit $rc in $(( $(date +%s) - t0 )) s"
@@ -84,7 +85,7 @@ for stage in "$@"; do
   case $stage in
     setup) setup 2>&1 | tee "$OUT/setup.log" ;;
     tests)
-      CUDA_VISIBLE_DEVICES=0 with_dg timeout "$(left 200)" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" \
+      CUDA_VISIBLE_DEVICES=0 with_dg timeout "$(left 300)" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" \
         2>&1 | tee "$OUT/tests_gpu0.log" | grep -E "passed|failed|Error|FAILED" | tail -15
       with_dg timeout "$(left 240)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_actor_tp_gpu.py 2>&1 \
         | tee "$OUT/tests_tp2.log" | grep -E "passed|failed|Error|FAILED|skipped" | tail -15 ;;
