@@ -46,6 +46,13 @@ env_vllm() {  # after env_te: vLLM's site goes first on PYTHONPATH (both kits ca
   else echo "no /tmp/vllm-site/env.sh: unpack the vLLM kit first (shared/kits/README.md); trying an installed vllm"; fi
 }
 
+gpu_pytest() {  # FILE LOG PATTERN NUMBERS: pytest -s FILE -> $OUT/LOG; the lines matching PATTERN -> $OUT/NUMBERS
+  timeout 580 python3 -m pytest -q -s -p no:cacheprovider "$1" 2>&1 \
+    | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/$2" \
+    | grep -oE "$3|[0-9]+ (passed|failed|skipped).*|[A-Za-z]*Error.*"
+  grep -oE "$3" "$OUT/$2" >"$OUT/$4"
+}
+
 for stage in "$@"; do
   t0=$(date +%s)
   echo "== stage $stage $(date -u +%TZ)"
@@ -60,9 +67,7 @@ for stage in "$@"; do
       python3 -c "import transformer_engine.pytorch as t, megatron.core as m, torch; print('TE', t.__version__ if hasattr(t, '__version__') else '?', 'megatron-core', m.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee -a "$OUT/install.log" ;;
     tests)
       env_te
-      timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te.py 2>&1 \
-        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/tests.log" | grep -E "^(CONFORMANCE|TRAINSTEP|EXPORT)|passed|failed|Error"
-      grep -E "^(CONFORMANCE|TRAINSTEP|EXPORT)" "$OUT/tests.log" >"$OUT/te_numbers.txt" ;;
+      gpu_pytest tests/gpu/test_te.py tests.log "(CONFORMANCE|TRAINSTEP|EXPORT) .*" te_numbers.txt ;;
     train)
       env_te
       if [ "${TRAIN_MODEL:-small}" = 1p5b ]; then
@@ -83,14 +88,10 @@ for stage in "$@"; do
       python3 tools/te_compare.py "$OUT/train_local" "$OUT/train_te" | tee "$OUT/train_table.md" ;;
     vllm)
       env_te; env_vllm
-      timeout 580 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te_vllm.py 2>&1 \
-        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/vllm.log" | grep -oE "TEVLLM .*|[0-9]+ (passed|failed).*|[A-Za-z]*Error.*"
-      grep -oE "TEVLLM .*" "$OUT/vllm.log" >"$OUT/te_vllm_numbers.txt" ;;
+      gpu_pytest tests/gpu/test_te_vllm.py vllm.log "TEVLLM .*" te_vllm_numbers.txt ;;
     tp)
       env_te
-      timeout 580 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_te_tp_gpu.py 2>&1 \
-        | grep --line-buffered -v -E "UserWarning|warnings.warn\(|DeprecationWarning" | tee "$OUT/tp.log" | grep -oE "TETP .*|[0-9]+ (passed|failed|skipped).*|[A-Za-z]*Error.*"
-      grep -oE "TETP .*" "$OUT/tp.log" >"$OUT/te_tp_numbers.txt" ;;
+      gpu_pytest tests/gpu/test_te_tp_gpu.py tp.log "TETP .*" te_tp_numbers.txt ;;
     grpo)
       env_te; env_vllm
       OUT=$OUT/grpo CONFIG=configs/gpu_1p5b.yaml MODES="${MODES:-jetrl bf16-train-fp8-rollout}" RUN_TIMEOUT=${RUN_TIMEOUT:-280} PYTHON=python3 \

@@ -100,3 +100,39 @@ def dequantized(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Ten
     rows, cols = q.shape
     grid = s.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
     return q.float() * grid.to(q.device)
+
+
+def train_step_comparison(flow: PrecisionFlow) -> tuple[dict, object]:
+    """The local and TE actors from the same weights take one Adam step on the same tokens and advantages (test_te.py's
+    TRAINSTEP check; te_tp_run.py's at TP 2): (|dlogp| before and after, losses, grad norms and their relative
+    differences, seconds; the TE actor, DDP-wrapped, for export checks)."""
+    import time
+
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+
+    local, te = pair(flow)
+    toks = tokens(2)
+    adv = torch.randn(BATCH, 1, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    before = [logprobs(m, toks) for m in (local, te)]
+    loss_fn = lambda lp, extra: ((-(lp * extra["adv"])).mean(), {})  # noqa: E731
+    results = []
+    t0 = time.perf_counter()
+    for m in (local, te):
+        ddp, opt = wrap_for_training(m, OptimConfig(lr=1e-4))
+        results.append((ddp, train_step(ddp, opt, toks, loss_fn, vocab_size=ARCH["vocab_size"], micro_batch_size=BATCH,
+                                         extras={"adv": adv})))
+    seconds = time.perf_counter() - t0
+    after = [logprobs(ddp, toks) for ddp, _ in results]
+    (_, r_local), (te_ddp, r_te) = results
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
+    d0, d1 = (before[1] - before[0]).abs(), (after[1] - after[0]).abs()
+    row = {
+        "ok": bool(r_local["ok"] and r_te["ok"]),
+        "before": {"mean": float(d0.mean()), "max": float(d0.max())},
+        "after": {"mean": float(d1.mean()), "max": float(d1.max())},
+        "loss_local": float(r_local["loss"]), "loss_te": float(r_te["loss"]),
+        "grad_norm_local": float(r_local["grad_norm"]), "grad_norm_te": float(r_te["grad_norm"]),
+        "loss_rel": rel(r_te["loss"], r_local["loss"]), "grad_norm_rel": rel(r_te["grad_norm"], r_local["grad_norm"]),
+        "steps_s": seconds,
+    }
+    return row, te_ddp

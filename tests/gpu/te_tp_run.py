@@ -92,38 +92,14 @@ def export_check(model, arch, flow) -> dict:
 
 
 def train_check(mode: str) -> dict:
-    """test_te.py's test_te_train_step_matches_local_spec at the current TP size."""
-    from gpu_helpers import ARCH, BATCH, arch, logprobs, pair, tokens
+    """test_te.py's test_te_train_step_matches_local_spec at the current TP size, and the export check."""
+    from gpu_helpers import arch, train_step_comparison
 
-    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
 
     flow = PrecisionFlow(mode="jetrl", scale_mode=mode)
-    local, te = pair(flow)
-    toks = tokens(2)
-    adv = torch.randn(BATCH, 1, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
-    before = [logprobs(m, toks) for m in (local, te)]
-    loss_fn = lambda lp, extra: ((-(lp * extra["adv"])).mean(), {})  # noqa: E731
-    results = []
-    t0 = time.perf_counter()
-    for m in (local, te):
-        ddp, opt = wrap_for_training(m, OptimConfig(lr=1e-4))
-        results.append((ddp, train_step(ddp, opt, toks, loss_fn, vocab_size=ARCH["vocab_size"], micro_batch_size=BATCH,
-                                         extras={"adv": adv})))
-    step_s = time.perf_counter() - t0
-    after = [logprobs(ddp, toks) for ddp, _ in results]
-    (_, r_local), (te_ddp, r_te) = results
-    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
-    d0, d1 = (before[1] - before[0]).abs(), (after[1] - after[0]).abs()
-    row = {
-        "mode": mode, "ok": bool(r_local["ok"] and r_te["ok"]),
-        "before": {"mean": float(d0.mean()), "max": float(d0.max())},
-        "after": {"mean": float(d1.mean()), "max": float(d1.max())},
-        "loss_local": float(r_local["loss"]), "loss_te": float(r_te["loss"]),
-        "grad_norm_local": float(r_local["grad_norm"]), "grad_norm_te": float(r_te["grad_norm"]),
-        "loss_rel": rel(r_te["loss"], r_local["loss"]), "grad_norm_rel": rel(r_te["grad_norm"], r_local["grad_norm"]),
-        "steps_s": step_s,
-    }
+    row, te_ddp = train_step_comparison(flow)
+    row = {"mode": mode, **row}
     row["export"] = export_check(te_ddp, arch(), flow)
     return row
 
