@@ -19,6 +19,8 @@
 #   PYTHON       default python3
 #   (a COMMIT file in the repo root, as in a `git archive` snapshot, names the commit in the log)
 #   SITE         where .whl/*.whl are installed when megatron-core or math-verify is missing (default ${TMPDIR:-/tmp}/mcore)
+#   PORT_BASE    MASTER_PORT of the first run minus 1 (default 29610; each mode takes the next port): distinct values
+#                let two instances run side by side on two GPUs
 #
 # CPU dry run (tiny shapes):
 #   OUT=/tmp/o PYTHON=/work/venv/bin/python bash tools/gpu_grpo_run.sh run.device=cpu run.steps=2 \
@@ -63,7 +65,7 @@ fi
     || "$PY" -c "import torch; print('torch', torch.__version__)"
 } 2>&1 | tee -a "$log"
 
-port=29610
+port=${PORT_BASE:-29610}
 for mode in $MODES; do
   name=gpu_$mode
   port=$((port + 1))

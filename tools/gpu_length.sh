@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 17 on the GPU machine: train/rollout mismatch against rollout length, one SFT checkpoint, three precision modes
+# (configs/length_mismatch.yaml says what the experiment is). From the repo root, after the vLLM kit's two calls:
+#
+#   bash tools/gpu_length.sh STAGE...      STAGE: sft | modes | plot       e.g. bash tools/gpu_length.sh sft modes plot
+#
+#   sft    the warm-start once, in bf16 (warmup.steps SFT steps, then one GRPO step at lr 1e-30 with the native engine,
+#          so the export is the SFT policy) -> $WORK/len_sft/export. Skipped when that export exists (a warm machine
+#          keeps /dev/shm between calls).
+#   modes  GRPO from that export in each mode of $MODES, rollout.engine=vllm, same seed, tools/gpu_grpo_run.sh per
+#          mode; the modes are dealt round-robin to the GPUs (CUDA_VISIBLE_DEVICES) and the GPUs run side by side
+#          -> $OUT/<gpu>/gpu_<mode>.metrics.jsonl and each GPU's table.md.
+#   plot   tools/plot_length_mismatch.py: foil and jetrl against response length, bf16 as the BF16 floor, reward per
+#          step -> $OUT/length_mismatch.png
+#
+# Environment: OUT (default out/gpu_length), WORK (default /dev/shm/jetrl_length), CONFIG (configs/length_mismatch.yaml),
+# MODES ("jetrl bf16-train-fp8-rollout bf16"), STEPS (GRPO steps per mode, default 6), SFT_STEPS (warmup.steps, default:
+# the config's), RUN_TIMEOUT (per mode run, default 420 s), GPUS (how many to use, default all), ARGS (overrides for
+# every run, e.g. "data.multiplier_max=120 rollout.max_new_tokens=1536" for shorter traces).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+OUT=${OUT:-$repo/out/gpu_length}
+WORK=${WORK:-/dev/shm/jetrl_length}
+CONFIG=${CONFIG:-configs/length_mismatch.yaml}
+MODES=${MODES:-jetrl bf16-train-fp8-rollout bf16}
+STEPS=${STEPS:-6}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu_length.sh STAGE... (sft | modes | plot)"; exit 2; }
+[ -f /tmp/vllm-site/env.sh ] && source /tmp/vllm-site/env.sh
+if ! "$PY" -c "import megatron.core, math_verify" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/*.whl || exit 3
+fi
+export PYTHONPATH=/tmp/mcore:$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+sft_dir=$WORK/len_sft
+gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+[ "${gpus:-0}" -ge 1 ] || gpus=1
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== stage $stage $(date -u +%TZ)"
+  case $stage in
+    sft)
+      if [ -f "$sft_dir/export/config.json" ]; then echo "SFT export already in $sft_dir/export"; else
+        sft=(); [ -n "${SFT_STEPS:-}" ] && sft=("warmup.steps=$SFT_STEPS")
+        CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29661 "$PY" -m megatron_jetrl.rl.train "$CONFIG" precision.mode=bf16 run.name=len_sft \
+          "run.out_dir=$sft_dir" run.steps=1 optim.lr=1e-30 run.export=true rollout.engine=native "${sft[@]}" ${ARGS:-} 2>&1 \
+          | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/sft.log" | tail -15
+        cp "$sft_dir/metrics.jsonl" "$OUT/sft.metrics.jsonl" 2>/dev/null
+      fi ;;
+    modes)
+      [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }
+      read -r -a modes <<<"$MODES"
+      pids=()
+      for ((g = 0; g < gpus; g++)); do
+        mine=""
+        for ((i = g; i < ${#modes[@]}; i += gpus)); do mine="$mine ${modes[$i]}"; done
+        [ -n "$mine" ] || continue
+        CUDA_VISIBLE_DEVICES=$g OUT=$OUT/gpu$g WORK=$WORK/gpu$g MODES="$mine" PORT_BASE=$((29700 + 10 * g)) CONFIG=$CONFIG \
+          RUN_TIMEOUT=${RUN_TIMEOUT:-420} PYTHON=$PY bash tools/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 \
+          "run.steps=$STEPS" run.checkpoint=false ${ARGS:-} >/dev/null 2>&1 &
+        pids+=($!)
+        echo "GPU $g:$mine"
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+      for ((g = 0; g < gpus; g++)); do [ -f "$OUT/gpu$g/table.md" ] && { echo "-- GPU $g"; cat "$OUT/gpu$g/table.md"; }; done ;;
+    plot)
+      runs=(); floor=()
+      for f in "$OUT"/gpu*/gpu_*.metrics.jsonl; do
+        [ -f "$f" ] || continue
+        mode=$(basename "$f" .metrics.jsonl); mode=${mode#gpu_}
+        if [ "$mode" = bf16 ]; then floor=(--floor "bf16 (BF16 floor)=$f"); else runs+=("$mode=$f"); fi
+      done
+      "$PY" tools/plot_length_mismatch.py "${runs[@]}" "${floor[@]}" -o "$OUT/length_mismatch.png" ;;
+    *) echo "unknown stage $stage (sft | modes | plot)"; exit 2 ;;
+  esac
+  echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
+done
