@@ -6,7 +6,9 @@ data-parallel groups. `generate` is collective: every rank passes the whole prom
 generates the contiguous share `shard_bounds(len(prompts), groups)[g]` with the global request seeds of those
 prompts (every TP rank of a group the same prompts and seeds, as vLLM's SPMD mode requires), and the outputs
 of each group's first rank are all-gathered, so every rank returns the same list in prompt order -- the same
-completions a single engine would sample for the same seeds.
+completions a single engine would sample for the same seeds. An engine that raises is reported through the same
+all-gather: every rank raises at once, naming the rank and the error (an engine whose TP peers hang inside vLLM's own
+collectives is left to the run's collective timeout and failure report).
 
 Memory: the engine sleeps at level 2 while the actor trains (`sleep`: weights and KV cache discarded) and
 `sync` wakes the weights, writes the trainer's bytes on the device, then wakes the KV cache. The KV cache is
@@ -65,15 +67,21 @@ class ColocatedPool:
         prompts = list(prompts)
         seeds = request_seeds_for(sampling, len(prompts)) if request_seeds is None else list(request_seeds)
         start, end = my_share(len(prompts), self.rank, self.world, self.rollout_tp)
-        mine = []
+        mine, error = [], None
         if end > start:
-            mine = self.engine.generate(prompts[start:end], sampling,
-                                        request_seeds=None if seeds is None else seeds[start:end])
-            if len(mine) != end - start:
-                raise RuntimeError(f"rank {self.rank}'s engine returned {len(mine)} outputs for {end - start} prompts")
+            try:
+                mine = self.engine.generate(prompts[start:end], sampling,
+                                            request_seeds=None if seeds is None else seeds[start:end])
+                if len(mine) != end - start:
+                    raise RuntimeError(f"returned {len(mine)} outputs for {end - start} prompts")
+            except Exception as e:  # noqa: BLE001 - said on every rank below, not only on this one
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
         parts = [None] * self.world
-        dist.all_gather_object(parts, mine if self.rank % self.rollout_tp == 0 else None, group=self.group)
-        out = [o for part in parts if part is not None for o in part]
+        dist.all_gather_object(parts, (error, mine if self.rank % self.rollout_tp == 0 else None), group=self.group)
+        errors = [e for e, _ in parts if e is not None]
+        if errors:  # every rank stops now, naming the engine that failed (not after run.timeout_s in the next collective)
+            raise RuntimeError("the rollout engine failed during generate on " + "; ".join(errors))
+        out = [o for _, part in parts if part is not None for o in part]
         if len(out) != len(prompts):
             raise RuntimeError(f"the rollout groups returned {len(out)} outputs for {len(prompts)} prompts")
         return out

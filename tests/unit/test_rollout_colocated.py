@@ -63,6 +63,29 @@ def test_every_rank_gets_all_outputs_in_prompt_order_from_its_groups_share(rollo
     assert len(shares) == groups and sum(e - s for s, e in shares) == 11
 
 
+class DyingEngine(SeededEngine):
+    def generate(self, prompts, sampling, *, request_seeds=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _failure_scenario(bad_rank):
+    import torch.distributed as dist
+
+    engine = DyingEngine() if dist.get_rank() == bad_rank else SeededEngine()
+    pool = ColocatedPool(engine, rollout_tp=1)
+    try:
+        pool.generate([[1, 2, 3]] * 4, SamplingParams(seed=7, max_new_tokens=2))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_an_engine_that_fails_stops_every_rank_at_once_naming_it():
+    messages = spawn(2, 1, 1, _failure_scenario, 1)
+    assert messages == ["the rollout engine failed during generate on rank 1: RuntimeError: CUDA error: an illegal "
+                        "memory access was encountered"] * 2
+
+
 def test_rank_layout_and_kv_cache_sizing():
     assert rollout_groups(8, 2) == 4 and [my_share(10, r, 4, 2) for r in range(4)] == [(0, 5), (0, 5), (5, 10), (5, 10)]
     with pytest.raises(ValueError, match="rollout.tp=3 must divide the number of ranks \\(4\\)"):
