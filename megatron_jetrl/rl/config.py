@@ -1,5 +1,6 @@
 """The GRPO run's configuration: typed, frozen dataclasses filled from a YAML file plus `section.key=value`
-overrides, checked completely before any heavy work starts.
+overrides (`section.key.name=value` for one entry of a mapping: `model.hf_config.num_hidden_layers=28`), checked
+completely before any heavy work starts.
 
 Sections and the classes they fill: `run` (RunConfig), `model` (ModelConfig), `precision`
 (`fp8.PrecisionFlow`, the one object trainer and rollout share), `parallel` (ParallelConfig), `data`
@@ -461,23 +462,39 @@ def _build(cls, data, where: str):
         raise ConfigError(f"{where.rstrip('.')}: {e}") from None
 
 
+def _is_mapping_field(section: str, key: str) -> bool:
+    """Is `section.key` a mapping-typed field (e.g. model.hf_config)?"""
+    hint = typing.get_type_hints(typing.get_type_hints(JetRLConfig)[section]).get(key)
+    return hint is dict or typing.get_origin(hint) is dict
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """`section.key=value` strings (values parsed as YAML) merged into a config dict."""
+    """`section.key=value` strings (values parsed as YAML) merged into a config dict; `section.key.name=value` sets
+    one entry of a mapping field (e.g. `model.hf_config.num_hidden_layers=28`) and keeps the others."""
     sections = {f.name for f in dataclasses.fields(JetRLConfig)}
     for item in overrides:
         key, sep, raw = item.partition("=")
         parts = key.split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. parallel.tp=2)")
+        entry = len(parts) == 3 and all(parts) and parts[0] in sections and _is_mapping_field(parts[0], parts[1])
+        if not sep or not all(parts) or not (len(parts) == 2 or entry):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. parallel.tp=2), or "
+                              "section.key.name=value for one entry of a mapping (e.g. model.hf_config.num_hidden_layers=28)")
         if parts[0] not in sections:
             raise _unknown(parts[0], sections, "")
         data.setdefault(parts[0], {})
         if not isinstance(data[parts[0]], dict):
             raise ConfigError(f"section {parts[0]} must be a mapping")
         try:
-            data[parts[0]][parts[1]] = yaml.safe_load(raw) if raw else ""
+            value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote it") from None
+        if entry:
+            current = data[parts[0]].get(parts[1]) or {}
+            if not isinstance(current, dict):
+                raise ConfigError(f"override {item!r}: {parts[0]}.{parts[1]} is {current!r}, not a mapping")
+            data[parts[0]][parts[1]] = {**current, parts[2]: value}
+        else:
+            data[parts[0]][parts[1]] = value
     return data
 
 

@@ -38,6 +38,14 @@ def test_files_then_overrides_compose_in_order():
     assert cfg.parallel.tp == 1 and cfg.run.name == "x=y" and cfg.precision.mode == MODES[0].stem
 
 
+def test_one_entry_of_the_hf_config_is_overridden_and_the_others_kept():
+    base = load_config(CONFIGS / "gpu_8b_shapes.yaml", ["run.device=cpu"]).model.hf_config
+    cfg = load_config(CONFIGS / "gpu_8b_shapes.yaml", ["run.device=cpu", "model.hf_config.num_hidden_layers=28"])
+    assert cfg.model.hf_config == {**base, "num_hidden_layers": 28}
+    with pytest.raises(ConfigError, match=r"not of the form section.key=value .*model.hf_config.num_hidden_layers=28"):
+        load_config(None, ["run.steps.x=1"])  # run.steps is no mapping
+
+
 def test_misaligned_tp_is_refused_naming_the_layer_and_the_sizes_that_work():
     with pytest.raises(ConfigError, match=r"parallel.tp=8.*"):
         load_config([CONFIGS / "models/qwen2.5-7b.yaml", CONFIGS / "modes/jetrl.yaml"], ["parallel.tp=8"])
