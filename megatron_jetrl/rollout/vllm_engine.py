@@ -140,7 +140,7 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
         enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
         enforce_eager=enforce_eager, max_model_len=max_model_len,
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
-        disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers live outside the sleep pool (verl does the same)
+        disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
     if flow.rollout_fp8 and not enforce_eager:
         kwargs["compilation_config"] = {"custom_ops": ["+quant_fp8"], "pass_config": dict(UNFUSED)}
