@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | grpo | native
 #
-#   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle)
+#   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
+#           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min)
 #   bench   tools/bench_vllm.py --mode jetrl and --mode bf16 (start, sync, decode), Qwen3-8B shapes -> bench_*.json
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
@@ -25,7 +26,7 @@ for stage in "$@"; do
   t0=$(date +%s)
   echo "== stage $stage $(date -u +%TZ)"
   case $stage in
-    tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm.py 2>&1 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py 2>&1 | tee "$OUT/tests.log" ;;
     bench)
       for mode in jetrl bf16; do
         python3 tools/bench_vllm.py --mode "$mode" --json "$OUT/bench_$mode.json" ${BENCH_ARGS:-} 2>&1 \
