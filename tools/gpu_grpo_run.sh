@@ -19,6 +19,7 @@
 #   PYTHON       default python3
 #   (a COMMIT file in the repo root, as in a `git archive` snapshot, names the commit in the log)
 #   SITE         where .whl/*.whl are installed when megatron-core or math-verify is missing (default ${TMPDIR:-/tmp}/mcore)
+#   SUFFIX       appended to each run's name (gpu_<mode><SUFFIX>), e.g. _native for a second program of a mode
 #   PORT_BASE    MASTER_PORT of the first run minus 1 (default 29610; each mode takes the next port): distinct values
 #                let two instances run side by side on two GPUs
 #
@@ -67,7 +68,7 @@ fi
 
 port=${PORT_BASE:-29610}
 for mode in $MODES; do
-  name=gpu_$mode
+  name=gpu_$mode${SUFFIX:-}
   port=$((port + 1))
   dir=$WORK/$name
   rm -rf "$dir"
@@ -94,7 +95,7 @@ for mode in $MODES; do
   rm -rf "$dir"
 done
 
-WORK=$WORK OUT=$OUT MODES=$MODES "$PY" - <<'EOF' 2>&1 | tee -a "$log"
+WORK=$WORK OUT=$OUT MODES=$MODES SUFFIX=${SUFFIX:-} "$PY" - <<'EOF' 2>&1 | tee -a "$log"
 import json, os, statistics
 from pathlib import Path
 
@@ -103,7 +104,7 @@ modes = os.environ["MODES"].split()
 PH = ["rollout", "eval", "update", "sync", "step"]
 results = {}
 for mode in modes:
-    name = f"gpu_{mode}"
+    name = f"gpu_{mode}{os.environ['SUFFIX']}"
     r = json.loads((work / f"{name}.run.json").read_text())
     mfile = out / f"{name}.metrics.jsonl"
     rows = [json.loads(l) for l in mfile.read_text().splitlines() if l.strip()] if mfile.exists() else []
@@ -125,7 +126,7 @@ for mode in modes:
         r[k] = mean(k)
     r["mismatch_max_over_steps"] = max((x.get("mismatch/max_abs_diff") or 0) for x in rows) if rows else None
     r["startup_s"] = r["wall_s"] - sum(x["time/step"] for x in rows) if rows else None
-    results[mode] = r
+    results[mode + os.environ["SUFFIX"]] = r
 (out / "results.json").write_text(json.dumps(results, indent=1))
 
 f = lambda v, s=".3f": "n/a" if v is None else format(v, s)

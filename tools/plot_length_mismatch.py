@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Train/rollout mismatch against response length (one curve per run), and reward against step, into one PNG.
 
-    .venv/bin/python tools/plot_length_mismatch.py LABEL=RUN ... [--floor LABEL=RUN ...] -o out.png
+    .venv/bin/python tools/plot_length_mismatch.py LABEL=RUN ... [--floor LABEL=RUN ...] -o out.png [--table out.md]
 
 RUN is a run directory or its metrics.jsonl. The trainer logs, per step and per response-length bucket
 [2^k, 2^(k+1)) tokens, `mismatch/len<lo>-<hi>/<stat>` with stat in tokens, responses, mean_abs_diff, k3_kl,
 max_abs_diff, abs_diff_gt1_frac, seq_abs_log_ratio (rollout/metrics.py). Over all steps of a run, a bucket's
 mean |logp diff|, k3 KL and share of tokens with |logp diff| > 1 are token-weighted means of the steps' values,
 its sequence |log ratio| the response-weighted mean, its max the max; each is drawn at the bucket's mean
-response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor)
-is a dashed horizontal line at its token-weighted mean over every step (`mismatch/*`, all lengths; max: the
-max); the sequence panel has no floor line (that statistic exists per bucket only). The last panel is the
-reward (mean) per step of every run.
+response length (its tokens / its responses), on a log2 length axis. A floor run (e.g. bf16: the BF16 floor;
+jetrl with a second FP8 program: the FP8 floor) is drawn dashed, per bucket like the runs when it has length
+buckets (the floor at each length), else as a horizontal line at its token-weighted mean over every step
+(`mismatch/*`, all lengths; max: the max; none in the sequence panel, a per-bucket statistic). The last
+panel is the reward (mean) per step of every run, floors dashed (the BF16 run is the accuracy to keep).
+`--table` also writes the per-bucket numbers as a markdown table (one row per bucket, columns per run).
 
 Exit status: 0 written; 2 a run unreadable, without rows, or without length buckets (one line says which).
 """
@@ -32,6 +34,9 @@ PANELS = (("mean_abs_diff", "mean |logp train - rollout|"), ("k3_kl", "k3 KL"),
           ("max_abs_diff", "max |logp diff|"), ("abs_diff_gt1_frac", "share of tokens with |logp diff| > 1"),
           ("seq_abs_log_ratio", "sequence |log pi_train/pi_rollout|"))
 TOKEN_MEANS = ("mean_abs_diff", "k3_kl", "abs_diff_gt1_frac")
+FLOOR_COLORS = ("gray", "black", "brown")
+TABLE_STATS = (("mean_abs_diff", "mean \\|dlogp\\|", ".4f"), ("k3_kl", "k3 KL", ".2e"),
+               ("abs_diff_gt1_frac", "share \\|dlogp\\|>1", ".1e"), ("seq_abs_log_ratio", "seq \\|log ratio\\|", ".3f"))
 BUCKET = re.compile(r"^mismatch/len(\d+)-(\d+)/tokens$")
 
 
@@ -89,6 +94,21 @@ def floor_level(rows: list[dict], stat: str) -> float:
     return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs)
 
 
+def table(runs: list[tuple[str, list[dict]]]) -> str:
+    """The per-bucket statistics of every run (floors included) as one markdown table, a row per length bucket."""
+    per_run = [(label, by_length(rows)) for label, rows in runs]
+    keys = sorted({k for _, b in per_run for k in b})
+    head = ["length bucket", *(f"{label}: responses" for label, _ in per_run)]
+    head += [f"{label}: {name}" for _, name, _ in TABLE_STATS for label, _ in per_run]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lo, hi in keys:
+        cells = [f"{lo}-{hi}"] + [str(int(b[(lo, hi)]["responses"])) if (lo, hi) in b else "-" for _, b in per_run]
+        for stat, _, fmt in TABLE_STATS:
+            cells += [format(b[(lo, hi)][stat], fmt) if (lo, hi) in b else "-" for _, b in per_run]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str) -> None:
     import matplotlib
 
@@ -103,8 +123,13 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
             buckets = by_length(rows)
             xs = [b["tokens"] / b["responses"] for b in buckets.values()]
             ax.plot(xs, [b[stat] for b in buckets.values()], marker="o", label=label)
-        for (label, rows), color in zip(floors if stat != "seq_abs_log_ratio" else [], ("gray", "black", "brown")):
-            ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
+        for (label, rows), color in zip(floors, FLOOR_COLORS):
+            buckets = by_length(rows)
+            if buckets:
+                xs = [b["tokens"] / b["responses"] for b in buckets.values()]
+                ax.plot(xs, [b[stat] for b in buckets.values()], ls="--", marker="x", color=color, label=f"floor: {label}")
+            elif stat != "seq_abs_log_ratio":
+                ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_title(title, fontsize=10)
@@ -112,6 +137,9 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
         ax.grid(True, alpha=0.3)
     for label, rows in runs:
         axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], marker="o", label=label)
+    for (label, rows), color in zip(floors, FLOOR_COLORS):
+        axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], ls="--", marker="x", color=color,
+                      label=f"floor: {label}")
     axes[-1].set_title("reward (mean)", fontsize=10)
     axes[-1].set_xlabel("GRPO step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -127,8 +155,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="LABEL=RUN (run directory or metrics.jsonl)")
-    ap.add_argument("--floor", action="append", default=[], help="LABEL=RUN drawn as a horizontal line")
+    ap.add_argument("--floor", action="append", default=[], help="LABEL=RUN drawn dashed (a floor: bf16, or a second FP8 program)")
     ap.add_argument("-o", "--output", required=True, help="PNG file to write")
+    ap.add_argument("--table", help="also write the per-bucket numbers of runs and floors to this markdown file")
     a = ap.parse_args(argv)
     try:
         runs, floors = [read_run(s) for s in a.runs], [read_run(s) for s in a.floor]
@@ -142,6 +171,9 @@ def main(argv=None) -> int:
         print(f"plot_length_mismatch: {e}", file=sys.stderr)
         return 2
     plot(runs, floors, a.output)
+    if a.table:
+        Path(a.table).write_text(table(runs + floors))
+        print(f"wrote {a.table}")
     print(f"wrote {a.output} ({len(runs)} run(s), {len(floors)} floor(s))")
     return 0
 

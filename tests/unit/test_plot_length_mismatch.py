@@ -54,3 +54,16 @@ def test_png_and_exit_2(tmp_path, capsys):
     assert tool.main([f"a={run}", "--floor", f"f={old}", "-o", str(tmp_path / "no.png")]) == 2
     assert "no mismatch/tokens and mismatch/mean_abs_diff rows" in capsys.readouterr().err
     assert not (tmp_path / "no.png").exists()
+
+
+def test_table_has_a_row_per_bucket_and_a_column_per_run(tmp_path):
+    a = write(tmp_path / "a", [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2), "len32-64": (90, 2, 0.3, 1.2, 2.0)})])
+    floor_without_buckets = {"step": 0, "reward/mean": 0.4, "mismatch/tokens": 50, "mismatch/mean_abs_diff": 0.05,
+                             "mismatch/k3_kl": 0.001, "mismatch/max_abs_diff": 0.2}
+    f = write(tmp_path / "f", [floor_without_buckets])
+    out, md = tmp_path / "p.png", tmp_path / "t.md"
+    assert tool.main([f"a={a}", "--floor", f"f={f}", "-o", str(out), "--table", str(md)]) == 0
+    lines = md.read_text().splitlines()
+    assert lines[0].startswith("| length bucket | a: responses | f: responses | a: mean \\|dlogp\\| | f: mean \\|dlogp\\|")
+    assert lines[2] == "| 4-8 | 2 | - | 0.1000 | - | 1.00e-02 | - | 0.0e+00 | - | 0.200 | - |"
+    assert lines[3].startswith("| 32-64 | 2 | - | 0.3000 |") and len(lines) == 4
