@@ -211,7 +211,10 @@ class DataConfig:
     """multiplication_trace only: the smallest multiplier = the fewest lines of a worked answer."""
     multiplier_max: int = 8
     """multiplication_trace only: the largest multiplier. A worked answer has b lines of ~2 + 2 * digits tokens each,
-    b uniform in [multiplier_min, multiplier_max]: this is the knob of the response length."""
+    b drawn from [multiplier_min, multiplier_max] (`multiplier_sampling`): this is the knob of the response length."""
+    multiplier_sampling: str = "uniform"
+    """multiplication_trace only: `uniform` draws b uniformly; `log` draws log(b) uniformly, so every octave of lengths
+    (5-10, 10-20, ... lines) gets the same share: short answers a small model gets right beside long ones."""
 
     GENERATED = ("arithmetic", "multiplication_trace")
 
@@ -225,6 +228,8 @@ class DataConfig:
         _check(1 <= self.multiplier_min <= self.multiplier_max,
                f"data.multiplier_min={self.multiplier_min} and data.multiplier_max={self.multiplier_max} must satisfy "
                "1 <= multiplier_min <= multiplier_max")
+        _check(self.multiplier_sampling in ("uniform", "log"),
+               f"data.multiplier_sampling must be 'uniform' or 'log', got {self.multiplier_sampling!r}")
         _check(self.source != "multiplication_trace" or self.reward_style == "final",
                f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
                f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)")

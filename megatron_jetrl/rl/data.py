@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -234,13 +235,25 @@ class MultiplicationTraceTask:
     multiplier_min: int = 1
     """Smallest multiplier b = the fewest lines of a worked answer."""
     multiplier_max: int = 8
-    """Largest multiplier b: the answer's length (lines) is drawn uniformly from [multiplier_min, multiplier_max]."""
+    """Largest multiplier b: the answer's length (lines) is drawn from [multiplier_min, multiplier_max]."""
+    multiplier_sampling: str = "uniform"
+    """`uniform`: b uniform in that range; `log`: log(b) uniform (each octave of lengths equally likely)."""
 
     def __post_init__(self):
         if not 1 <= self.operand_max or not 1 <= self.multiplier_min <= self.multiplier_max:
             raise ValueError("invalid MultiplicationTraceTask: need operand_max >= 1 and 1 <= multiplier_min <= "
                              f"multiplier_max, got operand_max={self.operand_max}, multiplier_min={self.multiplier_min}, "
                              f"multiplier_max={self.multiplier_max}")
+        if self.multiplier_sampling not in ("uniform", "log"):
+            raise ValueError(f"invalid MultiplicationTraceTask: multiplier_sampling must be 'uniform' or 'log', got "
+                             f"{self.multiplier_sampling!r}")
+
+    def multiplier(self, rng: random.Random) -> int:
+        """One b: uniform, or log-uniform over [multiplier_min, multiplier_max + 1) floored (`multiplier_sampling`)."""
+        if self.multiplier_sampling == "uniform":
+            return rng.randint(self.multiplier_min, self.multiplier_max)
+        lo, hi = math.log(self.multiplier_min), math.log(self.multiplier_max + 1)
+        return min(int(math.exp(rng.uniform(lo, hi))), self.multiplier_max)  # exp(hi) itself can come back from rounding
 
     @staticmethod
     def trace(a: int, b: int) -> str:
@@ -252,7 +265,8 @@ class MultiplicationTraceTask:
         rng = random.Random(seed)
         problems = []
         for i in range(n):
-            a, b = rng.randint(1, self.operand_max), rng.randint(self.multiplier_min, self.multiplier_max)
+            a = rng.randint(1, self.operand_max)
+            b = self.multiplier(rng)
             problems.append(Problem(f"multiplication_trace/{seed}/{i}", f"{a}*{b}=", str(a * b), "multiplication_trace"))
         return problems
 

@@ -40,7 +40,7 @@ def generated_task(cfg: JetRLConfig):
     """The in-process task that warm-starts the policy: data.source's when it is generated, else arithmetic."""
     d = cfg.data
     if d.source == "multiplication_trace":
-        return MultiplicationTraceTask(d.operand_max, d.multiplier_min, d.multiplier_max)
+        return MultiplicationTraceTask(d.operand_max, d.multiplier_min, d.multiplier_max, d.multiplier_sampling)
     return ArithmeticTask(high=d.operand_max)
 
 

@@ -82,6 +82,8 @@ CASES = {
                                 r"multiplication_trace is generated in-process: drop data.path \('x.jsonl'\)"),
     "multiplier range upside down": (["data.multiplier_min=5", "data.multiplier_max=4"],
                                      r"data.multiplier_min=5 and data.multiplier_max=4 must satisfy 1 <= multiplier_min <= multiplier_max"),
+    "unknown multiplier sampling": (["data.multiplier_sampling=linear"],
+                                    r"data.multiplier_sampling must be 'uniform' or 'log', got 'linear'"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),

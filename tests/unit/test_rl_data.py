@@ -205,6 +205,25 @@ def test_multiplication_trace_task_answers_are_exact_and_lengths_follow_the_mult
         MultiplicationTraceTask(multiplier_min=3, multiplier_max=2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(lo=st.integers(1, 300), span=st.integers(0, 3000), seed=st.integers(0, 2**31))
+def test_log_multipliers_stay_in_range(lo, span, seed):
+    task = MultiplicationTraceTask(multiplier_min=lo, multiplier_max=lo + span, multiplier_sampling="log")
+    bs = [int(p.question[:-1].split("*")[1]) for p in task.problems(50, seed)]
+    assert all(lo <= b <= lo + span for b in bs)
+
+
+def test_log_multipliers_give_each_octave_the_same_share():
+    task = MultiplicationTraceTask(multiplier_min=1, multiplier_max=255, multiplier_sampling="log")
+    bs = [int(p.question[:-1].split("*")[1]) for p in task.problems(16000, seed=0)]
+    octaves = [sum(2**k <= b < 2 ** (k + 1) for b in bs) / len(bs) for k in range(8)]
+    assert all(abs(share - 1 / 8) < 0.015 for share in octaves), octaves
+    uniform = MultiplicationTraceTask(multiplier_min=1, multiplier_max=255)
+    assert uniform.problems(100, seed=0) != task.problems(100, seed=0)
+    with pytest.raises(ValueError, match="multiplier_sampling must be 'uniform' or 'log', got 'lin'"):
+        MultiplicationTraceTask(multiplier_sampling="lin")
+
+
 def test_multiplication_trace_tokenizes_one_character_a_token_and_apart_as_together(tmp_path):
     from megatron_jetrl.rl.tokenizer import UNK_ID, SentencePieceTokenizer, ensure_sentencepiece
 
