@@ -21,7 +21,8 @@
 # Environment: OUT (default out/gpu_length), WORK (default /dev/shm/jetrl_length), CONFIG (configs/length_mismatch.yaml),
 # MODES ("jetrl bf16-train-fp8-rollout bf16"), STEPS (GRPO steps per mode, default 6), SFT_STEPS (warmup.steps, default:
 # the config's), RUN_TIMEOUT (per mode run, default 420 s), GPUS (how many to use, default all), ARGS (overrides for
-# every run, e.g. "data.multiplier_max=120 rollout.max_new_tokens=1536" for shorter traces).
+# every run, e.g. "data.multiplier_max=120 rollout.max_new_tokens=1536" for shorter traces; in the SFT stages they come
+# before the stage's own settings, so an optim.lr meant for GRPO leaves the SFT export step at its vanishing lr).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -49,8 +50,8 @@ for stage in "$@"; do
     sft)
       if [ -f "$sft_dir/export/config.json" ]; then echo "SFT export already in $sft_dir/export"; else
         sft=(); [ -n "${SFT_STEPS:-}" ] && sft=("warmup.steps=$SFT_STEPS")
-        CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29661 "$PY" -m megatron_jetrl.rl.train "$CONFIG" precision.mode=bf16 run.name=len_sft \
-          "run.out_dir=$sft_dir" run.steps=1 optim.lr=1e-30 run.export=true rollout.engine=native "${sft[@]}" ${ARGS:-} 2>&1 \
+        CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29661 "$PY" -m megatron_jetrl.rl.train "$CONFIG" ${ARGS:-} precision.mode=bf16 run.name=len_sft \
+          "run.out_dir=$sft_dir" run.steps=1 optim.lr=1e-30 run.export=true rollout.engine=native "${sft[@]}" 2>&1 \
           | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/sft.log" | tail -15
         cp "$sft_dir/metrics.jsonl" "$OUT/sft.metrics.jsonl" 2>/dev/null
       fi ;;
@@ -59,9 +60,9 @@ for stage in "$@"; do
       round=$(cat "$sft_dir/round" 2>/dev/null || echo 0); round=$((round + 1))
       sft=(); [ -n "${SFT_STEPS:-}" ] && sft=("warmup.steps=$SFT_STEPS")
       rm -rf "$WORK/len_sft_next"
-      CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29662 "$PY" -m megatron_jetrl.rl.train "$CONFIG" precision.mode=bf16 run.name=len_sft \
+      CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29662 "$PY" -m megatron_jetrl.rl.train "$CONFIG" ${ARGS:-} precision.mode=bf16 run.name=len_sft \
         "run.out_dir=$WORK/len_sft_next" run.steps=1 optim.lr=1e-30 run.export=true rollout.engine=native \
-        "model.path=$sft_dir/export" "run.seed=$((1234 + 1000 * round))" "${sft[@]}" ${ARGS:-} 2>&1 \
+        "model.path=$sft_dir/export" "run.seed=$((1234 + 1000 * round))" "${sft[@]}" 2>&1 \
         | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/sft_more$round.log" | tail -8
       if [ -f "$WORK/len_sft_next/export/config.json" ]; then
         echo "$round" >"$WORK/len_sft_next/round"
