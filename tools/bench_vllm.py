@@ -105,7 +105,8 @@ def main(argv=None) -> dict:
     flow = PrecisionFlow(a.mode)
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
-    res = {"mode": a.mode, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(),
+    res = {"mode": a.mode, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(), "prompt": a.prompt,
+           "new_tokens": a.new,
            "deep_gemm_cache_entries": len(list(Path.home().glob(".deep_gemm/**/*.cubin")))}
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()

@@ -1,0 +1,64 @@
+"""tools/rollout_report.py: the native engine's and vLLM's decode rates in one table, refused when settings differ."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("rollout_report", REPO / "tools" / "rollout_report.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+def native(prompt=256, layers=36):
+    rows = [{"precision": p, "batch": b, "new_tokens": 512, "e2e": {"prefill_s": 1.0, "decode_s": t}}
+            for p, b, t in [("bf16", 64, 7.0), ("fp8", 64, 6.0), ("bf16", 256, 15.0)]]
+    rows.append({"precision": "fp8", "batch": 256, "new_tokens": 512, "e2e": "OOM: out of memory"})
+    return {"model": {"layers": layers}, "prompt": prompt, "new_tokens": [512], "results": rows, "device": "H200"}
+
+
+def vllm(mode, rates, new=512):
+    return {"mode": mode, "layers": 36, "prompt": 256, "new_tokens": new, "device": "H200",
+            "decode": {str(b): {"first_tok_s": r / 2, "best_tok_s": r} for b, r in rates.items()}}
+
+
+def write(tmp_path, name, obj):
+    (tmp_path / name).write_text(json.dumps(obj))
+    return str(tmp_path / name)
+
+
+def test_rows_per_batch_with_ratios(tmp_path, capsys):
+    n = write(tmp_path, "n.json", native())
+    f, b = write(tmp_path, "f.json", vllm("jetrl", {64: 9000.0, 256: 26000.0})), write(tmp_path, "b.json", vllm("bf16", {64: 7500.0, 256: 20000.0}))
+    out = tmp_path / "r.md"
+    assert tool.main(["--native", n, "--vllm", f, b, "-o", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[4] == "| 64 | 4096 | 4681 | 1.14x | 7500 | 9000 | 4500 | 1.20x | 1.92x |"  # 64*512/8 s, 64*512/7 s
+    assert lines[5] == "| 256 | 8192 | n/a | n/a | 20000 | 26000 | 13000 | 1.30x | n/a |"  # the OOM row has no rate
+    assert capsys.readouterr().out == out.read_text()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("prompt", "does not cover the vLLM runs' setting (layers 36, prompt 256, new tokens 512): run tools/bench_rollout.py with"),
+    ("new", "the vLLM runs differ in"),
+    ("twice", "a second vLLM jetrl run"),
+    ("not json", "cannot read a benchmark JSON"),
+    ("native keys", "the native JSON lacks ['model'"),
+])
+def test_mismatched_or_unreadable_inputs_exit_2(tmp_path, capsys, case, message):
+    n = native(prompt=128) if case == "prompt" else native()
+    if case == "native keys":
+        n = {"results": []}
+    f = vllm("jetrl", {64: 1.0})
+    b = vllm("bf16", {64: 1.0}, new=1024 if case == "new" else 512)
+    paths = [write(tmp_path, "f.json", f), write(tmp_path, "f2.json", f) if case == "twice" else write(tmp_path, "b.json", b)]
+    npath = write(tmp_path, "n.json", n)
+    if case == "not json":
+        (tmp_path / "n.json").write_text("{")
+    assert tool.main(["--native", npath, "--vllm", *paths]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

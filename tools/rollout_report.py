@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""One decode table at Qwen3-8B shapes: the native engine beside vLLM, FP8 (jetrl numerics) against BF16 in each.
+
+    python tools/rollout_report.py --native bench_rollout.json --vllm bench_jetrl.json bench_bf16.json [-o report.md]
+
+Inputs: the JSON of `tools/bench_rollout.py` (native engine, both precisions) and of `tools/bench_vllm.py --mode jetrl`
+and `--mode bf16` (one engine each). Only settings that match are compared: the same layers, prompt length and new tokens;
+a row per batch size that the vLLM runs have. Throughput is generated tokens per second of the whole generate() call,
+prefill included, as vLLM's benchmark times it: for the native engine b * n / (prefill_s + decode_s) of its end-to-end
+run. vLLM: best of its repeated runs (the first, which JIT-compiles DeepGEMM kernels for new shapes, in its own column).
+
+Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def load(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read a benchmark JSON ({e})") from None
+
+
+def vllm_runs(paths: list[str]) -> dict[str, dict]:
+    """{"jetrl": json, "bf16": json} from bench_vllm.py outputs, each mode once, with matching settings."""
+    runs = {}
+    for path in paths:
+        r = load(path)
+        if r.get("mode") not in ("jetrl", "bf16") or "decode" not in r:
+            raise ValueError(f"{path}: not a tools/bench_vllm.py result (needs 'mode' jetrl|bf16 and 'decode')")
+        if r["mode"] in runs:
+            raise ValueError(f"{path}: a second vLLM {r['mode']} run; give one per mode")
+        runs[r["mode"]] = r
+    keys = ("layers", "prompt", "new_tokens")
+    if len({tuple(r.get(k) for k in keys) for r in runs.values()}) > 1:
+        raise ValueError("the vLLM runs differ in " + ", ".join(f"{m}: {dict((k, r.get(k)) for k in keys)}" for m, r in runs.items()))
+    return runs
+
+
+def native_rate(native: dict, precision: str, batch: int, new: int) -> float | None:
+    """Generated tokens/s of the native engine's end-to-end run (prefill + decode), or None if it did not run."""
+    for r in native.get("results", []):
+        if (r.get("precision"), r.get("batch"), r.get("new_tokens")) == (precision, batch, new) and isinstance(r.get("e2e"), dict):
+            return batch * new / (r["e2e"]["prefill_s"] + r["e2e"]["decode_s"])
+    return None
+
+
+def table(native: dict, runs: dict[str, dict]) -> str:
+    missing = [k for k in ("model", "prompt", "new_tokens", "results", "device") if k not in native]
+    if missing:
+        raise ValueError(f"the native JSON lacks {missing}: give the output of tools/bench_rollout.py --json")
+    ref = next(iter(runs.values()))
+    layers, prompt, new = ref.get("layers"), ref.get("prompt"), ref.get("new_tokens")
+    if (native["model"]["layers"], native["prompt"]) != (layers, prompt) or new not in native["new_tokens"]:
+        raise ValueError(f"the native run (layers {native['model']['layers']}, prompt {native['prompt']}, new tokens "
+                         f"{native['new_tokens']}) does not cover the vLLM runs' setting (layers {layers}, prompt {prompt}, "
+                         f"new tokens {new}): run tools/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
+    f = lambda v, spec=".0f": "n/a" if v is None else format(v, spec)
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
+    lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers, prompt {prompt}, {new} new tokens "
+             f"(native on {native['device']}, vLLM on {ref['device']}).", "",
+             "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | vLLM/native, FP8 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    batches = sorted({int(b) for r in runs.values() for b in r["decode"]})
+    for b in batches:
+        nb, nf = native_rate(native, "bf16", b, new), native_rate(native, "fp8", b, new)
+        get = lambda mode, key: runs.get(mode, {}).get("decode", {}).get(str(b), {}).get(key)
+        vb, vf, vf0 = get("bf16", "best_tok_s"), get("jetrl", "best_tok_s"), get("jetrl", "first_tok_s")
+        lines.append(f"| {b} | {f(nb)} | {f(nf)} | {ratio(nf, nb)} | {f(vb)} | {f(vf)} | {f(vf0)} | {ratio(vf, vb)} | "
+                     f"{ratio(vf, nf)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--native", required=True, help="tools/bench_rollout.py JSON")
+    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode")
+    ap.add_argument("-o", "--output", help="also write the table to this markdown file")
+    a = ap.parse_args(argv)
+    try:
+        text = table(load(a.native), vllm_runs(a.vllm))
+    except ValueError as e:
+        print(f"rollout_report: {e}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    if a.output:
+        Path(a.output).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
