@@ -109,6 +109,12 @@ def table(runs: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def curve(rows: list[dict], stat: str) -> tuple[list[float], list[float]]:
+    """(mean response length, value of `stat`) per length bucket of a run."""
+    buckets = by_length(rows).values()
+    return [b["tokens"] / b["responses"] for b in buckets], [b[stat] for b in buckets]
+
+
 def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str) -> None:
     import matplotlib
 
@@ -120,14 +126,10 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
     axes = axes.flatten()
     for ax, (stat, title) in zip(axes, PANELS):
         for label, rows in runs:
-            buckets = by_length(rows)
-            xs = [b["tokens"] / b["responses"] for b in buckets.values()]
-            ax.plot(xs, [b[stat] for b in buckets.values()], marker="o", label=label)
+            ax.plot(*curve(rows, stat), marker="o", label=label)
         for (label, rows), color in zip(floors, FLOOR_COLORS):
-            buckets = by_length(rows)
-            if buckets:
-                xs = [b["tokens"] / b["responses"] for b in buckets.values()]
-                ax.plot(xs, [b[stat] for b in buckets.values()], ls="--", marker="x", color=color, label=f"floor: {label}")
+            if by_length(rows):
+                ax.plot(*curve(rows, stat), ls="--", marker="x", color=color, label=f"floor: {label}")
             elif stat != "seq_abs_log_ratio":
                 ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
         ax.set_xscale("log", base=2)
