@@ -43,6 +43,14 @@ sft_dir=$WORK/len_sft
 gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "${gpus:-0}" -ge 1 ] || gpus=1
 
+need_sft() { [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }; }
+grpo_from_sft() {  # GPU OUTDIR PORT_BASE [override...]: tools/gpu_grpo_run.sh for $MODES (and $SUFFIX) from the SFT export
+  local gpu=$1 out=$2 port=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpu OUT=$out WORK=$WORK/$(basename "$out") PORT_BASE=$port CONFIG=$CONFIG RUN_TIMEOUT=${RUN_TIMEOUT:-420} \
+    PYTHON=$PY bash tools/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 "run.steps=$STEPS" run.checkpoint=false \
+    ${ARGS:-} "$@" >/dev/null 2>&1
+}
+
 for stage in "$@"; do
   t0=$(date +%s)
   echo "== stage $stage $(date -u +%TZ)"
@@ -56,7 +64,7 @@ for stage in "$@"; do
         cp "$sft_dir/metrics.jsonl" "$OUT/sft.metrics.jsonl" 2>/dev/null
       fi ;;
     sft-more)
-      [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }
+      need_sft
       round=$(cat "$sft_dir/round" 2>/dev/null || echo 0); round=$((round + 1))
       sft=(); [ -n "${SFT_STEPS:-}" ] && sft=("warmup.steps=$SFT_STEPS")
       rm -rf "$WORK/len_sft_next"
@@ -70,22 +78,18 @@ for stage in "$@"; do
         rm -rf "$sft_dir" && mv "$WORK/len_sft_next" "$sft_dir" && echo "SFT round $round -> $sft_dir/export"
       else echo "sft-more round $round wrote no export: $sft_dir keeps the previous one"; exit 3; fi ;;
     floor)
-      [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }
-      CUDA_VISIBLE_DEVICES=0 OUT=$OUT/floor WORK=$WORK/floor MODES=jetrl SUFFIX=_native PORT_BASE=29690 CONFIG=$CONFIG \
-        RUN_TIMEOUT=${RUN_TIMEOUT:-420} PYTHON=$PY bash tools/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 \
-        "run.steps=$STEPS" run.checkpoint=false ${ARGS:-} rollout.engine=native >/dev/null 2>&1
+      need_sft
+      MODES=jetrl SUFFIX=_native grpo_from_sft 0 "$OUT/floor" 29690 rollout.engine=native
       cat "$OUT/floor/table.md" 2>/dev/null ;;
     modes)
-      [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }
+      need_sft
       read -r -a modes <<<"$MODES"
       pids=()
       for ((g = 0; g < gpus; g++)); do
         mine=""
         for ((i = g; i < ${#modes[@]}; i += gpus)); do mine="$mine ${modes[$i]}"; done
         [ -n "$mine" ] || continue
-        CUDA_VISIBLE_DEVICES=$g OUT=$OUT/gpu$g WORK=$WORK/gpu$g MODES="$mine" PORT_BASE=$((29700 + 10 * g)) CONFIG=$CONFIG \
-          RUN_TIMEOUT=${RUN_TIMEOUT:-420} PYTHON=$PY bash tools/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 \
-          "run.steps=$STEPS" run.checkpoint=false ${ARGS:-} >/dev/null 2>&1 &
+        MODES="$mine" grpo_from_sft "$g" "$OUT/gpu$g" $((29700 + 10 * g)) &
         pids+=($!)
         echo "GPU $g:$mine"
       done
