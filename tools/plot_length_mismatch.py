@@ -14,6 +14,9 @@ buckets (the floor at each length), else as a horizontal line at its token-weigh
 (`mismatch/*`, all lengths; max: the max; none in the sequence panel, a per-bucket statistic). The last
 panel is the reward (mean) per step of every run, floors dashed (the BF16 run is the accuracy to keep).
 `--table` also writes the per-bucket numbers as a markdown table (one row per bucket, columns per run).
+`--min-responses N` (default 8) leaves out of the curves the buckets with fewer than N responses over all steps
+(a 3-response bucket's mean says little and sets the axis); the tool names each one it leaves out, and the table
+keeps every bucket.
 
 Exit status: 0 written; 2 a run unreadable, without rows, or without length buckets (one line says which).
 """
@@ -109,13 +112,20 @@ def table(runs: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def curve(rows: list[dict], stat: str) -> tuple[list[float], list[float]]:
-    """(mean response length, value of `stat`) per length bucket of a run."""
-    buckets = by_length(rows).values()
+def sparse_buckets(runs: list[tuple[str, list[dict]]], min_responses: int) -> list[str]:
+    """'label lenLO-HI (N responses)' for every bucket that the curves leave out (fewer than min_responses)."""
+    return [f"{label} len{lo}-{hi} ({int(b['responses'])} responses)" for label, rows in runs
+            for (lo, hi), b in by_length(rows).items() if b["responses"] < min_responses]
+
+
+def curve(rows: list[dict], stat: str, min_responses: int = 1) -> tuple[list[float], list[float]]:
+    """(mean response length, value of `stat`) per length bucket of a run with at least min_responses responses."""
+    buckets = [b for b in by_length(rows).values() if b["responses"] >= min_responses]
     return [b["tokens"] / b["responses"] for b in buckets], [b[stat] for b in buckets]
 
 
-def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str) -> None:
+def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str,
+         min_responses: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,10 +136,10 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
     axes = axes.flatten()
     for ax, (stat, title) in zip(axes, PANELS):
         for label, rows in runs:
-            ax.plot(*curve(rows, stat), marker="o", label=label)
+            ax.plot(*curve(rows, stat, min_responses), marker="o", label=label)
         for (label, rows), color in zip(floors, FLOOR_COLORS):
             if by_length(rows):
-                ax.plot(*curve(rows, stat), ls="--", marker="x", color=color, label=f"floor: {label}")
+                ax.plot(*curve(rows, stat, min_responses), ls="--", marker="x", color=color, label=f"floor: {label}")
             elif stat != "seq_abs_log_ratio":
                 ax.axhline(floor_level(rows, stat), ls="--", color=color, label=f"floor: {label}")
         ax.set_xscale("log", base=2)
@@ -160,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="append", default=[], help="LABEL=RUN drawn dashed (a floor: bf16, or a second FP8 program)")
     ap.add_argument("-o", "--output", required=True, help="PNG file to write")
     ap.add_argument("--table", help="also write the per-bucket numbers of runs and floors to this markdown file")
+    ap.add_argument("--min-responses", type=int, default=8,
+                    help="draw only buckets with at least this many responses over all steps (default 8; the table keeps all)")
     a = ap.parse_args(argv)
     try:
         runs, floors = [read_run(s) for s in a.runs], [read_run(s) for s in a.floor]
@@ -169,10 +181,17 @@ def main(argv=None) -> int:
         for spec, (_, rows) in zip(a.floor, floors):
             if math.isnan(floor_level(rows, "mean_abs_diff")):
                 raise ValueError(f"{spec}: no mismatch/tokens and mismatch/mean_abs_diff rows to draw a floor from")
+        if a.min_responses < 1:
+            raise ValueError(f"--min-responses {a.min_responses}: give 1 or more (1 draws every bucket)")
+        if not any(curve(rows, "tokens", a.min_responses)[0] for _, rows in runs):
+            raise ValueError(f"every length bucket of the runs has fewer than {a.min_responses} responses: "
+                             f"lower --min-responses (1 draws every bucket)")
     except ValueError as e:
         print(f"plot_length_mismatch: {e}", file=sys.stderr)
         return 2
-    plot(runs, floors, a.output)
+    plot(runs, floors, a.output, a.min_responses)
+    for left_out in sparse_buckets(runs + floors, a.min_responses):
+        print(f"left out of the curves (under --min-responses {a.min_responses}): {left_out}")
     if a.table:
         Path(a.table).write_text(table(runs + floors))
         print(f"wrote {a.table}")

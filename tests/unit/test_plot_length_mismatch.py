@@ -43,7 +43,7 @@ def test_png_and_exit_2(tmp_path, capsys):
     run = write(tmp_path / "run", [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2), "len32-64": (90, 2, 0.3, 1.2, 2.0)})])
     old = write(tmp_path / "old", [{"step": 0, "reward/mean": 0.1}])
     out = tmp_path / "p.png"
-    assert tool.main([f"a={run}", "--floor", f"f={run / 'metrics.jsonl'}", "-o", str(out)]) == 0
+    assert tool.main([f"a={run}", "--floor", f"f={run / 'metrics.jsonl'}", "-o", str(out), "--min-responses", "1"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
     for spec, message in [(str(run), "write LABEL=RUN"), (f"b={tmp_path}/nowhere", "no metrics.jsonl there"),
@@ -62,8 +62,23 @@ def test_table_has_a_row_per_bucket_and_a_column_per_run(tmp_path):
                              "mismatch/k3_kl": 0.001, "mismatch/max_abs_diff": 0.2}
     f = write(tmp_path / "f", [floor_without_buckets])
     out, md = tmp_path / "p.png", tmp_path / "t.md"
-    assert tool.main([f"a={a}", "--floor", f"f={f}", "-o", str(out), "--table", str(md)]) == 0
+    assert tool.main([f"a={a}", "--floor", f"f={f}", "-o", str(out), "--table", str(md), "--min-responses", "1"]) == 0
     lines = md.read_text().splitlines()
     assert lines[0].startswith("| length bucket | a: responses | f: responses | a: mean \\|dlogp\\| | f: mean \\|dlogp\\|")
     assert lines[2] == "| 4-8 | 2 | - | 0.1000 | - | 1.00e-02 | - | 0.0e+00 | - | 0.200 | - |"
     assert lines[3].startswith("| 32-64 | 2 | - | 0.3000 |") and len(lines) == 4
+
+
+def test_sparse_buckets_are_left_out_of_the_curves_and_named(tmp_path, capsys):
+    rows = [row(0, **{"len4-8": (6, 3, 0.9, 0.3, 0.2), "len32-64": (900, 20, 0.3, 1.2, 2.0)})]
+    run = write(tmp_path / "run", rows)
+    assert tool.curve(rows, "mean_abs_diff", 8) == ([45.0], [0.3])
+    assert tool.curve(rows, "mean_abs_diff") == ([2.0, 45.0], [0.9, 0.3])
+    md = tmp_path / "t.md"
+    assert tool.main([f"a={run}", "-o", str(tmp_path / "p.png"), "--table", str(md)]) == 0
+    assert "left out of the curves (under --min-responses 8): a len4-8 (3 responses)" in capsys.readouterr().out
+    assert md.read_text().splitlines()[2].startswith("| 4-8 | 3 |")  # the table keeps it
+    assert tool.main([f"a={run}", "-o", str(tmp_path / "q.png"), "--min-responses", "0"]) == 2
+    assert "--min-responses 0: give 1 or more" in capsys.readouterr().err
+    assert tool.main([f"a={run}", "-o", str(tmp_path / "q.png"), "--min-responses", "21"]) == 2
+    assert "every length bucket of the runs has fewer than 21 responses" in capsys.readouterr().err
