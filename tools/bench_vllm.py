@@ -15,6 +15,15 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
 * decode: batch x (prompt, new) with ignore_eos, random prompt tokens; the first run of each batch (DeepGEMM
   JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens.
 Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes and prints the table.
+
+`--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/rollout_report.py
+puts each variant in its own column):
+* shipped: the engine as the trainer builds it (numerics pinned and checked);
+* fused (jetrl only): vLLM's default compilation, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
+  their own scale floor and no BF16 rounding before the quantizer. The bytes are no longer the trainer's, so the
+  start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a
+  rollout setting;
+* triton-attn: vLLM's Triton attention backend instead of FlashAttention 3 (the numerics check still runs).
 """
 
 from __future__ import annotations
@@ -72,6 +81,22 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
+VARIANTS = ("shipped", "fused", "triton-attn")
+
+
+def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
+    """(extra `vllm.LLM` keyword arguments, verify_numerics) of a --variant; ValueError for a variant the mode lacks."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown --variant {variant!r}; choose one of {VARIANTS}")
+    if variant == "fused":
+        if mode != "jetrl":
+            raise ValueError("--variant fused changes how activations are quantized: it applies to --mode jetrl only")
+        return {"compilation_config": None}, False  # None: llm_kwargs leaves vLLM's default compilation (fusions on)
+    if variant == "triton-attn":
+        return {"attention_config": {"backend": "TRITON_ATTN"}}, True
+    return {}, True
+
+
 def timed(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -91,8 +116,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync-reps", type=int, default=5)
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    try:
+        extra, verify = variant_settings(a.variant, a.mode)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.eager and a.variant == "fused":
+        ap.error("--variant fused needs torch.compile (its passes do the fusing): leave out --eager")
 
     import torch.distributed as dist
 
@@ -105,14 +137,14 @@ def main(argv=None) -> dict:
     flow = PrecisionFlow(a.mode)
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
-    res = {"mode": a.mode, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(), "prompt": a.prompt,
+    res = {"mode": a.mode, "variant": a.variant, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(), "prompt": a.prompt,
            "new_tokens": a.new,
            "deep_gemm_cache_entries": len(list(Path.home().glob(".deep_gemm/**/*.cubin")))}
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, flow, eos_token_ids=[config["eos_token_id"]], seed=0,
                         kv_cache_memory_bytes=int(a.kv_gb * 2**30), gpu_memory_utilization=0.9, enforce_eager=a.eager,
-                        max_model_len=a.prompt + a.new + 16)
+                        max_model_len=a.prompt + a.new + 16, verify_numerics=verify, **extra)
     res["start_s"] = time.perf_counter() - t0
     res["numerics"] = engine.numerics
     batch = device_stream(arch, flow)
@@ -126,7 +158,7 @@ def main(argv=None) -> dict:
     res["pool_cycle_s"] = timed(lambda: pool.sync(batch.items()))
     del batch
     torch.cuda.empty_cache()
-    print(f"[{a.mode}] start {res['start_s']:.1f} s, sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
+    print(f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s, sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
           f"copy {res['copy_GBps']:.0f} GB/s), pool cycle {res['pool_cycle_s']:.3f} s", flush=True)
 
     g = torch.Generator().manual_seed(0)
@@ -136,7 +168,7 @@ def main(argv=None) -> dict:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=1)
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
         res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
-        print(f"[{a.mode}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
+        print(f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
               f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -8,6 +8,8 @@ and `--mode bf16` (one engine each). Only settings that match are compared: the 
 a row per batch size that the vLLM runs have. Throughput is generated tokens per second of the whole generate() call,
 prefill included, as vLLM's benchmark times it: for the native engine b * n / (prefill_s + decode_s) of its end-to-end
 run. vLLM: best of its repeated runs (the first, which JIT-compiles DeepGEMM kernels for new shapes, in its own column).
+A vLLM run of another `--variant` than shipped (fused, triton-attn) gets two more columns: its tokens/s and its ratio to
+vLLM BF16 of the same variant when that ran, else to the shipped BF16 run.
 
 Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
 """
@@ -27,16 +29,23 @@ def load(path: str) -> dict:
         raise ValueError(f"{path}: cannot read a benchmark JSON ({e})") from None
 
 
+def run_key(r: dict) -> str:
+    """'jetrl' / 'bf16' for the shipped engine, 'jetrl fused' etc. for a --variant run."""
+    variant = r.get("variant", "shipped")
+    return r["mode"] if variant == "shipped" else f"{r['mode']} {variant}"
+
+
 def vllm_runs(paths: list[str]) -> dict[str, dict]:
-    """{"jetrl": json, "bf16": json} from bench_vllm.py outputs, each mode once, with matching settings."""
+    """{"jetrl": json, "bf16": json, "jetrl fused": json, ...} from bench_vllm.py outputs, each mode and variant once,
+    with matching settings."""
     runs = {}
     for path in paths:
         r = load(path)
         if r.get("mode") not in ("jetrl", "bf16") or "decode" not in r:
             raise ValueError(f"{path}: not a tools/bench_vllm.py result (needs 'mode' jetrl|bf16 and 'decode')")
-        if r["mode"] in runs:
-            raise ValueError(f"{path}: a second vLLM {r['mode']} run; give one per mode")
-        runs[r["mode"]] = r
+        if run_key(r) in runs:
+            raise ValueError(f"{path}: a second vLLM {run_key(r)} run; give one per mode and variant")
+        runs[run_key(r)] = r
     keys = ("layers", "prompt", "new_tokens")
     if len({tuple(r.get(k) for k in keys) for r in runs.values()}) > 1:
         raise ValueError("the vLLM runs differ in " + ", ".join(f"{m}: {dict((k, r.get(k)) for k in keys)}" for m, r in runs.items()))
@@ -63,17 +72,23 @@ def table(native: dict, runs: dict[str, dict]) -> str:
                          f"new tokens {new}): run tools/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
     f = lambda v, spec=".0f": "n/a" if v is None else format(v, spec)
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
+    variants = [k for k in runs if k not in ("jetrl", "bf16") and not k.startswith("bf16 ")]
+    base = {k: f"bf16 {k.split(' ', 1)[1]}" if f"bf16 {k.split(' ', 1)[1]}" in runs else "bf16" for k in variants}
+    extra_head = "".join(f" vLLM {k} | vLLM {k} / {base[k]} |" for k in variants)
     lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers, prompt {prompt}, {new} new tokens "
              f"(native on {native['device']}, vLLM on {ref['device']}).", "",
-             "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | vLLM/native, FP8 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | "
+             "vLLM/native, FP8 |" + extra_head,
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(variants)]
     batches = sorted({int(b) for r in runs.values() for b in r["decode"]})
     for b in batches:
         nb, nf = native_rate(native, "bf16", b, new), native_rate(native, "fp8", b, new)
-        get = lambda mode, key: runs.get(mode, {}).get("decode", {}).get(str(b), {}).get(key)
+        get = lambda run, key: runs.get(run, {}).get("decode", {}).get(str(b), {}).get(key)
         vb, vf, vf0 = get("bf16", "best_tok_s"), get("jetrl", "best_tok_s"), get("jetrl", "first_tok_s")
+        extra = "".join(f" {f(get(k, 'best_tok_s'))} | {ratio(get(k, 'best_tok_s'), get(base[k], 'best_tok_s'))} |"
+                        for k in variants)
         lines.append(f"| {b} | {f(nb)} | {f(nf)} | {ratio(nf, nb)} | {f(vb)} | {f(vf)} | {f(vf0)} | {ratio(vf, vb)} | "
-                     f"{ratio(vf, nf)} |")
+                     f"{ratio(vf, nf)} |" + extra)
     return "\n".join(lines) + "\n"
 
 
@@ -81,7 +96,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--native", required=True, help="tools/bench_rollout.py JSON")
-    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode")
+    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode and --variant")
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
     try:

@@ -402,7 +402,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
     """`RolloutEngine` over an in-process `vllm.LLM` on this rank (external launcher, one TP rank of one engine)."""
 
     def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
-                 eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None, **llm_extra):
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
+                 verify_numerics: bool = True, **llm_extra):
+        """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
+        own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes."""
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
@@ -418,8 +421,12 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         self.llm = vllm.LLM(**kwargs)
         self.model = self.llm.collective_rpc(_driver_model)[0]
         compiled = not kwargs.get("enforce_eager", False)
-        self.numerics = check_numerics(self.model, flow, self.llm.llm_engine.vllm_config.compilation_config.pass_config,
-                                       compiled=compiled)
+        pass_config = self.llm.llm_engine.vllm_config.compilation_config.pass_config
+        if verify_numerics:
+            self.numerics = check_numerics(self.model, flow, pass_config, compiled=compiled)
+        else:
+            self.numerics = {"verified": False, "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
+                             "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)]}
         self.params = dict(self.model.named_parameters())
         self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
         self.ready = False  # dummy weights until the first complete, verified update

@@ -62,3 +62,17 @@ def test_mismatched_or_unreadable_inputs_exit_2(tmp_path, capsys, case, message)
     assert tool.main(["--native", npath, "--vllm", *paths]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_variant_runs_get_their_own_columns(tmp_path):
+    n = write(tmp_path, "n.json", native())
+    runs = [vllm("jetrl", {64: 9000.0}), vllm("bf16", {64: 7500.0}), dict(vllm("jetrl", {64: 9750.0}), variant="fused"),
+            dict(vllm("jetrl", {64: 8800.0}), variant="triton-attn"), dict(vllm("bf16", {64: 8000.0}), variant="triton-attn")]
+    paths = [write(tmp_path, f"{i}.json", r) for i, r in enumerate(runs)]
+    out = tmp_path / "r.md"
+    assert tool.main(["--native", n, "--vllm", *paths, "-o", str(out)]) == 0
+    head, _, row = out.read_text().splitlines()[2:5]
+    assert head.endswith("| vLLM jetrl fused | vLLM jetrl fused / bf16 | vLLM jetrl triton-attn | "
+                         "vLLM jetrl triton-attn / bf16 triton-attn |")
+    assert row == "| 64 | 4096 | 4681 | 1.14x | 7500 | 9000 | 4500 | 1.20x | 1.92x | 9750 | 1.30x | 8800 | 1.10x |"
+    assert tool.main(["--native", n, "--vllm", *paths, paths[2]]) == 2  # the fused run twice

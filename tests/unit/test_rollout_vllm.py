@@ -242,3 +242,23 @@ def test_config_refuses_vllm_settings_that_cannot_run():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("configs/gpu_1p5b.yaml", overrides)
+
+
+def test_bench_variants_set_only_what_they_measure(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    write_model_dir(tmp_path, tiny_config("qwen3"), JETRL)
+    assert bench.variant_settings("shipped", "jetrl") == ({}, True)
+    extra, verify = bench.variant_settings("fused", "jetrl")
+    assert not verify and "compilation_config" not in llm_kwargs(tmp_path, JETRL, **extra)  # vLLM's default passes
+    extra, verify = bench.variant_settings("triton-attn", "bf16")
+    kw = llm_kwargs(tmp_path, JETRL, **extra)
+    assert verify and kw["attention_config"] == {"backend": "TRITON_ATTN"} and kw["compilation_config"]["pass_config"]["fuse_norm_quant"] is False
+    with pytest.raises(ValueError, match="applies to --mode jetrl only"):
+        bench.variant_settings("fused", "bf16")
+    with pytest.raises(ValueError, match="unknown --variant"):
+        bench.variant_settings("fast", "jetrl")
