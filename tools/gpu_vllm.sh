@@ -6,16 +6,17 @@
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min)
-#   bench   tools/bench_vllm.py --mode jetrl and --mode bf16 (start, sync, decode), Qwen3-8B shapes -> bench_*.json;
-#           then each MODE:VARIANT of $VARIANTS (e.g. "jetrl:fused jetrl:triton-attn bf16:triton-attn", bench_vllm.py
-#           --variant: what vLLM's fused quant kernels or another attention backend would buy) -> bench_MODE_VARIANT.json
+#   bench   tools/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
+#           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:fused bf16:triton-attn",
+#           bench_vllm.py --variant: what vLLM's fused quant kernels or another attention backend would buy) ->
+#           bench_MODE_VARIANT.json. Split the runs over calls as the 10-minute limit needs; the same OUT collects them
 #   decode  tools/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,
 #           512 new tokens, batches 64 128 256 unless BENCH_ARGS changed them: pass the same as NATIVE_ARGS), then
 #           tools/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
 #           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
-# Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), VARIANTS (bench), GRPO_ARGS (overrides to every GRPO run).
+# Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -34,7 +35,7 @@ for stage in "$@"; do
   case $stage in
     tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py 2>&1 | tee "$OUT/tests.log" ;;
     bench)
-      for run in jetrl bf16 ${VARIANTS:-}; do
+      for run in ${RUNS:-jetrl bf16}; do
         mode=${run%%:*}; variant=${run#*:}; [ "$variant" = "$run" ] && variant=shipped
         name=$mode; [ "$variant" = shipped ] || name=${mode}_$variant
         python3 tools/bench_vllm.py --mode "$mode" --variant "$variant" --json "$OUT/bench_$name.json" ${BENCH_ARGS:-} 2>&1 \

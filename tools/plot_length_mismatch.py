@@ -13,7 +13,9 @@ jetrl with a second FP8 program: the FP8 floor) is drawn dashed, per bucket like
 buckets (the floor at each length), else as a horizontal line at its token-weighted mean over every step
 (`mismatch/*`, all lengths; max: the max; none in the sequence panel, a per-bucket statistic). The last
 panel is the reward (mean) per step of every run, floors dashed (the BF16 run is the accuracy to keep).
-`--table` also writes the per-bucket numbers as a markdown table (one row per bucket, columns per run).
+`--table` also writes the per-bucket numbers as a markdown table (one row per bucket, columns per run), and, for runs
+that log them (`mismatch/p<lo>-<hi>/*`, rollout/metrics.py `by_confidence`), a second table by the trainer's probability
+of the sampled token: token-weighted mean |logp diff| and k3 KL, and the share of tokens, per confidence bucket.
 `--min-responses N` (default 8) leaves out of the curves the buckets with fewer than N responses over all steps
 (a 3-response bucket's mean says little and sets the axis); the tool names each one it leaves out, and the table
 keeps every bucket.
@@ -41,6 +43,7 @@ FLOOR_COLORS = ("gray", "black", "brown")
 TABLE_STATS = (("mean_abs_diff", "mean \\|dlogp\\|", ".4f"), ("k3_kl", "k3 KL", ".2e"),
                ("abs_diff_gt1_frac", "share \\|dlogp\\|>1", ".1e"), ("seq_abs_log_ratio", "seq \\|log ratio\\|", ".3f"))
 BUCKET = re.compile(r"^mismatch/len(\d+)-(\d+)/tokens$")
+CONFIDENCE = re.compile(r"^mismatch/p([0-9.]+)-([0-9.]+)/tokens$")
 
 
 def read_run(spec: str) -> tuple[str, list[dict]]:
@@ -118,6 +121,49 @@ def sparse_buckets(runs: list[tuple[str, list[dict]]], min_responses: int) -> li
             for (lo, hi), b in by_length(rows).items() if b["responses"] < min_responses]
 
 
+def by_confidence(rows: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """{(lo, hi): {tokens, mean_abs_diff, k3_kl}} over all steps, token-weighted; {} for a run without the buckets."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        for key in r:
+            m = CONFIDENCE.match(key)
+            if not m or not r[key]:
+                continue
+            tag = f"mismatch/p{m.group(1)}-{m.group(2)}"
+            acc = out.setdefault((m.group(1), m.group(2)), {"tokens": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0})
+            acc["tokens"] += r[key]
+            for stat in ("mean_abs_diff", "k3_kl"):
+                acc[stat] += r[key] * r[f"{tag}/{stat}"]
+    for acc in out.values():
+        for stat in ("mean_abs_diff", "k3_kl"):
+            acc[stat] /= acc["tokens"]
+    return dict(sorted(out.items(), key=lambda kv: float(kv[0][0])))
+
+
+def confidence_table(runs: list[tuple[str, list[dict]]]) -> str:
+    """The confidence buckets of the runs that have them, as one markdown table ('' when none has)."""
+    per_run = [(label, by_confidence(rows)) for label, rows in runs]
+    per_run = [(label, b) for label, b in per_run if b]
+    if not per_run:
+        return ""
+    keys = sorted({k for _, b in per_run for k in b}, key=lambda k: float(k[0]))
+    total = {label: sum(x["tokens"] for x in b.values()) for label, b in per_run}
+    head = ["p(sampled token), trainer", *(f"{label}: {name}" for name in ("share of tokens", "mean \\|dlogp\\|", "k3 KL")
+                                            for label, _ in per_run)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = [f"{key[0]}-{key[1]}"]
+        for stat, fmt in (("share", ".3f"), ("mean_abs_diff", ".4f"), ("k3_kl", ".2e")):
+            for label, b in per_run:
+                if key not in b:
+                    cells.append("-")
+                else:
+                    v = b[key]["tokens"] / total[label] if stat == "share" else b[key][stat]
+                    cells.append(format(v, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def curve(rows: list[dict], stat: str, min_responses: int = 1) -> tuple[list[float], list[float]]:
     """(mean response length, value of `stat`) per length bucket of a run with at least min_responses responses."""
     buckets = [b for b in by_length(rows).values() if b["responses"] >= min_responses]
@@ -193,7 +239,8 @@ def main(argv=None) -> int:
     for left_out in sparse_buckets(runs + floors, a.min_responses):
         print(f"left out of the curves (under --min-responses {a.min_responses}): {left_out}")
     if a.table:
-        Path(a.table).write_text(table(runs + floors))
+        conf = confidence_table(runs + floors)
+        Path(a.table).write_text(table(runs + floors) + ("\n" + conf if conf else ""))
         print(f"wrote {a.table}")
     print(f"wrote {a.output} ({len(runs)} run(s), {len(floors)} floor(s))")
     return 0

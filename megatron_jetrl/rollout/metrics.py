@@ -18,8 +18,11 @@ whole responses by their length L (response tokens) in powers of two, [1, 2), [2
 (tokens, responses, mean_abs_diff, k3_kl, max_abs_diff, abs_diff_gt1_frac, and seq_abs_log_ratio: the mean over
 the bucket's responses of |sum_t d_t| = |log pi_train(y) / pi_rollout(y)|, the sequence's log importance ratio,
 which accumulates along the response). Position buckets ask whether late tokens of a response drift; length
-buckets whether long rollouts do (the paper's finding: the foil's mismatch grows with rollout length). Empty
-buckets are left out, not reported as 0 (every response has at least one token, so every response is in one).
+buckets whether long rollouts do (the paper's finding: the foil's mismatch grows with rollout length). `by_confidence`
+buckets tokens by the trainer's probability p = exp(train) of the sampled token, [0, 0.5), [0.5, 0.9), [0.9, 0.99),
+[0.99, 1] (`CONFIDENCE_STATS`): where p is near 1 a perturbed logit moves log p little, so a sharp policy shows little
+mismatch whatever its precision; these buckets tell that apart from a flow that matches. Empty buckets are left out,
+not reported as 0 (every response has at least one token, so every response is in one).
 In `jetrl` on the native CPU engine these are exactly 0 / 1; report them against the `bf16` floor.
 """
 
@@ -31,6 +34,8 @@ import torch
 
 DEFAULT_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192)
 LENGTH_STATS = ("tokens", "responses", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac", "seq_abs_log_ratio")
+CONFIDENCE_EDGES = (0.0, 0.5, 0.9, 0.99)
+CONFIDENCE_STATS = ("tokens", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac")
 
 
 def _as_padded(values, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,22 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: fl
             buckets.append({"start": lo, "end": hi, **_stats(d[sel], tis_cap)})
     out["by_position"] = buckets
     out["by_length"] = _length_buckets(d, m1, tis_cap)
+    out["by_confidence"] = _confidence_buckets(t, d, m1, tis_cap)
     return out
+
+
+def _confidence_buckets(train: torch.Tensor, d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dict]:
+    """`by_confidence` (module docstring): tokens by the trainer's probability of the sampled token; the last bucket
+    closed at 1."""
+    p = torch.exp(train)
+    edges = CONFIDENCE_EDGES + (None,)
+    buckets = []
+    for lo, hi in zip(edges, edges[1:]):
+        sel = mask & (p >= lo) & ((p < hi) if hi is not None else True)
+        if sel.any():
+            stats = _stats(d[sel], cap)
+            buckets.append({"start": lo, "end": 1.0 if hi is None else hi, **{k: stats[k] for k in CONFIDENCE_STATS}})
+    return buckets
 
 
 def _length_rows(lengths: torch.Tensor):
@@ -130,11 +150,14 @@ def length_means(values: torch.Tensor, lengths: torch.Tensor, prefix: str) -> di
 
 
 def flat_metrics(metrics: dict, prefix: str = "mismatch/") -> dict[str, float]:
-    """Scalars for a logger: overall stats, `<prefix>pos<start>-<end>/<stat>` per position bucket and
-    `<prefix>len<start>-<end>/<stat>` per response-length bucket (end exclusive)."""
-    flat = {f"{prefix}{k}": v for k, v in metrics.items() if k not in ("by_position", "by_length")}
-    for kind, key in (("pos", "by_position"), ("len", "by_length")):
+    """Scalars for a logger: overall stats, `<prefix>pos<start>-<end>/<stat>` per position bucket,
+    `<prefix>len<start>-<end>/<stat>` per response-length bucket (end exclusive) and `<prefix>p<start>-<end>/<stat>`
+    per confidence bucket (e.g. `p0.9-0.99`; the last, `p0.99-1`, includes 1)."""
+    kinds = (("pos", "by_position"), ("len", "by_length"), ("p", "by_confidence"))
+    flat = {f"{prefix}{k}": v for k, v in metrics.items() if k not in {key for _, key in kinds}}
+    for kind, key in kinds:
         for b in metrics.get(key, []):
-            tag = f"{kind}{b['start']}-{b['end'] if b['end'] is not None else 'inf'}"
+            edge = lambda v: "inf" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+            tag = f"{kind}{edge(b['start'])}-{edge(b['end'])}"
             flat.update({f"{prefix}{tag}/{k}": v for k, v in b.items() if k not in ("start", "end")})
     return flat

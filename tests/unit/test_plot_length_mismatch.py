@@ -82,3 +82,21 @@ def test_sparse_buckets_are_left_out_of_the_curves_and_named(tmp_path, capsys):
     assert "--min-responses 0: give 1 or more" in capsys.readouterr().err
     assert tool.main([f"a={run}", "-o", str(tmp_path / "q.png"), "--min-responses", "21"]) == 2
     assert "every length bucket of the runs has fewer than 21 responses" in capsys.readouterr().err
+
+
+def test_confidence_table_for_runs_that_log_the_buckets(tmp_path):
+    conf = lambda tokens, mean: {"tokens": tokens, "mean_abs_diff": mean, "k3_kl": mean / 100}
+    def with_conf(step, buckets):
+        r = row(step, **{"len32-64": (90, 9, 0.3, 1.2, 2.0)})
+        for tag, c in buckets.items():
+            r |= {f"mismatch/{tag}/{k}": v for k, v in c.items()}
+        return r
+    a = write(tmp_path / "a", [with_conf(0, {"p0-0.5": conf(10, 0.2), "p0.99-1": conf(30, 0.001)}),
+                               with_conf(1, {"p0-0.5": conf(30, 0.1), "p0.99-1": conf(30, 0.003)})])
+    old = write(tmp_path / "old", [row(0, **{"len32-64": (90, 9, 0.3, 1.2, 2.0)})])
+    md = tmp_path / "t.md"
+    assert tool.main([f"a={a}", f"old={old}", "-o", str(tmp_path / "p.png"), "--table", str(md)]) == 0
+    conf_lines = md.read_text().split("\n\n")[1].splitlines()
+    assert conf_lines[0] == "| p(sampled token), trainer | a: share of tokens | a: mean \\|dlogp\\| | a: k3 KL |"
+    assert conf_lines[2] == "| 0-0.5 | 0.400 | 0.1250 | 1.25e-03 |"  # (10*0.2 + 30*0.1) / 40; 40 of 100 tokens
+    assert conf_lines[3] == "| 0.99-1 | 0.600 | 0.0020 | 2.00e-05 |"

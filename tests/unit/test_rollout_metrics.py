@@ -86,3 +86,21 @@ def test_length_buckets_of_a_padded_batch_use_the_mask():
 def test_length_means_of_rewards():
     rewards, lengths = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([3, 2, 9, 1])
     assert length_means(rewards, lengths, "reward/") == {"reward/len1-2": 1.0, "reward/len2-4": 0.5, "reward/len8-16": 1.0}
+
+
+def test_confidence_buckets_follow_the_trainers_probability_of_the_sampled_token():
+    # p = exp(train): 0.3, 0.6, 0.95, 0.995, 1.0 -> buckets [0, .5), [.5, .9), [.9, .99), [.99, 1] (1 included)
+    train = [[math.log(0.3), math.log(0.6)], [math.log(0.95), math.log(0.995), 0.0]]
+    rollout = [[math.log(0.3) - 0.4, math.log(0.6) + 0.2], [math.log(0.95) - 0.05, math.log(0.995), -0.01]]
+    m = mismatch_metrics(train, rollout)
+    b = {(x["start"], x["end"]): x for x in m["by_confidence"]}
+    assert sorted(b) == [(0.0, 0.5), (0.5, 0.9), (0.9, 0.99), (0.99, 1.0)]
+    assert b[(0.0, 0.5)]["mean_abs_diff"] == pytest.approx(0.4) and b[(0.0, 0.5)]["tokens"] == 1
+    assert b[(0.9, 0.99)]["k3_kl"] == pytest.approx(math.exp(0.05) - 1 - 0.05)
+    assert b[(0.99, 1.0)]["tokens"] == 2 and b[(0.99, 1.0)]["mean_abs_diff"] == pytest.approx(0.005)
+    assert set(b[(0.5, 0.9)]) == {"start", "end", "tokens", "mean_abs_diff", "k3_kl", "max_abs_diff", "abs_diff_gt1_frac"}
+    flat = flat_metrics(m)
+    assert flat["mismatch/p0.99-1/tokens"] == 2 and flat["mismatch/p0-0.5/max_abs_diff"] == pytest.approx(0.4)
+    assert flat["mismatch/len2-4/tokens"] == 5 and flat["mismatch/pos0-128/tokens"] == 5  # integer edges as before
+    sharp = mismatch_metrics([[0.0, 0.0]], [[-0.01, 0.0]])
+    assert [x["start"] for x in sharp["by_confidence"]] == [0.99]  # empty buckets are left out
