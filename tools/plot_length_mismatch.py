@@ -63,30 +63,42 @@ def read_run(spec: str) -> tuple[str, list[dict]]:
     return label, rows
 
 
-def by_length(rows: list[dict]) -> dict[tuple[int, int], dict[str, float]]:
-    """{(lo, hi): {stat: value over all steps}} (module docstring)."""
-    out: dict[tuple[int, int], dict[str, float]] = {}
+def pooled(rows: list[dict], pattern: re.Pattern, token_means: tuple[str, ...], response_means: tuple[str, ...] = (),
+           maxes: tuple[str, ...] = ()) -> dict[tuple[str, ...], dict[str, float]]:
+    """{bucket's edges as matched: {stat: value over all steps}} for the buckets whose `<tag>/tokens` keys match
+    `pattern`: token-weighted means of `token_means`, response-weighted means of `response_means`, max of `maxes`."""
+    stats = ("tokens", *(("responses",) if response_means else ()), *token_means, *response_means, *maxes)
+    out: dict[tuple[str, ...], dict[str, float]] = {}
     for r in rows:
         for key in r:
-            m = BUCKET.match(key)
+            m = pattern.match(key)
             if not m or not r[key]:
                 continue
-            lo, hi = int(m.group(1)), int(m.group(2))
-            acc = out.setdefault((lo, hi), dict.fromkeys(("tokens", "responses", *(s for s, _ in PANELS)), 0.0))
-            values = {stat: r.get(f"mismatch/len{lo}-{hi}/{stat}") for stat in acc}
+            tag = key.removesuffix("/tokens")
+            values = {stat: r.get(f"{tag}/{stat}") for stat in stats}
             if None in values.values():
-                raise ValueError(f"step {r['step']}: bucket len{lo}-{hi} lacks a value or holds a non-finite one ({values})")
-            acc["tokens"] += values["tokens"]
-            acc["responses"] += values["responses"]
-            for stat in TOKEN_MEANS:
+                raise ValueError(f"step {r['step']}: bucket {tag} lacks a value or holds a non-finite one ({values})")
+            acc = out.setdefault(m.groups(), dict.fromkeys(stats, 0.0))
+            for stat in ("tokens", "responses")[: 1 + bool(response_means)]:
+                acc[stat] += values[stat]
+            for stat in token_means:
                 acc[stat] += values["tokens"] * values[stat]
-            acc["seq_abs_log_ratio"] += values["responses"] * values["seq_abs_log_ratio"]
-            acc["max_abs_diff"] = max(acc["max_abs_diff"], values["max_abs_diff"])
+            for stat in response_means:
+                acc[stat] += values["responses"] * values[stat]
+            for stat in maxes:
+                acc[stat] = max(acc[stat], values[stat])
     for acc in out.values():
-        for stat in TOKEN_MEANS:
+        for stat in token_means:
             acc[stat] /= acc["tokens"]
-        acc["seq_abs_log_ratio"] /= acc["responses"]
-    return dict(sorted(out.items()))
+        for stat in response_means:
+            acc[stat] /= acc["responses"]
+    return out
+
+
+def by_length(rows: list[dict]) -> dict[tuple[int, int], dict[str, float]]:
+    """{(lo, hi): {stat: value over all steps}} (module docstring)."""
+    out = pooled(rows, BUCKET, TOKEN_MEANS, ("seq_abs_log_ratio",), ("max_abs_diff",))
+    return dict(sorted(((int(lo), int(hi)), v) for (lo, hi), v in out.items()))
 
 
 def floor_level(rows: list[dict], stat: str) -> float:
@@ -123,21 +135,7 @@ def sparse_buckets(runs: list[tuple[str, list[dict]]], min_responses: int) -> li
 
 def by_confidence(rows: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
     """{(lo, hi): {tokens, mean_abs_diff, k3_kl}} over all steps, token-weighted; {} for a run without the buckets."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
-    for r in rows:
-        for key in r:
-            m = CONFIDENCE.match(key)
-            if not m or not r[key]:
-                continue
-            tag = f"mismatch/p{m.group(1)}-{m.group(2)}"
-            acc = out.setdefault((m.group(1), m.group(2)), {"tokens": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0})
-            acc["tokens"] += r[key]
-            for stat in ("mean_abs_diff", "k3_kl"):
-                acc[stat] += r[key] * r[f"{tag}/{stat}"]
-    for acc in out.values():
-        for stat in ("mean_abs_diff", "k3_kl"):
-            acc[stat] /= acc["tokens"]
-    return dict(sorted(out.items(), key=lambda kv: float(kv[0][0])))
+    return dict(sorted(pooled(rows, CONFIDENCE, ("mean_abs_diff", "k3_kl")).items(), key=lambda kv: float(kv[0][0])))
 
 
 def confidence_table(runs: list[tuple[str, list[dict]]]) -> str:
