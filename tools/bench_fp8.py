@@ -133,6 +133,12 @@ def quant_section(res, copy_gbs, sweep):
     add("dual 1x128 + 128x1^T (bf16 in)", lambda: K.quantize_dual(x, check_finite=False), elems * 4 + (t_ * nb + n_ * tb) * 4)
     add("128x1^T only (bf16 in)", lambda: K.quantize_dual(x, check_finite=False, rows=False), elems * 3 + n_ * tb * 4)
     add("128x1^T from E4M3 + 1x128 scales", lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs), elems * 2 + (t_ * nb + n_ * tb) * 4)
+    # the shipped dual mode ("cuda": fp8/cuda_tiles.py) against the Triton kernels it replaced
+    add("  dual as Triton 1x128 + CUDA 128x1^T", lambda: K.quantize_dual(x, check_finite=False, mode="cuda-split"), elems * 4 + (t_ * nb + n_ * tb) * 4)
+    add("  dual as one CUDA kernel", lambda: K.quantize_dual(x, check_finite=False, mode="cuda"), elems * 4 + (t_ * nb + n_ * tb) * 4)
+    add("  Triton: dual as 1x128 + 128x1^T kernels", lambda: K.quantize_dual(x, check_finite=False, mode="split"), elems * 4 + (t_ * nb + n_ * tb) * 4)
+    add("  Triton: 128x1^T only (bf16 in)", lambda: K.quantize_dual(x, check_finite=False, rows=False, mode="split"), elems * 3 + n_ * tb * 4)
+    add("  Triton: 128x1^T from E4M3 + 1x128 scales", lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs, mode="split"), elems * 2 + (t_ * nb + n_ * tb) * 4)
     add("128x128 (bf16 in)", lambda: K.quantize_128x128(w, check_finite=False), elems * 3)
     add("128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True), elems * 4)
     add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)

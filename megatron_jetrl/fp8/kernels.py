@@ -21,6 +21,8 @@ quantize_dual(x)           one pass over a [T, N] gradient: 1x128 (along N) byte
                            Also takes E4M3 bytes + 1x128 scales (the saved activation): dequantizes in
                            FP32 (q * s, as `dequantize_blockwise`) and re-quantizes along tokens, with no
                            FP32/BF16 copy in memory.
+                           On Hopper the default (`QUANT_CFG["dual"]["mode"] = "cuda"`) is the hand-laid-out CUDA
+                           kernel of `fp8/cuda_tiles.py` wherever the layout allows its 16-byte accesses.
 quantize_128x128(w)        weight tiles; optionally also the transposed copy (bytes of W^T, scales of
                            W^T: identical to quantizing W^T, since a 128x128 tile has one scale).
 gemm(a, sa, b, sb)         dequant(a) @ dequant(b)^T, a 1x128, b 128x128 or 1x128 (WGrad), both K-major.
@@ -37,6 +39,7 @@ import os
 
 import torch
 
+from megatron_jetrl.fp8 import cuda_tiles
 from megatron_jetrl.fp8.quant import (
     E4M3,
     EPS,
@@ -430,7 +433,10 @@ QUANT_CFG = {
     "1x128": dict(block_m=16, groups=1, num_warps=4),
     "cols": dict(block_n=64, num_warps=4, trans=True, tma=False),  # from BF16: 49-50% of copy (TMA stores: no gain)
     "cols_fp8": dict(block_n=32, num_warps=4, trans=True, tma=True),  # from E4M3 + scales: 39.5% (64/ptr: 31.7%)
-    "dual": dict(mode="split", num_warps=8),  # split: the 1x128 kernel + the cols kernel (two reads of x)
+    # cuda: fp8/cuda_tiles.py, one read of x for both outputs, where its layout allows (else split); cuda-split: the
+    # Triton 1x128 kernel + the CUDA 128x1^T kernel; split: the Triton 1x128 kernel + the Triton cols kernel (two reads
+    # of x); fused: one Triton kernel (19-21% of copy)
+    "dual": dict(mode="cuda", num_warps=8),
 }
 
 
@@ -526,7 +532,13 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
     xs = x_scale if fp8_in else dummy32
     mode = mode or QUANT_CFG["dual"]["mode"]
     ue8m0 = scale_mode == "ue8m0"
-    if t and n and cols and (not rows or (mode == "split" and not fp8_in)):
+    if mode in ("cuda", "cuda-split") and cols_cfg is None and (rows or cols) and cuda_tiles.takes(x2, x_scale):
+        if mode == "cuda-split" and rows and cols and not fp8_in:  # Triton's 1x128 kernel + the CUDA 128x1^T kernel
+            q, s = quantize_1x128(x2, scale_mode, eps=eps, check_finite=False)
+            cuda_tiles.quantize(x2, None, None, None, qt, st, float(eps), ue8m0)
+        else:
+            cuda_tiles.quantize(x2, x_scale, q, s, qt, st, float(eps), ue8m0)
+    elif t and n and cols and (not rows or (mode in ("split", "cuda", "cuda-split") and not fp8_in)):
         if rows:  # two kernels, x read twice (measured faster than the fused one-pass kernel on the H200)
             q, s = quantize_1x128(x2, scale_mode, eps=eps, check_finite=False)
         _quant_cols(x2, x_scale if fp8_in else st, qt, st, t, n, eps, fp8_in, ue8m0, **(cols_cfg or {}))

@@ -150,6 +150,62 @@ def test_requantize_saved_activation_along_tokens(mode):
         assert same(qt, tq.t()) and same_scales(st, ts.t()), (m, n)
 
 
+CUDA_TILE_SHAPES = [(16, 8), (128, 128), (144, 136), (272, 1000), (1024, 4096), (4096, 1536)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_tile_kernel_bytes_rows_cols_and_from_e4m3(mode):
+    """fp8/cuda_tiles.py (the default dual/cols quantizer where the layout allows): partial tiles in both dims,
+    adversarial groups, all three outputs sets (rows+cols, cols only, rows only) and the saved-activation input."""
+    from megatron_jetrl.fp8 import cuda_tiles, dequantize_blockwise
+
+    k = kernels()
+    assert cuda_tiles.available(), "torch.cuda._compile_kernel is missing: the CUDA tile kernel cannot run"
+    for i, (m, n) in enumerate(CUDA_TILE_SHAPES):
+        x = adversarial(m, n, torch.bfloat16, 700 + i)
+        assert cuda_tiles.takes(x, None), (m, n)
+        rq, rs = quantize_blockwise(x, (1, 128), mode)
+        tq, ts = quantize_blockwise(x, (128, 1), mode)
+        for dual_mode in ("cuda", "cuda-split"):
+            q, s, qt, st = k.quantize_dual(x, mode, mode=dual_mode)
+            assert same(q, rq) and same_scales(s, rs), (m, n, dual_mode)
+            assert same(qt, tq.t()) and same_scales(st, ts.t()), (m, n, dual_mode)
+        _, _, qt2, st2 = k.quantize_dual(x, mode, mode="cuda", rows=False)
+        assert same(qt2, tq.t()) and same_scales(st2, ts.t()), (m, n)
+        q3, s3, _, _ = k.quantize_dual(x, mode, mode="cuda", cols=False)
+        assert same(q3, rq) and same_scales(s3, rs), (m, n)
+        xq, xs = k.quantize_1x128(x, mode)
+        assert cuda_tiles.takes(xq, xs), (m, n)
+        tq8, ts8 = quantize_blockwise(dequantize_blockwise(xq, xs, (1, 128)), (128, 1), mode)
+        _, _, qt4, st4 = k.quantize_dual(xq, mode, mode="cuda", rows=False, x_scale=xs)
+        assert same(qt4, tq8.t()) and same_scales(st4, ts8.t()), (m, n)
+    # a strided row view (ld 8 elements larger) is taken; an odd leading dim is left to Triton, same bytes
+    base = adversarial(256, 520, torch.bfloat16, 790)
+    view = base[:, :512]
+    assert cuda_tiles.takes(view, None) and not cuda_tiles.takes(base[:250], None)
+    _, _, qt, st = k.quantize_dual(view, mode, mode="cuda", rows=False)
+    tq, ts = quantize_blockwise(view, (128, 1), mode)
+    assert same(qt, tq.t()) and same_scales(st, ts.t())
+
+
+def test_cuda_tile_kernel_poisons_non_finite_groups():
+    k = kernels()
+    x = torch.randn(256, 512, device=DEV).to(torch.bfloat16)
+    x[3, 200] = float("inf")
+    x[130, 7] = float("nan")
+    with pytest.raises(NonFiniteInputError):
+        k.quantize_dual(x, mode="cuda")
+    q, s, qt, st = k.quantize_dual(x, check_finite=False, mode="cuda")
+    rq, rs = quantize_blockwise(x, (1, 128), check_finite=False)
+    tq, ts = quantize_blockwise(x, (128, 1), check_finite=False)
+    for got, want in ((s, rs), (st, ts.t())):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(rq.float()))
+    assert torch.equal(torch.isnan(qt.float()), torch.isnan(tq.t().float()))
+    finite = torch.isfinite(rs).repeat_interleave(128, dim=1)[:, :512]
+    assert torch.equal(q.view(torch.uint8)[finite], rq.view(torch.uint8)[finite])
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_128x128_bytes_and_transposed_copy(dtype, mode):

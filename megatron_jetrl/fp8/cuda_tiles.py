@@ -1,0 +1,290 @@
+"""A CUDA kernel for the token-grouped (128x1, written transposed) FP8 quantizations of the backward pass.
+
+WGrad wants both operands grouped along tokens and K-major (`[features, tokens]`, tokens contiguous), so the
+backward writes a transposed copy of dY and of the saved activation X. In Triton those transposes go through a
+register -> shared-memory layout conversion and stayed at 40-50% of the device copy rate in every variant tried
+(BENCHMARKS.md); this kernel lays the tile out by hand instead. It computes the contract of
+`megatron_jetrl.fp8` (same operations, same order, same roundings as the Triton kernels in `fp8/kernels.py`),
+and tests/gpu checks its bytes against the reference quantizer.
+
+One CTA of 256 threads takes a 128 (tokens) x 128 (features) tile. Thread (c, r) = (tid % 16, tid / 16) loads
+rows 8r..8r+7, columns 8c..8c+7 with 16-byte loads (8 bytes for E4M3 input), so it holds an 8x8 block:
+* rows (1x128 along features): a row's amax is reduced over the 16 threads of a half-warp by shuffles; each
+  thread stores its 8 bytes of the row (a half-warp writes 128 contiguous bytes);
+* columns (128x1 along tokens): a column's amax is reduced over the thread's 8 rows, the other half-warp
+  (shuffle) and the 8 warps (shared memory); each thread's 8 bytes of a column are 8 consecutive tokens of
+  one row of the transposed output: they go into a shared 128x128-byte tile (16-byte chunks XOR-swizzled so
+  that neither the 8-byte writes nor the 16-byte reads conflict much), which leaves in 16-byte stores.
+
+It runs when the layout allows the vector accesses (`takes`); any other input goes to the Triton kernels, which
+give the same bytes. Compiled at first use with NVRTC (`torch.cuda._compile_kernel`, torch >= 2.8), in well
+under a second: no toolkit headers, no build step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+
+import torch
+
+from megatron_jetrl.fp8.quant import E4M3
+
+TILE = 128
+
+_SOURCE = r"""
+#define NAN_F __int_as_float(0x7fc00000)
+
+__device__ __forceinline__ float nanmax(float m, float a) {   // max that keeps a NaN (PTX max.NaN, sm_80+)
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(a));
+    return r;
+}
+
+__device__ __forceinline__ float scale_of(float amax, float eps) {
+    if (amax != amax) return NAN_F;
+    float s = __fdiv_rn(fmaxf(amax, eps), 448.0f);
+#if UE8M0
+    s = fmaxf(s, 1e-10f);
+    unsigned b = __float_as_uint(s);
+    unsigned e = (b >> 23) & 0xFFu;
+    if (e != 0xFFu) s = __uint_as_float((e + ((b & 0x7FFFFFu) != 0u)) << 23);
+#endif
+    return s;
+}
+
+// x / s, correctly rounded, for a group that shares s: y = RN(1/s) once per group, then per element
+// q = RN(x*y) and two FMA corrections q += (x - s*q)*y (Markstein: the second lands on RN(x/s)), instead of a
+// full-range division (reciprocal, range check, slow path) per element. Outside 2^-60 <= s <= 2^120 (NaN, inf,
+// a tiny custom eps) the residual could under/overflow: such a group (recip() returns 0) takes the IEEE division,
+// out of line, so that the hot loop stays small.
+__device__ __forceinline__ float recip(float s) {
+    return (s >= 0x1p-60f && s <= 0x1p+120f) ? __frcp_rn(s) : 0.0f;
+}
+
+__device__ __forceinline__ float divide(float x, float s, float y) {
+    float q = __fmul_rn(x, y);
+    q = __fmaf_rn(__fmaf_rn(-s, q, x), y, q);
+    q = __fmaf_rn(__fmaf_rn(-s, q, x), y, q);
+    return copysignf(q, x);  // x = -0: the corrections give +0, x / s is -0
+}
+
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {  // satfinite: +-448 at most, NaN stays NaN
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ unsigned pack4(float a, float b, float c, float d) {  // a -> lowest byte
+    return e4m3x2(a, b) | ((unsigned)e4m3x2(c, d) << 16);
+}
+
+__device__ __noinline__ uint2 quantize8_ieee(float a, float b, float c, float d, float e, float f, float g, float h, float s) {
+    return make_uint2(pack4(__fdiv_rn(a, s), __fdiv_rn(b, s), __fdiv_rn(c, s), __fdiv_rn(d, s)),
+                      pack4(__fdiv_rn(e, s), __fdiv_rn(f, s), __fdiv_rn(g, s), __fdiv_rn(h, s)));
+}
+
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s, float y) {
+    if (y == 0.0f) return quantize8_ieee(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
+    return make_uint2(pack4(divide(v[0], s, y), divide(v[1], s, y), divide(v[2], s, y), divide(v[3], s, y)),
+                      pack4(divide(v[4], s, y), divide(v[5], s, y), divide(v[6], s, y), divide(v[7], s, y)));
+}
+
+__device__ __forceinline__ void e4m3x2_to_f32(unsigned short two, float& lo, float& hi) {  // exact
+    unsigned h2;
+    unsigned short l16, h16;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+    l16 = (unsigned short)(h2 & 0xFFFFu);
+    h16 = (unsigned short)(h2 >> 16);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(l16));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h16));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
+    const unsigned char* __restrict__ x, const float* __restrict__ xs,
+    unsigned char* __restrict__ q, float* __restrict__ s,
+    unsigned char* __restrict__ qt, float* __restrict__ st,
+    int T, int N, int ldx, int xs_t, int xs_n, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
+{
+    __shared__ float red[8][128];
+    __shared__ float col_scale[128], col_recip[128];
+    __shared__ __align__(16) unsigned char tile[128 * 128];
+    const float eps = __int_as_float(eps_bits);
+    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4, warp = tid >> 5;
+    const int t0 = blockIdx.x * 128, n0 = blockIdx.y * 128;
+    const int n = n0 + 8 * c;
+    const bool n_ok = n < N;
+    float v[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int t = t0 + 8 * r + i;
+        const bool ok = n_ok && t < T;
+#if FP8_IN
+        const uint2 raw = ok ? *reinterpret_cast<const uint2*>(x + (long long)t * ldx + n) : make_uint2(0u, 0u);
+        const float sc = ok ? xs[(long long)t * xs_t + (long long)blockIdx.y * xs_n] : 1.0f;
+        const unsigned w[2] = {raw.x, raw.y};
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            e4m3x2_to_f32((unsigned short)(w[j >> 2] >> (8 * (j & 3))), v[i][j], v[i][j + 1]);
+            v[i][j] = __fmul_rn(v[i][j], sc);
+            v[i][j + 1] = __fmul_rn(v[i][j + 1], sc);
+        }
+#else
+        const uint4 raw = ok ? *reinterpret_cast<const uint4*>(x + ((long long)t * ldx + n) * 2) : make_uint4(0u, 0u, 0u, 0u);
+        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            v[i][j] = __uint_as_float(j & 1 ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16));
+#endif
+    }
+#if ROWS
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int t = t0 + 8 * r + i;
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = nanmax(m, fabsf(v[i][j]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float sr = scale_of(m, eps);
+        if (n_ok && t < T) {
+            *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8(v[i], sr, recip(sr));
+            if (c == 0) s[(long long)t * s_t + (long long)blockIdx.y * s_n] = sr;
+        }
+    }
+#endif
+#if COLS
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = nanmax(m, fabsf(v[i][j]));
+        m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if ((tid & 16) == 0) red[warp][8 * c + j] = m;
+    }
+    __syncthreads();
+    if (tid < 128) {
+        float m = red[0][tid];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) m = nanmax(m, red[w][tid]);
+        const float sc = scale_of(m, eps);
+        col_scale[tid] = sc;
+        col_recip[tid] = recip(sc);
+        if (n0 + tid < N) st[(long long)(n0 + tid) * st_n + (long long)blockIdx.x * st_t] = sc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float col[8] = {v[0][j], v[1][j], v[2][j], v[3][j], v[4][j], v[5][j], v[6][j], v[7][j]};
+        const int row = 8 * c + j;                      // feature within the tile: a row of the transposed output
+        const int chunk = (r >> 1) ^ (c & 7);           // 16-byte chunk holding tokens 8r..8r+7, swizzled by row / 8
+        *reinterpret_cast<uint2*>(tile + row * 128 + chunk * 16 + (r & 1) * 8) = quantize8(col, col_scale[row], col_recip[row]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = (tid >> 3) + 32 * p, k = tid & 7;
+        const int t = t0 + 16 * k;
+        if (n0 + row < N && t < T) {
+            const uint4 chunk = *reinterpret_cast<const uint4*>(tile + row * 128 + ((k ^ ((row >> 3) & 7)) * 16));
+            *reinterpret_cast<uint4*>(qt + (long long)(n0 + row) * ldqt + t) = chunk;
+        }
+    }
+#endif
+}
+"""
+
+
+def available() -> bool:
+    """Whether this torch can compile the kernel (NVRTC through `torch.cuda._compile_kernel`, torch >= 2.8)."""
+    return hasattr(torch.cuda, "_compile_kernel")
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    return lib
+
+
+_thread = threading.local()
+
+
+def _make_context_current(device_index: int) -> None:
+    """The driver API launches into the calling thread's current context. A thread that has made no CUDA runtime
+    call yet (autograd's device thread runs the backward) has none: make the device's primary context current, the
+    one torch and the compiled module live in."""
+    if getattr(_thread, "device", None) == device_index:
+        return
+    lib, dev, primary, current = _libcuda(), ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    if lib.cuDeviceGet(ctypes.byref(dev), device_index) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev):
+        raise RuntimeError(f"could not get the primary CUDA context of device {device_index} for the FP8 tile quantizer")
+    if lib.cuCtxGetCurrent(ctypes.byref(current)) or current.value != primary.value:
+        if lib.cuCtxSetCurrent(primary):
+            raise RuntimeError(f"could not make the primary CUDA context of device {device_index} current")
+    _thread.device = device_index
+
+
+@functools.cache
+def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int):
+    """The compiled kernel (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
+    flags = "".join(f"#define {k} {int(v)}\n" for k, v in (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0)))
+    with torch.cuda.device(device_index):
+        kern = torch.cuda._compile_kernel(flags + _SOURCE, "quant_tile")
+    if getattr(kern, "func", None) is None:
+        raise RuntimeError(f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
+                           "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels")
+    return kern
+
+
+def _launch(func, device_index, grid, pointers, ints) -> None:
+    """cuLaunchKernel on the current stream, with the arguments built here (torch's generic launcher costs ~60 us of
+    host time per call: on the backward's hot path that showed up as launch gaps)."""
+    _make_context_current(device_index)
+    values = [ctypes.c_void_p(p) for p in pointers] + [ctypes.c_int(i) for i in ints]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    err = _libcuda().cuLaunchKernel(func, grid[0], grid[1], 1, 256, 1, 1, 0, torch.cuda.current_stream().cuda_stream, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernel of the FP8 tile quantizer failed with CUDA error {err}")
+
+
+def _aligned(t: torch.Tensor, elems: int) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(0) % elems == 0 and t.stride(-1) == 1
+
+
+def takes(x: torch.Tensor, x_scale: torch.Tensor | None) -> bool:
+    """Whether `quantize` handles this [T, N] input: BF16 (or E4M3 with its 1x128 scales), rows 16-byte aligned,
+    N % 8 == 0 (whole vectors) and T % 16 == 0 (whole 16-byte chunks of the transposed rows)."""
+    if not available() or x.dim() != 2 or x.device.type != "cuda":
+        return False
+    t, n = x.shape
+    if t == 0 or n == 0 or t % 16 or n % 8 or t >= 2**31 or n >= 2**31:
+        return False
+    if x.dtype == torch.bfloat16 and x_scale is None:
+        return _aligned(x, 8)
+    return x.dtype == E4M3 and x_scale is not None and _aligned(x, 8)
+
+
+def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool) -> None:
+    """Fill the preallocated outputs of `kernels.quantize_dual` (q/s: 1x128 rows, qt/st: 128x1 transposed; either
+    pair may be None). The caller checked `takes`; q, qt are contiguous, s/st any strides."""
+    t, n = x.shape
+    rows, cols = q is not None, qt is not None
+    fp8_in = x_scale is not None
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kern = _kernel(fp8_in, rows, cols, ue8m0, device_index)
+    xs = x_scale if fp8_in else (s if rows else st)
+    q_, s_ = (q, s) if rows else (qt, st)
+    qt_, st_ = (qt, st) if cols else (q, s)
+    eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]
+    _launch(
+        kern.func,
+        device_index,
+        (-(-t // TILE), -(-n // TILE)),
+        [x.data_ptr(), xs.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
+        [t, n, x.stride(0), xs.stride(0), xs.stride(1), q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0),
+         st_.stride(1), eps_bits],
+    )
