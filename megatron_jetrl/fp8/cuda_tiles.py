@@ -240,13 +240,31 @@ def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int
     return kern
 
 
+class _Args:
+    """The kernel's 18 arguments as ctypes values with a fixed `void*[]` pointing at them: a launch updates the values
+    in place (torch's generic launcher builds them per call: ~60 us of host time, which the backward's small linears
+    feel as launch gaps). One per thread (autograd runs the backward on its own thread); cuLaunchKernel copies them."""
+
+    def __init__(self):
+        self.values = [ctypes.c_void_p() for _ in range(6)] + [ctypes.c_int() for _ in range(12)]
+        self.params = (ctypes.c_void_p * 18)(*[ctypes.addressof(v) for v in self.values])
+
+    def fill(self, pointers, ints):
+        for v, p in zip(self.values, pointers):
+            v.value = p
+        for v, i in zip(self.values[6:], ints):
+            v.value = i
+        return self.params
+
+
 def _launch(func, device_index, grid, pointers, ints) -> None:
-    """cuLaunchKernel on the current stream, with the arguments built here (torch's generic launcher costs ~60 us of
-    host time per call: on the backward's hot path that showed up as launch gaps)."""
+    """cuLaunchKernel of one CTA of 256 threads per 128x128 tile on torch's current stream."""
     _make_context_current(device_index)
-    values = [ctypes.c_void_p(p) for p in pointers] + [ctypes.c_int(i) for i in ints]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = _libcuda().cuLaunchKernel(func, grid[0], grid[1], 1, 256, 1, 1, 0, torch.cuda.current_stream().cuda_stream, params, None)
+    args = getattr(_thread, "args", None)
+    if args is None:
+        args = _thread.args = _Args()
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    err = _libcuda().cuLaunchKernel(func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, args.fill(pointers, ints), None)
     if err:
         raise RuntimeError(f"cuLaunchKernel of the FP8 tile quantizer failed with CUDA error {err}")
 
