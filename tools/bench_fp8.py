@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -610,6 +611,38 @@ def categorize(kernel: str) -> str:
     return next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6) -> dict:
+    """Where the GPU sat idle, read off the kernel timeline itself (not wall minus kernel sum, which mixes in what
+    differs between the timed and the profiled runs, L2 flushes for one). `intervals`: (start_ns, end_ns, kernel) of
+    every kernel of `passes` back-to-back passes. Per pass: the span from the first start to the last end, the time
+    some kernel ran (overlaps merged), their difference (the idle time), and the largest idle stretches summed by
+    the kernel that ended them (the launch that came late)."""
+    if not intervals or passes < 1:
+        raise ValueError("timeline needs the kernels of at least one pass")
+    ivs = sorted(intervals)
+    busy, idle_before = 0, {}
+    cur_start, cur_end = ivs[0][0], ivs[0][1]
+    for start, end, name in ivs[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            idle_before[name] = idle_before.get(name, 0) + start - cur_end
+            cur_start = start
+        cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - ivs[0][0]
+    worst = sorted(idle_before.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_ms": span / passes / 1e6, "busy_ms": busy / passes / 1e6, "idle_ms": (span - busy) / passes / 1e6,
+            "idle_before": [[k, ns / passes / 1e6] for k, ns in worst]}
+
+
+def kernel_intervals(prof) -> list[tuple[int, int, str]]:
+    """(start_ns, end_ns, name) of every CUDA kernel a torch.profiler run recorded (memcpy/memset included)."""
+    from torch.autograd import DeviceType
+
+    return [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+            if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()]
+
+
 def profile_section(res, m=8192, iters=5):
     """torch.profiler over `iters` forward+backward passes of the four FP8 linears (shipped defaults,
     main_grad attached): GPU time per kernel and category per pass, against the wall time and the DeepGEMM ceiling."""
@@ -636,6 +669,13 @@ def profile_section(res, m=8192, iters=5):
     one_pass()  # compile / warm
     torch.cuda.synchronize()
     wall = bench(one_pass)
+    host = []  # host time to issue one pass while the GPU is still busy with the previous ones (no sync inside)
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        one_pass()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    host_ms = sorted(host)[len(host) // 2]
     cuda = torch.device(DEV).type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
@@ -685,8 +725,15 @@ def profile_section(res, m=8192, iters=5):
             if not t["category"].startswith("GEMM"):
                 print(f"  {t['category']}: {t['ms']:.3f} ms")
         print(f"  no kernel running: {idle:.3f} ms", flush=True)
+    tl = timeline(kernel_intervals(prof), iters) if cuda else None
+    if tl:
+        print(f"timeline of the profiled passes, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
+              f"{tl['busy_ms']:.3f} ms, idle {tl['idle_ms']:.3f} ms; host time to issue one pass {host_ms:.3f} ms "
+              f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'})")
+        print("  idle stretches by the kernel that ended them: " + "; ".join(f"`{k[:60]}` {ms:.3f} ms" for k, ms in tl["idle_before"]),
+              flush=True)
     res["profile"] = {"M": m, "iters": iters, "flow": describe_flow(flow), "wall_ms": wall, "kernel_sum_ms": kernel_sum,
-                      "categories": table, "gap": gap}
+                      "categories": table, "gap": gap, "timeline": tl, "host_issue_ms": host_ms}
     del mods, sets
     torch.cuda.empty_cache()
 

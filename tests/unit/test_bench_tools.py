@@ -71,3 +71,21 @@ def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():
     header = (REPO / "tools/gpu_fp8.sh").read_text()
     carry = json.loads(re.search(r"^#\s+(\[\"\.kits.*\])$", header, re.M).group(1))
     assert carry == [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
+
+
+def test_profile_timeline_measures_idle_between_kernels():
+    """bench_fp8's profile reads the idle time off the kernel timeline: overlaps merged, each gap charged to the kernel
+    that ended it, everything per pass."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ms = 1_000_000  # ns
+    kernels = [(0, 4 * ms, "gemm"), (1 * ms, 2 * ms, "overlapped"), (5 * ms, 6 * ms, "quant"), (6 * ms, 9 * ms, "gemm"),
+               (12 * ms, 13 * ms, "quant")]
+    tl = bench.timeline(kernels[::-1], passes=2)
+    assert tl["span_ms"] == 13 / 2 and tl["busy_ms"] == (4 + 1 + 3 + 1) / 2 and tl["idle_ms"] == (1 + 3) / 2
+    assert tl["idle_before"] == [["quant", 2.0]]
+    with pytest.raises(ValueError, match="at least one pass"):
+        bench.timeline([], passes=1)
