@@ -611,15 +611,17 @@ def categorize(kernel: str) -> str:
     return next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6) -> dict:
+def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6, skip: int = 0) -> dict:
     """Where the GPU sat idle, read off the kernel timeline itself (not wall minus kernel sum, which mixes in what
     differs between the timed and the profiled runs, L2 flushes for one). `intervals`: (start_ns, end_ns, kernel) of
-    every kernel of `passes` back-to-back passes. Per pass: the span from the first start to the last end, the time
-    some kernel ran (overlaps merged), their difference (the idle time), and the largest idle stretches summed by
-    the kernel that ended them (the launch that came late)."""
-    if not intervals or passes < 1:
-        raise ValueError("timeline needs the kernels of at least one pass")
-    ivs = sorted(intervals)
+    every kernel of `passes` back-to-back passes after the first `skip` passes (left out: a pass issued into an empty
+    queue waits for the host at every launch, which the steady state never does). Per pass: the span from the first
+    start to the last end, the time some kernel ran (overlaps merged), their difference (the idle time), and the
+    largest idle stretches summed by the kernel that ended them (the launch that came late)."""
+    if not intervals or passes < 1 or len(intervals) % (passes + skip):
+        raise ValueError(f"timeline needs the same kernels in each of at least one pass, got {len(intervals)} kernels "
+                         f"for {passes} + {skip} passes")
+    ivs = sorted(intervals)[len(intervals) // (passes + skip) * skip:]
     busy, idle_before = 0, {}
     cur_start, cur_end = ivs[0][0], ivs[0][1]
     for start, end, name in ivs[1:]:
@@ -669,18 +671,15 @@ def profile_section(res, m=8192, iters=5):
     one_pass()  # compile / warm
     torch.cuda.synchronize()
     wall = bench(one_pass)
-    host = []  # host time to issue one pass while the GPU is still busy with the previous ones (no sync inside)
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        one_pass()
-        host.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    host_ms = sorted(host)[len(host) // 2]
     cuda = torch.device(DEV).type == "cuda"
+    host = []  # host time to issue each pass; passes after the first find the GPU still busy with earlier ones
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
+        for _ in range(iters + 1):  # the first pass starts from an empty queue: the timeline leaves it out
+            t0 = time.perf_counter()
             one_pass()
+            host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
+    host_ms = sorted(host[1:])[iters // 2]
     kernels: dict[str, float] = {}
     for ev in prof.key_averages():
         if cuda:  # kernels (CUPTI events)
@@ -688,7 +687,7 @@ def profile_section(res, m=8192, iters=5):
         else:  # a CPU dry run of this code: aten ops' own time
             us = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0.0
         if us:
-            kernels[ev.key] = kernels.get(ev.key, 0.0) + us / 1e3 / iters
+            kernels[ev.key] = kernels.get(ev.key, 0.0) + us / 1e3 / (iters + 1)
     by_cat: dict[str, list] = {}
     for k_, ms in kernels.items():
         by_cat.setdefault(categorize(k_), []).append((k_, ms))
@@ -712,7 +711,8 @@ def profile_section(res, m=8192, iters=5):
             print(f"| | `{k_[:90]}` | {ms:.3f} | {100 * ms / wall:.1f}% |")
         table.append({"category": cat, "ms": tot, "kernels": [[k_, ms] for k_, ms in ks]})
     idle = wall - kernel_sum
-    print(f"| **no kernel running** (launch gaps, host work, syncs) | wall - sum of kernels | **{idle:.3f}** | {100 * idle / wall:.1f}% |")
+    print(f"| **no kernel running** (launch gaps, host work, syncs; and L2: the timed wall flushes it per pass, the profiled "
+          f"kernels run warm; the timeline below measures the gaps themselves) | wall - sum of kernels | **{idle:.3f}** | {100 * idle / wall:.1f}% |")
     print(f"| **wall** (do_bench median of one pass) | | **{wall:.3f}** | 100% |")
     gap = {}
     if ceiling:
@@ -725,12 +725,18 @@ def profile_section(res, m=8192, iters=5):
             if not t["category"].startswith("GEMM"):
                 print(f"  {t['category']}: {t['ms']:.3f} ms")
         print(f"  no kernel running: {idle:.3f} ms", flush=True)
-    tl = timeline(kernel_intervals(prof), iters) if cuda else None
+    try:
+        tl = timeline(kernel_intervals(prof), iters, skip=1) if cuda else None
+    except ValueError as e:  # a pass with other kernels than the rest: nothing to compare per pass
+        tl = None
+        print(f"timeline: {e}", flush=True)
     if tl:
-        print(f"timeline of the profiled passes, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
+        tl["idle_ms_with_first_pass"] = timeline(kernel_intervals(prof), iters + 1)["idle_ms"]
+        print(f"timeline of {iters} passes issued behind a first one, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
               f"{tl['busy_ms']:.3f} ms, idle {tl['idle_ms']:.3f} ms; host time to issue one pass {host_ms:.3f} ms "
-              f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'})")
-        print("  idle stretches by the kernel that ended them: " + "; ".join(f"`{k[:60]}` {ms:.3f} ms" for k, ms in tl["idle_before"]),
+              f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'}); counting the first pass (issued into an "
+              f"empty queue) too: idle {tl['idle_ms_with_first_pass']:.3f} ms per pass")
+        print("  idle stretches by the kernel that ended them: " + "; ".join(f"`{k[:120]}` {ms:.3f} ms" for k, ms in tl["idle_before"]),
               flush=True)
     res["profile"] = {"M": m, "iters": iters, "flow": describe_flow(flow), "wall_ms": wall, "kernel_sum_ms": kernel_sum,
                       "categories": table, "gap": gap, "timeline": tl, "host_issue_ms": host_ms}

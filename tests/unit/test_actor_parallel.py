@@ -18,7 +18,10 @@ Bounds (measured on this machine, 2026-11):
   steps at lr 1e-3. Asserted: logprobs 2e-2 absolute, losses 2e-2 relative, grad norms 5e-2 relative, still far
   below what FP8 itself changes (bf16 vs jetrl logits differ by ~0.4) and a sharding bug.
 * PP2: the stage hand-off is a lossless fp32 send/recv, so logprobs are bit-equal; the grad norm is summed per
-  stage then across stages (1-ulp), so losses after a clipped step match to 1e-6 relative.
+  stage then across stages (1-ulp), so losses after a clipped step match to 1e-6 relative in bf16. In jetrl that
+  1-ulp clip coefficient can move a BF16 weight by one ulp across an E4M3 rounding boundary, as TP2's sums do: on
+  an AMD EPYC with AVX-512 BF16 (2026-11-25) the loss after two updates moved by 1.0e-3 relative. Asserted: the
+  first loss (no update yet) to 1e-5, the later ones to TP2's jetrl bound.
 * DP2: same micro-batches, a 2-term all-reduce of grads pre-scaled by 1/2 (exact): grad norms bit-equal.
 """
 
@@ -110,8 +113,10 @@ def test_train_pp2_and_dp2_match_tp1(results, mode):
     (ref,) = results("tp1")
     ref_steps = ref["train"][mode]["steps"]
     pp2_losses = [[s["loss"] for s in r["train"][mode]["steps"]] for r in results("pp2") if r["train"][mode]["logprobs"] is not None]
-    # 1e-6 apart on AVX-512 CPUs; 2.8e-6 in jetrl on AVX2 ones (CI's AMD EPYC) after two updates
-    assert pp2_losses and pp2_losses[0] == pytest.approx([s["loss"] for s in ref_steps], rel=1e-5)
+    ref_losses = [s["loss"] for s in ref_steps]
+    assert pp2_losses and pp2_losses[0][0] == pytest.approx(ref_losses[0], rel=1e-5)  # no update yet: the same forward
+    # after updates: 1e-6 apart in bf16; in jetrl an E4M3 rounding flip (module docstring) allows TP2's bound
+    assert pp2_losses[0] == pytest.approx(ref_losses, rel=1e-5 if mode == "bf16" else 2e-2)
     for r in results("dp2"):
         steps = r["train"][mode]["steps"]
         # bit-equal on AVX-512 CPUs; on AVX2 ones the two half-batch WGrads summed by the all-reduce round differently

@@ -83,9 +83,13 @@ def test_profile_timeline_measures_idle_between_kernels():
     spec.loader.exec_module(bench)
     ms = 1_000_000  # ns
     kernels = [(0, 4 * ms, "gemm"), (1 * ms, 2 * ms, "overlapped"), (5 * ms, 6 * ms, "quant"), (6 * ms, 9 * ms, "gemm"),
-               (12 * ms, 13 * ms, "quant")]
+               (12 * ms, 13 * ms, "quant"), (13 * ms, 14 * ms, "gemm")]
     tl = bench.timeline(kernels[::-1], passes=2)
-    assert tl["span_ms"] == 13 / 2 and tl["busy_ms"] == (4 + 1 + 3 + 1) / 2 and tl["idle_ms"] == (1 + 3) / 2
+    assert tl["span_ms"] == 14 / 2 and tl["busy_ms"] == (4 + 1 + 3 + 1 + 1) / 2 and tl["idle_ms"] == (1 + 3) / 2
     assert tl["idle_before"] == [["quant", 2.0]]
+    first = [(t - 20 * ms, e - 20 * ms, name) for t, e, name in kernels[:3]]  # a first pass, left out with skip=1
+    assert bench.timeline(kernels[:3] + first, passes=1, skip=1) == bench.timeline(kernels[:3], passes=1)
     with pytest.raises(ValueError, match="at least one pass"):
         bench.timeline([], passes=1)
+    with pytest.raises(ValueError, match="same kernels"):
+        bench.timeline(kernels[:5], passes=2)
