@@ -144,7 +144,7 @@ def bench(fn, device, rep_ms: int, grad_to_none=None):
 
 
 CATEGORIES = (  # kernel-name substrings -> category (first match wins)
-    ("quantize (Triton)", ("_quant",)),
+    ("quantize", ("_quant", "quant_tile")),  # the Triton quantizers and the CUDA tile kernel (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
     ("attention core", ("flash", "fmha", "attention", "softmax")),
     ("copy/transpose/cat", ("copy", "transpose", "cat", "memcpy", "memset")),

@@ -138,9 +138,21 @@ def _quantize_gated(gate_up2d, act, flow: PrecisionFlow, site: str):
 
 
 def _gated_backward(gate_up, act, d_out):
-    """d[gate | up] of `act(gate) * up` by torch's own autograd of those ops (what megatron's MLP backward runs)."""
+    """d[gate | up] of `act(gate) * up`, bit for bit what torch's autograd of those ops gives (megatron's MLP backward).
+
+    For SiLU these are autograd's own three ops, written into the halves of one [.., 2I] buffer: MulBackward's
+    `d_out * up` and `d_out * silu(gate)`, then SiluBackward's `silu_backward`. That skips autograd's recomputed
+    product `silu(gate) * up` and the final `cat` (two passes over [T, I] and [T, 2I]); other activations go
+    through autograd itself."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act is F.silu:
+        d = torch.empty_like(gate_up)
+        d_gate, d_up = d.chunk(2, dim=-1)
+        torch.mul(d_out, F.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(d_out * up, gate, grad_input=d_gate)
+        return d
     with torch.enable_grad():
-        gate, up = (t.detach().requires_grad_(True) for t in gate_up.chunk(2, dim=-1))
+        gate, up = (t.detach().requires_grad_(True) for t in (gate, up))
         d_gate, d_up = torch.autograd.grad(act(gate) * up, (gate, up), d_out)
     return torch.cat([d_gate, d_up], dim=-1)
 

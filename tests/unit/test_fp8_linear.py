@@ -298,8 +298,10 @@ def test_check_finite_sync_raises_at_the_quantization_and_modes_are_validated():
         PrecisionFlow(check_finite=False)
 
 
-def test_gated_input_fused_into_quantization_equals_the_unfused_mlp():
-    """fp8_linear(gate_up, gated_act=silu) == fp8_linear(silu(gate) * up): output and both gradients, bit for bit."""
+@pytest.mark.parametrize("act", [torch.nn.functional.silu, torch.nn.functional.gelu])
+def test_gated_input_fused_into_quantization_equals_the_unfused_mlp(act):
+    """fp8_linear(gate_up, gated_act=act) == fp8_linear(act(gate) * up): output and both gradients, bit for bit
+    (SiLU: the backward's own ops; other activations: autograd)."""
     g = torch.Generator().manual_seed(4)
     w = torch.randn(256, 384, generator=g).to(torch.bfloat16).requires_grad_(True)
     gate_up = torch.randn(2, 70, 768, generator=g).to(torch.bfloat16)
@@ -309,10 +311,10 @@ def test_gated_input_fused_into_quantization_equals_the_unfused_mlp():
         x = gate_up.clone().requires_grad_(True)
         w.grad = None
         if fused:
-            y = fp8_linear(x, w, flow=JETRL, gated_act=torch.nn.functional.silu)
+            y = fp8_linear(x, w, flow=JETRL, gated_act=act)
         else:
             gate, up = x.chunk(2, dim=-1)
-            y = fp8_linear(torch.nn.functional.silu(gate) * up, w, flow=JETRL)
+            y = fp8_linear(act(gate) * up, w, flow=JETRL)
         y.backward(dy)
         outs.append((y, x.grad, w.grad))
     for a, b in zip(*outs):
