@@ -15,7 +15,8 @@ Sections (each runs on its own; default: ceilings quant gemm linear layer):
             operands (the ceiling); rows per linear and the sum; targets: sum >= 1.5x, no linear < 1.3x
   layer     one Qwen3-8B decoder layer (attention BF16, linears FP8, shipped defaults) fwd+bwd; target >= 1.35x
   profile   torch.profiler over fwd+bwd passes of the four FP8 linears (shipped defaults): GPU time per kernel
-            and category, and where the gap from the DeepGEMM ceiling goes
+            and category, where the gap from the DeepGEMM ceiling goes, the GPU's idle time read off the kernel
+            timeline (passes issued behind a first one) and the host time to issue one pass
 Every variant is checked against an FP32 (or emulated) reference with a bound before it is timed; a variant
 that fails is reported as n/a with its error, the others still run. Times are medians of
 triton.testing.do_bench (CUDA events, L2 flushed between calls); inputs are random (never zeros) and rotated

@@ -99,7 +99,7 @@ recap() {
   for f in "$OUT/bench_fp8.log" "$OUT/bench_actor.log"; do
     [ -f "$f" ] || continue
     echo "-- $(basename "$f")"
-    grep -E "^\||^target|^ceiling|^profile:|^gap|^  (GEMM|quantize|copy|elementwise|other|no kernel)|^extrapolated|memory probe|failed|FAILED|Error" "$f" \
+    grep -E "^\||^target|^ceiling|^profile:|^gap|^timeline|^  idle stretches|^  (GEMM|quantize|copy|elementwise|other|no kernel)|^extrapolated|memory probe|failed|FAILED|Error" "$f" \
       | grep -v "^| | " | tail -n 80
   done
 }
