@@ -30,8 +30,9 @@ For each group G, computing in FP32::
     q    = e4m3(clamp(x / s, -448, 448))        true division, round-to-nearest-even
 
 This is vLLM's activation quantizer, read in `csrc/quantization/w8a8/fp8/per_token_group_quant.cu`
-(vllm-project/vllm commit 0f5257e2, 2026-11; the code the v0.33 line ships) and its Triton fallback
-`_per_token_group_quant_fp8` in `vllm/model_executor/layers/quantization/utils/fp8_utils.py`. Two notes
+(vllm-project/vllm commit 0f5257e2, 2026-11) and its Triton fallback `_per_token_group_quant_fp8` in
+`vllm/model_executor/layers/quantization/utils/fp8_utils.py`; the pinned vLLM 0.26.0's CUDA op
+`per_token_group_fp8_quant` gave our bytes exactly on an H200 (fp32 and ue8m0, 2026-11-23). Two notes
 from reading it: the CUDA UE8M0 branch clamps `s` below at 1e-10 before rounding (only groups with
 amax < 4.5e-8 notice), which we follow; its newest register kernel computes the power of two by bit
 manipulation, which is the exact definition above (the Triton fallback's `exp2(ceil(log2(s)))` can
@@ -66,7 +67,8 @@ of two E4M3 values has at most 8 significant bits, so a 128-term block sum is ex
 scales and sums the blocks in a fixed order. Its result for a row depends on that row alone (batch
 invariant), which is what lets the rollout engine reproduce the actor's logprobs bit for bit on CPU.
 `cublaslt` (torch `F.scaled_mm`, sm90), `triton` (portable, sm89+) and `deepgemm` (when importable) are
-the fast paths on GPUs; on CUDA the quantizers run as Triton kernels (`fp8/kernels.py`) that are checked
+the fast paths on GPUs; on CUDA the quantizers run as Triton kernels (`fp8/kernels.py`) and, for the
+backward's token-grouped (128x1, transposed) passes, a CUDA tile kernel (`fp8/cuda_tiles.py`), all checked
 byte for byte against the torch reference in `tests/gpu`.
 
 Precision modes (`PrecisionFlow.mode`)
