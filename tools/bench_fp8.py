@@ -726,13 +726,14 @@ def profile_section(res, m=8192, iters=5):
             if not t["category"].startswith("GEMM"):
                 print(f"  {t['category']}: {t['ms']:.3f} ms")
         print(f"  no kernel running: {idle:.3f} ms", flush=True)
+    intervals = kernel_intervals(prof) if cuda else []
     try:
-        tl = timeline(kernel_intervals(prof), iters, skip=1) if cuda else None
+        tl = timeline(intervals, iters, skip=1) if cuda else None
     except ValueError as e:  # a pass with other kernels than the rest: nothing to compare per pass
         tl = None
         print(f"timeline: {e}", flush=True)
     if tl:
-        tl["idle_ms_with_first_pass"] = timeline(kernel_intervals(prof), iters + 1)["idle_ms"]
+        tl["idle_ms_with_first_pass"] = timeline(intervals, iters + 1)["idle_ms"]
         print(f"timeline of {iters} passes issued behind a first one, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
               f"{tl['busy_ms']:.3f} ms, idle {tl['idle_ms']:.3f} ms; host time to issue one pass {host_ms:.3f} ms "
               f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'}); counting the first pass (issued into an "
