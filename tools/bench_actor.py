@@ -28,17 +28,17 @@ ones (FP8 noise is ~0.05-0.2, a wrong GEMM ~1), and the first step must be finit
 Timing: wall clock of `train_step` between CUDA syncs, median over `--steps` after `--warmup` steps (the first
 compiles DeepGEMM/Triton kernels and allocates the Adam state).
 
-One layer (`--layer`): one megatron `TransformerLayer` of the native spec as `build_model` builds it
-(`actor.provider.layer_spec(arch, flow, "native", 1)`, `actor.provider.transformer_config`), input
-`[seq, micro_batch, hidden]` BF16, megatron RoPE; each variant gets the same weights. Variants:
+One layer (`--layer`): one megatron `TransformerLayer` of the local spec as `build_model` builds it
+(`actor.provider.layer_spec(arch, flow, "local", 1)`, `actor.provider.transformer_config`), input
+`[seq, micro_batch, hidden]` BF16; its core attention (`SDPAttention`: RoPE, then torch SDPA) applies RoPE. Each
+variant gets the same weights. Variants:
   bf16                    megatron's plain ColumnParallel/RowParallel linears (the bf16 preset)
   jetrl                   the shipped jetrl preset flow
+  bf16/eager, jetrl/eager the same with `ActorOptions(fused=False)`: RMSNorm, RoPE and BF16 SwiGLU as eager torch ops
   jetrl/cublaslt          FP8 linears on cuBLASLt, check_finite off; weight FP8 bytes cached (later micro-batches)
   jetrl/cublaslt+requant  the same, re-quantizing all four weights every iteration (one micro-batch per step)
   jetrl/cublaslt+finite   check_finite="sync" (one host sync per quantization)
   jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
-Core attention: `shipped` = the native spec's `SDPAttention` (torch SDPA, flash on GPU) and `megatron` = megatron's
-unfused DotProductAttention (baddbmm + FP32 softmax + bmm over [b*heads, s, s]) swapped in for comparison.
 Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
 backward = the difference. Also: ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
 kernel time per fwd+bwd by category (`torch.profiler`).
@@ -68,6 +68,8 @@ TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_head
 VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlow changes on top of it)
     "bf16": ("bf16", {}),
     "jetrl": ("jetrl", {}),
+    "bf16/eager": ("bf16", {}),  # /eager: ActorOptions(fused=False), megatron's glue as eager torch ops
+    "jetrl/eager": ("jetrl", {}),
     "jetrl/cublaslt": ("jetrl", dict(backend="cublaslt", check_finite="off")),
     "jetrl/cublaslt+requant": ("jetrl", dict(backend="cublaslt", check_finite="off")),
     "jetrl/cublaslt+finite": ("jetrl", dict(backend="cublaslt", check_finite="sync")),
@@ -109,17 +111,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_layer(arch, flow, attn: str, dtype):
+def build_layer(arch, flow, dtype, fused: bool = True):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_jetrl.actor.provider import ActorOptions, layer_spec, transformer_config
 
-    config = transformer_config(arch, flow, tp=1, pp=1, options=ActorOptions(params_dtype=dtype))
-    spec = layer_spec(arch, flow, "native", 1).layer_specs[0]  # the decoder's layer, as build_model makes it
-    if attn == "megatron":  # megatron's unfused DotProductAttention instead of the spec's SDPA, for comparison
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    config = transformer_config(arch, flow, tp=1, pp=1, options=ActorOptions(params_dtype=dtype, fused=fused))
+    spec = layer_spec(arch, flow, "local", 1, fused=fused).layer_specs[0]  # the decoder's layer, as build_model makes it
     layer = build_module(spec, config=config, layer_number=1)
     # the native RMSNorm weights are made on the CPU; megatron's get_model() moves modules with .cuda()
     return layer.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else layer
@@ -144,6 +142,7 @@ def bench(fn, device, rep_ms: int, grad_to_none=None):
 
 
 CATEGORIES = (  # kernel-name substrings -> category (first match wins)
+    ("fused glue (Inductor)", ("triton_poi_", "triton_per_", "triton_red_")),  # actor.fused, megatron's compiled SwiGLU
     ("quantize", ("_quant", "quant_tile")),  # the Triton quantizers and the CUDA tile kernel (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
     ("attention core", ("flash", "fmha", "attention", "softmax")),
@@ -179,7 +178,7 @@ def profile_step(fn, params, iters: int = 3) -> dict:
         low = name.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
         cats[cat] = cats.get(cat, 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {"total_ms": sum(kernels.values()), "categories": cats, "top": top}
 
 
@@ -196,8 +195,6 @@ def layer_main(a):
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
     from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
@@ -212,10 +209,8 @@ def layer_main(a):
     arch = ModelArch.from_hf_config(cfg)
     print(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; layer hidden {arch.hidden_size}, "
           f"ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}", flush=True)
-    rope = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=arch.rope_theta,
-                           use_cpu_initialization=not cuda)
     torch.manual_seed(0)
-    ref_state = build_layer(arch, PrecisionFlow("bf16"), "shipped", dtype).state_dict()
+    ref_state = build_layer(arch, PrecisionFlow("bf16"), dtype).state_dict()
     ref_state = {k: v.detach().clone() for k, v in ref_state.items() if v is not None and isinstance(v, torch.Tensor)}
     rows = []
     for shape in a.shapes:
@@ -223,82 +218,81 @@ def layer_main(a):
         g = torch.Generator(device=device).manual_seed(1)
         x0 = torch.randn(seq, mb, arch.hidden_size, generator=g, device=device, dtype=dtype)
         dy = torch.randn(seq, mb, arch.hidden_size, generator=g, device=device, dtype=dtype) * 1e-2
-        emb = rope(seq)
-        for attn in a.attn:
-            y_ref = None
-            base = {}
-            for name in a.variants:
-                flow = variant_flow(name)
-                layer = build_layer(arch, flow, attn, dtype)
-                missing, unexpected = layer.load_state_dict(ref_state, strict=False)
-                if [m for m in missing if not m.endswith("_extra_state")] or unexpected:
-                    raise RuntimeError(f"{name}: state mismatch {missing} {unexpected}")
-                x = x0.clone().requires_grad_(True)
-                mods = fp8_modules(layer)
-                requant = name.endswith("+requant")
+        y_ref = None
+        bases = {}  # the BF16 row each variant is compared with: bf16, or bf16/eager for the /eager variants
+        for name in a.variants:
+            flow = variant_flow(name)
+            layer = build_layer(arch, flow, dtype, fused=not name.endswith("/eager"))
+            missing, unexpected = layer.load_state_dict(ref_state, strict=False)
+            if [m for m in missing if not m.endswith("_extra_state")] or unexpected:
+                raise RuntimeError(f"{name}: state mismatch {missing} {unexpected}")
+            x = x0.clone().requires_grad_(True)
+            mods = fp8_modules(layer)
+            requant = name.endswith("+requant")
 
-                def fwd():
-                    if requant:
-                        for m in mods:
-                            m._fp8_cache = None
-                    return layer(x, attention_mask=None, rotary_pos_emb=emb)[0]
+            def fwd():
+                if requant:
+                    for m in mods:
+                        m._fp8_cache = None
+                return layer(x, attention_mask=None)[0]
 
-                def fwd_bwd():
-                    fwd().backward(dy)
+            def fwd_bwd():
+                fwd().backward(dy)
 
-                params = [x] + list(layer.parameters())
-                with torch.no_grad():
-                    y = layer(x, attention_mask=None, rotary_pos_emb=emb)[0].float()
-                finite = bool(torch.isfinite(y).all())
-                if name == "bf16":
-                    y_ref = y
-                err = float((y - y_ref).detach().norm() / y_ref.detach().norm()) if y_ref is not None else float("nan")
-                del y
-                fwd_bwd()  # compile/warm
-                for t in params:
-                    t.grad = None
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t_fwd = bench(lambda: fwd(), device, a.rep_ms)
-                t_all = bench(fwd_bwd, device, a.rep_ms, grad_to_none=params)
-                peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-                row = dict(shape=shape, tokens=seq * mb, attn=attn, variant=name, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
-                           bwd_ms=t_all - t_fwd, rel_err_vs_bf16=err, finite=finite, peak_gib=peak, fp8_linears=len(mods))
-                if name == "bf16":
-                    base = row
-                row["speedup_fwd_bwd"] = base["fwd_bwd_ms"] / t_all if base else float("nan")
-                row["speedup_fwd"] = base["fwd_ms"] / t_fwd if base else float("nan")
-                row["speedup_bwd"] = base["bwd_ms"] / row["bwd_ms"] if base else float("nan")
-                if name in a.profile and shape == a.shapes[-1]:
-                    try:
-                        row["profile"] = profile_step(fwd_bwd, params)
-                    except Exception as e:  # noqa: BLE001 - the timings above stand without it
-                        row["profile_error"] = f"{type(e).__name__}: {e}"
-                        print("profile failed:", row["profile_error"], flush=True)
-                rows.append(row)
-                print(f"{shape:8s} {attn:5s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  "
-                      f"x{row['speedup_fwd_bwd']:.3f}  err {err:.3g}  finite {finite}  peak {peak:.1f} GiB", flush=True)
-                del layer, x, mods, params
-                if cuda:
-                    torch.cuda.empty_cache()
+            params = [x] + list(layer.parameters())
+            with torch.no_grad():
+                y = layer(x, attention_mask=None)[0].float()
+            finite = bool(torch.isfinite(y).all())
+            if name == "bf16":
+                y_ref = y
+            err = float((y - y_ref).detach().norm() / y_ref.detach().norm()) if y_ref is not None else float("nan")
+            del y
+            fwd_bwd()  # compile/warm
+            for t in params:
+                t.grad = None
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t_fwd = bench(lambda: fwd(), device, a.rep_ms)
+            t_all = bench(fwd_bwd, device, a.rep_ms, grad_to_none=params)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            row = dict(shape=shape, tokens=seq * mb, variant=name, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
+                       bwd_ms=t_all - t_fwd, rel_err_vs_bf16=err, finite=finite, peak_gib=peak, fp8_linears=len(mods))
+            if name in ("bf16", "bf16/eager"):
+                bases[name] = row
+            base = bases.get("bf16/eager" if name.endswith("/eager") else "bf16")
+            row["speedup_fwd_bwd"] = base["fwd_bwd_ms"] / t_all if base else float("nan")
+            row["speedup_fwd"] = base["fwd_ms"] / t_fwd if base else float("nan")
+            row["speedup_bwd"] = base["bwd_ms"] / row["bwd_ms"] if base else float("nan")
+            if name in a.profile and shape == a.shapes[-1]:
+                try:
+                    row["profile"] = profile_step(fwd_bwd, params)
+                except Exception as e:  # noqa: BLE001 - the timings above stand without it
+                    row["profile_error"] = f"{type(e).__name__}: {e}"
+                    print("profile failed:", row["profile_error"], flush=True)
+            rows.append(row)
+            print(f"{shape:8s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  "
+                  f"x{row['speedup_fwd_bwd']:.3f}  err {err:.3g}  finite {finite}  peak {peak:.1f} GiB", flush=True)
+            del layer, x, mods, params
+            if cuda:
+                torch.cuda.empty_cache()
     destroy_parallel()
-    print("\n| tokens (seq x mb) | core attention | variant | fwd ms | bwd ms | fwd+bwd ms | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| tokens (seq x mb) | variant | fwd ms | bwd ms | fwd+bwd ms | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} ({r['shape']}) | {r['attn']} | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+        print(f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
               f"{r['speedup_fwd']:.2f}x / {r['speedup_bwd']:.2f}x / {r['speedup_fwd_bwd']:.2f}x | {r['rel_err_vs_bf16']:.3g} |")
     prof = [r for r in rows if r.get("profile")]
     if prof:
         cats = sorted({c for r in prof for c in r["profile"]["categories"]})
         print(f"\nGPU kernel time per fwd+bwd (torch.profiler, ms), {a.shapes[-1]}:")
-        print("| core attention | variant | " + " | ".join(cats) + " | sum of kernels |")
-        print("|---|---|" + "---|" * (len(cats) + 1))
+        print("| variant | " + " | ".join(cats) + " | sum of kernels |")
+        print("|---|" + "---|" * (len(cats) + 1))
         for r in prof:
             c = r["profile"]["categories"]
-            print(f"| {r['attn']} | {r['variant']} | " + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['profile']['total_ms']:.2f} |")
+            print(f"| {r['variant']} | " + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['profile']['total_ms']:.2f} |")
         for r in prof:
-            print(f"top kernels {r['attn']} {r['variant']}: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["profile"]["top"]))
+            print(f"top kernels {r['variant']}: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["profile"]["top"][:16]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
@@ -652,10 +646,9 @@ def main(argv=None):
     g = p.add_argument_group("one layer (--layer)")
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
     g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])
-    g.add_argument("--attn", nargs="*", default=["shipped"], choices=["shipped", "megatron"])
     g.add_argument("--rep-ms", type=int, default=200)
     g.add_argument("--profile", nargs="*", default=["bf16", "jetrl"],
-                   help="variants to profile (kernel time by category) on the last shape, every core attention")
+                   help="variants to profile (kernel time by category) on the last shape")
     a = p.parse_args(argv)
     bad = [x for x in a.layers if x != "auto" and not (x.isdigit() and int(x) >= 1)]
     if bad:

@@ -26,7 +26,7 @@ all-reduce and the vocab-parallel sum-exp add in another order: a bound, not bit
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -40,31 +40,30 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm as HF Qwen2/Qwen3/Llama compute it (FP32 statistics), usable with sequence parallelism.
+    """RMSNorm as HF Qwen2/Qwen3/Llama compute it (FP32 statistics), usable with sequence parallelism: the engine's
+    `ops.rms_norm` with `batch_invariant`, else `actor.fused.rms_norm` (one Inductor kernel per direction on CUDA with
+    `fused`, eager torch ops otherwise).
 
     megatron's torch-norm fallback refuses sequence parallelism; this norm marks its weight
     `sequence_parallel` so megatron's `finalize_model_grads` all-reduces its grad over the TP group.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, batch_invariant: bool = False):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, batch_invariant: bool = False, fused: bool = True):
         super().__init__()
         self.eps = eps
-        self.batch_invariant = batch_invariant
+        self.norm = ops.rms_norm if batch_invariant else fused_rms_norm if fused else rms_norm
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x):
-        if self.batch_invariant:
-            return ops.rms_norm(x, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.norm(x, self.weight, self.eps)
 
 
 class BatchInvariantAttention(torch.nn.Module):
@@ -102,26 +101,54 @@ class BatchInvariantAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+@lru_cache(maxsize=8)
+def _rotary(head_dim: int, rope: tuple, device: torch.device):
+    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding(kv_channels=head_dim, use_cpu_initialization=device.type == "cpu", **dict(rope))
+
+
+@lru_cache(maxsize=2)
+def rope_cos_sin(head_dim: int, rope: tuple, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin `[length, 1, 1, head_dim]` at positions 0..length-1: the tables GPTModel's own RoPE would use
+    (`RotaryEmbedding.get_emb`, llama3 scaling included), shared by every layer; the newest lengths are kept."""
+    emb = _rotary(head_dim, rope, device).get_emb(length)
+    return emb.cos(), emb.sin()
+
+
 class SDPAttention(torch.nn.Module):
-    """Core attention of the (non batch-invariant) native spec: causal GQA through torch's
-    `scaled_dot_product_attention` (FlashAttention / cuDNN on GPU), after megatron's RoPE and q/k norms.
+    """Core attention of the (non batch-invariant) local spec: RoPE, then causal GQA through torch's
+    `scaled_dot_product_attention` (FlashAttention / cuDNN on GPU), after megatron's q/k norms.
+
+    RoPE is applied here, not by megatron (the provider builds GPTModel with `position_embedding_type="none"`):
+    megatron's fused RoPE needs Transformer Engine and its unfused one is five kernels per tensor and direction.
+    Here it is `actor.fused.rope` with megatron's tables (`rope_cos_sin`) and formula: one Inductor kernel per
+    tensor and direction on CUDA (`fused=True`), megatron's ops to the bit on FP32 tensors (the CPU).
     megatron's local `DotProductAttention` materialises FP32 [b * heads, s, s] scores: at 8K tokens it took
     61 of a Qwen3-8B layer's 85 ms (H200) and most of its memory. Megatron layout in and out, as
     `BatchInvariantAttention`; megatron passes no mask for causal self-attention, so `is_causal` is the mask."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
-                 cp_comm_type=None, pg_collection=None):
+                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch, fused: bool = True):
         super().__init__()
+        from megatron_jetrl.actor.provider import rope_kwargs
+
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention is causal only, got attn_mask_type={attn_mask_type}")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("SDPAttention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
         self.softmax_scale = softmax_scale
+        self.head_dim = arch.head_dim
+        self.rope_kwargs = tuple(sorted((k, v) for k, v in rope_kwargs(arch).items() if k != "position_embedding_type"))
+        self.rope = fused_rope if fused else rope
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if attention_mask is not None or packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention takes unpacked causal sequences without an explicit mask or bias")
         s, b = query.shape[:2]
+        cos, sin = rope_cos_sin(self.head_dim, self.rope_kwargs, s, query.device)
+        query, key = self.rope(query, cos, sin), self.rope(key, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -248,16 +275,17 @@ def _linears(flow: PrecisionFlow, batch_invariant: bool):
             ModuleSpec(module=FP8RowParallelLinear, params={"flow": flow}))
 
 
-def _norm(batch_invariant: bool):
-    return ModuleSpec(module=RMSNorm, params={"batch_invariant": True}) if batch_invariant else RMSNorm
+def _norm(batch_invariant: bool, fused: bool):
+    return ModuleSpec(module=RMSNorm, params={"batch_invariant": batch_invariant, "fused": fused})
 
 
-def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False) -> ModuleSpec:
-    """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears; with
-    `batch_invariant`, the engine's norms and core attention (RoPE included: build GPTModel without RoPE)."""
+def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False, fused: bool = True) -> ModuleSpec:
+    """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears; its core attention
+    applies RoPE (build GPTModel without RoPE). `batch_invariant`: the engine's norms, RoPE and attention; else
+    `fused`: norms and RoPE as one kernel each on CUDA (`actor.fused`)."""
     column, row = _linears(flow, batch_invariant)
-    norm = _norm(batch_invariant)
-    core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else SDPAttention
+    norm = _norm(batch_invariant, fused)
+    core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else partial(SDPAttention, arch=arch, fused=fused)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -281,13 +309,13 @@ def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: boo
     )
 
 
-def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False):
+def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False, fused: bool = True):
     """The decoder of one pipeline stage: `num_layers` native layers and this module's RMSNorm as final norm
     (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = native_layer_spec(flow, arch, batch_invariant)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant))
+    layer = native_layer_spec(flow, arch, batch_invariant, fused)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 
 def unwrap(model):

@@ -36,6 +36,10 @@ class ActorOptions:
     """Megatron sequence parallelism (needs TP > 1); the native spec's RMSNorm supports it."""
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
+    fused: bool = True
+    """Local spec on CUDA: RMSNorm and RoPE as one `torch.compile`d (Inductor) kernel per op and direction
+    (`actor.fused`), and BF16 SwiGLU as megatron's fused one. False: eager torch ops, several kernels each (the
+    CPU always runs eagerly). Not used with `batch_invariant` or the TE spec (their own kernels)."""
     batch_invariant: bool = False
     """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.batch_invariant_ops` (the native
     engine's functions). With BF16 params and the emulated FP8 backend the actor's logprobs then equal the
@@ -83,7 +87,7 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
         gated_linear_unit=True, activation_func=ops.silu if options.batch_invariant else F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=_fused_swiglu(options), masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
         params_dtype=options.params_dtype, pipeline_dtype=options.params_dtype, bf16=options.params_dtype == torch.bfloat16,
@@ -91,7 +95,13 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
     )
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False):
+def _fused_swiglu(options: ActorOptions) -> bool:
+    """megatron's fused SwiGLU (`bias_swiglu_impl`, compiled by its `jit_fuser`) for the local spec's BF16 MLP on
+    CUDA; the FP8 MLP fuses SwiGLU into its quantization instead (`FP8GatedMLP`)."""
+    return options.fused and options.spec == "local" and not options.batch_invariant and torch.cuda.is_available()
+
+
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False, fused: bool = True):
     """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm)."""
     if spec == "te":
         from megatron_jetrl.actor.te_recipe import te_layer_spec
@@ -99,7 +109,7 @@ def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_i
         return te_layer_spec(arch.qk_norm)
     from megatron_jetrl.actor.fp8_layers import native_block_spec
 
-    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant)
+    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant, fused)
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
@@ -119,14 +129,14 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant),
+        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant, options.fused),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        # the batch-invariant core attention applies RoPE itself (models.batch_invariant_ops, as the engine does)
-        **({"position_embedding_type": "none"} if options.batch_invariant else rope_kwargs(arch)),
+        # the local spec's core attention applies RoPE itself (fp8_layers.SDPAttention / BatchInvariantAttention)
+        **({"position_embedding_type": "none"} if options.spec == "local" else rope_kwargs(arch)),
     )
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer
 

@@ -233,6 +233,7 @@ def test_hf_import_of_a_transformers_written_checkpoint(family, tmp_path):
 
     arch = ModelArch.from_pretrained(tmp_path)
     from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.fp8_layers import _rotary
     from megatron_jetrl.actor.provider import build_model
 
     model = build_model(arch, BF16)
@@ -246,7 +247,8 @@ def test_hf_import_of_a_transformers_written_checkpoint(family, tmp_path):
     hf_model = hf_model.float()
     for name, buffer in hf_model.named_buffers():
         buffer.copy_(rope_buffers[name])
-    assert torch.equal(model.rotary_pos_emb.inv_freq, hf_model.model.rotary_emb.inv_freq)  # llama3 scaling included
+    rotary = _rotary(arch.head_dim, model.decoder.layers[0].self_attention.core_attention.rope_kwargs, torch.device("cpu"))
+    assert torch.equal(rotary.inv_freq, hf_model.model.rotary_emb.inv_freq)  # the core attention's RoPE, llama3 scaling included
 
     tokens = tokens_for(CONFIGS[family])
     with torch.no_grad():

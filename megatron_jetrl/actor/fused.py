@@ -1,0 +1,49 @@
+"""The actor's BF16 glue on CUDA as one kernel per op and direction: RMSNorm and RoPE through `torch.compile`.
+
+megatron-core's fused norm and RoPE need apex or Transformer Engine; without them its local layer runs each as a
+chain of torch ops (RMSNorm: cast, square, mean, rsqrt, two multiplies and a cast, and autograd's backward of each;
+RoPE: two multiplies, a chunk, a negation, two cats). On a Qwen3-8B layer at 8192 tokens that glue took 7.3 ms of
+25.4 (H100, BENCHMARKS.md), about as much as the FP8 GEMMs save. Inductor turns each formula below into one
+Triton kernel forward and one or two backward, reading and writing each tensor once.
+
+The formulas are the ones the eager path runs, so CPU numerics are untouched: CPU tensors take the functions
+eagerly. On CUDA the compiled kernel keeps the FP32 intermediates in registers and rounds to the output dtype
+once (eager BF16 RoPE rounds after each multiply): the results agree with the eager ones to a rounding of the
+output dtype and are closer to the FP64 value (tests/gpu/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen2/Qwen3/Llama RMSNorm over the last dimension: FP32 statistics, `weight * normalized.to(x.dtype)`."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE as megatron's unfused `_apply_rotary_pos_emb_bshd` and HF compute it, in FP32:
+    t `[s, b, heads, d]`, cos/sin FP32 `[s, 1, 1, d]` -> `t.dtype`. For FP32 `t` these are megatron's ops to the bit."""
+    t32 = t.float()
+    x1, x2 = torch.chunk(t32, 2, dim=-1)
+    return ((t32 * cos) + (torch.cat((-x2, x1), dim=-1) * sin)).to(t.dtype)
+
+
+def on_cuda_compiled(fn):
+    """`fn` compiled by Inductor (shapes dynamic, one graph) for CUDA tensors; eager for anything else."""
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(x, *args):
+        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+
+    return run
+
+
+fused_rms_norm = on_cuda_compiled(rms_norm)
+fused_rope = on_cuda_compiled(rope)

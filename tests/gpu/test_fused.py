@@ -1,0 +1,159 @@
+"""The actor's fused glue on CUDA (`actor.fused`: RMSNorm and RoPE through torch.compile) against FP64 and against
+the eager formulas it compiles, forward and backward; and the local-spec layer with and without it.
+
+Bounds: BF16 keeps 8 significant bits, so one rounding of the output moves it by at most 2^-8 of its magnitude
+(half an ulp; an ulp is at most 2^-7 relative). The compiled kernels may sum in another order (the RMS statistic)
+or contract a multiply-add, which flips a last bit now and then: at most one ulp from eager, in a small fraction of
+the elements, and no further from FP64 than eager's own rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_jetrl.actor import fused
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+ULP = 2.0 ** -7  # BF16: an ulp relative to the magnitude, at most
+
+
+def gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float, atol: float = 0.0) -> bool:
+    """|got - want| <= ulps BF16 ulps of |want| (+ atol: FP32 rounding where a sum cancels to ~0), elementwise."""
+    got, want = got.double(), want.double()
+    return bool(((got - want).abs() <= ulps * ULP * want.abs() + atol).all())
+
+
+def rms_norm_64(x, w, eps):
+    x = x.double()
+    return w.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_64(t, cos, sin):
+    t = t.double()
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * cos.double() + torch.cat((-x2, x1), dim=-1) * sin.double()
+
+
+def flipped(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a != b).double().mean())
+
+
+@pytest.mark.parametrize("shape", [(8192, 1, 4096), (1000, 3, 4096), (4096, 2, 32, 128), (17, 1, 8, 128)])
+def test_rms_norm_compiled_equals_eager_and_fp64(shape):
+    g = gen(0)
+    x = (torch.randn(shape, device=DEV, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, device=DEV, generator=g))).bfloat16()
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, generator=g)).bfloat16()
+    dy = torch.randn(shape, device=DEV, generator=g).bfloat16()
+
+    def run(fn, dtype=torch.bfloat16):  # FP64: the reference's inputs (and so its gradients) in FP64
+        xx, ww = (v.to(dtype, copy=True).requires_grad_(True) for v in (x, w))
+        y = fn(xx, ww, 1e-6)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), xx.grad, ww.grad
+
+    y_c, dx_c, dw_c = run(fused.fused_rms_norm)
+    y_e, dx_e, dw_e = run(fused.rms_norm)
+    y_64, dx_64, dw_64 = run(rms_norm_64, torch.float64)
+    # forward: the eager formula rounds normalized x to BF16 and the product by the weight to BF16; so does the kernel
+    assert within_ulps(y_c, y_e, 1) and flipped(y_c, y_e) < 2e-3
+    assert within_ulps(y_c, y_64, 1.01)  # two roundings of half an ulp each
+    # backward: gradients against FP64 autograd of the same formula, no worse than eager's
+    for got, eager, want in ((dx_c, dx_e, dx_64), (dw_c, dw_e, dw_64)):
+        err = float((got.double() - want).norm() / want.norm())
+        err_eager = float((eager.double() - want).norm() / want.norm())
+        assert err < 1e-2 and err <= 1.5 * err_eager + 1e-3, (err, err_eager)
+
+
+@pytest.mark.parametrize("shape", [(8192, 1, 32, 128), (4096, 2, 8, 128), (33, 3, 4, 64)])
+def test_rope_compiled_equals_eager_and_fp64(shape):
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+    s, d = shape[0], shape[-1]
+    rope_kw = (("rotary_base", 1_000_000.0), ("rotary_percent", 1.0))
+    cos, sin = rope_cos_sin(d, rope_kw, s, torch.empty(0, device=DEV).device)
+    g = gen(1)
+    t = torch.randn(shape, device=DEV, generator=g).bfloat16()
+    dy = torch.randn(shape, device=DEV, generator=g).bfloat16()
+
+    def run(fn, dtype=torch.bfloat16):
+        tt = t.to(dtype, copy=True).requires_grad_(True)
+        y = fn(tt, cos, sin)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), tt.grad
+
+    y_c, dt_c = run(fused.fused_rope)
+    y_e, dt_e = run(fused.rope)
+    y_64, dt_64 = run(rope_64, torch.float64)
+    # FP32 inside, one rounding to BF16: half an ulp from FP64, plus a few FP32 roundings of the two terms (atol;
+    # it matters where they cancel, or where FP32 lands a value just across a BF16 rounding midpoint)
+    atol = 4 * 2.0 ** -24 * 2 * float(max(t.abs().max(), dy.abs().max()))
+    assert within_ulps(y_c, y_64, 0.5, atol) and within_ulps(dt_c, dt_64, 0.5, atol)
+    assert within_ulps(y_c, y_e, 1, atol) and flipped(y_c, y_e) < 1e-3
+    assert within_ulps(dt_c, dt_e, 1, atol) and flipped(dt_c, dt_e) < 1e-3
+
+
+def test_rope_on_a_strided_view_and_positions():
+    """megatron hands the core attention q/k as views of the fused QKV output: strided, not contiguous."""
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+    s, b, h, d = 300, 2, 4, 128
+    mixed = torch.randn(s, b, h, 3 * d, device=DEV, generator=gen(2)).bfloat16()
+    q = mixed[..., d:2 * d]
+    assert not q.is_contiguous()
+    cos, sin = rope_cos_sin(d, (("rotary_base", 10000.0), ("rotary_percent", 1.0)), s, torch.empty(0, device=DEV).device)
+    got = fused.fused_rope(q, cos, sin)
+    assert torch.equal(got[0], q[0])  # position 0 is the identity rotation
+    assert within_ulps(got, rope_64(q, cos, sin), 0.5, 8 * 2.0 ** -24 * float(q.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"}.items():
+        os.environ.setdefault(k, v)
+    from megatron_jetrl.actor.parallel import init_parallel
+
+    init_parallel(tp=1, pp=1, seed=1234)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["bf16", "jetrl"])
+def test_local_layer_fused_against_eager(parallel, mode):
+    """The local-spec Qwen3-shaped layer (QK-norm, GQA) with `fused=True` against `fused=False` on the same weights:
+    BF16 within a few roundings; jetrl within the FP8 noise a last-bit difference can trigger (an E4M3 flip)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_jetrl.actor.provider import ActorOptions, layer_spec, transformer_config
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=8,
+                                         num_key_value_heads=2, head_dim=128, vocab_size=1024, num_hidden_layers=1,
+                                         max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6))
+    flow = PrecisionFlow(mode=mode)
+    outs, state = {}, None
+    x0 = torch.randn(2048, 2, arch.hidden_size, device=DEV, generator=gen(3)).bfloat16()
+    dy = torch.randn(x0.shape, device=DEV, generator=gen(4)).bfloat16() * 1e-2
+    for fused_on in (True, False):
+        options = ActorOptions(params_dtype=torch.bfloat16, fused=fused_on)
+        config = transformer_config(arch, flow, tp=1, pp=1, options=options)
+        layer = build_module(layer_spec(arch, flow, "local", 1, fused=fused_on).layer_specs[0], config=config, layer_number=1).cuda()
+        if state is None:
+            state = {k: v.detach().clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+        layer.load_state_dict(state, strict=False)
+        x = x0.clone().requires_grad_(True)
+        y = layer(x, attention_mask=None)[0]
+        y.backward(dy)
+        outs[fused_on] = (y.detach() - x0, x.grad.detach(), layer.mlp.linear_fc1.weight.grad)
+    bound = 2e-2 if mode == "bf16" else 6e-2
+    for got, want in zip(outs[True], outs[False]):
+        err = float((got.double() - want.double()).norm() / want.double().norm())
+        assert err < bound, (mode, err)
