@@ -345,7 +345,7 @@ class StepRun:
         cuda = device.type == "cuda"
         optim = cfg.optim if cuda else dataclasses.replace(cfg.optim, bf16=False, distributed=False)  # CPU: FP32 params
         self.options = ActorOptions(params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
-                                    max_sequence_length=max(self.arch.max_position_embeddings, 1))
+                                    max_sequence_length=max(self.arch.max_position_embeddings, 1), fused=cfg.model.fused)
         self.optim = optim
         torch.manual_seed(1234)
         model = build_model(self.arch, self.flow, self.options)
@@ -470,10 +470,11 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             if not bool(torch.isfinite(lp).all()):
                 raise RuntimeError("non-finite logprobs before training")
             extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old}
-            times, results = [], []
+            times, results, retries = [], [], 0
             for i in range(a.warmup + a.steps):
                 if i == a.warmup and cuda:
                     torch.cuda.reset_peak_memory_stats()
+                    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
                 _sync(device)
                 t0 = time.perf_counter()
                 out = run.step(tokens, extras, a.micro_batch)
@@ -488,7 +489,9 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             row.update(step_ms=times[len(times) // 2], step_ms_all=times,
                        tokens_per_s=batch * a.seq / (times[len(times) // 2] / 1e3),
                        first_loss=results[0].get("loss"), first_grad_norm=results[0].get("grad_norm"),
-                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                       # the caching allocator freeing its cache and retrying cudaMalloc (slow) in the timed steps
+                       alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0)
         except torch.cuda.OutOfMemoryError:
             if run is not None:
                 run.close()
@@ -509,7 +512,7 @@ def run_variants(a, variants, cfgs, arch, layers, device):
         print(f"  {label:28s} layers {layers:2d}  " + (
             f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
             f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
-            f"peak {row['peak_gib']:.1f} GiB" if "step_ms" in row else f"FAILED: {row.get('error')}"), flush=True)
+            f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}" if "step_ms" in row else f"FAILED: {row.get('error')}"), flush=True)
     del state
     _gc()
     return rows

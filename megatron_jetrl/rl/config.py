@@ -124,6 +124,10 @@ class ModelConfig:
     batch_invariant: bool | None = None
     """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.batch_invariant_ops`, which
     makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
+    fused: bool = True
+    """Local spec on CUDA: RMSNorm and RoPE as one torch.compile'd kernel per op and direction and megatron's fused
+    SwiGLU for BF16 MLPs (`actor.fused`); false: eager torch ops (several kernels each; what megatron runs without
+    apex or TE). The CPU always runs eagerly."""
     spec: str = "local"
     """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
     bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE

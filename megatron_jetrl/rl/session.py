@@ -154,7 +154,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
-                           batch_invariant=batch_invariant)
+                           batch_invariant=batch_invariant, fused=cfg.model.fused)
     model = build_model_same_init(arch, flow, options) if cfg.model.spec == "te" and not cfg.model.path else build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)
