@@ -3,8 +3,8 @@ the eager formulas it compiles, forward and backward; and the local-spec layer w
 
 Bounds: BF16 keeps 8 significant bits, so one rounding of the output moves it by at most 2^-8 of its magnitude
 (half an ulp; an ulp is at most 2^-7 relative). The compiled kernels may sum in another order (the RMS statistic)
-or contract a multiply-add, which flips a last bit now and then: at most one ulp from eager, in a small fraction of
-the elements, and no further from FP64 than eager's own rounding.
+or contract a multiply-add, which flips a rounding now and then: in a small fraction of the elements, by one ulp
+of the rounded intermediate, and no further from FP64 than eager's own roundings.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def test_rms_norm_compiled_equals_eager_and_fp64(shape):
     y_c, dx_c, dw_c = run(fused.fused_rms_norm)
     y_e, dx_e, dw_e = run(fused.rms_norm)
     y_64, dx_64, dw_64 = run(rms_norm_64, torch.float64)
-    # forward: the eager formula rounds normalized x to BF16 and the product by the weight to BF16; so does the kernel
-    assert within_ulps(y_c, y_e, 1) and flipped(y_c, y_e) < 2e-3
+    # forward: the eager formula rounds normalized x to BF16 and the product by the weight to BF16; so does the kernel.
+    # Its RMS statistic may differ from eager's in the last FP32 bits (summation order, rsqrt): now and then that
+    # flips the first rounding, by one ulp of the normalized value, which can be two ulps of the product's magnitude
+    assert within_ulps(y_c, y_e, 2) and flipped(y_c, y_e) < 1e-3, flipped(y_c, y_e)
     assert within_ulps(y_c, y_64, 1.01)  # two roundings of half an ulp each
     # backward: gradients against FP64 autograd of the same formula, no worse than eager's
     for got, eager, want in ((dx_c, dx_e, dx_64), (dw_c, dw_e, dw_64)):
