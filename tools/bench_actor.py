@@ -31,7 +31,8 @@ compiles DeepGEMM/Triton kernels and allocates the Adam state).
 One layer (`--layer`): one megatron `TransformerLayer` of the local spec as `build_model` builds it
 (`actor.provider.layer_spec(arch, flow, "local", 1)`, `actor.provider.transformer_config`), input
 `[seq, micro_batch, hidden]` BF16; its core attention (`SDPAttention`: RoPE, then torch SDPA) applies RoPE. Each
-variant gets the same weights. Variants:
+variant gets the same weights; FP8 weights carry an FP32 `main_grad`, as megatron's DDP gives them, and WGrad
+accumulates into it (BF16 linears leave `.grad`, which DDP would add into its buffer afterwards). Variants:
   bf16                    megatron's plain ColumnParallel/RowParallel linears (the bf16 preset)
   jetrl                   the shipped jetrl preset flow
   bf16/eager, jetrl/eager the same with `ActorOptions(fused=False)`: RMSNorm, RoPE and BF16 SwiGLU as eager torch ops
@@ -228,6 +229,8 @@ def layer_main(a):
                 raise RuntimeError(f"{name}: state mismatch {missing} {unexpected}")
             x = x0.clone().requires_grad_(True)
             mods = fp8_modules(layer)
+            for m in mods:  # the FP32 gradient buffer megatron's DDP gives every weight: FP8 WGrad accumulates into it
+                m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)
             requant = name.endswith("+requant")
 
             def fwd():

@@ -386,7 +386,37 @@ def _k():
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
+    @triton.jit
+    def _swiglu_bwd(
+        gu_ptr, dy_ptr, d_ptr, M, I, stride_gm, stride_dym, stride_dm,
+        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, CONTRACT: tl.constexpr,
+    ):
+        # d[gate | up] of silu(gate) * up in autograd's own roundings (torch 2.11 CUDA kernels, opmath FP32):
+        # MulBackward d_up = dy * silu(gate) and dy * up, each rounded to the dtype; SiluBackward
+        # dy' * s * (1 + x * (1 - s)) with s = 1 / (1 + expf(-x))
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask = (offs_m[:, None] < M) & (offs_i[None, :] < I)
+        rows = offs_m[:, None].to(tl.int64)
+        g = tl.load(gu_ptr + rows * stride_gm + offs_i[None, :], mask=mask, other=0.0)
+        u = tl.load(gu_ptr + rows * stride_gm + I + offs_i[None, :], mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows * stride_dym + offs_i[None, :], mask=mask, other=0.0)
+        g32, dy32 = g.to(tl.float32), dy.to(tl.float32)
+        e = 1.0 + libdevice.exp(-g32)
+        act = div_rn(g32, e).to(g.dtype)  # F.silu: x / (1 + expf(-x))
+        d_up = (dy32 * act.to(tl.float32)).to(g.dtype)
+        t = (dy32 * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        sig = div_rn(tl.zeros_like(e) + 1.0, e)
+        if CONTRACT:
+            d_gate = (t * sig) * tl.fma(g32, 1.0 - sig, 1.0)
+        else:
+            d_gate = (t * sig) * (1.0 + g32 * (1.0 - sig))
+        d_ptrs = d_ptr + rows * stride_dm + offs_i[None, :]
+        tl.store(d_ptrs, d_gate.to(g.dtype), mask=mask)
+        tl.store(d_ptrs + I, d_up, mask=mask)
+
     return {
+        "swiglu_bwd": _swiglu_bwd,
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
         "quant_cols": _quant_cols,
@@ -398,6 +428,22 @@ def _k():
 
 # ----------------------------------------------------------------------------------------------------
 # Quantizer wrappers
+
+def swiglu_backward(gate_up: torch.Tensor, d_out: torch.Tensor, *, contract: bool = True) -> torch.Tensor:
+    """d[gate | up] `[M, 2I]` of `silu(gate) * up` for gate_up `[M, 2I]` and d_out `[M, I]` (2-D, unit stride along
+    the last dim): one pass, the bits of torch's autograd of `F.silu(gate) * up` (tests/gpu/test_kernels.py)."""
+    m, i = d_out.shape
+    if gate_up.shape != (m, 2 * i) or gate_up.stride(-1) != 1 or d_out.stride(-1) != 1:
+        raise ValueError(f"swiglu_backward takes gate_up [M, 2I] and d_out [M, I] with unit last stride, got "
+                         f"{tuple(gate_up.shape)} (strides {gate_up.stride()}) and {tuple(d_out.shape)} (strides {d_out.stride()})")
+    d = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    if m and i:
+        bm, bi = 8, 512
+        _k()["swiglu_bwd"][(triton_cdiv(m, bm), triton_cdiv(i, bi))](
+            gate_up, d_out, d, m, i, gate_up.stride(0), d_out.stride(0), d.stride(0), BLOCK_M=bm, BLOCK_I=bi, CONTRACT=contract,
+            num_warps=4)
+    return d
+
 # ----------------------------------------------------------------------------------------------------
 
 

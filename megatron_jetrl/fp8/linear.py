@@ -142,8 +142,12 @@ def _gated_backward(gate_up, act, d_out):
 
     For SiLU these are autograd's own three ops, written into the halves of one [.., 2I] buffer: MulBackward's
     `d_out * up` and `d_out * silu(gate)`, then SiluBackward's `silu_backward`. That skips autograd's recomputed
-    product `silu(gate) * up` and the final `cat` (two passes over [T, I] and [T, 2I]); other activations go
-    through autograd itself."""
+    product `silu(gate) * up` and the final `cat` (two passes over [T, I] and [T, 2I]); on CUDA one Triton kernel
+    computes the same ops in one pass (`kernels.swiglu_backward`). Other activations go through autograd itself."""
+    if act is F.silu and _fast(d_out) and d_out.stride(-1) == 1 and gate_up.stride(-1) == 1:  # the same ops, one Triton pass
+        from megatron_jetrl.fp8 import kernels
+
+        return kernels.swiglu_backward(gate_up, d_out)
     gate, up = gate_up.chunk(2, dim=-1)
     if act is F.silu:
         d = torch.empty_like(gate_up)

@@ -482,3 +482,22 @@ def test_gated_mlp_input_fused_kernel_equals_unfused_on_gpu():
         outs.append((y, x.grad, ww.main_grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,i", [(300, 1000), (8, 1536), (1, 128), (4096, 3072)])
+def test_swiglu_backward_kernel_equals_autograd(dtype, m, i):
+    """kernels.swiglu_backward == torch's autograd of F.silu(gate) * up, bit for bit (odd shapes, large and tiny
+    gates, inf). The message gives both FMA variants' mismatch counts, so a torch whose silu_backward contracts
+    differently shows which one it takes."""
+    g = gen(91)
+    gate_up = (torch.randn(m, 2 * i, device=DEV, generator=g) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, float("inf"), -float("inf")])
+    dy = torch.randn(m, i, device=DEV, generator=g).to(dtype)
+    x = gate_up.clone().requires_grad_(True)
+    gate, up = x.chunk(2, dim=-1)
+    (F.silu(gate) * up).backward(dy)
+    want = x.grad
+    got = {c: kernels().swiglu_backward(gate_up, dy, contract=c) for c in (True, False)}
+    bad = {c: int((~((d == want) | (d.isnan() & want.isnan()))).sum()) for c, d in got.items()}
+    assert bad[True] == 0, f"mismatching elements: contract=True {bad[True]}, contract=False {bad[False]} of {want.numel()}"
