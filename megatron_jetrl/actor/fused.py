@@ -46,7 +46,14 @@ def on_cuda_compiled(fn):
 
     @functools.wraps(fn)
     def run(x, *args):
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+        if not x.is_cuda:
+            return fn(x, *args)
+        try:
+            return compiled(x, *args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no C compiler or Triton on this node
+            raise RuntimeError(f"torch.compile could not build the fused {fn.__name__} kernel ({type(e.inner_exception).__name__}: "
+                               f"{e.inner_exception}); run with model.fused=false (ActorOptions(fused=False)) for megatron's "
+                               "eager ops, or fix the Inductor/Triton install") from e
 
     return run
 

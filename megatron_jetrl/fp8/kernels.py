@@ -23,6 +23,8 @@ quantize_dual(x)           one pass over a [T, N] gradient: 1x128 (along N) byte
                            FP32/BF16 copy in memory.
                            On Hopper the default (`QUANT_CFG["dual"]["mode"] = "cuda"`) is the hand-laid-out CUDA
                            kernel of `fp8/cuda_tiles.py` wherever the layout allows its 16-byte accesses.
+swiglu_backward(gu, dy)    d[gate | up] of silu(gate) * up (the FP8 down projection's input) in one pass, with the
+                           roundings of torch's autograd of those ops (BF16, not part of the quantizer contract).
 quantize_128x128(w)        weight tiles; optionally also the transposed copy (bytes of W^T, scales of
                            W^T: identical to quantizing W^T, since a 128x128 tile has one scale).
 gemm(a, sa, b, sb)         dequant(a) @ dequant(b)^T, a 1x128, b 128x128 or 1x128 (WGrad), both K-major.
