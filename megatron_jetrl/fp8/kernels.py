@@ -391,11 +391,12 @@ def _k():
     @triton.jit
     def _swiglu_bwd(
         gu_ptr, dy_ptr, d_ptr, M, I, stride_gm, stride_dym, stride_dm,
-        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, CONTRACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     ):
         # d[gate | up] of silu(gate) * up in autograd's own roundings (torch 2.11 CUDA kernels, opmath FP32):
         # MulBackward d_up = dy * silu(gate) and dy * up, each rounded to the dtype; SiluBackward
-        # dy' * s * (1 + x * (1 - s)) with s = 1 / (1 + expf(-x))
+        # dy' * s * (1 + x * (1 - s)) with s = 1 / (1 + expf(-x)), with 1 + x * (1 - s) as one FMA
+        # (as nvcc contracts it: the form whose bits equalled torch 2.11's on an H100, tests/gpu/test_kernels.py)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask = (offs_m[:, None] < M) & (offs_i[None, :] < I)
@@ -409,10 +410,7 @@ def _k():
         d_up = (dy32 * act.to(tl.float32)).to(g.dtype)
         t = (dy32 * u.to(tl.float32)).to(g.dtype).to(tl.float32)
         sig = div_rn(tl.zeros_like(e) + 1.0, e)
-        if CONTRACT:
-            d_gate = (t * sig) * tl.fma(g32, 1.0 - sig, 1.0)
-        else:
-            d_gate = (t * sig) * (1.0 + g32 * (1.0 - sig))
+        d_gate = (t * sig) * tl.fma(g32, 1.0 - sig, 1.0)
         d_ptrs = d_ptr + rows * stride_dm + offs_i[None, :]
         tl.store(d_ptrs, d_gate.to(g.dtype), mask=mask)
         tl.store(d_ptrs + I, d_up, mask=mask)
@@ -431,7 +429,7 @@ def _k():
 # ----------------------------------------------------------------------------------------------------
 # Quantizer wrappers
 
-def swiglu_backward(gate_up: torch.Tensor, d_out: torch.Tensor, *, contract: bool = True) -> torch.Tensor:
+def swiglu_backward(gate_up: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
     """d[gate | up] `[M, 2I]` of `silu(gate) * up` for gate_up `[M, 2I]` and d_out `[M, I]` (2-D, unit stride along
     the last dim): one pass, the bits of torch's autograd of `F.silu(gate) * up` (tests/gpu/test_kernels.py)."""
     m, i = d_out.shape
@@ -442,8 +440,7 @@ def swiglu_backward(gate_up: torch.Tensor, d_out: torch.Tensor, *, contract: boo
     if m and i:
         bm, bi = 8, 512
         _k()["swiglu_bwd"][(triton_cdiv(m, bm), triton_cdiv(i, bi))](
-            gate_up, d_out, d, m, i, gate_up.stride(0), d_out.stride(0), d.stride(0), BLOCK_M=bm, BLOCK_I=bi, CONTRACT=contract,
-            num_warps=4)
+            gate_up, d_out, d, m, i, gate_up.stride(0), d_out.stride(0), d.stride(0), BLOCK_M=bm, BLOCK_I=bi, num_warps=4)
     return d
 
 # ----------------------------------------------------------------------------------------------------
