@@ -42,7 +42,7 @@ accumulates into it (BF16 linears leave `.grad`, which DDP would add into its bu
   jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
 Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
 backward = the difference. Also: ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
-kernel time per fwd+bwd by category (`torch.profiler`).
+kernel time per fwd+bwd by category (`torch.profiler`); `--step-profile` does the same for one whole step.
 
 Without a CUDA GPU (and without --tiny): exit 2 with one line.
 """
@@ -143,6 +143,8 @@ def bench(fn, device, rep_ms: int, grad_to_none=None):
 
 
 CATEGORIES = (  # kernel-name substrings -> category (first match wins)
+    ("optimizer (Adam, grad norm)", ("adam", "multi_tensor_apply", "normtwo")),
+    ("logprobs (Inductor)", ("_exp_", "amax")),  # actor.logprobs' row kernels (RMSNorm's backward says "expand")
     ("fused glue (Inductor)", ("triton_poi_", "triton_per_", "triton_red_")),  # actor.fused, megatron's compiled SwiGLU
     ("quantize", ("_quant", "quant_tile")),  # the Triton quantizers and the CUDA tile kernel (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
@@ -181,6 +183,22 @@ def profile_step(fn, params, iters: int = 3) -> dict:
         cats[cat] = cats.get(cat, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {"total_ms": sum(kernels.values()), "categories": cats, "top": top}
+
+
+def print_profiles(rows, title: str) -> None:
+    """The rows' `profile`s as one table of kernel time by category, then each row's top kernels."""
+    prof = [r for r in rows if r.get("profile")]
+    if not prof:
+        return
+    cats = sorted({c for r in prof for c in r["profile"]["categories"]})
+    print(f"\n{title}")
+    print("| variant | " + " | ".join(cats) + " | sum of kernels |")
+    print("|---|" + "---|" * (len(cats) + 1))
+    for r in prof:
+        c = r["profile"]["categories"]
+        print(f"| {r['variant']} | " + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['profile']['total_ms']:.2f} |")
+    for r in prof:
+        print(f"top kernels {r['variant']}: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["profile"]["top"][:16]))
 
 
 def layer_main(a):
@@ -285,17 +303,7 @@ def layer_main(a):
     for r in rows:
         print(f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
               f"{r['speedup_fwd']:.2f}x / {r['speedup_bwd']:.2f}x / {r['speedup_fwd_bwd']:.2f}x | {r['rel_err_vs_bf16']:.3g} |")
-    prof = [r for r in rows if r.get("profile")]
-    if prof:
-        cats = sorted({c for r in prof for c in r["profile"]["categories"]})
-        print(f"\nGPU kernel time per fwd+bwd (torch.profiler, ms), {a.shapes[-1]}:")
-        print("| variant | " + " | ".join(cats) + " | sum of kernels |")
-        print("|---|" + "---|" * (len(cats) + 1))
-        for r in prof:
-            c = r["profile"]["categories"]
-            print(f"| {r['variant']} | " + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['profile']['total_ms']:.2f} |")
-        for r in prof:
-            print(f"top kernels {r['variant']}: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["profile"]["top"][:16]))
+    print_profiles(rows, f"GPU kernel time per fwd+bwd (torch.profiler, ms), {a.shapes[-1]}:")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
@@ -488,6 +496,8 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                     raise RuntimeError(f"first step not taken or not finite: {out}")
                 if i >= a.warmup:
                     times.append(dt)
+            if a.step_profile:
+                row["profile"] = profile_step(lambda: run.step(tokens, extras, a.micro_batch), [], iters=1)
             times.sort()
             row.update(step_ms=times[len(times) // 2], step_ms_all=times,
                        tokens_per_s=batch * a.seq / (times[len(times) // 2] / 1e3),
@@ -625,6 +635,7 @@ def report_steps(out, arch):
             out["extrapolated"][v] = {"per_layer_ms": slope, "fixed_ms": my - slope * mx, f"step_ms_{full}_layers": fit[v]}
         for v, t in fit.items():
             print(f"  {v:28s} {t:9.1f} ms  x{fit['bf16'] / t:.3f}  (per layer {out['extrapolated'][v]['per_layer_ms']:.1f} ms)")
+    print_profiles(rows, "GPU kernel time of one step (torch.profiler, ms; GEMM includes the BF16 lm_head):")
     for r in rows:
         if r["mode"] == "jetrl" and r["variant"] == "jetrl" and "speedup_vs_bf16" in r:
             ok = r["speedup_vs_bf16"] >= STEP_TARGET
@@ -649,6 +660,8 @@ def main(argv=None):
     g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
     g.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    g.add_argument("--step-profile", action="store_true",
+                   help="after timing, profile one more step of every variant: GPU kernel time by category")
     g = p.add_argument_group("one layer (--layer)")
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
     g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])

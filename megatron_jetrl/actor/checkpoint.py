@@ -19,6 +19,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_jetrl.actor.fp8_layers import unwrap
+from megatron_jetrl.actor.train_step import use_fused_adam
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.shards import (CheckpointError, ShardedCheckpoint, file_entry, save_rank_shard, shard_name, write_meta,
                                           writing)
@@ -60,6 +61,7 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
             f"{'distributed' if sharded else 'replicated'}: resume with optim.distributed={str(saved_distributed).lower()}")
     if not sharded:
         optimizer.load_state_dict(state)
+        use_fused_adam(optimizer)
         return
     if state["state_dict"] is None:  # saved before its first step: this run's fresh optimizer is that state
         return
@@ -80,6 +82,7 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
     finally:
         for st, step in steps:
             st["step"] = step.clone()
+    use_fused_adam(optimizer)
 
 
 def save_checkpoint(model, directory: str | Path, *, hf_config: dict, flow: PrecisionFlow, iteration: int,

@@ -2,8 +2,17 @@
 
 The output layer is vocab-parallel: TP rank r holds logits of vocabulary rows [r*V/tp, (r+1)*V/tp) of the
 *padded* vocabulary (`models.mapping.padded_vocab_size`). Padding rows are masked to -inf (they are not
-tokens; HF's softmax has no such columns), then megatron's `vocab_parallel_cross_entropy` reduces the
-max and sum-exp across TP ranks: log p(target) = -CE. Always FP32.
+tokens; HF's softmax has no such columns); the max and sum-exp are reduced across TP ranks: log p(target) =
+(x_t - max) - log(sum exp(x - max)), x = logits / temperature, all in FP32.
+
+Two implementations of that arithmetic:
+- `vocab_parallel_logprobs`: megatron's `vocab_parallel_cross_entropy` on an FP32 copy of the logits. It keeps
+  the FP32 softmax for backward and makes about a dozen passes over [tokens, V] FP32 tensors: at a 152K vocab
+  and 4096 tokens, 2.5 GB each, some 50 GB of memory traffic per micro-batch.
+- `fused_vocab_parallel_logprobs` (`ActorOptions.fused`, the default): the same ops, op for op, in three row
+  functions that read the BF16 logits directly (max; sum-exp and the target's logit; the gradient), compiled by
+  Inductor on CUDA into one kernel each. Backward saves the BF16 logits, not an FP32 softmax, and recomputes
+  exp. Eagerly (CPU) it returns megatron's bits exactly; compiled, a sum may run in another order.
 
 A model built with `ActorOptions(batch_invariant=True)` takes the engine's log-softmax instead
 (`models.batch_invariant_ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced).
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.actor.fused import on_cuda_compiled
 from megatron_jetrl.models import batch_invariant_ops as ops
 
 
@@ -27,6 +37,75 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     if start + part > vocab_size:
         logits[..., max(vocab_size - start, 0):] = float("-inf")
     return -vocab_parallel_cross_entropy(logits, targets)
+
+
+def _scaled(logits: torch.Tensor, valid: int, temperature: float) -> torch.Tensor:
+    """FP32 `logits / temperature` with this shard's padding columns (index >= `valid`) at -inf."""
+    x = logits.float() / temperature
+    if valid < x.shape[-1]:
+        x = torch.where(torch.arange(x.shape[-1], device=x.device) < valid, x, float("-inf"))
+    return x
+
+
+def _row_max(logits, start: int, valid: int, temperature: float):
+    return _scaled(logits, valid, temperature).amax(dim=-1)
+
+
+def _row_sums(logits, targets, top, start: int, valid: int, temperature: float):
+    """(x_t - max where this shard holds the target, else 0; sum exp(x - max)) per row."""
+    shifted = _scaled(logits, valid, temperature) - top.unsqueeze(-1)
+    local = targets - start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(mine, picked, 0.0), shifted.exp().sum(dim=-1)
+
+
+def _grad_logits(logits, targets, top, total, grad, start: int, valid: int, temperature: float):
+    """d logprob / d logits: (onehot(target) - softmax) * grad / temperature, in the logits' dtype (megatron's
+    backward with grad_output = -grad, then the division's and the cast's backward)."""
+    softmax = (_scaled(logits, valid, temperature) - top.unsqueeze(-1)).exp() / total.unsqueeze(-1)
+    target = torch.arange(logits.shape[-1], device=logits.device) == (targets - start).unsqueeze(-1)
+    d = torch.where(target, softmax - 1.0, softmax) * (-grad).unsqueeze(-1)
+    return (d / temperature).to(logits.dtype)
+
+
+_compiled_row_max, _compiled_row_sums, _compiled_grad_logits = map(on_cuda_compiled, (_row_max, _row_sums, _grad_logits))
+
+
+def _tp_all_reduce(t: torch.Tensor, op) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, op=op, group=ps.get_tensor_model_parallel_group())
+
+
+class _FusedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_size: int, temperature: float):
+        from megatron.core import parallel_state as ps
+
+        part = logits.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * part
+        valid = min(max(vocab_size - start, 0), part)
+        top = _compiled_row_max(logits, start, valid, temperature)
+        _tp_all_reduce(top, torch.distributed.ReduceOp.MAX)
+        predicted, total = _compiled_row_sums(logits, targets, top, start, valid, temperature)
+        _tp_all_reduce(predicted, torch.distributed.ReduceOp.SUM)
+        _tp_all_reduce(total, torch.distributed.ReduceOp.SUM)
+        ctx.save_for_backward(logits, targets, top, total)
+        ctx.shard = (start, valid, temperature)
+        return predicted - torch.log(total)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, top, total = ctx.saved_tensors
+        return _compiled_grad_logits(logits, targets, top, total, grad, *ctx.shard), None, None, None
+
+
+def fused_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                                  temperature: float = 1.0) -> torch.Tensor:
+    """`vocab_parallel_logprobs`'s arithmetic without its FP32 copies of the logits (module docstring), differentiable."""
+    return _FusedLogprobs.apply(logits, targets, vocab_size, temperature)
 
 
 def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -53,10 +132,17 @@ def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 
 
 def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                     batch_invariant: bool = False) -> torch.Tensor:
-    """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`."""
-    fn = batch_invariant_logprobs if batch_invariant else vocab_parallel_logprobs
-    return fn(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
+                     batch_invariant: bool = False, fused: bool = False) -> torch.Tensor:
+    """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`.
+
+    The fused path runs on all `s` rows (the last one's target is token 0 and its logprob is dropped): slicing the
+    logits to `s-1` rows would make autograd copy the whole gradient into a zero-filled full-size buffer."""
+    if batch_invariant:
+        return batch_invariant_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
+    if fused:
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+        return fused_vocab_parallel_logprobs(logits, targets, vocab_size, temperature)[:, :-1]
+    return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
 
 
 def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: int) -> list[tuple[torch.Tensor, dict]]:
@@ -71,12 +157,11 @@ def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: i
     ]
 
 
-def _batch_invariant(model) -> bool:
-    """Whether the GPTModel (under any wrappers) was built with `ActorOptions(batch_invariant=True)`."""
+def _actor_options(model):
+    """The `ActorOptions` the GPTModel (under any wrappers) was built with, or None."""
     while hasattr(model, "module"):
         model = model.module
-    options = getattr(model, "actor_options", None)
-    return options is not None and options.batch_invariant
+    return getattr(model, "actor_options", None)
 
 
 def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
@@ -89,10 +174,11 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
         tokens, extras = next(data_iterator)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None)
-        batch_invariant = _batch_invariant(model)
+        options = _actor_options(model)
+        batch_invariant, fused = (options.batch_invariant, options.fused) if options is not None else (False, False)
 
         def loss_func(logits):
-            logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature, batch_invariant)
+            logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature, batch_invariant, fused)
             if loss_fn is None:
                 return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
             loss, metrics = loss_fn(logprobs, extras)

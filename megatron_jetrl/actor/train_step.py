@@ -82,7 +82,29 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
                         use_distributed_optimizer=optim.distributed),
         [ddp],
     )
+    use_fused_adam(optimizer)
     return ddp, optimizer
+
+
+def use_fused_adam(optimizer) -> None:
+    """On CUDA, step megatron's torch Adam (its choice without TE or apex) as torch's fused Adam.
+
+    torch's default foreach Adam makes seven passes over the FP32 state (about 72 bytes per parameter read and
+    written); the fused kernel reads and writes each tensor once (28 bytes): at Qwen3-8B's embedding, lm_head and
+    10 layers (3.2B parameters) about 45 ms of an H100 step. The same update up to FP32 rounding. Idempotent; call
+    it again after loading a state: the fused kernel needs the step counters on the parameters' device in FP32."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # TE's or apex's FusedAdam: fused already
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+        for p, state in inner.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def _grads(ddp_model) -> list[tuple[str, torch.Tensor]]:

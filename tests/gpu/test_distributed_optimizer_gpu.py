@@ -89,5 +89,6 @@ def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
         # torch's Adam keeps a step counter per parameter, the one megatron-core 0.16.1 shares on load. With Transformer
         # Engine importable megatron picks TE's FusedAdam, which counts per parameter group, and this fault cannot occur
         # (seen on an H100 with the TE kit, 2026-11-25: no per-parameter "step" at all)
+        assert all(g["fused"] for o in inner for g in o.param_groups)  # actor.train_step.use_fused_adam, after load too
         counters = [st["step"] for o in inner for st in o.state.values() if "step" in st]
         assert counters and all(float(c) == 4 for c in counters), sorted({float(c) for c in counters})
