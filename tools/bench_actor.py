@@ -41,7 +41,8 @@ accumulates into it (BF16 linears leave `.grad`, which DDP would add into its bu
   jetrl/cublaslt+finite   check_finite="sync" (one host sync per quantization)
   jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
 Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
-backward = the difference. Also: ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
+backward = the difference. Also: the host time to issue one fwd+bwd (`host_issue_ms`: where it nears the GPU
+time, the GPU idles between kernels), ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
 kernel time per fwd+bwd by category (`torch.profiler`); `--step-profile` does the same for one whole step.
 
 Without a CUDA GPU (and without --tiny): exit 2 with one line.
@@ -151,6 +152,23 @@ CATEGORIES = (  # kernel-name substrings -> category (first match wins)
     ("attention core", ("flash", "fmha", "attention", "softmax")),
     ("copy/transpose/cat", ("copy", "transpose", "cat", "memcpy", "memset")),
 )
+
+
+def host_issue_ms(fn, params, reps: int = 5) -> float:
+    """Median host time to issue one `fn()` into an idle GPU queue (no sync inside): the Python, megatron and launch
+    cost of a pass. Where it nears the GPU time, the GPU waits for the host (idle between kernels)."""
+    times = []
+    for _ in range(reps):
+        for t in params:
+            t.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def profile_step(fn, params, iters: int = 3) -> dict:
@@ -278,7 +296,8 @@ def layer_main(a):
             t_all = bench(fwd_bwd, device, a.rep_ms, grad_to_none=params)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             row = dict(shape=shape, tokens=seq * mb, variant=name, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
-                       bwd_ms=t_all - t_fwd, rel_err_vs_bf16=err, finite=finite, peak_gib=peak, fp8_linears=len(mods))
+                       bwd_ms=t_all - t_fwd, rel_err_vs_bf16=err, finite=finite, peak_gib=peak, fp8_linears=len(mods),
+                       host_ms=host_issue_ms(fwd_bwd, params))
             if name in ("bf16", "bf16/eager"):
                 bases[name] = row
             base = bases.get("bf16/eager" if name.endswith("/eager") else "bf16")
@@ -292,16 +311,16 @@ def layer_main(a):
                     row["profile_error"] = f"{type(e).__name__}: {e}"
                     print("profile failed:", row["profile_error"], flush=True)
             rows.append(row)
-            print(f"{shape:8s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  "
+            print(f"{shape:8s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  host {row['host_ms']:7.3f} ms  "
                   f"x{row['speedup_fwd_bwd']:.3f}  err {err:.3g}  finite {finite}  peak {peak:.1f} GiB", flush=True)
             del layer, x, mods, params
             if cuda:
                 torch.cuda.empty_cache()
     destroy_parallel()
-    print("\n| tokens (seq x mb) | variant | fwd ms | bwd ms | fwd+bwd ms | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| tokens (seq x mb) | variant | fwd ms | bwd ms | fwd+bwd ms | host ms per fwd+bwd | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+        print(f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['host_ms']:.2f} | "
               f"{r['speedup_fwd']:.2f}x / {r['speedup_bwd']:.2f}x / {r['speedup_fwd_bwd']:.2f}x | {r['rel_err_vs_bf16']:.3g} |")
     print_profiles(rows, f"GPU kernel time per fwd+bwd (torch.profiler, ms), {a.shapes[-1]}:")
     if a.json:

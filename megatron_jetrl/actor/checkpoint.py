@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_jetrl.actor.fp8_layers import unwrap
-from megatron_jetrl.actor.train_step import use_fused_adam
+from megatron_jetrl.actor.train_step import adam_is_fused, use_fused_adam
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.shards import (CheckpointError, ShardedCheckpoint, file_entry, save_rank_shard, shard_name, write_meta,
                                           writing)
@@ -59,9 +59,10 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
         raise CheckpointError(
             f"{where} holds the state of a {'distributed' if saved_distributed else 'replicated'} optimizer and this run's is "
             f"{'distributed' if sharded else 'replicated'}: resume with optim.distributed={str(saved_distributed).lower()}")
+    fused = adam_is_fused(optimizer)  # this run's choice (OptimConfig.fused): the state loaded brings the saver's
     if not sharded:
         optimizer.load_state_dict(state)
-        use_fused_adam(optimizer)
+        use_fused_adam(optimizer, fused)
         return
     if state["state_dict"] is None:  # saved before its first step: this run's fresh optimizer is that state
         return
@@ -82,7 +83,7 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
     finally:
         for st, step in steps:
             st["step"] = step.clone()
-    use_fused_adam(optimizer)
+    use_fused_adam(optimizer, fused)
 
 
 def save_checkpoint(model, directory: str | Path, *, hf_config: dict, flow: PrecisionFlow, iteration: int,

@@ -46,6 +46,10 @@ class OptimConfig:
     params and Adam moments of its 1/DP of the parameters only, and the updated params are all-gathered. Same
     update as the replicated optimizer up to the grad-norm summation order; checkpoints hold the state gathered
     in megatron's DP-size-independent `dp_zero` format."""
+    fused: bool = True
+    """On CUDA, step megatron's torch Adam (its choice without TE or apex) as torch's fused Adam: one kernel instead
+    of seven passes over the FP32 state (`use_fused_adam`). False: the foreach Adam megatron builds. TE's and
+    apex's Adam are fused either way; the CPU runs foreach."""
 
     def __post_init__(self):
         import math
@@ -82,29 +86,40 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
                         use_distributed_optimizer=optim.distributed),
         [ddp],
     )
-    use_fused_adam(optimizer)
+    use_fused_adam(optimizer, optim.fused)
     return ddp, optimizer
 
 
-def use_fused_adam(optimizer) -> None:
-    """On CUDA, step megatron's torch Adam (its choice without TE or apex) as torch's fused Adam.
-
-    torch's default foreach Adam makes seven passes over the FP32 state (about 72 bytes per parameter read and
-    written); the fused kernel reads and writes each tensor once (28 bytes): at Qwen3-8B's embedding, lm_head and
-    10 layers (3.2B parameters) about 45 ms of an H100 step. The same update up to FP32 rounding. Idempotent; call
-    it again after loading a state: the fused kernel needs the step counters on the parameters' device in FP32."""
+def _torch_adams(optimizer) -> list:
+    """The torch Adam/AdamW inside megatron's (chained) optimizer whose params all live on CUDA in FP32."""
+    found = []
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(o, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue  # TE's or apex's FusedAdam: fused already
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
-            continue
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):  # not TE's or apex's FusedAdam: fused already
+            params = [p for group in inner.param_groups for p in group["params"]]
+            if params and all(p.is_cuda and p.dtype == torch.float32 for p in params):
+                found.append(inner)
+    return found
+
+
+def adam_is_fused(optimizer) -> bool:
+    return any(group.get("fused") for inner in _torch_adams(optimizer) for group in inner.param_groups)
+
+
+def use_fused_adam(optimizer, fused: bool = True) -> None:
+    """Step megatron's torch Adam on CUDA as torch's fused Adam (`fused`) or in its foreach form.
+
+    The foreach Adam makes seven passes over the FP32 state (about 72 bytes per parameter read and written); the
+    fused kernel reads and writes each tensor once (28 bytes): at Qwen3-8B's embedding, lm_head and 10 layers (3.2B
+    parameters) about 45 ms of an H100 step. The same update up to FP32 rounding. Call it again after loading a
+    state (a checkpoint brings its own flags): the step counters move to where the kernel wants them, the
+    parameters' device for fused, the CPU for foreach."""
+    for inner in _torch_adams(optimizer):
         for group in inner.param_groups:
-            group["fused"], group["foreach"] = True, False
+            group["fused"], group["foreach"] = fused, not fused
         for p, state in inner.state.items():
             if "step" in state:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                state["step"] = state["step"].to(device=p.device if fused else "cpu", dtype=torch.float32)
 
 
 def _grads(ddp_model) -> list[tuple[str, torch.Tensor]]:

@@ -36,7 +36,7 @@ def _loss(logprobs, extras):
     return -(logprobs * extras["advantages"][:, None]).mean(), {}
 
 
-def _actor(distributed: bool, init: dict | None):
+def _actor(distributed: bool, init: dict | None, fused: bool = True):
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.actor.train_step import OptimConfig, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
@@ -49,7 +49,7 @@ def _actor(distributed: bool, init: dict | None):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init[name])
-    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed))
+    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed, fused=fused))
     return model, ddp, optimizer, flow
 
 
@@ -92,3 +92,23 @@ def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
         assert all(g["fused"] for o in inner for g in o.param_groups)  # actor.train_step.use_fused_adam, after load too
         counters = [st["step"] for o in inner for st in o.state.values() if "step" in st]
         assert counters and all(float(c) == 4 for c in counters), sorted({float(c) for c in counters})
+
+
+def test_fused_adam_is_the_foreach_update(one_rank):
+    """`OptimConfig.fused` (torch's fused Adam, the default on CUDA) against megatron's foreach Adam from the same
+    weights and gradients: the same FP32 main parameters after a step, up to FP32 rounding of the update."""
+    from megatron_jetrl.actor.train_step import adam_is_fused, train_step
+
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=g).cuda()
+    step = dict(vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()})
+    init = {k: v.detach().clone() for k, v in _actor(False, None)[0].named_parameters()}
+    mains = {}
+    for fused in (True, False):
+        model, ddp, optimizer, _ = _actor(True, init, fused=fused)
+        assert adam_is_fused(optimizer) is fused
+        train_step(ddp, optimizer, tokens, _loss, **step)
+        mains[fused] = torch.cat([p.detach().float().flatten() for o in optimizer.chained_optimizers
+                                  for group in o.optimizer.param_groups for p in group["params"]])
+    diff = (mains[True] - mains[False]).abs()
+    assert float(diff.max()) <= 1e-6 * float(mains[False].abs().max()) + 1e-7, float(diff.max())
