@@ -146,7 +146,7 @@ def bench(fn, device, rep_ms: int, grad_to_none=None):
 CATEGORIES = (  # kernel-name substrings -> category (first match wins)
     ("optimizer (Adam, grad norm)", ("adam", "multi_tensor_apply", "normtwo")),
     ("logprobs (Inductor)", ("_exp_", "amax")),  # actor.logprobs' row kernels (RMSNorm's backward says "expand")
-    ("fused glue (Inductor)", ("triton_poi_", "triton_per_", "triton_red_")),  # actor.fused, megatron's compiled SwiGLU
+    ("fused glue (Triton, Inductor)", ("triton_poi_", "triton_per_", "triton_red_", "_rms_", "_rope")),  # actor.fused, megatron's SwiGLU
     ("quantize", ("_quant", "quant_tile")),  # the Triton quantizers and the CUDA tile kernel (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
     ("attention core", ("flash", "fmha", "attention", "softmax")),

@@ -48,7 +48,7 @@ from megatron_jetrl.models.arch import ModelArch
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm as HF Qwen2/Qwen3/Llama compute it (FP32 statistics), usable with sequence parallelism: the engine's
-    `ops.rms_norm` with `batch_invariant`, else `actor.fused.rms_norm` (one Inductor kernel per direction on CUDA with
+    `ops.rms_norm` with `batch_invariant`, else `actor.fused.rms_norm` (one Triton kernel per direction on CUDA with
     `fused`, eager torch ops otherwise).
 
     megatron's torch-norm fallback refuses sequence parallelism; this norm marks its weight
@@ -123,7 +123,7 @@ class SDPAttention(torch.nn.Module):
 
     RoPE is applied here, not by megatron (the provider builds GPTModel with `position_embedding_type="none"`):
     megatron's fused RoPE needs Transformer Engine and its unfused one is five kernels per tensor and direction.
-    Here it is `actor.fused.rope` with megatron's tables (`rope_cos_sin`) and formula: one Inductor kernel per
+    Here it is `actor.fused.rope` with megatron's tables (`rope_cos_sin`) and formula: one Triton kernel per
     tensor and direction on CUDA (`fused=True`), megatron's ops to the bit on FP32 tensors (the CPU).
     megatron's local `DotProductAttention` materialises FP32 [b * heads, s, s] scores: at 8K tokens it took
     61 of a Qwen3-8B layer's 85 ms (H200) and most of its memory. Megatron layout in and out, as

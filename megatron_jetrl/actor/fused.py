@@ -1,20 +1,21 @@
-"""The actor's BF16 glue on CUDA as one kernel per op and direction: RMSNorm and RoPE through `torch.compile`.
+"""The actor's BF16 glue on CUDA as one kernel per op and direction: RMSNorm and RoPE as Triton kernels.
 
 megatron-core's fused norm and RoPE need apex or Transformer Engine; without them its local layer runs each as a
 chain of torch ops (RMSNorm: cast, square, mean, rsqrt, two multiplies and a cast, and autograd's backward of each;
 RoPE: two multiplies, a chunk, a negation, two cats). On a Qwen3-8B layer at 8192 tokens that glue took 7.3 ms of
-25.4 (H100, BENCHMARKS.md), about as much as the FP8 GEMMs save. Inductor turns each formula below into one
-Triton kernel forward and one or two backward, reading and writing each tensor once.
+25.4 (H100, BENCHMARKS.md), about as much as the FP8 GEMMs save. `actor.glue_kernels` computes each formula below in
+one Triton kernel forward and one backward, reading and writing each tensor once, behind a `torch.autograd.Function`
+(host cost: one launch). An earlier version compiled these formulas with Inductor: as fast on the GPU, but Dynamo's
+and AOTAutograd's per-call host work (~0.4 ms per op and direction) left a 4096-token layer waiting on the host.
 
 The formulas are the ones the eager path runs, so CPU numerics are untouched: CPU tensors take the functions
-eagerly. On CUDA the kernels keep the formulas' own roundings (`emulate_precision_casts`: RMSNorm rounds the
-normalized row to BF16 before the weight multiplies it, as HF and vLLM's kernel do; Inductor would otherwise skip
-that rounding) and differ from eager only where a sum runs in another order: a last bit in a small fraction of the
-elements (tests/gpu/test_fused.py). RoPE computes in FP32 and rounds once, on CUDA and CPU alike.
+eagerly. On CUDA the kernels keep the formulas' own roundings (RMSNorm rounds the normalized row to BF16 before the
+weight multiplies it, as HF and vLLM's kernel do) and differ from eager only where a sum runs in another order or a
+multiply-add is contracted: a last bit in a small fraction of the elements (tests/gpu/test_fused.py). RoPE computes
+in FP32 and rounds once, on CUDA and CPU alike.
 
-Each function compiles one graph per input rank, grad mode, size-1 batch and stride pattern (q and k arrive as
-views of megatron's fused QKV output): up to a dozen, more than Dynamo's default limit of 8 recompiles per code
-object, so the limit is raised around these calls only.
+`on_cuda_compiled` (Inductor, for `actor.logprobs`' row functions, called once per micro-batch, not per layer) raises
+Dynamo's recompile limit around its calls only: a function compiles one graph per input rank and stride pattern.
 """
 
 from __future__ import annotations
@@ -58,5 +59,22 @@ def on_cuda_compiled(fn):
     return run
 
 
-fused_rms_norm = on_cuda_compiled(rms_norm)
-fused_rope = on_cuda_compiled(rope)
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm`; on CUDA one Triton kernel per direction (`actor.glue_kernels.RMSNorm`)."""
+    if not x.is_cuda:
+        return rms_norm(x, weight, eps)
+    from megatron_jetrl.actor.glue_kernels import RMSNorm
+
+    return RMSNorm.apply(x, weight, eps)
+
+
+def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope`; on CUDA one Triton kernel per direction (`actor.glue_kernels.RoPE`) for megatron's tables: contiguous
+    FP32 cos/sin `[s, 1, 1, d]` of the tensor's own length and head dim (anything else runs the eager formula)."""
+    tables = (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+              and cos.shape == sin.shape == (t.shape[0], 1, 1, t.shape[-1]) and t.dim() == 4 and t.shape[-1] % 2 == 0)
+    if not (t.is_cuda and tables):
+        return rope(t, cos, sin)
+    from megatron_jetrl.actor.glue_kernels import RoPE
+
+    return RoPE.apply(t, cos, sin)

@@ -37,10 +37,9 @@ class ActorOptions:
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
     fused: bool = True
-    """Local spec on CUDA: RMSNorm and RoPE as one `torch.compile`d (Inductor) kernel per op and direction
-    (`actor.fused`), and BF16 SwiGLU as megatron's fused one. Any spec: the logprobs read the BF16 logits in
-    three row kernels instead of megatron's cross entropy on FP32 copies (`actor.logprobs`; on the CPU eagerly,
-    megatron's bits). False: eager torch ops and megatron's cross entropy (the CPU always runs eagerly). Not
+    """Local spec on CUDA: RMSNorm and RoPE as one Triton kernel per op and direction (`actor.fused`), and BF16
+    SwiGLU as megatron's fused one. Any spec: the logprobs read the BF16 logits in three row kernels instead of
+    megatron's cross entropy on FP32 copies (`actor.logprobs`; on the CPU eagerly, megatron's bits). False: eager torch ops and megatron's cross entropy (the CPU always runs eagerly). Not
     used with `batch_invariant` (its own kernels); the TE spec keeps TE's layers."""
     batch_invariant: bool = False
     """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.batch_invariant_ops` (the native

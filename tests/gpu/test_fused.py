@@ -1,5 +1,6 @@
-"""The actor's fused glue on CUDA (`actor.fused`: RMSNorm and RoPE through torch.compile) against FP64 and against
-the eager formulas it compiles, forward and backward; and the local-spec layer with and without it.
+"""The actor's fused glue on CUDA (`actor.fused`: RMSNorm and RoPE as Triton kernels, the logprobs through
+torch.compile) against FP64 and against the eager formulas, forward and backward; and the local-spec layer with
+and without it.
 
 Bounds: BF16 keeps 8 significant bits, so one rounding of the output moves it by at most 2^-8 of its magnitude
 (half an ulp; an ulp is at most 2^-7 relative). The compiled kernels may sum in another order (the RMS statistic)
@@ -189,3 +190,23 @@ def test_logprobs_compiled_against_megatron_and_fp64(parallel, rows, vocab, padd
     d_f, d_m = out[True][1], out[False][1]
     assert not d_f[:, -1].any() and not d_f[..., vocab:].any()
     assert within_ulps(d_f, d_m, 1, atol=2.0 ** -30) and flipped(d_f, d_m) < 1e-2
+
+
+def test_rms_norm_on_a_strided_view():
+    """megatron's k (no copy in its QKV split) reaches the k-norm as a strided view; the kernel reads it in place,
+    and the gradient that comes back permuted (SDPA's layout) is read in place too."""
+    s, b, g, d = 300, 2, 8, 128
+    mixed0 = torch.randn(s, b, g, 6 * d, device=DEV, generator=gen(6)).bfloat16()
+    w0 = (1 + 0.1 * torch.randn(d, device=DEV, generator=gen(7))).bfloat16()
+    dy = torch.randn(b, s, g, d, device=DEV, generator=gen(8)).bfloat16().transpose(0, 1)
+    out = {}
+    for name, fn in (("kernel", fused.fused_rms_norm), ("eager", fused.rms_norm)):
+        mixed, w = mixed0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        k = mixed[..., 4 * d:5 * d]
+        assert not k.is_contiguous() and not dy.is_contiguous()
+        y = fn(k, w, 1e-6)
+        y.backward(dy)
+        out[name] = (y.detach(), mixed.grad[..., 4 * d:5 * d], w.grad)
+    assert within_ulps(out["kernel"][0], out["eager"][0], 2) and flipped(out["kernel"][0], out["eager"][0]) < 1e-3
+    for got, want in zip(out["kernel"][1:], out["eager"][1:]):
+        assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-2
