@@ -293,6 +293,7 @@ def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool) -> None:
     rows, cols = q is not None, qt is not None
     fp8_in = x_scale is not None
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    _make_context_current(device_index)  # before the first compile too: loading the module needs a current context
     kern = _kernel(fp8_in, rows, cols, ue8m0, device_index)
     xs = x_scale if fp8_in else (s if rows else st)
     q_, s_ = (q, s) if rows else (qt, st)

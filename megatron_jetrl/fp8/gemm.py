@@ -70,8 +70,10 @@ def _available(device: torch.device) -> tuple[str, ...]:
     return tuple(found)
 
 
+@functools.cache
 def resolve_backend(name: str, device: torch.device, n: int | None = None) -> str:
-    """The backend `name` means on `device`; `auto` is the first available one that takes an output of `n` columns."""
+    """The backend `name` means on `device`; `auto` is the first available one that takes an output of `n` columns.
+    Cached (it runs for every GEMM); a refusal is not cached and is raised again."""
     if name not in BACKENDS:
         raise ValueError(f"unknown FP8 GEMM backend {name!r}; choose one of {BACKENDS}")
     have = available_backends(device)

@@ -65,11 +65,15 @@ def triton_available() -> bool:
 
 
 def supported(device) -> bool:
-    """Whether the Triton kernels can run on `device` (CUDA with FP8 tensor cores, sm89+, and Triton)."""
+    """Whether the Triton kernels can run on `device` (CUDA with FP8 tensor cores, sm89+, and Triton). Called per
+    quantization: the answer is cached per device (a capability query costs host time on the hot path)."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not triton_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _supported_cuda(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _supported_cuda(index: int) -> bool:
+    return torch.cuda.is_available() and triton_available() and torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 @functools.cache
