@@ -53,6 +53,14 @@ def _actor(distributed: bool, init: dict | None, fused: bool = True):
     return model, ddp, optimizer, flow
 
 
+def _batch_and_init(seed: int):
+    """Tokens, `train_step` keyword arguments and initial weights shared by the variants a test compares."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=g).cuda()
+    step = dict(vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()})
+    return tokens, step, {k: v.detach().clone() for k, v in _actor(False, None)[0].named_parameters()}
+
+
 def _states(optimizer) -> list[dict]:
     return [{"param": p.detach().clone(), **{k: v.clone() for k, v in o.optimizer.state[p].items()}}
             for o in optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
@@ -62,10 +70,7 @@ def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
     from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
     from megatron_jetrl.actor.train_step import train_step
 
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=g).cuda()
-    step = dict(vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()})
-    init = {k: v.detach().clone() for k, v in _actor(False, None)[0].named_parameters()}
+    tokens, step, init = _batch_and_init(1)
 
     losses = {}
     for distributed in (False, True):
@@ -99,10 +104,7 @@ def test_fused_adam_is_the_foreach_update(one_rank):
     weights and gradients: the same FP32 main parameters after a step, up to FP32 rounding of the update."""
     from megatron_jetrl.actor.train_step import adam_is_fused, train_step
 
-    g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=g).cuda()
-    step = dict(vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()})
-    init = {k: v.detach().clone() for k, v in _actor(False, None)[0].named_parameters()}
+    tokens, step, init = _batch_and_init(2)
     mains = {}
     for fused in (True, False):
         model, ddp, optimizer, _ = _actor(True, init, fused=fused)
