@@ -138,13 +138,14 @@ class RMSNorm(torch.autograd.Function):
             _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
                                                       BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(x4, weight, r)
+        ctx.x_strides = (sa, sb, sc)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x4, weight, r = ctx.saved_tensors
         dy4, n_rows, b, c, (da, db, dc) = _rows4(dy)
-        _, _, _, _, (sa, sb, sc) = _rows4(x4)
+        sa, sb, sc = ctx.x_strides
         n = x4.shape[-1]
         dx = torch.empty(x4.shape, dtype=x4.dtype, device=x4.device)
         block_r, block_n, warps = _blocks(n)

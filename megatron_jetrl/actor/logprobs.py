@@ -26,16 +26,28 @@ from megatron_jetrl.actor.fused import on_cuda_compiled
 from megatron_jetrl.models import batch_invariant_ops as ops
 
 
+def _shard(part: int, vocab_size: int) -> tuple[int, int]:
+    """(first vocabulary row of this TP rank's `part` columns, how many of them are tokens, not padding)."""
+    from megatron.core import parallel_state as ps
+
+    start = ps.get_tensor_model_parallel_rank() * part
+    return start, min(max(vocab_size - start, 0), part)
+
+
+def _tp_all_reduce(t: torch.Tensor, op) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, op=op, group=ps.get_tensor_model_parallel_group())
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """`logits[..., V/tp]` (this TP rank's vocab shard), `targets[...]` -> FP32 log p(targets) `[...]`, differentiable."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits.float() / temperature  # a new tensor: megatron's cross entropy works in place
-    part = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * part
-    if start + part > vocab_size:
-        logits[..., max(vocab_size - start, 0):] = float("-inf")
+    _, valid = _shard(logits.shape[-1], vocab_size)
+    logits[..., valid:] = float("-inf")
     return -vocab_parallel_cross_entropy(logits, targets)
 
 
@@ -47,7 +59,7 @@ def _scaled(logits: torch.Tensor, valid: int, temperature: float) -> torch.Tenso
     return x
 
 
-def _row_max(logits, start: int, valid: int, temperature: float):
+def _row_max(logits, valid: int, temperature: float):
     return _scaled(logits, valid, temperature).amax(dim=-1)
 
 
@@ -72,22 +84,11 @@ def _grad_logits(logits, targets, top, total, grad, start: int, valid: int, temp
 _compiled_row_max, _compiled_row_sums, _compiled_grad_logits = map(on_cuda_compiled, (_row_max, _row_sums, _grad_logits))
 
 
-def _tp_all_reduce(t: torch.Tensor, op) -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(t, op=op, group=ps.get_tensor_model_parallel_group())
-
-
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_size: int, temperature: float):
-        from megatron.core import parallel_state as ps
-
-        part = logits.shape[-1]
-        start = ps.get_tensor_model_parallel_rank() * part
-        valid = min(max(vocab_size - start, 0), part)
-        top = _compiled_row_max(logits, start, valid, temperature)
+        start, valid = _shard(logits.shape[-1], vocab_size)
+        top = _compiled_row_max(logits, valid, temperature)
         _tp_all_reduce(top, torch.distributed.ReduceOp.MAX)
         predicted, total = _compiled_row_sums(logits, targets, top, start, valid, temperature)
         _tp_all_reduce(predicted, torch.distributed.ReduceOp.SUM)
@@ -110,19 +111,16 @@ def fused_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, v
 
 def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """`vocab_parallel_logprobs` with `models.batch_invariant_ops.log_softmax`'s arithmetic (at TP1 its exact bits), differentiable."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     x = logits.float() / temperature
     part = x.shape[-1]
-    rank = ps.get_tensor_model_parallel_rank()
-    start = rank * part
-    if start + part > vocab_size:
+    start, valid = _shard(part, vocab_size)
+    if valid < part:
         x = x.clone()
-        x[..., max(vocab_size - start, 0):] = float("-inf")
+        x[..., valid:] = float("-inf")
     top = x.detach().amax(dim=-1, keepdim=True)
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    _tp_all_reduce(top, torch.distributed.ReduceOp.MAX)
     shifted = x - top
     total = reduce_from_tensor_model_parallel_region(ops.tree_sum(ops.exp32(shifted)))
     local = targets - start
