@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from megatron_jetrl.fp8.launch import Launcher
+
 
 @functools.cache
 def _k():
@@ -99,7 +101,7 @@ def _k():
         tl.store(y_ptr + out, y1.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(y_ptr + out + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return {"rms_fwd": _rms_fwd, "rms_bwd": _rms_bwd, "rope": _rope}
+    return {name: Launcher(fn) for name, fn in {"rms_fwd": _rms_fwd, "rms_bwd": _rms_bwd, "rope": _rope}.items()}
 
 
 def _rows4(x: torch.Tensor):

@@ -42,6 +42,7 @@ import os
 import torch
 
 from megatron_jetrl.fp8 import cuda_tiles
+from megatron_jetrl.fp8.launch import Launcher
 from megatron_jetrl.fp8.quant import (
     E4M3,
     EPS,
@@ -419,7 +420,7 @@ def _k():
         tl.store(d_ptrs, d_gate.to(g.dtype), mask=mask)
         tl.store(d_ptrs + I, d_up, mask=mask)
 
-    return {
+    kernels = {
         "swiglu_bwd": _swiglu_bwd,
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
@@ -428,6 +429,7 @@ def _k():
         "gemm_ptr": _gemm_ptr,
         "gemm_tma": _gemm_tma,
     }
+    return {name: Launcher(fn) for name, fn in kernels.items()}
 
 
 # ----------------------------------------------------------------------------------------------------

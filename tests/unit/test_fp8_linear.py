@@ -333,3 +333,34 @@ def test_bias_only_gradient_quantizes_nothing():
         lin(x).backward(dy)
         assert not any(site.endswith("output gradient") for site in watch._sites)
     assert torch.allclose(lin.bias.grad, dy.sum(0)) and lin.weight.grad is None
+
+
+def test_finite_watch_reduces_in_chunks_and_names_the_first_bad_site(monkeypatch):
+    """Records are reduced CHUNK at a time (no launch per quantization): the first NaN/Inf site is still named
+    exactly, wherever it falls against a chunk boundary, for transposed-view scales too; LIMIT self-checks."""
+    from megatron_jetrl.fp8 import finite
+
+    monkeypatch.setattr(finite.FiniteWatch, "CHUNK", 4)
+    for bad_at, value in ((0, float("nan")), (3, float("inf")), (4, float("-inf")), (9, float("nan"))):
+        w = finite.FiniteWatch()
+        for i in range(11):
+            s = torch.rand(3, 2).t()  # a (1, M)-strided view, as the quantizers write 1x128 scales
+            if i == bad_at:
+                s[1, 2] = value
+            if i == bad_at + 1:
+                s[0, 0] = float("inf")
+            w.record(f"site{i}", s)
+        assert len(w._pending) == 11 % 4 and len(w._sums) == 8
+        assert not bool(w.finite())
+        kind = "NaN" if value != value else "Inf"
+        assert w.first_problem() == f"site{bad_at} ({kind}; first of 2 non-finite FP8 quantizer input(s))"
+    w = finite.FiniteWatch()
+    w.record("big", torch.full((8, 4), 1.0e36))  # finite, large: the FP32 sum of |s| stays finite
+    w.record("empty", torch.empty(0, 4))
+    assert bool(w.finite()) and w.first_problem() is None and w._sites == ["big"]
+    monkeypatch.setattr(finite.FiniteWatch, "LIMIT", 8)
+    w = finite.FiniteWatch()
+    for i in range(20):
+        w.record(f"s{i}", torch.full((2,), float("nan") if i == 5 else 1.0))
+    assert w.first_problem() == "s5 (NaN; first of 1 non-finite FP8 quantizer input(s))"
+    assert w._sites == [] and w._pending == []  # stopped recording once the limit found a problem

@@ -1,0 +1,68 @@
+"""`fp8.launch.Launcher` on the GPU: the cached direct launch gives what Triton's own launch gives, for every
+specialization it must tell apart (pointer alignment, ints divisible by 16 or equal to 1, 32/64-bit ints, None,
+constexprs), and falls back to Triton for arguments it does not key."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def axpy(x_ptr, y_ptr, out_ptr, n, stride, a, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs * stride, mask=mask)
+        y = tl.load(y_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, (a * x + y) * SCALE, mask=mask)
+
+    return axpy
+
+
+def test_launcher_equals_triton_launch_across_specializations(kernel):
+    from megatron_jetrl.fp8.launch import Launcher
+
+    fast = Launcher(kernel)
+    base = torch.randn(70000, device="cuda")
+    y = torch.randn(70000, device="cuda")
+    cases = []
+    for off in (0, 1, 4):  # 16-byte aligned and not
+        for n in (1, 16, 1000, 4099):  # == 1, divisible by 16, neither
+            for stride in (1, 2, 16):
+                cases.append((off, n, stride))
+    for rounds in range(2):  # round 2: every key is cached, every launch is the direct one
+        for off, n, stride in cases:
+            x = base[off:]
+            for scale in (1.0, 2.0):
+                want = torch.full((n,), float("nan"), device="cuda")
+                got = torch.full((n,), float("nan"), device="cuda")
+                grid = (triton_cdiv(n, 256),)
+                kernel[grid](x, y, want, n, stride, 0.5, SCALE=scale, BLOCK=256)
+                fast[grid](x, y, got, n, stride, 0.5, SCALE=scale, BLOCK=256)
+                assert torch.equal(got, want), (off, n, stride, scale, rounds)
+                assert torch.allclose(want, (0.5 * x[: n * stride : stride] + y[:n]) * scale, rtol=1e-6, atol=1e-6)  # Triton may fuse an FMA
+    assert len(fast._cache) == len({(off % 4 == 0, n == 1, n % 16 == 0, stride == 1, stride % 16 == 0) for off, n, stride in cases}) * 2
+
+
+def test_launcher_takes_tritons_path_for_unkeyed_arguments(kernel, monkeypatch):
+    from triton import knobs
+
+    from megatron_jetrl.fp8.launch import Launcher
+
+    fast = Launcher(kernel)
+    x, y, out = (torch.randn(300, device="cuda") for _ in range(3))
+    fast[lambda meta: (2,)](x, y, out, 300, 1, 2.0, SCALE=1.0, BLOCK=256)  # a callable grid
+    assert torch.allclose(out, 2.0 * x + y, rtol=1e-6, atol=1e-6) and not fast._cache
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: seen.append(1))
+    fast[(2,)](x, y, out, 300, 1, 3.0, SCALE=1.0, BLOCK=256)  # a launch hook (a profiler) must see the launch
+    assert seen and torch.allclose(out, 3.0 * x + y, rtol=1e-6, atol=1e-6) and not fast._cache
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
