@@ -1,23 +1,35 @@
 """Triton launches without Triton's per-call host work (matched against Triton 3.6.0, `triton/runtime/jit.py`).
 
 `kernel[grid](*args, **kw)` through `JITFunction.run` binds the arguments, specializes each one, formats the options
-into the cache key and builds launch metadata on every call: ~40 us of host time per launch on the GPU machine's
-CPU (measured, BENCHMARKS.md), against ~25 us for a whole DeepGEMM GEMM. The FP8 linear and megatron's glue issue
-a dozen such launches per layer, enough to leave the GPU waiting on the host at 4096-token micro-batches.
+into the cache key, builds launch metadata and calls the (empty) launch-hook chains on every call: the host needs
+~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md, session 14).
+The FP8 linear and megatron's glue issue about 17 such launches per layer fwd+bwd, and at 4096-token micro-batches
+the GPU then waits on the host.
 
 `Launcher(fn)[grid](*args, **kw)` is the same launch. The first call of each *specialization* goes through Triton
 (compiling if needed) and keeps the compiled kernel under a key that holds everything Triton specializes on and
 more: each tensor's dtype and 16-byte alignment; each int's 32/64-bit range, divisibility by 16 and equality to 1;
 the type of every other argument; every keyword (constexprs, `num_warps`); the device. Later calls with that key
-call the compiled kernel's launcher directly, with the arguments in signature order as Triton passes them. A
-key can only be finer than Triton's, never coarser, so a kernel never runs on arguments it was not compiled for.
-Arguments of other types (a TMA `TensorDescriptor`), a callable grid, or a Triton launch hook (profilers such as
-proton set one) take Triton's own path on every call.
+call the compiled kernel's launcher directly, as `JITFunction.run` ends: the arguments in signature order
+(positional, then each remaining parameter's keyword or default), no launch metadata and no hooks (the C launcher
+skips `None` hooks). A key can only be finer than Triton's, never coarser, so a kernel never runs on arguments it
+was not compiled for.
+
+Triton's own path is taken, on every call, for arguments of other types (a TMA `TensorDescriptor`), a callable grid,
+a registered launch hook (profilers such as proton add one), and everywhere if the first-use probe fails: once per
+process, a small kernel is launched both ways over every specialization kind above, and the direct launch is used
+only if it writes the same bytes as Triton's (as `fp8.backends.self_test` checks a GEMM backend before first use;
+launches inside a CUDA graph capture before the probe has run take Triton's path, since the probe syncs).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+_DIRECT: bool | None = None
+"""The probe's verdict for this process: None until the first launch."""
 
 
 class _Slow(Exception):
@@ -38,6 +50,13 @@ def _spec(a):
     raise _Slow
 
 
+def _hooks_active() -> bool:
+    """Whether a Triton launch hook is registered (Triton 3.6 keeps them in `HookChain`s, empty by default)."""
+    from triton import knobs
+
+    return any(bool(getattr(h, "calls", h is not None)) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
 class Launcher:
     """A `triton.jit` function launched as `Launcher(fn)[grid](*args, **kw)`; see the module docstring."""
 
@@ -49,10 +68,8 @@ class Launcher:
     def __getitem__(self, grid):
         return lambda *args, **kw: self.launch(grid, args, kw)
 
-    def launch(self, grid, args, kw):
-        from triton import knobs
-
-        if callable(grid) or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    def launch(self, grid, args, kw, *, direct: bool | None = None):
+        if callable(grid) or not (direct if direct is not None else _direct_ok()) or _hooks_active():
             return self.fn[grid](*args, **kw)
         device = torch.cuda.current_device()
         try:
@@ -81,3 +98,53 @@ class Launcher:
             else:
                 raise TypeError(f"{getattr(self.fn, '__name__', 'kernel')}: no value for parameter {p.name!r}")
         return tuple(tail)
+
+
+def _direct_ok() -> bool:
+    global _DIRECT
+    if _DIRECT is None:
+        if torch.cuda.is_current_stream_capturing():  # the probe syncs: not inside a CUDA graph capture
+            return False
+        try:
+            _DIRECT = _probe()
+        except Exception as e:  # noqa: BLE001 -- any surprise in Triton's internals: use Triton's own path
+            _DIRECT = False
+            warnings.warn(f"Triton launches go through JITFunction.run: the direct-launch probe failed ({type(e).__name__}: "
+                          f"{str(e)[:200]})", RuntimeWarning, stacklevel=3)
+    return _DIRECT
+
+
+def _probe() -> bool:
+    """Launch a small kernel through Triton and directly (the second call of each key), over aligned and unaligned
+    pointers, ints equal to 1, divisible by 16 or neither, a float, a default and two constexprs: True if every
+    direct launch wrote Triton's bytes."""
+    fast = Launcher(_probe_kernel())
+    base = torch.arange(9000, device="cuda", dtype=torch.float32).sin()
+    y = torch.randn(9000, device="cuda")
+    for off in (0, 1):
+        for n in (1, 16, 1000):
+            for stride in (1, 3):
+                x = base[off:]
+                want = torch.full((n,), float("nan"), device="cuda")
+                fast.fn[(-(-n // 256),)](x, y, want, n, stride, 0.5, SCALE=2.0, BLOCK=256)
+                for _ in range(2):  # fills the key, then the direct launch
+                    got = torch.full((n,), float("nan"), device="cuda")
+                    fast.launch((-(-n // 256),), (x, y, got, n, stride, 0.5), {"SCALE": 2.0, "BLOCK": 256}, direct=True)
+                    if not torch.equal(got, want):
+                        raise RuntimeError(f"the direct launch wrote other values than Triton's (offset {off}, n {n}, stride {stride})")
+    return True
+
+
+def _probe_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(x_ptr, y_ptr, out_ptr, n, stride, a, SCALE: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr = 1.0):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs * stride, mask=mask)
+        y = tl.load(y_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, (a * x + y) * SCALE + ADD, mask=mask)
+
+    return probe

@@ -25,8 +25,10 @@ def kernel():
 
 
 def test_launcher_equals_triton_launch_across_specializations(kernel):
+    from megatron_jetrl.fp8 import launch
     from megatron_jetrl.fp8.launch import Launcher
 
+    assert launch._direct_ok(), "the first-use probe refused the direct launch on this Triton"
     fast = Launcher(kernel)
     base = torch.randn(70000, device="cuda")
     y = torch.randn(70000, device="cuda")
@@ -49,7 +51,7 @@ def test_launcher_equals_triton_launch_across_specializations(kernel):
     assert len(fast._cache) == len({(off % 4 == 0, n == 1, n % 16 == 0, stride == 1, stride % 16 == 0) for off, n, stride in cases}) * 2
 
 
-def test_launcher_takes_tritons_path_for_unkeyed_arguments(kernel, monkeypatch):
+def test_launcher_takes_tritons_path_for_callable_grids_and_launch_hooks(kernel):
     from triton import knobs
 
     from megatron_jetrl.fp8.launch import Launcher
@@ -59,9 +61,29 @@ def test_launcher_takes_tritons_path_for_unkeyed_arguments(kernel, monkeypatch):
     fast[lambda meta: (2,)](x, y, out, 300, 1, 2.0, SCALE=1.0, BLOCK=256)  # a callable grid
     assert torch.allclose(out, 2.0 * x + y, rtol=1e-6, atol=1e-6) and not fast._cache
     seen = []
-    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: seen.append(1))
-    fast[(2,)](x, y, out, 300, 1, 3.0, SCALE=1.0, BLOCK=256)  # a launch hook (a profiler) must see the launch
-    assert seen and torch.allclose(out, 3.0 * x + y, rtol=1e-6, atol=1e-6) and not fast._cache
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 -- what a profiler registers
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for a in (3.0, 4.0):
+            fast[(2,)](x, y, out, 300, 1, a, SCALE=1.0, BLOCK=256)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["axpy", "axpy"] and torch.allclose(out, 4.0 * x + y, rtol=1e-6, atol=1e-6) and not fast._cache
+
+
+def test_project_quantizer_goes_direct_and_keeps_the_reference_bytes():
+    """The shipped 1x128 quantizer through its Launcher: the second call of a shape is a direct launch (its key is
+    cached) and the bytes are still the reference quantizer's."""
+    from megatron_jetrl.fp8 import kernels, quantize_blockwise
+
+    x = torch.randn(257, 640, device="cuda", dtype=torch.bfloat16) * 3
+    want_q, want_s = quantize_blockwise(x, (1, 128))
+    launcher = kernels._k()["quant_1x128"]
+    before = len(launcher._cache)  # other tests may have filled keys already
+    for _ in range(3):
+        q, s = kernels.quantize_1x128(x, check_finite=False)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert len(launcher._cache) >= max(before, 1)
 
 
 def triton_cdiv(a, b):

@@ -93,3 +93,10 @@ def test_profile_timeline_measures_idle_between_kernels():
         bench.timeline([], passes=1)
     with pytest.raises(ValueError, match="same kernels"):
         bench.timeline(kernels[:5], passes=2)
+
+
+@no_cuda
+def test_bench_host_without_cuda_exits_2_in_one_line():
+    one_line(run(sys.executable, "tools/bench_host.py"), 2, "bench_host.py: needs a CUDA GPU")
+    r = run(sys.executable, "tools/bench_host.py", "--help")
+    assert r.returncode == 0 and "--profile" in r.stdout, r.stderr

@@ -1,0 +1,114 @@
+"""Host time of the FP8 linear and of each of its pieces, on the GPU (where the GPU never holds the host up).
+
+    python3 tools/bench_host.py [--m 256] [--iters 300] [--profile]
+
+With a small M (default 256 tokens; N = K = 4096, the Qwen3-8B `o` projection) every kernel is shorter than the host
+work that issues it, so the time per call of a loop without syncs is the host's: Python, torch's dispatcher and
+allocator, Triton's and DeepGEMM's launch paths, autograd. Rows: a BF16 nn.Linear fwd+bwd beside the FP8 linear
+(shipped defaults: DeepGEMM, check_finite='step', inside and outside a `finite.watch`), then each piece of the FP8
+linear on its own. `--profile` adds cProfile's top functions of the FP8 fwd+bwd. Host timings on a shared machine
+move by 10-20% between runs: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+
+def host_us(fn, iters: int) -> tuple[float, float]:
+    """(host us, wall us) per call of `fn` over `iters` calls issued without a sync (after 5 warm-up calls)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / iters * 1e6, (time.perf_counter() - t0) / iters * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", type=int, default=256, help="tokens per call (small: the GPU must outrun the host)")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--profile", action="store_true", help="cProfile of the FP8 linear fwd+bwd in a watch")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_host.py: needs a CUDA GPU (it times the host work of the GPU FP8 linear)", file=sys.stderr)
+        return 2
+
+    from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, backends, finite, kernels
+    from megatron_jetrl.fp8.gemm import _check_operands, blockwise_gemm
+
+    dev, m, n, k = torch.device("cuda"), args.m, 4096, 4096
+    flow = PrecisionFlow(mode="jetrl")
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    lin = FP8Linear(k, n, bias=False, flow=flow, device=dev, dtype=torch.bfloat16)
+    lin.weight.main_grad = torch.zeros(n, k, device=dev, dtype=torch.float32)
+    lin.weight.grad_added_to_main_grad = False
+    bf16 = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+    qw = lin.quantized_weight()
+    xq, xs = kernels.quantize_1x128(x.detach(), check_finite=False)
+    dq, ds, dtq, dts = kernels.quantize_dual(dy, check_finite=False)
+    _, _, xtq, xts = kernels.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    dg = backends.deep_gemm_module()
+    watch = finite.FiniteWatch()
+    for _ in range(2 * watch.CHUNK):  # the watch's multi-tensor reduction is loaded before it is timed
+        watch.record("warm-up", xs)
+
+    def fwd_bwd(module, in_watch=False):
+        def run():
+            if in_watch:
+                with finite.watch():
+                    module(x).backward(dy)
+            else:
+                module(x).backward(dy)
+        return run
+
+    rows = [
+        ("bf16 nn.Linear fwd+bwd", fwd_bwd(bf16)),
+        ("FP8Linear fwd+bwd", fwd_bwd(lin)),
+        ("FP8Linear fwd+bwd in a finite.watch (as in a train step)", fwd_bwd(lin, in_watch=True)),
+        ("FP8Linear fwd", lambda: lin(x)),
+        ("  kernels.quantize_1x128 (FProp input)", lambda: kernels.quantize_1x128(x.detach(), check_finite=False)),
+        ("  kernels.quantize_dual rows+cols (dY)", lambda: kernels.quantize_dual(dy, check_finite=False)),
+        ("  kernels.quantize_dual cols from E4M3 (X for WGrad)", lambda: kernels.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs)),
+        ("  FiniteWatch.record", lambda: watch.record("x", xs)),
+        ("  blockwise_gemm FProp", lambda: blockwise_gemm(xq, xs, qw.q, qw.s)),
+        ("  blockwise_gemm WGrad into main_grad", lambda: blockwise_gemm(dtq, dts, xtq, xts, b_block=(1, 128), acc=lin.weight.main_grad)),
+        ("  _check_operands", lambda: _check_operands(xq, xs, qw.q, qw.s, (128, 128), None)),
+        ("  torch.empty(M, N)", lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16)),
+    ]
+    if dg is not None:
+        rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
+    print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row; flow {flow}")
+    print("| what | host us per call | wall us per call |\n|---|---|---|")
+    for name, fn in rows:
+        h, w = host_us(fn, args.iters)
+        print(f"| {name} | {h:.1f} | {w:.1f} |", flush=True)
+    if args.profile:
+        prof = cProfile.Profile()
+        run = fwd_bwd(lin, in_watch=True)
+        prof.enable()
+        for _ in range(100):
+            run()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+        print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
