@@ -9,7 +9,7 @@ the GPU then waits on the host.
 `Launcher(fn)[grid](*args, **kw)` is the same launch. The first call of each *specialization* goes through Triton
 (compiling if needed) and keeps the compiled kernel under a key that holds everything Triton specializes on and
 more: each tensor's dtype and 16-byte alignment; each int's 32/64-bit range, divisibility by 16 and equality to 1;
-the type of every other argument; every keyword (constexprs, `num_warps`); the device. Later calls with that key
+the type of every other argument; the value of every constexpr and every keyword (`num_warps`); the device. Later calls with that key
 call the compiled kernel's launcher directly, as `JITFunction.run` ends: the arguments in signature order
 (positional, then each remaining parameter's keyword or default), no launch metadata and no hooks (the C launcher
 skips `None` hooks). A key can only be finer than Triton's, never coarser, so a kernel never runs on arguments it
@@ -63,6 +63,7 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self._params = list(fn.signature.parameters.values())
+        self._constexpr = tuple("constexpr" in str(p.annotation) for p in self._params)  # Triton's KernelParam.is_constexpr
         self._cache: dict = {}
 
     def __getitem__(self, grid):
@@ -73,7 +74,7 @@ class Launcher:
             return self.fn[grid](*args, **kw)
         device = torch.cuda.current_device()
         try:
-            key = (device, tuple(map(_spec, args)), tuple(kw.items()))
+            key = (device, tuple(a if c else _spec(a) for a, c in zip(args, self._constexpr)), tuple(kw.items()))
             hit = self._cache.get(key)
         except (_Slow, TypeError):  # TypeError: an unhashable keyword value
             return self.fn[grid](*args, **kw)

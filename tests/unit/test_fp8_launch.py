@@ -27,7 +27,7 @@ class FakeJIT:
     """What Launcher reads of a `triton.jit` function: `signature`, and `fn[grid](*args, **kw)` returning the kernel."""
 
     def __init__(self):
-        def kern(x_ptr, y_ptr, n, a, SCALE, BLOCK, ADD=1.0):
+        def kern(x_ptr, y_ptr, n, a, SCALE: "tl.constexpr", BLOCK: "tl.constexpr", ADD: "tl.constexpr" = 1.0):
             pass
 
         self.signature, self.__name__, self.log = inspect.signature(kern), "kern", []
@@ -62,7 +62,8 @@ def test_second_launch_of_a_key_is_direct_with_tritons_arguments(fake_cuda):
     assert len(jit.log) == 2 and len(fast._cache) == 1
 
 
-@pytest.mark.parametrize("change", ["unaligned", "dtype", "n=1", "n%16", "n>2**31", "bool", "constexpr", "num_warps"])
+@pytest.mark.parametrize("change", ["unaligned", "dtype", "n=1", "n%16", "n>2**31", "bool", "constexpr", "num_warps",
+                                    "positional constexpr"])
 def test_a_specialization_triton_would_tell_apart_is_a_new_key(fake_cuda, change):
     jit = FakeJIT()
     fast = launch.Launcher(jit)
@@ -84,10 +85,14 @@ def test_a_specialization_triton_would_tell_apart_is_a_new_key(fake_cuda, change
         args[2] = True
     elif change == "constexpr":
         kw["BLOCK"] = 256
-    else:
+    elif change == "num_warps":
         kw["num_warps"] = 8
+    else:  # the constexprs given by position: their values are part of the key, as in Triton's
+        fast[(1,)](*args, 2.0, 128)
+        args, kw = args + [3.0, 128], {}
     fast[(1,)](*args, **kw)
-    assert [e[0] for e in jit.log] == ["triton", "triton"] and len(fast._cache) == 2
+    n_keys = 3 if change == "positional constexpr" else 2
+    assert [e[0] for e in jit.log] == ["triton"] * n_keys and len(fast._cache) == n_keys
 
 
 def test_unkeyed_arguments_callable_grids_hooks_and_a_failed_probe_take_tritons_path(fake_cuda, monkeypatch):
