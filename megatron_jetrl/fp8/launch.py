@@ -19,7 +19,8 @@ Triton's own path is taken, on every call, for arguments of other types (a TMA `
 a registered launch hook (profilers such as proton add one), and everywhere if the first-use probe fails: once per
 process, a small kernel is launched both ways over every specialization kind above, and the direct launch is used
 only if it writes the same bytes as Triton's (as `fp8.backends.self_test` checks a GEMM backend before first use;
-launches inside a CUDA graph capture before the probe has run take Triton's path, since the probe syncs).
+launches made before the probe could run -- inside a CUDA graph capture or under torch's sync debug mode, since the
+probe syncs -- take Triton's path).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Launcher:
 def _direct_ok() -> bool:
     global _DIRECT
     if _DIRECT is None:
-        if torch.cuda.is_current_stream_capturing():  # the probe syncs: not inside a CUDA graph capture
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():  # the probe syncs: not now
             return False
         try:
             _DIRECT = _probe()

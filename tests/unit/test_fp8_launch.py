@@ -1,7 +1,7 @@
 """`fp8.launch.Launcher` on the CPU, against a stand-in for Triton's JITFunction: which calls take the direct path,
 and that a direct launch passes exactly what `JITFunction.run` passes to the compiled launcher (Triton 3.6: the grid
 padded to 3-D, the stream, the function, its packed metadata, launch metadata and hooks, then every parameter in
-signature order). tests/gpu/test_launch.py runs the real thing."""
+signature order). tests/gpu/test_triton_launch.py runs the real thing."""
 
 import inspect
 import sys
@@ -118,13 +118,16 @@ def test_a_missing_parameter_is_named(fake_cuda):
         fast[(1,)](torch.zeros(4), torch.zeros(4), 4, 0.5, SCALE=2.0)
 
 
-def test_probe_verdict_once_per_process_and_never_inside_a_graph_capture(monkeypatch):
+def test_probe_verdict_once_per_process_never_inside_a_graph_capture_or_sync_debug(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "_DIRECT", None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(launch, "_probe", lambda: calls.append(1) or True)
     assert launch._direct_ok() is False and launch._DIRECT is None and not calls  # capturing: Triton's path, no verdict yet
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 2)  # "error": the probe's sync would raise
+    assert launch._direct_ok() is False and launch._DIRECT is None and not calls
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     assert launch._direct_ok() is True and launch._direct_ok() is True and calls == [1]
 
     def broken():
