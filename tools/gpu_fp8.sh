@@ -12,7 +12,7 @@
 #   setup  DeepGEMM 2.5.0 (vLLM 0.26's bundle) -> /tmp/dg; Transformer Engine 2.20.2 (if .kits/te is here) ->
 #          /tmp/te-site through .kits/te/bin/build.sh (prebuilt extension, sm90 core, ends with check.sh);
 #          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a warm machine already has.        ~1-2 min
-#   tests  tools/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm)                  ~1 min
+#   tests  tools/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
 #   bench  tools/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
 #          tools/bench_actor.py (whole actor step, jetrl vs bf16) -> $OUT/bench_actor.{json,log}      ~3-5 min
 #          DeepGEMM JIT-compiles each new GEMM shape (seconds each); every variant runs (and is checked)
@@ -114,7 +114,7 @@ for stage in "$@"; do
     tests)
       t=$(budget "${TESTS_TIMEOUT:-150}")
       [ "$t" -ge 30 ] || { echo "tests: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1; continue; }
-      timeout "$t" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" 2>&1 | tee "$OUT/tests.log" | show | tail -n 40
+      timeout "$t" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm or launch}" 2>&1 | tee "$OUT/tests.log" | show | tail -n 40
       failed tests "${PIPESTATUS[0]}" "$t" ;;
     bench)
       t=$(budget "${BENCH_FP8_TIMEOUT:-300}")
