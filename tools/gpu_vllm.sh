@@ -17,6 +17,9 @@
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
+# Carry: kit-2 (61.5 MB) + this tree (~3.6 MB) + .whl/ (3.0 MB) is over a call's 64 MiB. Install the wheels in the kit's
+# call 1 instead (`bash .kits/vllm/unpack.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/*.whl`,
+# carrying .whl there): a warm machine keeps /tmp/mcore, and this script then finds megatron-core without .whl/.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -24,7 +27,7 @@ OUT=${OUT:-$repo/out/gpu_vllm}
 mkdir -p "$OUT"
 [ -f /tmp/vllm-site/env.sh ] || { echo "the vLLM kit is not unpacked (/tmp/vllm-site/env.sh missing)"; exit 3; }
 source /tmp/vllm-site/env.sh
-if ! python3 -c "import megatron.core, math_verify" 2>/dev/null; then
+if ! PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatron.core, math_verify" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
 fi
 export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
