@@ -20,14 +20,18 @@ a registered launch hook (profilers such as proton add one), and everywhere if t
 process, a small kernel is launched both ways over every specialization kind above, and the direct launch is used
 only if it writes the same bytes as Triton's (as `fp8.backends.self_test` checks a GEMM backend before first use;
 launches made before the probe could run -- inside a CUDA graph capture or under torch's sync debug mode, since the
-probe syncs -- take Triton's path).
+probe syncs -- take Triton's path). `MEGATRON_JETRL_TRITON_LAUNCH=triton` in the environment turns the direct launch off
+for the process (an escape hatch, and the A/B of tools/bench_host.py); `direct`, the default, leaves it to the probe.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
+
+ENV = "MEGATRON_JETRL_TRITON_LAUNCH"
 
 _DIRECT: bool | None = None
 """The probe's verdict for this process: None until the first launch."""
@@ -105,6 +109,13 @@ class Launcher:
 def _direct_ok() -> bool:
     global _DIRECT
     if _DIRECT is None:
+        choice = os.environ.get(ENV, "direct")
+        if choice not in ("direct", "triton"):
+            raise ValueError(f"{ENV}={choice!r}: use 'direct' (the default: cached direct launches, checked once) or 'triton' "
+                             "(every launch through JITFunction.run)")
+        if choice == "triton":
+            _DIRECT = False
+            return False
         if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():  # the probe syncs: not now
             return False
         try:

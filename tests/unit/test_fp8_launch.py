@@ -140,6 +140,22 @@ def test_probe_verdict_once_per_process_never_inside_a_graph_capture_or_sync_deb
     assert launch._DIRECT is False
 
 
+def test_environment_turns_the_direct_launch_off_or_names_a_bad_value(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "_probe", lambda: calls.append(1) or True)
+    monkeypatch.setattr(launch, "_DIRECT", None)
+    monkeypatch.setenv(launch.ENV, "triton")
+    assert launch._direct_ok() is False and launch._DIRECT is False and not calls  # no probe either
+    monkeypatch.setattr(launch, "_DIRECT", None)
+    monkeypatch.setenv(launch.ENV, "fast")
+    with pytest.raises(ValueError, match="MEGATRON_JETRL_TRITON_LAUNCH='fast': use 'direct'"):
+        launch._direct_ok()
+    monkeypatch.setenv(launch.ENV, "direct")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    assert launch._direct_ok() is True and calls == [1]
+
+
 def test_hooks_active_reads_tritons_hook_chains(monkeypatch):
     class HookChain:
         def __init__(self, calls):
