@@ -1,13 +1,14 @@
 """Host time of the FP8 linear and of each of its pieces, on the GPU (where the GPU never holds the host up).
 
-    python3 tools/bench_host.py [--m 256] [--iters 300] [--profile]
+    python3 tools/bench_host.py [--m 256] [--iters 300] [--rounds 5] [--profile]
 
 With a small M (default 256 tokens; N = K = 4096, the Qwen3-8B `o` projection) every kernel is shorter than the host
 work that issues it, so the time per call of a loop without syncs is the host's: Python, torch's dispatcher and
 allocator, Triton's and DeepGEMM's launch paths, autograd. Rows: a BF16 nn.Linear fwd+bwd beside the FP8 linear
 (shipped defaults: DeepGEMM, check_finite='step', inside and outside a `finite.watch`), then each piece of the FP8
 linear on its own. `--profile` adds cProfile's top functions of the FP8 fwd+bwd. Host timings on a shared machine
-move by 10-20% between runs: compare rows of one run.
+move by 10-20% between runs, so the two Triton launch paths (`fp8.launch`: the cached direct launch, and every
+launch through `JITFunction.run`) are timed in one process, alternating in `--rounds` rounds per row (median).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, default=256, help="tokens per call (small: the GPU must outrun the host)")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=5, help="alternations of the two launch paths per row")
     p.add_argument("--profile", action="store_true", help="cProfile of the FP8 linear fwd+bwd in a watch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_host.py: needs a CUDA GPU (it times the host work of the GPU FP8 linear)", file=sys.stderr)
         return 2
 
-    from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, backends, finite, kernels
+    from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, backends, finite, kernels, launch
     from megatron_jetrl.fp8.gemm import _check_operands, blockwise_gemm
 
     dev, m, n, k = torch.device("cuda"), args.m, 4096, 4096
@@ -91,11 +93,20 @@ def main(argv=None) -> int:
     ]
     if dg is not None:
         rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
-    print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row; flow {flow}")
-    print("| what | host us per call | wall us per call |\n|---|---|---|")
+    direct = launch._direct_ok()  # the probe's verdict for this process
+    print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "
+          f"direct launch {'allowed' if direct else 'REFUSED by ' + launch.ENV + ' or the probe'}")
+    print("| what | host us, direct launch | host us, JITFunction.run | direct / Triton | wall us, direct |\n|---|---|---|---|---|")
     for name, fn in rows:
-        h, w = host_us(fn, args.iters)
-        print(f"| {name} | {h:.1f} | {w:.1f} |", flush=True)
+        times = {True: [], False: []}
+        for _ in range(args.rounds):
+            for path in (True, False):
+                launch._DIRECT = path and direct
+                times[path].append(host_us(fn, max(1, args.iters // args.rounds)))
+        launch._DIRECT = direct
+        hd, wd = sorted(times[True])[args.rounds // 2]
+        ht = sorted(times[False])[args.rounds // 2][0]
+        print(f"| {name} | {hd:.1f} | {ht:.1f} | {hd / ht:.2f} | {wd:.1f} |", flush=True)
     if args.profile:
         prof = cProfile.Profile()
         run = fwd_bwd(lin, in_watch=True)
