@@ -8,7 +8,10 @@ the native engine's `_linears` keep every FP8 linear's BF16 input. Per layer and
 of BF16 elements that differ, the share of E4M3 bytes that differ after the shared 1x128 quantizer (what the GEMM
 reads), and the relative L2 difference; then the prompt logprobs' mean |dlogp|. The first linear whose input
 differs names the op that differs before it: the input norm (qkv), RoPE + attention (o), the residual add + norm
-(gate_up), SiLU * up (down).
+(gate_up), SiLU * up (down). Differences propagate (one changed E4M3 byte changes a whole GEMM output row), so the
+op probes come first: vLLM's own layer-0 modules (RMSNorm, rotary embedding, SiLU-and-mul; both their CUDA and their
+torch `forward_native` methods) on one input each against the trainer's functions (`actor.fused`, torch's
+`F.silu(gate) * up`), share of BF16 output elements that differ.
 
 Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu_vllm.sh says how), run from the repo root.
 """
@@ -61,6 +64,39 @@ def compare(a: torch.Tensor, b: torch.Tensor, flow) -> tuple[float, float, float
     return (a != b).float().mean().item(), bytes_differ, rel
 
 
+def op_probes(engine, arch) -> list[tuple[str, str, float]]:
+    """(op, vLLM method, share of output elements that differ from the trainer's) for vLLM's layer-0 modules."""
+    import torch.nn.functional as F
+
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+    from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
+    from megatron_jetrl.actor.provider import rope_kwargs
+
+    layer, g = engine.model.model.layers[0], torch.Generator(device="cuda").manual_seed(1)
+    t, d = 512, arch.head_dim
+    rows = []
+    x = (torch.randn(t, arch.hidden_size, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    norm = layer.input_layernorm
+    want = fused_rms_norm(x, norm.weight, arch.rms_norm_eps)
+    for method in ("forward_cuda", "forward_native"):
+        rows.append(("RMSNorm", method, (getattr(norm, method)(x.clone()) != want).float().mean().item()))
+    gu = (torch.randn(t, 2 * arch.intermediate_size, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    act = layer.mlp.act_fn
+    for method in ("forward_cuda", "forward_native"):
+        rows.append(("SiLU * up", method, (getattr(act, method)(gu.clone()) != want).float().mean().item()))
+    q = torch.randn(t, arch.num_heads * d, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(t, arch.num_kv_heads * d, device="cuda", generator=g).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(d, tuple(sorted((a, b) for a, b in rope_kwargs(arch).items() if a != "position_embedding_type")), t, q.device)
+    want_q = fused_rope(q.view(t, 1, -1, d), cos, sin).view(t, -1)
+    rot, pos = layer.self_attn.rotary_emb, torch.arange(t, device="cuda")
+    for method in ("forward_cuda", "forward_native"):
+        got_q, _ = getattr(rot, method)(pos, q.clone(), k.clone())
+        rows.append(("RoPE (q)", method, (got_q.reshape(t, -1) != want_q).float().mean().item()))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-type", default="qwen2")
@@ -72,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--tokens", type=int, default=256, help="length of the scored sequence")
     p.add_argument("--attention", default="", help="vLLM attention backend (default: vLLM's choice, FlashAttention 3 on Hopper)")
+    p.add_argument("--custom-ops", default="", help="vLLM compilation_config custom_ops, comma list (e.g. -silu_and_mul: torch's forward_native)")
     p.add_argument("--show", type=int, default=4, help="table rows: the first SHOW layers and the last")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -97,6 +134,8 @@ def main(argv=None) -> int:
                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
     flow, arch = PrecisionFlow("jetrl"), ModelArch.from_hf_config(config)
     extra = {"attention_config": {"backend": args.attention}} if args.attention else {}
+    if args.custom_ops:
+        extra["compilation_config"] = {"custom_ops": args.custom_ops.split(",")}
     engine = VllmEngine(write_model_dir(tempfile.mkdtemp(), config, flow), flow, eos_token_ids=[args.vocab - 1], seed=0,
                         kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.6, enforce_eager=True, max_model_len=2048, **extra)
     state = {k: v.cuda() for k, v in bf16_state(arch, seed=3).items()}
@@ -115,7 +154,10 @@ def main(argv=None) -> int:
     v_lp = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
     n_lp = torch.tensor(scores[: len(v_lp)])
     print(f"{torch.cuda.get_device_name()}; {config['model_type']} hidden {args.hidden}, {args.layers} layers, heads "
-          f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; kernels {engine.numerics.get('kernels')}")
+          f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; custom_ops {args.custom_ops or 'default'}; kernels {engine.numerics.get('kernels')}")
+    print("| op (vLLM layer 0 vs the trainer's function) | vLLM method | output elements that differ |\n|---|---|---|")
+    for op, method, share in op_probes(engine, arch):
+        print(f"| {op} | {method} | {share:.2%} |")
     print("| layer | linear | BF16 inputs differ | E4M3 bytes differ | rel. L2 diff |\n|---|---|---|---|---|")
     layers = sorted({k[0] for k in ours})
     for layer in [*layers[: args.show], layers[-1]]:
