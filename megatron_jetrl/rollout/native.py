@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megatron_jetrl.actor.fused import fused_rms_norm
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward, scale_shape
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
@@ -344,10 +345,13 @@ class NativeEngine:
         return self._rope
 
     def _norm(self, x, name, eps=None):
+        """The trainer's RMSNorm: `ops.rms_norm`, or the actor's `fused_rms_norm` (its Triton kernel on CUDA).
+        Both round the normalized row to BF16 before the weight multiplies it; torch's `F.rms_norm` rounds once,
+        at the end, and differs in about a quarter of the elements (tests/unit/test_rollout_native.py)."""
         eps = self.arch.rms_norm_eps if eps is None else eps
         if self.batch_invariant:
             return ops.rms_norm(x, self.params[name], eps)
-        return F.rms_norm(x, x.shape[-1:], self.params[name], eps)
+        return fused_rms_norm(x, self.params[name], eps)
 
     def _attend(self, q, k, v, q_pos, k_len, mask):
         """q `[B, H, Tq, D]`, k/v `[B, Hkv, Tk, D]` -> `[B, H, Tq, D]`; query at p sees keys `j <= p`, `j < k_len`

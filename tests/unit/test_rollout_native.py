@@ -221,6 +221,21 @@ def test_library_kernels_path_is_close_but_not_required_exact():
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 2e-2 * ref.abs().max()
 
 
+def test_library_kernels_path_normalizes_as_the_trainer_not_as_torchs_rms_norm():
+    """The fast path's RMSNorm is the trainer's (`actor.fused`: the normalized row rounded to BF16, then the weight).
+    torch's `F.rms_norm` (and vLLM 0.26's kernel, measured on the GPU) rounds once, at the end: a quarter of the
+    outputs differ by an ulp, and each such difference can move a whole E4M3 step in the next quantized GEMM input."""
+    from megatron_jetrl.actor.fused import rms_norm
+
+    fast = make_engine("qwen3", batch_invariant=False)
+    name, eps = "model.layers.0.input_layernorm.weight", fast.arch.rms_norm_eps
+    x = (torch.randn(3, 5, fast.arch.hidden_size, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    w = fast.params[name]
+    got = fast._norm(x, name)
+    assert torch.equal(got, rms_norm(x, w, eps))
+    assert (got != torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps)).float().mean() > 0.1
+
+
 # ---- (c) disk == live ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shards", [1, 3])
