@@ -13,10 +13,9 @@ op probes come first: vLLM's own layer-0 modules (RMSNorm, rotary embedding, SiL
 torch `forward_native` methods) on one input each against the trainer's functions (`actor.fused`, torch's
 `F.silu(gate) * up`), share of BF16 output elements that differ.
 
-`--glue trainer` is the experiment of the next step: vLLM's RMSNorm and RotaryEmbedding are replaced, through vLLM's
-own out-of-tree op registry (`CustomOp.register_oot`), by the trainer's functions (`actor.fused`: its Triton kernels),
-so that what still differs is attention and GEMM accumulation order. Eager engines only (the Triton kernels sit behind
-autograd Functions that Dynamo does not trace).
+`--glue trainer` is the experiment of the next step: `rollout.vllm_glue.register()` replaces vLLM's RMSNorm and
+RotaryEmbedding, through vLLM's own out-of-tree op registry, by the trainer's functions, so that what still differs is
+attention and GEMM accumulation order (eager engines only).
 
 Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu_vllm.sh says how), run from the repo root.
 """
@@ -69,40 +68,6 @@ def compare(a: torch.Tensor, b: torch.Tensor, flow) -> tuple[float, float, float
     return (a != b).float().mean().item(), bytes_differ, rel
 
 
-def register_trainer_glue() -> None:
-    """vLLM 0.26's RMSNorm (plain and fused with the residual add) and RotaryEmbedding run the trainer's formulas."""
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
-    from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
-
-    @CustomOp.register_oot(name="RMSNorm")
-    class TrainerRMSNorm(RMSNorm):
-        def forward_cuda(self, x, residual=None):
-            if residual is None:
-                return fused_rms_norm(x, self.weight, self.variance_epsilon)
-            h = x + residual  # the trainer's BF16 residual add, then its norm of the rounded sum
-            return fused_rms_norm(h, self.weight, self.variance_epsilon), h
-
-        forward_native = forward_cuda
-
-    @CustomOp.register_oot(name="RotaryEmbedding")
-    class TrainerRotaryEmbedding(RotaryEmbedding):
-        def forward_cuda(self, positions, query, key=None):
-            d = self.head_size
-            if self.rotary_dim != d or not self.is_neox_style:
-                raise NotImplementedError("the trainer's RoPE rotates the whole head, rotate-half style")
-            cos, sin = rope_cos_sin(d, (("rotary_base", self.base), ("rotary_percent", 1.0)), self.max_position_embeddings, query.device)
-            pos = positions.flatten()
-            cos, sin, t = cos[pos], sin[pos], pos.shape[0]
-            q = fused_rope(query.view(t, 1, -1, d), cos, sin).view_as(query)
-            return q, None if key is None else fused_rope(key.view(t, 1, -1, d), cos, sin).view_as(key)
-
-        forward_native = forward_cuda
-
-
 def op_probes(engine, arch) -> list[tuple[str, str, float]]:
     """(op, vLLM method, share of output elements that differ from the trainer's) for vLLM's layer-0 modules."""
     import torch.nn.functional as F
@@ -149,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="", help="vLLM attention backend (default: vLLM's choice, FlashAttention 3 on Hopper)")
     p.add_argument("--custom-ops", default="", help="vLLM compilation_config custom_ops, comma list (e.g. -silu_and_mul: torch's forward_native)")
     p.add_argument("--glue", choices=("vllm", "trainer"), default="vllm",
-                   help="trainer: vLLM's RMSNorm and RoPE replaced by the trainer's (register_trainer_glue)")
+                   help="trainer: vLLM's RMSNorm and RoPE replaced by the trainer's (rollout.vllm_glue.register)")
     p.add_argument("--show", type=int, default=4, help="table rows: the first SHOW layers and the last")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -178,7 +143,9 @@ def main(argv=None) -> int:
         from megatron_jetrl.rollout.vllm_engine import engine_env, pin_environment
 
         pin_environment(engine_env(flow))
-        register_trainer_glue()
+        from megatron_jetrl.rollout import vllm_glue
+
+        vllm_glue.register()
     extra = {"attention_config": {"backend": args.attention}} if args.attention else {}
     if args.custom_ops:
         extra["compilation_config"] = {"custom_ops": args.custom_ops.split(",")}

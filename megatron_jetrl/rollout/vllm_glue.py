@@ -1,0 +1,79 @@
+"""The trainer's RMSNorm and RoPE inside vLLM 0.26, through vLLM's own out-of-tree op registry.
+
+Why: measured on an H100 (`tools/diag_vllm_layers.py`, BENCHMARKS.md "Train/rollout mismatch at hidden 2048"), vLLM's
+layer-0 modules differ from the trainer's functions on one input each:
+- RMSNorm: 25% of outputs. vLLM rounds once, at the end; the trainer (the HF formula) rounds the normalized row to BF16
+  before the weight multiplies it. vLLM's reference for the residual-fused variant (`vllm/ir/ops/layernorm.py`)
+  also normalizes the FP32 sum, where the trainer normalizes the BF16-rounded residual.
+- RoPE: 18-24% of outputs. vLLM uses BF16 cos/sin and BF16 math; the trainer uses megatron's FP32 tables and FP32 math.
+SiLU-and-mul matched exactly. Each differing BF16 value before a quantizer can move a whole E4M3 step, so at hidden
+2048 jetrl with vLLM measured 1.6x the mismatch of the native engine.
+
+`register()` makes vLLM build `TrainerRMSNorm` / `TrainerRotaryEmbedding` wherever a model asks for `RMSNorm` /
+`RotaryEmbedding` (`CustomOp.register_oot`, read in vllm 0.26.0's `model_executor/custom_op.py`). They run `norm` and
+`rope` below: `actor.fused`, the trainer's own Triton kernels on CUDA. They must be registered before the engine builds
+its model. For eager engines only: the kernels sit behind autograd Functions that Dynamo does not trace.
+
+Status: the experiment of `tools/diag_vllm_layers.py --glue trainer`. Not yet run on a GPU, and not yet wired into
+`VllmEngine`. `norm` and `rope` are tested on the CPU against the trainer's functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
+
+
+def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """vLLM's RMSNorm contract with the trainer's numerics: `norm(x)`, or with a residual
+    `(norm(x + residual), x + residual)`. The sum is the trainer's BF16 residual add, and its rounded value is what
+    gets normalized."""
+    if residual is None:
+        return fused_rms_norm(x, weight, eps)
+    h = x + residual
+    return fused_rms_norm(h, weight, eps), h
+
+
+def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, *, head_size: int, base: float,
+         max_positions: int):
+    """vLLM's rotary contract (`query` `[tokens, heads * head_size]` at `positions`) with the trainer's RoPE.
+
+    The tables are megatron's (`actor.fp8_layers.rope_cos_sin`, rotary_percent 1, no scaling), and the math is
+    `actor.fused.rope`. Returns new tensors shaped as the inputs."""
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+    cos, sin = rope_cos_sin(head_size, (("rotary_base", float(base)), ("rotary_percent", 1.0)), max_positions, query.device)
+    pos = positions.flatten()
+    cos, sin, t = cos[pos], sin[pos], pos.shape[0]
+    q = fused_rope(query.reshape(t, 1, -1, head_size), cos, sin).view_as(query)
+    return q, None if key is None else fused_rope(key.reshape(t, 1, -1, head_size), cos, sin).view_as(key)
+
+
+def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers.py --glue trainer)
+    """Register the two classes in vLLM's out-of-tree registry. Call it once, after the environment is pinned and
+    before any engine is built."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    if "RMSNorm" in op_registry_oot:
+        return
+
+    @CustomOp.register_oot(name="RMSNorm")
+    class TrainerRMSNorm(RMSNorm):
+        def forward_cuda(self, x, residual=None):
+            return norm(x, residual, self.weight, self.variance_epsilon)
+
+        forward_native = forward_cuda
+
+    @CustomOp.register_oot(name="RotaryEmbedding")
+    class TrainerRotaryEmbedding(RotaryEmbedding):
+        def forward_cuda(self, positions, query, key=None):
+            if self.rotary_dim != self.head_size or not self.is_neox_style:
+                raise NotImplementedError(f"the trainer's RoPE rotates whole heads, rotate-half style; this model has "
+                                          f"rotary_dim {self.rotary_dim} of {self.head_size}, neox {self.is_neox_style}")
+            return rope(positions, query, key, head_size=self.head_size, base=self.base,
+                        max_positions=self.max_position_embeddings)
+
+        forward_native = forward_cuda
