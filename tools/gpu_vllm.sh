@@ -2,7 +2,7 @@
 # vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
 # and math-verify wheels, installed once into /tmp/mcore):
 #
-#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native
+#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native | diag
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min)
@@ -16,6 +16,9 @@
 #           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
+#   diag    tools/diag_vllm_layers.py (8 layers, hidden 2048) with vLLM's own glue, then with the trainer's
+#           (--glue trainer: rollout/vllm_glue.py) -> $OUT/diag_{vllm,trainer}.log; each run gets DIAG_TIMEOUT s
+#           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
 # Carry: kit-2 (61.5 MB) + this tree (~3.6 MB) + .whl/ (3.0 MB) is over a call's 64 MiB. Install the wheels in the kit's
 # call 1 instead (`bash .kits/vllm/unpack.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/*.whl`,
@@ -52,6 +55,12 @@ for stage in "$@"; do
     grpo) OUT=$OUT/vllm RUN_TIMEOUT=${RUN_TIMEOUT:-240} bash tools/gpu_grpo_run.sh rollout.engine=vllm ${GRPO_ARGS:-} >/dev/null 2>&1
           tail -20 "$OUT/vllm/run.log"; cat "$OUT/vllm/table.md" ;;
     native) OUT=$OUT/native bash tools/gpu_grpo_run.sh ${GRPO_ARGS:-} >/dev/null 2>&1; cat "$OUT/native/table.md" ;;
+    diag)
+      for glue in vllm trainer; do
+        timeout "${DIAG_TIMEOUT:-220}" python3 tools/diag_vllm_layers.py --layers 8 --show 2 --glue "$glue" ${DIAG_ARGS:-} \
+          > "$OUT/diag_$glue.log" 2>&1
+        echo "glue $glue: exit $?"; grep -E "^\||prompt logprobs|Error" "$OUT/diag_$glue.log" | grep -v INFO
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
