@@ -61,8 +61,8 @@ def native_inputs(native):
 def compare(a: torch.Tensor, b: torch.Tensor, flow) -> tuple[float, float, float]:
     from megatron_jetrl.fp8 import quantize_blockwise
 
-    qa, sa = quantize_blockwise(a, (1, 128), flow.scale_mode, eps=flow.eps)
-    qb, sb = quantize_blockwise(b, (1, 128), flow.scale_mode, eps=flow.eps)
+    qa, _ = quantize_blockwise(a, (1, 128), flow.scale_mode, eps=flow.eps)
+    qb, _ = quantize_blockwise(b, (1, 128), flow.scale_mode, eps=flow.eps)
     bytes_differ = (qa.view(torch.uint8) != qb.view(torch.uint8)).float().mean().item()
     rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
     return (a != b).float().mean().item(), bytes_differ, rel

@@ -9,11 +9,11 @@ one Triton kernel forward and one backward, reading and writing each tensor once
 and AOTAutograd's per-call host work (~0.4 ms per op and direction) left a 4096-token layer waiting on the host.
 
 The formulas are the ones the eager path runs, so CPU numerics are untouched: CPU tensors take the functions
-eagerly. On CUDA the kernels keep the formulas' own roundings (RMSNorm rounds the normalized row to BF16 before the
-weight multiplies it, as HF does; torch's `F.rms_norm` and vLLM 0.26's kernel round once, at the end, and differ from
-it in about a quarter of the elements: tools/diag_vllm_layers.py, BENCHMARKS.md) and differ from eager only where a sum runs in another order or a
-multiply-add is contracted: a last bit in a small fraction of the elements (tests/gpu/test_fused.py). RoPE computes
-in FP32 and rounds once, on CUDA and CPU alike.
+eagerly. On CUDA the kernels keep the formulas' own roundings and differ from eager only where a sum runs in another
+order or a multiply-add is contracted: a last bit in a small fraction of the elements (tests/gpu/test_fused.py).
+RMSNorm rounds the normalized row to BF16 before the weight multiplies it, as HF does; torch's `F.rms_norm` and vLLM
+0.26's kernel round once, at the end, and differ from it in about a quarter of the elements (tools/diag_vllm_layers.py,
+BENCHMARKS.md). RoPE computes in FP32 and rounds once, on CUDA and CPU alike.
 
 `on_cuda_compiled` (Inductor, for `actor.logprobs`' row functions, called once per micro-batch, not per layer) raises
 Dynamo's recompile limit around its calls only: a function compiles one graph per input rank and stride pattern.
