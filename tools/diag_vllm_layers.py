@@ -13,9 +13,9 @@ op probes come first: vLLM's own layer-0 modules (RMSNorm, rotary embedding, SiL
 torch `forward_native` methods) on one input each against the trainer's functions (`actor.fused`, torch's
 `F.silu(gate) * up`), share of BF16 output elements that differ.
 
-`--glue trainer` is the experiment of the next step: `rollout.vllm_glue.register()` replaces vLLM's RMSNorm and
-RotaryEmbedding, through vLLM's own out-of-tree op registry, by the trainer's functions, so that what still differs is
-attention and GEMM accumulation order (eager engines only).
+`--glue trainer` (`VllmEngine(glue="trainer")`, `rollout.glue: trainer`) replaces vLLM's RMSNorm and RotaryEmbedding,
+through vLLM's own out-of-tree op registry, by the trainer's functions (`rollout/vllm_glue.py`), so that what still
+differs is attention and GEMM accumulation order (eager engines only).
 
 Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu_vllm.sh says how), run from the repo root.
 """
@@ -139,18 +139,12 @@ def main(argv=None) -> int:
                   head_dim=128, vocab_size=args.vocab, max_position_embeddings=2048, eos_token_id=args.vocab - 1,
                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
     flow, arch = PrecisionFlow("jetrl"), ModelArch.from_hf_config(config)
-    if args.glue == "trainer":  # the environment is pinned before vllm is imported, as VllmEngine does
-        from megatron_jetrl.rollout.vllm_engine import engine_env, pin_environment
-
-        pin_environment(engine_env(flow))
-        from megatron_jetrl.rollout import vllm_glue
-
-        vllm_glue.register()
     extra = {"attention_config": {"backend": args.attention}} if args.attention else {}
     if args.custom_ops:
         extra["compilation_config"] = {"custom_ops": args.custom_ops.split(",")}
     engine = VllmEngine(write_model_dir(tempfile.mkdtemp(), config, flow), flow, eos_token_ids=[args.vocab - 1], seed=0,
-                        kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.6, enforce_eager=True, max_model_len=2048, **extra)
+                        kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.6, enforce_eager=True, max_model_len=2048,
+                        glue=args.glue, **extra)
     state = {k: v.cuda() for k, v in bf16_state(arch, seed=3).items()}
     batch = dict(live_stream(arch, state, flow))
     engine.update_weights(batch.items())
@@ -167,7 +161,7 @@ def main(argv=None) -> int:
     v_lp = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
     n_lp = torch.tensor(scores[: len(v_lp)])
     print(f"{torch.cuda.get_device_name()}; {config['model_type']} hidden {args.hidden}, {args.layers} layers, heads "
-          f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; custom_ops {args.custom_ops or 'default'}; glue {args.glue}; kernels {engine.numerics.get('kernels')}")
+          f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; custom_ops {args.custom_ops or 'default'}; glue {engine.numerics['glue']}; kernels {engine.numerics.get('kernels')}")
     print("| op (vLLM layer 0 vs the trainer's function) | vLLM method | output elements that differ |\n|---|---|---|")
     for op, method, share in op_probes(engine, arch):
         print(f"| {op} | {method} | {share:.2%} |")

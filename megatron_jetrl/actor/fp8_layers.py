@@ -103,10 +103,23 @@ class BatchInvariantAttention(torch.nn.Module):
 
 @lru_cache(maxsize=8)
 def _rotary(head_dim: int, rope: tuple, device: torch.device):
-    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device."""
+    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device (on a
+    CPU-only host its `get_emb` moves the frequencies to `torch.cuda.current_device()`: the CPU patch answers CPU)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    from megatron_jetrl.actor.parallel import apply_cpu_patch_if_needed
+
+    if device.type == "cpu":
+        apply_cpu_patch_if_needed()
+
     return RotaryEmbedding(kv_channels=head_dim, use_cpu_initialization=device.type == "cpu", **dict(rope))
+
+
+def rope_key(arch: ModelArch) -> tuple:
+    """`rope_cos_sin`'s `rope` argument for an arch: GPTModel's RoPE arguments (`provider.rope_kwargs`), sorted."""
+    from megatron_jetrl.actor.provider import rope_kwargs
+
+    return tuple(sorted((k, v) for k, v in rope_kwargs(arch).items() if k != "position_embedding_type"))
 
 
 @lru_cache(maxsize=2)
@@ -132,15 +145,13 @@ class SDPAttention(torch.nn.Module):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
                  cp_comm_type=None, pg_collection=None, *, arch: ModelArch, fused: bool = True):
         super().__init__()
-        from megatron_jetrl.actor.provider import rope_kwargs
-
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention is causal only, got attn_mask_type={attn_mask_type}")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("SDPAttention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
         self.softmax_scale = softmax_scale
         self.head_dim = arch.head_dim
-        self.rope_kwargs = tuple(sorted((k, v) for k, v in rope_kwargs(arch).items() if k != "position_embedding_type"))
+        self.rope_kwargs = rope_key(arch)
         self.rope = fused_rope if fused else rope
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):

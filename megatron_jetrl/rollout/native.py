@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.actor.fused import fused_rms_norm
+from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward, scale_shape
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
@@ -339,10 +339,32 @@ class NativeEngine:
         return ops.bi_linear(x, weight) if self.batch_invariant else F.linear(x, weight)
 
     def _rope_tables(self, needed: int):
+        """cos/sin `[positions, head_dim]`: the trainer's SDPAttention's on the library-kernel path (megatron's,
+        `rope_cos_sin`: FP32 angles; 0.4% of rotated outputs differ from FP64 ones), else FP64-angle tables
+        (`ops.rope_tables`: the batch-invariant path's, and HF's for a rope scaling megatron cannot train)."""
         if self._rope is None or self._rope[0].shape[0] < needed:
-            a = self.arch
-            self._rope = ops.rope_tables(a.head_dim, max(needed, a.max_position_embeddings), a.rope_theta, a.rope_scaling, self.device)
+            from megatron_jetrl.actor.fp8_layers import rope_cos_sin, rope_key
+
+            a, length = self.arch, max(needed, self.arch.max_position_embeddings)
+            try:
+                key = None if self.batch_invariant else rope_key(a)
+            except ValueError:  # e.g. llama3 scaling with factors megatron-core 0.16 does not implement
+                key = None
+            if key is None:
+                self._rope = ops.rope_tables(a.head_dim, length, a.rope_theta, a.rope_scaling, self.device)
+            else:
+                cos, sin = rope_cos_sin(a.head_dim, key, length, self.device)
+                self._rope = cos.view(length, -1), sin.view(length, -1)
         return self._rope
+
+    def _rotate(self, x, cos, sin):
+        """RoPE of x `[B, T, heads, D]` with cos/sin `[B, T, D]` -> `[B, heads, T, D]`: `ops.apply_rope`, or the
+        trainer's `fused_rope` (the same FP32 formula; its Triton kernel on CUDA), one token per row."""
+        if self.batch_invariant:
+            return ops.apply_rope(x.transpose(1, 2), cos, sin)
+        b, t, h, d = x.shape
+        rows = (y.reshape(b * t, 1, 1, d) for y in (cos, sin))
+        return fused_rope(x.reshape(b * t, 1, h, d), *rows).view(b, t, h, d).transpose(1, 2)
 
     def _norm(self, x, name, eps=None):
         """The trainer's RMSNorm: `ops.rms_norm`, or the actor's `fused_rms_norm` (its Triton kernel on CUDA).
@@ -393,7 +415,7 @@ class NativeEngine:
             if a.qk_norm:
                 q = self._norm(q, pre + "self_attn.q_norm.weight")
                 k = self._norm(k, pre + "self_attn.k_norm.weight")
-            qk = ops.apply_rope(torch.cat([q, k], 2).transpose(1, 2), cos, sin)  # elementwise: one call for both
+            qk = self._rotate(torch.cat([q, k], 2), cos, sin)  # elementwise: one call for both
             q, k = qk.split([a.num_heads, a.num_kv_heads], 1)  # [B, H, T, D], [B, Hkv, T, D]
             v = v.transpose(1, 2)
             if cache is not None:  # advanced indices (row, position) split by the head slice: value [B, T, Hkv, D]

@@ -403,14 +403,26 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
     def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
-                 verify_numerics: bool = True, **llm_extra):
+                 verify_numerics: bool = True, glue: str = "vllm", **llm_extra):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
-        own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes."""
+        own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
+        `glue="trainer"` runs the trainer's RMSNorm and RoPE inside vLLM (`rollout.vllm_glue`; eager engines only)
+        and refuses to start unless layer 0's modules then return the trainer's bytes."""
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
+        if glue not in ("vllm", "trainer"):
+            raise ValueError(f"glue must be 'vllm' or 'trainer', got {glue!r}")
+        if glue == "trainer" and not llm_extra.get("enforce_eager"):
+            raise ValueError("glue='trainer' needs enforce_eager=True (rollout.enforce_eager: true): the trainer's "
+                             "kernels run behind autograd Functions that vLLM's torch.compile does not trace")
         pin_environment(engine_env(flow, env))
         import vllm
+
+        if glue == "trainer":
+            from megatron_jetrl.rollout import vllm_glue
+
+            vllm_glue.register()
 
         self._vllm = vllm
         self.flow, self.tp, self.tp_rank = flow, tp, tp_rank
@@ -427,10 +439,26 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         else:
             self.numerics = {"verified": False, "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
                              "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)]}
+        self.numerics["glue"] = self._check_glue(glue, verify_numerics)
         self.params = dict(self.model.named_parameters())
         self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
         self.ready = False  # dummy weights until the first complete, verified update
         self.sleeping: set[str] = set()
+
+    def _check_glue(self, glue: str, verify: bool) -> dict:
+        """Layer 0's RMSNorm and RoPE against the trainer's functions: the share of outputs that differ, per op.
+        With the trainer's glue any difference refuses the engine (the registry did not take, or a model uses
+        another class, e.g. llama3's scaled RoPE)."""
+        from megatron_jetrl.rollout import vllm_glue
+
+        layer = self.model.model.layers[0]
+        shares = vllm_glue.probe(layer, self.arch, next(self.model.parameters()).device)
+        if glue == "trainer" and verify and any(shares.values()):
+            raise EngineConformanceError(
+                "vLLM does not run the trainer's glue although rollout.glue=trainer: outputs that differ from the "
+                f"trainer's functions {shares} (modules {type(layer.input_layernorm).__name__}, "
+                f"{type(layer.self_attn.rotary_emb).__name__})")
+        return {"mode": glue, "differ": shares}
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -14,8 +14,9 @@ SiLU-and-mul matched exactly. Each differing BF16 value before a quantizer can m
 `rope` below: `actor.fused`, the trainer's own Triton kernels on CUDA. They must be registered before the engine builds
 its model. For eager engines only: the kernels sit behind autograd Functions that Dynamo does not trace.
 
-Status: the experiment of `tools/diag_vllm_layers.py --glue trainer`. Not yet run on a GPU, and not yet wired into
-`VllmEngine`. `norm` and `rope` are tested on the CPU against the trainer's functions.
+`VllmEngine(glue="trainer")` (`rollout.glue: trainer`) registers them and `probe` checks at start-up that the model's
+layer-0 modules now return the trainer's bytes. `norm` and `rope` are tested on the CPU against the trainer's
+functions (tests/unit/test_rollout_vllm_glue.py); `tools/diag_vllm_layers.py --glue trainer` measures the effect.
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     cos, sin, t = cos[pos], sin[pos], pos.shape[0]
     q = fused_rope(query.reshape(t, 1, -1, head_size), cos, sin).view_as(query)
     return q, None if key is None else fused_rope(key.reshape(t, 1, -1, head_size), cos, sin).view_as(key)
+
+
+def probe(layer, arch, device, tokens: int = 512) -> dict[str, float]:
+    """Share of output elements in which a vLLM decoder layer's `input_layernorm` and `rotary_emb` (whatever forward
+    they dispatch to) differ from the trainer's functions, on one random input each."""
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin, rope_key
+
+    g = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn(tokens, arch.hidden_size, device=device, generator=g) * 3).to(torch.bfloat16)
+    ln = layer.input_layernorm
+    shares = {"rms_norm": (ln(x.clone()) != fused_rms_norm(x, ln.weight, arch.rms_norm_eps)).float().mean().item()}
+    rot, d = layer.self_attn.rotary_emb, arch.head_dim
+    q = torch.randn(tokens, arch.num_heads * d, device=device, generator=g).to(torch.bfloat16)
+    k = torch.randn(tokens, arch.num_kv_heads * d, device=device, generator=g).to(torch.bfloat16)
+    got_q, got_k = rot(torch.arange(tokens, device=device), q.clone(), k.clone())
+    cos, sin = rope_cos_sin(d, rope_key(arch), tokens, q.device)
+    want = [fused_rope(t.view(tokens, 1, -1, d), cos, sin).view(tokens, -1) for t in (q, k)]
+    shares["rope"] = torch.cat([(got_q.reshape(tokens, -1) != want[0]).flatten(),
+                                (got_k.reshape(tokens, -1) != want[1]).flatten()]).float().mean().item()
+    return shares
 
 
 def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers.py --glue trainer)

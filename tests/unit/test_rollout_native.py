@@ -236,6 +236,34 @@ def test_library_kernels_path_normalizes_as_the_trainer_not_as_torchs_rms_norm()
     assert (got != torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps)).float().mean() > 0.1
 
 
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_library_kernels_path_rotates_as_the_trainers_attention(family):
+    """The fast path's RoPE is the trainer's SDPAttention's: megatron's FP32 tables (`rope_cos_sin`, llama3 scaling
+    included) and `actor.fused.rope`, at each token's own position. The batch-invariant path keeps its FP64-angle
+    tables, which differ from megatron's in some rotated outputs."""
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin, rope_key
+    from megatron_jetrl.actor.fused import rope
+
+    config = tiny_config(family)
+    if family == "llama":  # factors megatron implements (tiny_config's are HF-only: those keep FP64 tables)
+        config["rope_scaling"]["original_max_position_embeddings"] = 8192
+    arch = ModelArch.from_hf_config(config)
+    fast, exact = (NativeEngine(arch, JETRL, batch_invariant=bi, eos_token_ids=[299]) for bi in (False, True))
+    a, t = fast.arch, 40
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, t, a.num_heads + a.num_kv_heads, a.head_dim, generator=g) * 4).bfloat16()
+    positions = torch.stack([torch.arange(t), torch.arange(t) + 7])  # rows at different positions
+    cos_t, sin_t = fast._rope_tables(t + 7)
+    got = fast._rotate(x, cos_t[positions], sin_t[positions])
+    cos, sin = rope_cos_sin(a.head_dim, rope_key(a), t + 7, torch.device("cpu"))
+    for row in range(2):
+        want = rope(x[row].unsqueeze(1), cos[positions[row]], sin[positions[row]]).squeeze(1).transpose(0, 1)
+        assert torch.equal(got[row], want)
+    cos_e, sin_e = exact._rope_tables(t + 7)
+    assert torch.equal(exact._rotate(x, cos_e[positions], sin_e[positions]),
+                       ops.apply_rope(x.transpose(1, 2), cos_e[positions], sin_e[positions]))
+
 # ---- (c) disk == live ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shards", [1, 3])

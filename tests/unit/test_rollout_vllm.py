@@ -233,12 +233,16 @@ def test_config_refuses_vllm_settings_that_cannot_run():
 
     ok = load_config("configs/gpu_1p5b.yaml", ["rollout.engine=vllm", "rollout.tp=1"])
     assert ok.rollout.kv_cache_fraction == 0.5 and ok.rollout.max_model_len == 0
+    assert load_config("configs/gpu_1p5b.yaml", ["rollout.engine=vllm", "rollout.glue=trainer",
+                                                  "rollout.enforce_eager=true"]).rollout.glue == "trainer"
     for overrides, message in [
         (["rollout.engine=vllm", "rollout.tp=2"], r"rollout.tp=2 must divide the number of ranks parallel.tp \* pp \* dp = 1"),
         (["rollout.engine=vllm", "run.device=cpu"], "rollout.engine=vllm needs a GPU run, not run.device=cpu"),
         (["rollout.tp=2"], "rollout.tp=2 is for rollout.engine=vllm"),
         (["rollout.engine=vllm", "rollout.kv_cache_fraction=1.5"], r"rollout.kv_cache_fraction must be in \(0, 1\)"),
         (["rollout.engine=vllm", "rollout.max_model_len=32"], "rollout.max_model_len=32 must exceed rollout.max_new_tokens=64"),
+        (["rollout.engine=vllm", "rollout.glue=mine"], "rollout.glue must be 'vllm' or 'trainer', got 'mine'"),
+        (["rollout.engine=vllm", "rollout.glue=trainer"], "rollout.glue=trainer .* set rollout.enforce_eager=true"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("configs/gpu_1p5b.yaml", overrides)

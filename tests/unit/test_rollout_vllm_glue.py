@@ -48,3 +48,57 @@ def test_rope_at_any_positions_is_the_trainers_rope_of_the_sequence(heads, kv, t
         assert torch.equal(rope(seq, cos, sin)[p, 0].reshape(-1), got_q[i])
     _, none = vllm_glue.rope(positions, q, None, head_size=d, base=base, max_positions=max_pos)
     assert none is None
+
+
+def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
+    """The start-up probe of `VllmEngine(glue=...)`, on stand-ins of vLLM's modules: the trainer's functions read 0;
+    a norm that rounds once at the end (torch's `F.rms_norm`, like vLLM 0.26's kernel) and BF16 RoPE tables do not."""
+    from types import SimpleNamespace
+
+    from megatron_jetrl.models import ModelArch
+
+    arch = ModelArch.from_hf_config(dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300,
+                                         max_position_embeddings=128, rope_theta=1e6, rms_norm_eps=1e-6))
+    w = (1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(0))).bfloat16()
+
+    def layer(norm, rotate):
+        return SimpleNamespace(input_layernorm=Norm(norm), self_attn=SimpleNamespace(rotary_emb=Rot(rotate)))
+
+    class Norm:
+        def __init__(self, fn):
+            self.fn, self.weight = fn, w
+
+        def __call__(self, x):
+            return self.fn(x)
+
+    class Rot:
+        base = 1e6
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, positions, q, k):
+            return self.fn(positions, q, k)
+
+    def trainer_rope(positions, q, k):
+        return vllm_glue.rope(positions, q, k, head_size=128, base=1e6, max_positions=1024)
+
+    def bf16_rope(positions, q, k):  # vLLM's own: BF16 tables and BF16 math
+        from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+        tables = rope_cos_sin(128, (("rotary_base", 1e6), ("rotary_percent", 1.0)), 1024, torch.device("cpu"))
+        cos, sin = (t[positions].view(-1, 1, 128).bfloat16() for t in tables)
+
+        def rot(t):
+            t = t.view(t.shape[0], -1, 128)
+            x1, x2 = t.chunk(2, -1)
+            return (t * cos + torch.cat((-x2, x1), -1) * sin).flatten(1)
+
+        return rot(q), rot(k)
+
+    ours = vllm_glue.probe(layer(lambda x: vllm_glue.norm(x, None, w, 1e-6), trainer_rope), arch, torch.device("cpu"))
+    assert ours == {"rms_norm": 0.0, "rope": 0.0}
+    theirs = vllm_glue.probe(layer(lambda x: torch.nn.functional.rms_norm(x, (256,), w, 1e-6), bf16_rope), arch,
+                             torch.device("cpu"))
+    assert theirs["rms_norm"] > 0.1 and theirs["rope"] > 0.05
