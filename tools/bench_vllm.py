@@ -23,7 +23,9 @@ puts each variant in its own column):
   their own scale floor and no BF16 rounding before the quantizer. The bytes are no longer the trainer's, so the
   start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a
   rollout setting;
-* triton-attn: vLLM's Triton attention backend instead of FlashAttention 3 (the numerics check still runs).
+* triton-attn: vLLM's Triton attention backend instead of FlashAttention 3 (the numerics check still runs);
+* trainer-glue: the trainer's RMSNorm and RoPE (`rollout.glue: trainer`): no torch.compile, full CUDA graphs of
+  decode steps (the start-up check also probes the glue).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "fused", "triton-attn")
+VARIANTS = ("shipped", "fused", "triton-attn", "trainer-glue")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -94,6 +96,8 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         return {"compilation_config": None}, False  # None: llm_kwargs leaves vLLM's default compilation (fusions on)
     if variant == "triton-attn":
         return {"attention_config": {"backend": "TRITON_ATTN"}}, True
+    if variant == "trainer-glue":
+        return {"glue": "trainer"}, True
     return {}, True
 
 

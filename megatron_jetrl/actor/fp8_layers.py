@@ -103,14 +103,8 @@ class BatchInvariantAttention(torch.nn.Module):
 
 @lru_cache(maxsize=8)
 def _rotary(head_dim: int, rope: tuple, device: torch.device):
-    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device (on a
-    CPU-only host its `get_emb` moves the frequencies to `torch.cuda.current_device()`: the CPU patch answers CPU)."""
+    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    from megatron_jetrl.actor.parallel import apply_cpu_patch_if_needed
-
-    if device.type == "cpu":
-        apply_cpu_patch_if_needed()
 
     return RotaryEmbedding(kv_channels=head_dim, use_cpu_initialization=device.type == "cpu", **dict(rope))
 
@@ -125,7 +119,12 @@ def rope_key(arch: ModelArch) -> tuple:
 @lru_cache(maxsize=2)
 def rope_cos_sin(head_dim: int, rope: tuple, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 cos/sin `[length, 1, 1, head_dim]` at positions 0..length-1: the tables GPTModel's own RoPE would use
-    (`RotaryEmbedding.get_emb`, llama3 scaling included), shared by every layer; the newest lengths are kept."""
+    (`RotaryEmbedding.get_emb`, llama3 scaling included), shared by every layer; the newest lengths are kept.
+    On a CPU-only host `get_emb` moves the frequencies to `torch.cuda.current_device()`: the CPU patch answers CPU."""
+    if device.type == "cpu":
+        from megatron_jetrl.actor.parallel import apply_cpu_patch_if_needed
+
+        apply_cpu_patch_if_needed()
     emb = _rotary(head_dim, rope, device).get_emb(length)
     return emb.cos(), emb.sin()
 

@@ -121,10 +121,26 @@ def write_model_dir(directory: str | Path, hf_config: dict, flow: PrecisionFlow)
 
 # ---- arguments --------------------------------------------------------------------------------------
 
+GLUES = ("auto", "vllm", "trainer")
+
+
+def resolve_glue(glue: str, enforce_eager: bool) -> str:
+    """`auto`: the trainer's RMSNorm and RoPE in an eager engine (measured: mismatch 0.161 -> 0.044, BENCHMARKS.md),
+    vLLM's in a compiled one (its torch.compile does not trace the trainer's kernels, and the trainer's glue with
+    full CUDA graphs but no compile is not yet measured for decode speed)."""
+    if glue not in GLUES:
+        raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
+    return ("trainer" if enforce_eager else "vllm") if glue == "auto" else glue
+
+
 def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1, seed: int = 0,
                kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-               enforce_eager: bool = False, max_model_len: int | None = None, **extra) -> dict:
-    """Keyword arguments of `vllm.LLM(...)`: colocated SPMD engine, dummy load, the flow's numerics pinned."""
+               enforce_eager: bool = False, max_model_len: int | None = None, glue: str = "auto", **extra) -> dict:
+    """Keyword arguments of `vllm.LLM(...)`: colocated SPMD engine, dummy load, the flow's numerics pinned.
+
+    A non-eager engine compiles with vLLM's glue; with the trainer's glue it runs no torch.compile (Dynamo does not
+    trace the trainer's kernels) and captures full CUDA graphs of decode steps (`FULL_DECODE_ONLY`: vLLM 0.26
+    supports full graphs without compilation; prefill runs eagerly)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = ModelArch.from_hf_config(config)
     if flow.rollout_fp8:
@@ -142,7 +158,9 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
         disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
-    if flow.rollout_fp8 and not enforce_eager:
+    if resolve_glue(glue, enforce_eager) == "trainer" and not enforce_eager:
+        kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
+    elif flow.rollout_fp8 and not enforce_eager:
         kwargs["compilation_config"] = {"custom_ops": ["+quant_fp8"], "pass_config": dict(UNFUSED)}
     kwargs.update(extra)
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -403,19 +421,15 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
     def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
-                 verify_numerics: bool = True, glue: str = "vllm", **llm_extra):
+                 verify_numerics: bool = True, glue: str = "auto", **llm_extra):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
         own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
-        `glue="trainer"` runs the trainer's RMSNorm and RoPE inside vLLM (`rollout.vllm_glue`; eager engines only)
-        and refuses to start unless layer 0's modules then return the trainer's bytes."""
+        `glue` (`resolve_glue`): with the trainer's, vLLM runs the trainer's RMSNorm and RoPE (`rollout.vllm_glue`)
+        and the engine refuses to start unless layer 0's modules then return the trainer's bytes."""
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
-        if glue not in ("vllm", "trainer"):
-            raise ValueError(f"glue must be 'vllm' or 'trainer', got {glue!r}")
-        if glue == "trainer" and not llm_extra.get("enforce_eager"):
-            raise ValueError("glue='trainer' needs enforce_eager=True (rollout.enforce_eager: true): the trainer's "
-                             "kernels run behind autograd Functions that vLLM's torch.compile does not trace")
+        glue = resolve_glue(glue, bool(llm_extra.get("enforce_eager")))
         pin_environment(engine_env(flow, env))
         import vllm
 
@@ -429,17 +443,18 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         self.eos_token_ids = tuple(eos_token_ids)
         self.arch = ModelArch.from_pretrained(model_dir)
         self.specs = expected_tensors(self.arch, flow)
-        kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, **llm_extra)
+        kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, glue=glue, **llm_extra)
         self.llm = vllm.LLM(**kwargs)
         self.model = self.llm.collective_rpc(_driver_model)[0]
-        compiled = not kwargs.get("enforce_eager", False)
-        pass_config = self.llm.llm_engine.vllm_config.compilation_config.pass_config
+        compilation = self.llm.llm_engine.vllm_config.compilation_config
+        compiled, pass_config = int(compilation.mode) != 0, compilation.pass_config  # CompilationMode.NONE == 0
         if verify_numerics:
             self.numerics = check_numerics(self.model, flow, pass_config, compiled=compiled)
         else:
             self.numerics = {"verified": False, "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
                              "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)]}
         self.numerics["glue"] = self._check_glue(glue, verify_numerics)
+        self.numerics["compilation"] = {"mode": str(compilation.mode), "cudagraph_mode": str(compilation.cudagraph_mode)}
         self.params = dict(self.model.named_parameters())
         self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
         self.ready = False  # dummy weights until the first complete, verified update

@@ -12,10 +12,10 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout import SamplingParams
 from megatron_jetrl.rollout.vllm_engine import (
-    VLLM_VERSION, EngineConformanceError, apply_plan, copy_plan, engine_env, kernel_problems, llm_kwargs, parse_output,
+    UNFUSED, VLLM_VERSION, EngineConformanceError, apply_plan, copy_plan, engine_env, kernel_problems, llm_kwargs, parse_output,
     pass_problems, pin_environment, probe_problems, probe_tensor, rank_piece, sampling_kwargs, vllm_target, write_model_dir,
 )
-from test_rollout_native import JETRL, bf16_state, live_stream, tiny_config, write_checkpoint
+from test_rollout_native import BF16, JETRL, bf16_state, live_stream, tiny_config, write_checkpoint
 
 
 def test_vllm_is_not_imported_by_the_rollout_package():
@@ -49,6 +49,7 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     assert kw["compilation_config"] == {"custom_ops": ["+quant_fp8"], "pass_config": {
         "fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}}
     assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)
+    assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True, glue="trainer")
     with pytest.raises(ValueError, match="TP=4 does not divide num_key_value_heads=2"):
         llm_kwargs(tmp_path, JETRL, tensor_parallel_size=4)
     bf16_dir = write_model_dir(tmp_path / "bf16", config, PrecisionFlow("bf16"))
@@ -233,16 +234,14 @@ def test_config_refuses_vllm_settings_that_cannot_run():
 
     ok = load_config("configs/gpu_1p5b.yaml", ["rollout.engine=vllm", "rollout.tp=1"])
     assert ok.rollout.kv_cache_fraction == 0.5 and ok.rollout.max_model_len == 0
-    assert load_config("configs/gpu_1p5b.yaml", ["rollout.engine=vllm", "rollout.glue=trainer",
-                                                  "rollout.enforce_eager=true"]).rollout.glue == "trainer"
+    assert ok.rollout.glue == "auto"
     for overrides, message in [
         (["rollout.engine=vllm", "rollout.tp=2"], r"rollout.tp=2 must divide the number of ranks parallel.tp \* pp \* dp = 1"),
         (["rollout.engine=vllm", "run.device=cpu"], "rollout.engine=vllm needs a GPU run, not run.device=cpu"),
         (["rollout.tp=2"], "rollout.tp=2 is for rollout.engine=vllm"),
         (["rollout.engine=vllm", "rollout.kv_cache_fraction=1.5"], r"rollout.kv_cache_fraction must be in \(0, 1\)"),
         (["rollout.engine=vllm", "rollout.max_model_len=32"], "rollout.max_model_len=32 must exceed rollout.max_new_tokens=64"),
-        (["rollout.engine=vllm", "rollout.glue=mine"], "rollout.glue must be 'vllm' or 'trainer', got 'mine'"),
-        (["rollout.engine=vllm", "rollout.glue=trainer"], "rollout.glue=trainer .* set rollout.enforce_eager=true"),
+        (["rollout.engine=vllm", "rollout.glue=mine"], "rollout.glue must be 'auto', 'vllm' or 'trainer', got 'mine'"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("configs/gpu_1p5b.yaml", overrides)
@@ -259,6 +258,8 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert bench.variant_settings("shipped", "jetrl") == ({}, True)
     extra, verify = bench.variant_settings("fused", "jetrl")
     assert not verify and "compilation_config" not in llm_kwargs(tmp_path, JETRL, **extra)  # vLLM's default passes
+    extra, verify = bench.variant_settings("trainer-glue", "jetrl")
+    assert verify and llm_kwargs(tmp_path, JETRL, **extra)["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     extra, verify = bench.variant_settings("triton-attn", "bf16")
     kw = llm_kwargs(tmp_path, JETRL, **extra)
     assert verify and kw["attention_config"] == {"backend": "TRITON_ATTN"} and kw["compilation_config"]["pass_config"]["fuse_norm_quant"] is False
@@ -266,3 +267,21 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
         bench.variant_settings("fused", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
         bench.variant_settings("fast", "jetrl")
+
+
+def test_glue_auto_is_the_trainers_in_eager_engines_and_graphs_without_compile_carry_it():
+    from megatron_jetrl.rollout.vllm_engine import resolve_glue
+
+    assert resolve_glue("auto", True) == "trainer" and resolve_glue("auto", False) == "vllm"
+    assert resolve_glue("vllm", True) == "vllm" and resolve_glue("trainer", False) == "trainer"
+    with pytest.raises(ValueError, match="glue must be one of"):
+        resolve_glue("mine", True)
+
+
+def test_trainers_glue_in_a_graph_engine_runs_full_decode_graphs_without_torch_compile(tmp_path):
+    write_model_dir(tmp_path, tiny_config("qwen3"), JETRL)
+    compiled = llm_kwargs(tmp_path, JETRL)["compilation_config"]
+    assert compiled["pass_config"] == UNFUSED and "mode" not in compiled  # vLLM's glue: its compiled engine, unfused
+    graphs = llm_kwargs(tmp_path, JETRL, glue="trainer")["compilation_config"]
+    assert graphs == {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
+    assert llm_kwargs(tmp_path, BF16, glue="trainer")["compilation_config"]["mode"] == "NONE"
