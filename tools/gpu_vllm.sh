@@ -5,7 +5,9 @@
 #   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native | diag
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
-#           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min)
+#           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
+#           others. JETRL_VLLM_TEST_ENGINE='{"enforce_eager": false, "glue": "trainer"}' runs test_vllm.py's engine
+#           with the trainer's glue and full decode CUDA graphs
 #   bench   tools/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
 #           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:fused bf16:triton-attn",
 #           bench_vllm.py --variant: what vLLM's fused quant kernels or another attention backend would buy) ->
@@ -39,7 +41,7 @@ for stage in "$@"; do
   t0=$(date +%s)
   echo "== stage $stage $(date -u +%TZ)"
   case $stage in
-    tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py 2>&1 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py} 2>&1 | tee "$OUT/tests.log" ;;
     bench)
       for run in ${RUNS:-jetrl bf16}; do
         mode=${run%%:*}; variant=${run#*:}; [ "$variant" = "$run" ] && variant=shipped

@@ -36,15 +36,19 @@ def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
     return fused_rms_norm(h, weight, eps), h
 
 
-def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, *, head_size: int, base: float,
-         max_positions: int):
-    """vLLM's rotary contract (`query` `[tokens, heads * head_size]` at `positions`) with the trainer's RoPE.
-
-    The tables are megatron's (`actor.fp8_layers.rope_cos_sin`, rotary_percent 1, no scaling), and the math is
-    `actor.fused.rope`. Returns new tensors shaped as the inputs."""
+def rope_tables(head_size: int, base: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's FP32 cos/sin `[max_positions, 1, 1, head_size]` (`actor.fp8_layers.rope_cos_sin`, rotary_percent 1,
+    no scaling). A module keeps its own reference: a captured CUDA graph reads them by address, after the
+    trainer's calls may have evicted them from `rope_cos_sin`'s cache."""
     from megatron_jetrl.actor.fp8_layers import rope_cos_sin
 
-    cos, sin = rope_cos_sin(head_size, (("rotary_base", float(base)), ("rotary_percent", 1.0)), max_positions, query.device)
+    return rope_cos_sin(head_size, (("rotary_base", float(base)), ("rotary_percent", 1.0)), max_positions, torch.device(device))
+
+
+def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+    """vLLM's rotary contract (`query` `[tokens, heads * head_size]` at `positions`) with the trainer's RoPE: the
+    tables of `rope_tables` and the math of `actor.fused.rope`. Returns new tensors shaped as the inputs."""
+    head_size = cos.shape[-1]
     pos = positions.flatten()
     cos, sin, t = cos[pos], sin[pos], pos.shape[0]
     q = fused_rope(query.reshape(t, 1, -1, head_size), cos, sin).view_as(query)
@@ -94,7 +98,10 @@ def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers
             if self.rotary_dim != self.head_size or not self.is_neox_style:
                 raise NotImplementedError(f"the trainer's RoPE rotates whole heads, rotate-half style; this model has "
                                           f"rotary_dim {self.rotary_dim} of {self.head_size}, neox {self.is_neox_style}")
-            return rope(positions, query, key, head_size=self.head_size, base=self.base,
-                        max_positions=self.max_position_embeddings)
+            tables = getattr(self, "_trainer_tables", None)
+            if tables is None or tables[0].device != query.device:  # made in vLLM's warm-up, before graph capture
+                tables = self._trainer_tables = rope_tables(self.head_size, self.base, self.max_position_embeddings,
+                                                            query.device)
+            return rope(positions, query, key, *tables)
 
         forward_native = forward_cuda

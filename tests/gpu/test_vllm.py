@@ -2,8 +2,9 @@
 
 One colocated engine in this process (external launcher on a one-rank NCCL group, as the trainer runs it), a
 random Qwen3-shaped model (4 layers, hidden 1024). Checked:
-* start-up conformance: the kernel class of every FP8 linear, UE8M0 off, the activation quantizer probe; the same
-  read-back refuses the running engine for a flow with another scale mode, and a BF16 plan for its FP8 params;
+* start-up conformance: the kernel class of every FP8 linear, UE8M0 off, the activation quantizer probe, the glue
+  (`rollout.glue`: the trainer's RMSNorm and RoPE return the trainer's bytes); the same read-back refuses the running
+  engine for a flow with another scale mode, and a BF16 plan for its FP8 params;
 * the on-device sync: every vLLM parameter holds the trainer's bytes (read back independently of the sync's own
   check), an update with a bad scale is refused with nothing written, and the engine still serves;
 * sleep(level 2) -> wake weights -> sync -> wake KV cache: greedy generations equal those before the sleep;
@@ -13,6 +14,7 @@ random Qwen3-shaped model (4 layers, hidden 1024). Checked:
 """
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -25,8 +27,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
 CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=512, eos_token_id=1023,
               rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ENGINE = dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512)
-"""`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too)."""
+ENGINE = dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512,
+              **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}")))
+"""`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
+(JSON) overrides them, e.g. '{"enforce_eager": false, "glue": "trainer"}': the whole module on the trainer's glue
+with full decode CUDA graphs."""
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,16 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
     print("numerics:", engine.numerics)
     assert engine.numerics["fp8_linears"] == 4 * arch.num_layers and engine.numerics["probed"] >= 1
     assert set(engine.numerics["kernels"]) <= {"DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel"}
+    glue = engine.numerics["glue"]
+    if glue["mode"] == "trainer":  # the start-up probe refuses any difference; read it back independently too
+        from megatron_jetrl.rollout import vllm_glue
+
+        assert not any(glue["differ"].values())
+        assert not any(vllm_glue.probe(engine.model.model.layers[-1], arch, "cuda").values())
+        if not ENGINE["enforce_eager"]:
+            assert engine.numerics["compilation"]["cudagraph_mode"].endswith("FULL_DECODE_ONLY")
+    else:
+        assert glue["differ"]["rms_norm"] > 0.05  # vLLM's own kernel rounds once (25% measured at hidden 2048)
     with pytest.raises(EngineConformanceError, match="use_ue8m0=False.*ue8m0"):
         check_numerics(engine.model, PrecisionFlow("jetrl", scale_mode="ue8m0"), None, compiled=False)
     with pytest.raises(EngineConformanceError, match=r"qkv_proj.weight: vLLM holds \(1536, 1024\) torch.float8_e4m3fn .*bfloat16"):

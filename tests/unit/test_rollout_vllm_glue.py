@@ -38,15 +38,17 @@ def test_rope_at_any_positions_is_the_trainers_rope_of_the_sequence(heads, kv, t
     positions = torch.randint(0, max_pos, (tokens,), generator=g)
     q = torch.randn(tokens, heads * d, generator=g).bfloat16()
     k = torch.randn(tokens, kv * d, generator=g).bfloat16()
-    got_q, got_k = vllm_glue.rope(positions, q, k, head_size=d, base=base, max_positions=max_pos)
+    tables = vllm_glue.rope_tables(d, base, max_pos, "cpu")
+    got_q, got_k = vllm_glue.rope(positions, q, k, *tables)
     assert got_q.shape == q.shape and got_k.shape == k.shape
     table = (("rotary_base", base), ("rotary_percent", 1.0))
     cos, sin = rope_cos_sin(d, table, max_pos, torch.device("cpu"))
+    assert torch.equal(tables[0], cos) and torch.equal(tables[1], sin)
     for i, p in enumerate(positions.tolist()):  # the trainer's RoPE of a sequence, read at position p
         seq = torch.zeros(max_pos, 1, heads, d, dtype=torch.bfloat16)
         seq[p, 0] = q[i].view(heads, d)
         assert torch.equal(rope(seq, cos, sin)[p, 0].reshape(-1), got_q[i])
-    _, none = vllm_glue.rope(positions, q, None, head_size=d, base=base, max_positions=max_pos)
+    _, none = vllm_glue.rope(positions, q, None, *tables)
     assert none is None
 
 
@@ -82,7 +84,7 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
             return self.fn(positions, q, k)
 
     def trainer_rope(positions, q, k):
-        return vllm_glue.rope(positions, q, k, head_size=128, base=1e6, max_positions=1024)
+        return vllm_glue.rope(positions, q, k, *vllm_glue.rope_tables(128, 1e6, 1024, "cpu"))
 
     def bf16_rope(positions, q, k):  # vLLM's own: BF16 tables and BF16 math
         from megatron_jetrl.actor.fp8_layers import rope_cos_sin
