@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
 CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=512, eos_token_id=1023,
               rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ENGINE = dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512,
-              **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}")))
+ENGINE = {**dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512),
+          **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}"))}
 """`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
 (JSON) overrides them, e.g. '{"enforce_eager": false, "glue": "trainer"}': the whole module on the trainer's glue
 with full decode CUDA graphs."""
