@@ -16,6 +16,8 @@ Numerics are pinned, then checked at start-up, because vLLM's defaults change th
   and the fused kernels floor the scale at 1/(448*512) instead of flooring amax at 1e-10.
 `check_numerics` reads back the kernel of every FP8 linear, the E8M0 switch, the compile passes, and runs the
 kernels' own activation quantizer on a probe against ours; any difference refuses the engine, naming it.
+vLLM's own RMSNorm and RoPE round unlike the trainer's (a fifth of their outputs); `glue="trainer"` (`resolve_glue`)
+registers the trainer's (`rollout.vllm_glue`) and probes them at start-up the same way.
 
 Weights never leave the device. The engine starts on dummy weights (`load_format="dummy"`, a config-only
 model directory) and every sync -- the first included -- writes the trainer's FP8 bytes, scales and BF16
