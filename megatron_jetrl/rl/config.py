@@ -125,7 +125,7 @@ class ModelConfig:
     """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.batch_invariant_ops`, which
     makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
     fused: bool = True
-    """Local spec on CUDA: RMSNorm and RoPE as one torch.compile'd kernel per op and direction and megatron's fused
+    """Local spec on CUDA: RMSNorm and RoPE as one Triton kernel per op and direction and megatron's fused
     SwiGLU for BF16 MLPs (`actor.fused`); false: eager torch ops (several kernels each; what megatron runs without
     apex or TE). The CPU always runs eagerly."""
     spec: str = "local"
@@ -277,7 +277,8 @@ class RolloutConfig:
     trainer's in about a fifth of their outputs. `trainer`: the actor's functions, registered in vLLM's op registry
     (`rollout/vllm_glue.py`) and checked at start-up (measured at hidden 2048: jetrl's mismatch 0.161 -> 0.044,
     BENCHMARKS.md); with enforce_eager false it runs full decode CUDA graphs without torch.compile. `auto`: trainer
-    when enforce_eager, else vllm (vLLM's compiled engine, whose decode speed is measured)."""
+    when enforce_eager, else vllm (vLLM's compiled engine, whose decode speed is measured); vllm with model.spec=te,
+    whose norms are Transformer Engine's."""
 
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
@@ -364,6 +365,9 @@ class JetRLConfig:
         _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
                "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
         if self.model.spec == "te":
+            _check(self.rollout.glue != "trainer",
+                   "rollout.glue=trainer runs the local spec's RMSNorm and RoPE inside vLLM, but model.spec=te trains with "
+                   "Transformer Engine's: use rollout.glue=auto (vLLM's, with this spec) or vllm")
             _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0,
                    f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
                    f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size to a multiple of 8 "

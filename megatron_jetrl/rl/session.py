@@ -128,7 +128,8 @@ def start_vllm_pool(s: "Session") -> None:
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
-                        enforce_eager=r.enforce_eager, glue=r.glue, max_model_len=max_len, max_num_seqs=seqs)
+                        enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
+                        glue="vllm" if r.glue == "auto" and s.cfg.model.spec == "te" else r.glue)  # TE's norms: not ours
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 
