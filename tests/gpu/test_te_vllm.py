@@ -167,7 +167,7 @@ def world(te_ready, tmp_path_factory):
     convert(root / "ckpt", root / "hf", dtype="fp8", rollout_tp=1, force=True)
     t0 = time.perf_counter()
     engine = VllmEngine(root / "hf", flow, load_format="auto",
-                        **dict(ENGINE, max_model_len=ARCH["max_position_embeddings"]))
+                        **dict(ENGINE, max_model_len=ARCH["max_position_embeddings"], glue="vllm"))  # TE's norms, as the session picks
     start_s = time.perf_counter() - t0
     return SimpleNamespace(flow=flow, arch=a, ddp=ddp, opt=opt, engine=engine, want1=want, start_s=start_s,
                            disk=vllm_bytes(engine, a, want))
