@@ -278,7 +278,7 @@ class RolloutConfig:
     (`rollout/vllm_glue.py`) and checked at start-up (measured at hidden 2048: jetrl's mismatch 0.161 -> 0.044,
     BENCHMARKS.md); with enforce_eager false it runs full decode CUDA graphs without torch.compile. `auto`: trainer
     when enforce_eager, else vllm (vLLM's compiled engine, whose decode speed is measured); vllm with model.spec=te,
-    whose norms are Transformer Engine's."""
+    whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the glue does not replace."""
 
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")

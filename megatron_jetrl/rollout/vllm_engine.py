@@ -126,13 +126,16 @@ def write_model_dir(directory: str | Path, hf_config: dict, flow: PrecisionFlow)
 GLUES = ("auto", "vllm", "trainer")
 
 
-def resolve_glue(glue: str, enforce_eager: bool) -> str:
+def resolve_glue(glue: str, enforce_eager: bool, arch: ModelArch) -> str:
     """`auto`: the trainer's RMSNorm and RoPE in an eager engine (measured: mismatch 0.161 -> 0.044, BENCHMARKS.md),
     vLLM's in a compiled one (its torch.compile does not trace the trainer's kernels, and the trainer's glue with
-    full CUDA graphs but no compile is not yet measured for decode speed)."""
+    full CUDA graphs but no compile is not yet measured for decode speed) and for a scaled RoPE (llama3: vLLM builds
+    another class, which `rollout.vllm_glue` does not replace)."""
     if glue not in GLUES:
         raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
-    return ("trainer" if enforce_eager else "vllm") if glue == "auto" else glue
+    if glue == "auto":
+        return "trainer" if enforce_eager and not arch.rope_scaling else "vllm"
+    return glue
 
 
 def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1, seed: int = 0,
@@ -160,7 +163,7 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
         disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
-    if resolve_glue(glue, enforce_eager) == "trainer" and not enforce_eager:
+    if resolve_glue(glue, enforce_eager, arch) == "trainer" and not enforce_eager:
         kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
     elif flow.rollout_fp8 and not enforce_eager:
         kwargs["compilation_config"] = {"custom_ops": ["+quant_fp8"], "pass_config": dict(UNFUSED)}
@@ -431,19 +434,22 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
-        glue = resolve_glue(glue, bool(llm_extra.get("enforce_eager")))
+        self.arch = ModelArch.from_pretrained(model_dir)
+        glue = resolve_glue(glue, bool(llm_extra.get("enforce_eager")), self.arch)
         pin_environment(engine_env(flow, env))
         import vllm
 
-        if glue == "trainer":
-            from megatron_jetrl.rollout import vllm_glue
+        from megatron_jetrl.rollout import vllm_glue
 
+        if glue == "trainer":
             vllm_glue.register()
+        elif vllm_glue.registered():
+            raise RuntimeError("an engine with vLLM's glue was asked for, but this process registered the trainer's in "
+                               "vLLM's op registry (global to the process): start it in a fresh process")
 
         self._vllm = vllm
         self.flow, self.tp, self.tp_rank = flow, tp, tp_rank
         self.eos_token_ids = tuple(eos_token_ids)
-        self.arch = ModelArch.from_pretrained(model_dir)
         self.specs = expected_tensors(self.arch, flow)
         kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, glue=glue, **llm_extra)
         self.llm = vllm.LLM(**kwargs)

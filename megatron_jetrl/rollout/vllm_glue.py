@@ -75,6 +75,13 @@ def probe(layer, arch, device, tokens: int = 512) -> dict[str, float]:
     return shares
 
 
+def registered() -> bool:  # pragma: no cover - needs vLLM
+    """Whether this process registered the trainer's classes (vLLM's registry is global: every later engine gets them)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    return getattr(op_registry_oot.get("RMSNorm"), "__name__", None) == "TrainerRMSNorm"
+
+
 def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers.py --glue trainer)
     """Register the two classes in vLLM's out-of-tree registry. Call it once, after the environment is pinned and
     before any engine is built."""

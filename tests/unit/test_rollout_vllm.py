@@ -272,10 +272,12 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
 def test_glue_auto_is_the_trainers_in_eager_engines_and_graphs_without_compile_carry_it():
     from megatron_jetrl.rollout.vllm_engine import resolve_glue
 
-    assert resolve_glue("auto", True) == "trainer" and resolve_glue("auto", False) == "vllm"
-    assert resolve_glue("vllm", True) == "vllm" and resolve_glue("trainer", False) == "trainer"
+    qwen, llama = (ModelArch.from_hf_config(tiny_config(t)) for t in ("qwen3", "llama"))
+    assert resolve_glue("auto", True, qwen) == "trainer" and resolve_glue("auto", False, qwen) == "vllm"
+    assert resolve_glue("auto", True, llama) == "vllm"  # llama3's scaled RoPE is another vLLM class
+    assert resolve_glue("vllm", True, qwen) == "vllm" and resolve_glue("trainer", False, qwen) == "trainer"
     with pytest.raises(ValueError, match="glue must be one of"):
-        resolve_glue("mine", True)
+        resolve_glue("mine", True, qwen)
 
 
 def test_trainers_glue_in_a_graph_engine_runs_full_decode_graphs_without_torch_compile(tmp_path):
