@@ -69,35 +69,21 @@ def compare(a: torch.Tensor, b: torch.Tensor, flow) -> tuple[float, float, float
 
 
 def op_probes(engine, arch) -> list[tuple[str, str, float]]:
-    """(op, vLLM method, share of output elements that differ from the trainer's) for vLLM's layer-0 modules."""
+    """(op, vLLM method, share of output elements that differ from the trainer's) for vLLM's layer-0 modules:
+    RMSNorm and RoPE through `rollout.vllm_glue.probe` (the engine's start-up probe), SiLU * up here."""
     import torch.nn.functional as F
 
-    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
-    from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
-    from megatron_jetrl.actor.provider import rope_kwargs
+    from megatron_jetrl.rollout import vllm_glue
 
-    layer, g = engine.model.model.layers[0], torch.Generator(device="cuda").manual_seed(1)
-    t, d = 512, arch.head_dim
-    rows = []
-    x = (torch.randn(t, arch.hidden_size, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    norm = layer.input_layernorm
-    want = fused_rms_norm(x, norm.weight, arch.rms_norm_eps)
-    for method in ("forward_cuda", "forward_native"):
-        rows.append(("RMSNorm", method, (getattr(norm, method)(x.clone()) != want).float().mean().item()))
-    gu = (torch.randn(t, 2 * arch.intermediate_size, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    layer, rows = engine.model.model.layers[0], []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gu = (torch.randn(512, 2 * arch.intermediate_size, device="cuda", generator=g) * 2).to(torch.bfloat16)
     gate, up = gu.chunk(2, dim=-1)
     want = F.silu(gate) * up
-    act = layer.mlp.act_fn
     for method in ("forward_cuda", "forward_native"):
-        rows.append(("SiLU * up", method, (getattr(act, method)(gu.clone()) != want).float().mean().item()))
-    q = torch.randn(t, arch.num_heads * d, device="cuda", generator=g).to(torch.bfloat16)
-    k = torch.randn(t, arch.num_kv_heads * d, device="cuda", generator=g).to(torch.bfloat16)
-    cos, sin = rope_cos_sin(d, tuple(sorted((a, b) for a, b in rope_kwargs(arch).items() if a != "position_embedding_type")), t, q.device)
-    want_q = fused_rope(q.view(t, 1, -1, d), cos, sin).view(t, -1)
-    rot, pos = layer.self_attn.rotary_emb, torch.arange(t, device="cuda")
-    for method in ("forward_cuda", "forward_native"):
-        got_q, _ = getattr(rot, method)(pos, q.clone(), k.clone())
-        rows.append(("RoPE (q)", method, (got_q.reshape(t, -1) != want_q).float().mean().item()))
+        shares = vllm_glue.probe(layer, arch, "cuda", method=method)
+        rows += [("RMSNorm", method, shares["rms_norm"]), ("RoPE (q, k)", method, shares["rope"]),
+                 ("SiLU * up", method, (getattr(layer.mlp.act_fn, method)(gu.clone()) != want).float().mean().item())]
     return rows
 
 

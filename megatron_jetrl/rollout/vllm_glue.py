@@ -55,19 +55,20 @@ def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     return q, None if key is None else fused_rope(key.reshape(t, 1, -1, head_size), cos, sin).view_as(key)
 
 
-def probe(layer, arch, device, tokens: int = 512) -> dict[str, float]:
-    """Share of output elements in which a vLLM decoder layer's `input_layernorm` and `rotary_emb` (whatever forward
-    they dispatch to) differ from the trainer's functions, on one random input each."""
+def probe(layer, arch, device, tokens: int = 512, method: str | None = None) -> dict[str, float]:
+    """Share of output elements in which a vLLM decoder layer's `input_layernorm` and `rotary_emb` differ from the
+    trainer's functions, on one random input each: through whatever forward they dispatch to, or through `method`
+    (e.g. `forward_native`)."""
     from megatron_jetrl.actor.fp8_layers import rope_cos_sin, rope_key
 
     g = torch.Generator(device=device).manual_seed(1)
     x = (torch.randn(tokens, arch.hidden_size, device=device, generator=g) * 3).to(torch.bfloat16)
-    ln = layer.input_layernorm
-    shares = {"rms_norm": (ln(x.clone()) != fused_rms_norm(x, ln.weight, arch.rms_norm_eps)).float().mean().item()}
-    rot, d = layer.self_attn.rotary_emb, arch.head_dim
+    ln, rot, d = layer.input_layernorm, layer.self_attn.rotary_emb, arch.head_dim
+    norm_fn, rot_fn = (ln, rot) if method is None else (getattr(ln, method), getattr(rot, method))
+    shares = {"rms_norm": (norm_fn(x.clone()) != fused_rms_norm(x, ln.weight, arch.rms_norm_eps)).float().mean().item()}
     q = torch.randn(tokens, arch.num_heads * d, device=device, generator=g).to(torch.bfloat16)
     k = torch.randn(tokens, arch.num_kv_heads * d, device=device, generator=g).to(torch.bfloat16)
-    got_q, got_k = rot(torch.arange(tokens, device=device), q.clone(), k.clone())
+    got_q, got_k = rot_fn(torch.arange(tokens, device=device), q.clone(), k.clone())
     cos, sin = rope_cos_sin(d, rope_key(arch), tokens, q.device)
     want = [fused_rope(t.view(tokens, 1, -1, d), cos, sin).view(tokens, -1) for t in (q, k)]
     shares["rope"] = torch.cat([(got_q.reshape(tokens, -1) != want[0]).flatten(),

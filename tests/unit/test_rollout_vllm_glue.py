@@ -104,3 +104,9 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
     theirs = vllm_glue.probe(layer(lambda x: torch.nn.functional.rms_norm(x, (256,), w, 1e-6), bf16_rope), arch,
                              torch.device("cpu"))
     assert theirs["rms_norm"] > 0.1 and theirs["rope"] > 0.05
+    # `method` probes one forward of each module (the diag tool's per-method rows)
+    both = layer(lambda x: vllm_glue.norm(x, None, w, 1e-6), trainer_rope)
+    both.input_layernorm.forward_native = lambda x: torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
+    both.self_attn.rotary_emb.forward_native = bf16_rope
+    assert vllm_glue.probe(both, arch, torch.device("cpu")) == ours
+    assert vllm_glue.probe(both, arch, torch.device("cpu"), method="forward_native") == theirs
