@@ -101,6 +101,78 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
     return {}, True
 
 
+DECODE_CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case. Attention
+    # first: FlashAttention 3's kernels are CUTLASS device kernels; quantizers before GEMMs (DeepGEMM's names say fp8)
+    ("attention", ("flash", "fmha", "attn", "attention", "paged")),
+    ("act quant", ("quant",)),
+    ("GEMM FP8", ("fp8_gemm", "deep_gemm", "sm90_fp8", "w8a8", "scaled_mm", "blockwise")),
+    ("GEMM BF16", ("nvjet", "xmma", "cutlass", "gemm", "cublas", "sm90_")),
+    ("norm", ("rms", "norm")),
+    ("rope", ("rotary", "rope")),
+    ("SiLU*mul", ("act_and_mul", "silu")),
+    ("sampling", ("sampl", "softmax", "topk", "top_k", "argmax", "exponential", "sort", "gumbel", "logsumexp", "log_prob")),
+    ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat")),
+)
+
+
+def decode_category(kernel: str) -> str:
+    low = kernel.lower()
+    return next((c for c, keys in DECODE_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def _kernels(run) -> tuple[dict[str, float], float]:
+    """Kernel ms by name and the ms some kernel ran (overlaps merged) of one profiled `run()`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ivs = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                 if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns())
+    by_name: dict[str, float] = {}
+    busy, cur = 0, None
+    for start, end, name in ivs:
+        by_name[name] = by_name.get(name, 0.0) + (end - start) / 1e6
+        if cur is None or start > cur[1]:
+            busy += 0 if cur is None else cur[1] - cur[0]
+            cur = [start, end]
+        cur[1] = max(cur[1], end)
+    busy += 0 if cur is None else cur[1] - cur[0]
+    return by_name, busy / 1e6
+
+
+def decode_profile(engine, prompts, steps: int = 64) -> dict:
+    """Where one decode step's time goes: torch.profiler over a generate of `steps` new tokens minus one of 2 (prefill
+    and the first token cancel), per decode step: wall ms, GPU-busy ms, kernel ms by category and the top kernels."""
+    per = {}
+    for new in (2, steps):
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=1)
+        engine.generate(prompts, sampling)  # warm: this batch and length's graphs and JIT
+        wall = min(timed(lambda: engine.generate(prompts, sampling)) for _ in range(2))
+        kernels, busy = _kernels(lambda: engine.generate(prompts, sampling))
+        per[new] = (wall * 1e3, busy, kernels)
+    n = steps - 2
+    (w2, b2, k2), (w, b, k) = per[2], per[steps]
+    names = set(k) | set(k2)
+    step_k = {name: (k.get(name, 0.0) - k2.get(name, 0.0)) / n for name in names}
+    cats: dict[str, float] = {}
+    for name, ms in step_k.items():
+        cats[decode_category(name)] = cats.get(decode_category(name), 0.0) + ms
+    top = sorted(step_k.items(), key=lambda kv: -kv[1])[:12]
+    return {"batch": len(prompts), "steps": n, "wall_ms": (w - w2) / n, "busy_ms": (b - b2) / n,
+            "kernel_ms": sum(step_k.values()), "categories": cats, "top": [[name[:120], ms] for name, ms in top]}
+
+
+def print_decode_profile(tag: str, p: dict) -> None:
+    print(f"[{tag}] decode step at batch {p['batch']} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
+          f"{p['busy_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms", flush=True)
+    for cat, ms in sorted(p["categories"].items(), key=lambda kv: -kv[1]):
+        print(f"[{tag}]   {cat:<12} {ms:8.3f} ms", flush=True)
+    for name, ms in p["top"]:
+        print(f"[{tag}]     {ms:8.3f} ms  {name}", flush=True)
+
+
 def timed(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -121,6 +193,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
+    ap.add_argument("--profile-batch", type=int, default=None,
+                    help="after the timings, where one decode step's time goes at this batch (torch.profiler; see decode_profile)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     try:
@@ -174,6 +248,10 @@ def main(argv=None) -> dict:
         res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
         print(f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
               f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
+    if a.profile_batch:
+        prompts = torch.randint(0, arch.vocab_size - 1, (a.profile_batch, a.prompt), generator=g).tolist()
+        res["decode_profile"] = decode_profile(engine, prompts)
+        print_decode_profile(f"{a.mode} {a.variant}", res["decode_profile"])
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return res

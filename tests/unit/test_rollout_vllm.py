@@ -267,6 +267,13 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
         bench.variant_settings("fused", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
         bench.variant_settings("fast", "jetrl")
+    # the decode profile's categories (kernel names as CUPTI reports them in these engines)
+    cat = bench.decode_category
+    assert cat("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>") == "attention"
+    assert cat("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u>") == "GEMM FP8"
+    assert cat("_quantize_1x128_kernel") == "act quant" and cat("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "GEMM BF16"
+    assert cat("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>") == "norm" and cat("_rope_fwd") == "rope"
+    assert cat("void vllm::act_and_mul_kernel<...>") == "SiLU*mul" and cat("something_new") == "other"
 
 
 def test_glue_auto_is_the_trainers_in_eager_engines_and_graphs_without_compile_carry_it():
