@@ -18,14 +18,15 @@ Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes an
 
 `--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/rollout_report.py
 puts each variant in its own column):
-* shipped: the engine as the trainer builds it (numerics pinned and checked);
-* fused (jetrl only): vLLM's default compilation, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
+* shipped: the engine as the trainer builds it (numerics pinned and checked; `rollout.glue: auto`, i.e. the trainer's
+  RMSNorm and RoPE, full CUDA graphs of decode steps, no torch.compile);
+* vllm-glue: vLLM's own RMSNorm and RoPE (`rollout.glue: vllm`) in its compiled engine (torch.compile, the
+  byte-changing fusion passes off; the start-up check still runs): the shipped engine before session 17;
+* fused (jetrl only): vLLM's default compilation with its own glue, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
   their own scale floor and no BF16 rounding before the quantizer. The bytes are no longer the trainer's, so the
   start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a
   rollout setting;
 * triton-attn: vLLM's Triton attention backend instead of FlashAttention 3 (the numerics check still runs);
-* trainer-glue: the trainer's RMSNorm and RoPE (`rollout.glue: trainer`): no torch.compile, full CUDA graphs of
-  decode steps (the start-up check also probes the glue).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "fused", "triton-attn", "trainer-glue")
+VARIANTS = ("shipped", "vllm-glue", "fused", "triton-attn")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -93,11 +94,11 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
     if variant == "fused":
         if mode != "jetrl":
             raise ValueError("--variant fused changes how activations are quantized: it applies to --mode jetrl only")
-        return {"compilation_config": None}, False  # None: llm_kwargs leaves vLLM's default compilation (fusions on)
+        return {"compilation_config": None, "glue": "vllm"}, False  # None: vLLM's default compilation (fusions on)
     if variant == "triton-attn":
         return {"attention_config": {"backend": "TRITON_ATTN"}}, True
-    if variant == "trainer-glue":
-        return {"glue": "trainer"}, True
+    if variant == "vllm-glue":
+        return {"glue": "vllm"}, True
     return {}, True
 
 

@@ -273,12 +273,13 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vLLM only: no CUDA graphs / torch.compile (start-up in seconds, decode several times slower)."""
     glue: str = "auto"
-    """vLLM only: whose RMSNorm and RoPE vLLM runs. `vllm`: its own kernels, which round differently from the
-    trainer's in about a fifth of their outputs. `trainer`: the actor's functions, registered in vLLM's op registry
-    (`rollout/vllm_glue.py`) and checked at start-up (measured at hidden 2048: jetrl's mismatch 0.161 -> 0.044,
-    BENCHMARKS.md); with enforce_eager false it runs full decode CUDA graphs without torch.compile. `auto`: trainer
-    when enforce_eager, else vllm (vLLM's compiled engine, whose decode speed is measured); vllm with model.spec=te,
-    whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the glue does not replace."""
+    """vLLM only: whose RMSNorm and RoPE vLLM runs. `trainer`: the actor's functions, registered in vLLM's op registry
+    (`rollout/vllm_glue.py`) and checked at start-up; with enforce_eager false it runs full decode CUDA graphs without
+    torch.compile. `vllm`: its own kernels, which round differently from the trainer's in about a fifth of their
+    outputs, inside its compiled engine (measured at hidden 2048: jetrl's mismatch 0.161 with vLLM's, 0.044 with the
+    trainer's, eager or graphs; vLLM's decodes 6% faster at batch 128, BENCHMARKS.md). `auto`: trainer, except vllm
+    with model.spec=te, whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the
+    glue does not replace."""
 
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")

@@ -16,8 +16,8 @@ Numerics are pinned, then checked at start-up, because vLLM's defaults change th
   and the fused kernels floor the scale at 1/(448*512) instead of flooring amax at 1e-10.
 `check_numerics` reads back the kernel of every FP8 linear, the E8M0 switch, the compile passes, and runs the
 kernels' own activation quantizer on a probe against ours; any difference refuses the engine, naming it.
-vLLM's own RMSNorm and RoPE round unlike the trainer's (a fifth of their outputs); `glue="trainer"` (`resolve_glue`)
-registers the trainer's (`rollout.vllm_glue`) and probes them at start-up the same way.
+vLLM's own RMSNorm and RoPE round unlike the trainer's (a fifth of their outputs); `glue="trainer"` (the default,
+`resolve_glue`) registers the trainer's (`rollout.vllm_glue`) and probes them at start-up the same way.
 
 Weights never leave the device. The engine starts on dummy weights (`load_format="dummy"`, a config-only
 model directory) and every sync -- the first included -- writes the trainer's FP8 bytes, scales and BF16
@@ -126,15 +126,14 @@ def write_model_dir(directory: str | Path, hf_config: dict, flow: PrecisionFlow)
 GLUES = ("auto", "vllm", "trainer")
 
 
-def resolve_glue(glue: str, enforce_eager: bool, arch: ModelArch) -> str:
-    """`auto`: the trainer's RMSNorm and RoPE in an eager engine (measured: mismatch 0.161 -> 0.044, BENCHMARKS.md),
-    vLLM's in a compiled one (its torch.compile does not trace the trainer's kernels, and the trainer's glue with
-    full CUDA graphs but no compile is not yet measured for decode speed) and for a scaled RoPE (llama3: vLLM builds
-    another class, which `rollout.vllm_glue` does not replace)."""
+def resolve_glue(glue: str, arch: ModelArch) -> str:
+    """`auto`: the trainer's RMSNorm and RoPE (measured at hidden 2048: jetrl's mismatch 0.161 -> 0.044 in eager and in
+    full-decode-graph engines; the decode cost against vLLM's compiled glue is in BENCHMARKS.md), except for a scaled
+    RoPE (llama3: vLLM builds another class, which `rollout.vllm_glue` does not replace)."""
     if glue not in GLUES:
         raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
     if glue == "auto":
-        return "trainer" if enforce_eager and not arch.rope_scaling else "vllm"
+        return "vllm" if arch.rope_scaling else "trainer"
     return glue
 
 
@@ -143,9 +142,9 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
                enforce_eager: bool = False, max_model_len: int | None = None, glue: str = "auto", **extra) -> dict:
     """Keyword arguments of `vllm.LLM(...)`: colocated SPMD engine, dummy load, the flow's numerics pinned.
 
-    A non-eager engine compiles with vLLM's glue; with the trainer's glue it runs no torch.compile (Dynamo does not
-    trace the trainer's kernels) and captures full CUDA graphs of decode steps (`FULL_DECODE_ONLY`: vLLM 0.26
-    supports full graphs without compilation; prefill runs eagerly)."""
+    A non-eager engine with the trainer's glue runs no torch.compile (Dynamo does not trace the trainer's kernels) and
+    captures full CUDA graphs of decode steps (`FULL_DECODE_ONLY`: vLLM 0.26 supports full graphs without
+    compilation; prefill runs eagerly); with vLLM's glue it compiles, with the fusion passes that change bytes off."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = ModelArch.from_hf_config(config)
     if flow.rollout_fp8:
@@ -163,7 +162,7 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
         disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
-    if resolve_glue(glue, enforce_eager, arch) == "trainer" and not enforce_eager:
+    if resolve_glue(glue, arch) == "trainer" and not enforce_eager:
         kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
     elif flow.rollout_fp8 and not enforce_eager:
         kwargs["compilation_config"] = {"custom_ops": ["+quant_fp8"], "pass_config": dict(UNFUSED)}
@@ -435,7 +434,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         if problem:
             raise RuntimeError(problem)
         self.arch = ModelArch.from_pretrained(model_dir)
-        glue = resolve_glue(glue, bool(llm_extra.get("enforce_eager")), self.arch)
+        glue = resolve_glue(glue, self.arch)
         pin_environment(engine_env(flow, env))
         import vllm
 

@@ -30,8 +30,8 @@ CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_
 ENGINE = {**dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512),
           **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}"))}
 """`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
-(JSON) overrides them, e.g. '{"enforce_eager": false, "glue": "trainer"}': the whole module on the trainer's glue
-with full decode CUDA graphs."""
+(JSON) overrides them, e.g. '{"enforce_eager": false}': the whole module with full decode CUDA graphs (the default
+glue is the trainer's), or '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE."""
 
 
 @pytest.fixture(scope="module")

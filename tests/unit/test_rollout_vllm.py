@@ -41,7 +41,7 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     write_model_dir(tmp_path, config, JETRL)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["quantization_config"] == JETRL.quantization_config() and written["architectures"] == ["Qwen3ForCausalLM"]
-    kw = llm_kwargs(tmp_path, JETRL, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30, seed=7, max_model_len=512)
+    kw = llm_kwargs(tmp_path, JETRL, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30, seed=7, max_model_len=512, glue="vllm")
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
     assert kw["enable_sleep_mode"] is True and kw["kv_cache_memory_bytes"] == 1 << 30 and kw["max_model_len"] == 512
@@ -53,7 +53,7 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     with pytest.raises(ValueError, match="TP=4 does not divide num_key_value_heads=2"):
         llm_kwargs(tmp_path, JETRL, tensor_parallel_size=4)
     bf16_dir = write_model_dir(tmp_path / "bf16", config, PrecisionFlow("bf16"))
-    kw = llm_kwargs(bf16_dir, PrecisionFlow("bf16"))
+    kw = llm_kwargs(bf16_dir, PrecisionFlow("bf16"), glue="vllm")
     assert "quantization" not in kw and "compilation_config" not in kw
 
 
@@ -258,11 +258,12 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert bench.variant_settings("shipped", "jetrl") == ({}, True)
     extra, verify = bench.variant_settings("fused", "jetrl")
     assert not verify and "compilation_config" not in llm_kwargs(tmp_path, JETRL, **extra)  # vLLM's default passes
-    extra, verify = bench.variant_settings("trainer-glue", "jetrl")
-    assert verify and llm_kwargs(tmp_path, JETRL, **extra)["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert llm_kwargs(tmp_path, JETRL)["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"  # shipped: our glue
+    extra, verify = bench.variant_settings("vllm-glue", "jetrl")
+    assert verify and llm_kwargs(tmp_path, JETRL, **extra)["compilation_config"]["pass_config"] == UNFUSED
     extra, verify = bench.variant_settings("triton-attn", "bf16")
     kw = llm_kwargs(tmp_path, JETRL, **extra)
-    assert verify and kw["attention_config"] == {"backend": "TRITON_ATTN"} and kw["compilation_config"]["pass_config"]["fuse_norm_quant"] is False
+    assert verify and kw["attention_config"] == {"backend": "TRITON_ATTN"} and kw["compilation_config"]["mode"] == "NONE"
     with pytest.raises(ValueError, match="applies to --mode jetrl only"):
         bench.variant_settings("fused", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
@@ -276,21 +277,22 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert cat("void vllm::act_and_mul_kernel<...>") == "SiLU*mul" and cat("something_new") == "other"
 
 
-def test_glue_auto_is_the_trainers_in_eager_engines_and_graphs_without_compile_carry_it():
+def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():
     from megatron_jetrl.rollout.vllm_engine import resolve_glue
 
     qwen, llama = (ModelArch.from_hf_config(tiny_config(t)) for t in ("qwen3", "llama"))
-    assert resolve_glue("auto", True, qwen) == "trainer" and resolve_glue("auto", False, qwen) == "vllm"
-    assert resolve_glue("auto", True, llama) == "vllm"  # llama3's scaled RoPE is another vLLM class
-    assert resolve_glue("vllm", True, qwen) == "vllm" and resolve_glue("trainer", False, qwen) == "trainer"
+    assert resolve_glue("auto", qwen) == "trainer"
+    assert resolve_glue("auto", llama) == "vllm"  # llama3's scaled RoPE is another vLLM class
+    assert resolve_glue("vllm", qwen) == "vllm" and resolve_glue("trainer", qwen) == "trainer"
     with pytest.raises(ValueError, match="glue must be one of"):
-        resolve_glue("mine", True, qwen)
+        resolve_glue("mine", qwen)
 
 
 def test_trainers_glue_in_a_graph_engine_runs_full_decode_graphs_without_torch_compile(tmp_path):
     write_model_dir(tmp_path, tiny_config("qwen3"), JETRL)
-    compiled = llm_kwargs(tmp_path, JETRL)["compilation_config"]
+    compiled = llm_kwargs(tmp_path, JETRL, glue="vllm")["compilation_config"]
     assert compiled["pass_config"] == UNFUSED and "mode" not in compiled  # vLLM's glue: its compiled engine, unfused
-    graphs = llm_kwargs(tmp_path, JETRL, glue="trainer")["compilation_config"]
+    graphs = llm_kwargs(tmp_path, JETRL)["compilation_config"]  # auto: the trainer's glue
     assert graphs == {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
+    assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)
     assert llm_kwargs(tmp_path, BF16, glue="trainer")["compilation_config"]["mode"] == "NONE"
