@@ -12,9 +12,10 @@ SiLU-and-mul matched exactly. Each differing BF16 value before a quantizer can m
 `register()` makes vLLM build `TrainerRMSNorm` / `TrainerRotaryEmbedding` wherever a model asks for `RMSNorm` /
 `RotaryEmbedding` (`CustomOp.register_oot`, read in vllm 0.26.0's `model_executor/custom_op.py`). They run `norm` and
 `rope` below: `actor.fused`, the trainer's own Triton kernels on CUDA. They must be registered before the engine builds
-its model. For eager engines only: the kernels sit behind autograd Functions that Dynamo does not trace.
+its model. For engines without torch.compile only (eager, or full decode CUDA graphs without compilation, the
+default): the kernels sit behind autograd Functions that Dynamo does not trace.
 
-`VllmEngine(glue="trainer")` (`rollout.glue: trainer`) registers them and `probe` checks at start-up that the model's
+`VllmEngine(glue="trainer")` (`rollout.glue: auto` or `trainer`) registers them and `probe` checks at start-up that the model's
 layer-0 modules now return the trainer's bytes. `norm` and `rope` are tested on the CPU against the trainer's
 functions (tests/unit/test_rollout_vllm_glue.py); `tools/diag_vllm_layers.py --glue trainer` measures the effect.
 """

@@ -296,3 +296,31 @@ def test_trainers_glue_in_a_graph_engine_runs_full_decode_graphs_without_torch_c
     assert graphs == {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
     assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)
     assert llm_kwargs(tmp_path, BF16, glue="trainer")["compilation_config"]["mode"] == "NONE"
+
+
+def test_decode_profile_differences_two_generates_into_one_decode_step(monkeypatch):
+    """bench_vllm.decode_profile: prefill and the first token cancel between the 2-token and the N-token generate."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    new_tokens = []
+
+    class Engine:
+        def generate(self, prompts, sampling):
+            new_tokens.append(sampling.max_new_tokens)
+
+    def kernels(run):  # prefill 5 ms of GEMM; each decode step 2 ms GEMM + 1 ms attention; 10 ms busy per step
+        run()
+        steps = new_tokens[-1] - 1
+        return {"nvjet_gemm": 5.0 + 2.0 * steps, "flash_fwd": 1.0 * steps}, 10.0 * steps
+
+    monkeypatch.setattr(bench, "_kernels", kernels)
+    monkeypatch.setattr(bench, "timed", lambda fn: (fn(), 0.004 * new_tokens[-1])[1])  # 4 ms per generated token
+    p = bench.decode_profile(Engine(), [[1, 2]] * 3, steps=12)
+    assert p["batch"] == 3 and p["steps"] == 10 and set(new_tokens) == {2, 12}
+    assert p["wall_ms"] == pytest.approx(4.0) and p["busy_ms"] == pytest.approx(10.0) and p["kernel_ms"] == pytest.approx(3.0)
+    assert p["categories"] == pytest.approx({"GEMM BF16": 2.0, "attention": 1.0})
+    assert [name for name, _ in p["top"]] == ["nvjet_gemm", "flash_fwd"]
