@@ -27,6 +27,9 @@ puts each variant in its own column):
   start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a
   rollout setting;
 * triton-attn: vLLM's Triton attention backend instead of FlashAttention 3 (the numerics check still runs);
+* cutlass-gemm (jetrl only): `VLLM_USE_DEEP_GEMM=0`, so that vLLM's FP8 linears run its CUTLASS block kernel instead
+  of DeepGEMM (same activation quantizer and bytes; another reduction order than the trainer's DeepGEMM): whether
+  DeepGEMM's small-M GEMMs (74% of the copy rate at batch 128, BENCHMARKS.md) are what holds decode back;
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "vllm-glue", "fused", "triton-attn")
+VARIANTS = ("shipped", "vllm-glue", "fused", "triton-attn", "cutlass-gemm")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -97,6 +100,10 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         return {"compilation_config": None, "glue": "vllm"}, False  # None: vLLM's default compilation (fusions on)
     if variant == "triton-attn":
         return {"attention_config": {"backend": "TRITON_ATTN"}}, True
+    if variant == "cutlass-gemm":
+        if mode != "jetrl":
+            raise ValueError("--variant cutlass-gemm picks vLLM's FP8 GEMM kernel: it applies to --mode jetrl only")
+        return {"env": {"VLLM_USE_DEEP_GEMM": "0"}}, True
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
     return {}, True

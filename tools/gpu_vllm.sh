@@ -9,7 +9,7 @@
 #           others. JETRL_VLLM_TEST_ENGINE='{"enforce_eager": false}' runs test_vllm.py's engine
 #           with full decode CUDA graphs (and the default glue, the trainer's)
 #   bench   tools/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
-#           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:vllm-glue jetrl:fused bf16:triton-attn",
+#           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:vllm-glue jetrl:cutlass-gemm bf16:triton-attn",
 #           bench_vllm.py --variant: what vLLM's fused quant kernels or another attention backend would buy) ->
 #           bench_MODE_VARIANT.json. Split the runs over calls as the 10-minute limit needs; the same OUT collects them
 #   decode  tools/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,

@@ -266,6 +266,10 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert verify and kw["attention_config"] == {"backend": "TRITON_ATTN"} and kw["compilation_config"]["mode"] == "NONE"
     with pytest.raises(ValueError, match="applies to --mode jetrl only"):
         bench.variant_settings("fused", "bf16")
+    extra, verify = bench.variant_settings("cutlass-gemm", "jetrl")  # an engine environment, checked against the flow's
+    assert verify and engine_env(JETRL, extra["env"])["VLLM_USE_DEEP_GEMM"] == "0"
+    with pytest.raises(ValueError, match="applies to --mode jetrl only"):
+        bench.variant_settings("cutlass-gemm", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
         bench.variant_settings("fast", "jetrl")
     # the decode profile's categories (kernel names as CUPTI reports them in these engines)
