@@ -15,7 +15,7 @@ torch `forward_native` methods) on one input each against the trainer's function
 
 `--glue trainer` (`VllmEngine(glue="trainer")`, `rollout.glue: trainer`) replaces vLLM's RMSNorm and RotaryEmbedding,
 through vLLM's own out-of-tree op registry, by the trainer's functions (`rollout/vllm_glue.py`), so that what still
-differs is attention and GEMM accumulation order (eager engines only).
+differs is attention and GEMM accumulation order (this tool's engines are eager).
 
 Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu_vllm.sh says how), run from the repo root.
 """

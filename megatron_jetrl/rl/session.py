@@ -113,7 +113,7 @@ def start_vllm_pool(s: "Session") -> None:
     """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
     directory, with its KV cache sized from the memory free now; the sync that follows writes the actor's bytes."""
     from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes
-    from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
 
     r = s.cfg.rollout
     model_dir = s.cfg.run.directory / "rollout_model"
@@ -129,7 +129,7 @@ def start_vllm_pool(s: "Session") -> None:
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
-                        glue="vllm" if r.glue == "auto" and s.cfg.model.spec == "te" else r.glue)  # TE's norms: not ours
+                        glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec))
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 

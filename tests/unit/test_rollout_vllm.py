@@ -287,6 +287,7 @@ def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():
     qwen, llama = (ModelArch.from_hf_config(tiny_config(t)) for t in ("qwen3", "llama"))
     assert resolve_glue("auto", qwen) == "trainer"
     assert resolve_glue("auto", llama) == "vllm"  # llama3's scaled RoPE is another vLLM class
+    assert resolve_glue("auto", qwen, spec="te") == "vllm"  # a TE actor's norms are TE's
     assert resolve_glue("vllm", qwen) == "vllm" and resolve_glue("trainer", qwen) == "trainer"
     with pytest.raises(ValueError, match="glue must be one of"):
         resolve_glue("mine", qwen)
