@@ -40,6 +40,8 @@ accumulates into it (BF16 linears leave `.grad`, which DDP would add into its bu
   jetrl/cublaslt+requant  the same, re-quantizing all four weights every iteration (one micro-batch per step)
   jetrl/cublaslt+finite   check_finite="sync" (one host sync per quantization)
   jetrl/triton            FP8 linears on the Triton GEMM, check_finite off
+  jetrl/swiglu-fused      the jetrl flow with d[gate | up] made and quantized by one CUDA kernel in fc2's backward
+                          (`kernels.QUANT_CFG["swiglu_bwd"]["mode"] = "cuda"`); jetrl/swiglu-split: the two kernels
 Times: `triton.testing.do_bench` medians (ms) of the forward with autograd recording and of forward+backward;
 backward = the difference. Also: the host time to issue one fwd+bwd (`host_issue_ms`: where it nears the GPU
 time, the GPU idles between kernels), ||y - y_bf16|| / ||y_bf16||, the peak memory, and with `--profile` the GPU
@@ -76,6 +78,8 @@ VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlo
     "jetrl/cublaslt+requant": ("jetrl", dict(backend="cublaslt", check_finite="off")),
     "jetrl/cublaslt+finite": ("jetrl", dict(backend="cublaslt", check_finite="sync")),
     "jetrl/triton": ("jetrl", dict(backend="triton", check_finite="off")),
+    "jetrl/swiglu-fused": ("jetrl", {}),  # kernels.QUANT_CFG["swiglu_bwd"]["mode"] = "cuda" for this variant
+    "jetrl/swiglu-split": ("jetrl", {}),  # ... = "split"
     "jetrl/emulated": ("jetrl", dict(backend="emulated", check_finite="off")),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,8 +261,13 @@ def layer_main(a):
         dy = torch.randn(seq, mb, arch.hidden_size, generator=g, device=device, dtype=dtype) * 1e-2
         y_ref = None
         bases = {}  # the BF16 row each variant is compared with: bf16, or bf16/eager for the /eager variants
+        from megatron_jetrl.fp8 import kernels
+
+        shipped_swiglu = kernels.QUANT_CFG["swiglu_bwd"]["mode"]
         for name in a.variants:
             flow = variant_flow(name)
+            swiglu = {"jetrl/swiglu-fused": "cuda", "jetrl/swiglu-split": "split"}.get(name, shipped_swiglu)
+            kernels.QUANT_CFG["swiglu_bwd"] = dict(mode=swiglu)
             layer = build_layer(arch, flow, dtype, fused=not name.endswith("/eager"))
             missing, unexpected = layer.load_state_dict(ref_state, strict=False)
             if [m for m in missing if not m.endswith("_extra_state")] or unexpected:

@@ -141,6 +141,12 @@ def quant_section(res, copy_gbs, sweep):
     add("  Triton: dual as 1x128 + 128x1^T kernels", lambda: K.quantize_dual(x, check_finite=False, mode="split"), elems * 4 + (t_ * nb + n_ * tb) * 4)
     add("  Triton: 128x1^T only (bf16 in)", lambda: K.quantize_dual(x, check_finite=False, rows=False, mode="split"), elems * 3 + n_ * tb * 4)
     add("  Triton: 128x1^T from E4M3 + 1x128 scales", lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs, mode="split"), elems * 2 + (t_ * nb + n_ * tb) * 4)
+    # the MLP backward's d[gate | up] (gate_up = gu, d_out = x, I = n_): fused (never stored) against the two kernels;
+    # bytes = the fused kernel's (read gate_up and d_out, write rows and columns of [T, 2I])
+    sw_bytes = elems * 10 + (t_ * 2 * nb + 2 * n_ * tb) * 4
+    add("SwiGLU bwd + dual, one CUDA kernel", lambda: K.swiglu_backward_dual(gu, x, mode="cuda"), sw_bytes)
+    add("  SwiGLU bwd + dual as two kernels", lambda: K.swiglu_backward_dual(gu, x, mode="split"), sw_bytes)
+    add("  SwiGLU bwd alone (bf16 out)", lambda: K.swiglu_backward(gu, x), elems * 10)
     add("128x128 (bf16 in)", lambda: K.quantize_128x128(w, check_finite=False), elems * 3)
     add("128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True), elems * 4)
     add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)

@@ -82,7 +82,8 @@ def op_probes(engine, arch) -> list[tuple[str, str, float]]:
     want = F.silu(gate) * up
     for method in ("forward_cuda", "forward_native"):
         shares = vllm_glue.probe(layer, arch, "cuda", method=method)
-        rows += [("RMSNorm", method, shares["rms_norm"]), ("RoPE (q, k)", method, shares["rope"]),
+        rows += [("RMSNorm", method, shares["rms_norm"]), ("RMSNorm + residual", method, shares["rms_norm_residual"]),
+                 ("RoPE (q, k)", method, shares["rope"]),
                  ("SiLU * up", method, (getattr(layer.mlp.act_fn, method)(gu.clone()) != want).float().mean().item())]
     return rows
 

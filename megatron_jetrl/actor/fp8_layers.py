@@ -41,7 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
-from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear
+from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, fp8_linear
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 
@@ -226,7 +226,7 @@ class _FP8Weight:
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported")
         return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site,
-                          gated_act=getattr(self, "gated_act", None))
+                          gated_act=getattr(self, "gated_act", None), handoff=getattr(self, "grad_handoff", None))
 
 
 class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
@@ -254,7 +254,10 @@ class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
 class FP8GatedMLP(MLP):
     """megatron's gated MLP (SwiGLU) in FP8: the down projection takes fc1's `[gate | up]` and forms its input
     `act(gate) * up` inside its 1x128 quantization (`fp8_linear(gated_act=...)`: one Triton kernel on CUDA), so
-    the BF16 product is neither written nor saved; backward is torch's autograd of the same ops."""
+    the BF16 product is neither written nor saved; backward is torch's autograd of the same ops. With a bias-free
+    fc1 (Qwen, Llama), each forward gives both linears one `GatedGradHandoff`: fc2's backward quantizes
+    d[gate | up] for fc1's DGrad and WGrad itself (on CUDA from gate_up and its DGrad output in one kernel,
+    `kernels.swiglu_backward_dual`), so fc1 never receives d[gate | up] in BF16."""
 
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
@@ -270,10 +273,15 @@ class FP8GatedMLP(MLP):
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:
             raise NotImplementedError("FP8GatedMLP has no per-token (MoE expert) scales")
-        gate_up, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            gate_up = gate_up + bias
-        return self.linear_fc2(gate_up)
+        handoff = GatedGradHandoff() if self.linear_fc1.bias is None and isinstance(self.linear_fc1, FP8ColumnParallelLinear) else None
+        self.linear_fc1.grad_handoff = self.linear_fc2.grad_handoff = handoff
+        try:
+            gate_up, bias = self.linear_fc1(hidden_states)
+            if bias is not None:
+                gate_up = gate_up + bias
+            return self.linear_fc2(gate_up)
+        finally:
+            self.linear_fc1.grad_handoff = self.linear_fc2.grad_handoff = None
 
 
 def _linears(flow: PrecisionFlow, batch_invariant: bool):

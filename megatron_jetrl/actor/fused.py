@@ -79,3 +79,26 @@ def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     from megatron_jetrl.actor.glue_kernels import RoPE
 
     return RoPE.apply(t, cos, sin)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Inference: `(rms_norm(x + residual), x + residual)`, the sum rounded to x's dtype before it is normalized; on
+    CUDA one kernel writes both (`actor.glue_kernels.add_rms_norm`, the bits of the two steps: tests/gpu)."""
+    if not x.is_cuda:
+        h = x + residual
+        return rms_norm(h, weight, eps), h
+    from megatron_jetrl.actor.glue_kernels import add_rms_norm
+
+    return add_rms_norm(x, residual.contiguous(), weight, eps)
+
+
+def fused_rope_at(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Inference: `rope(t, cos[positions], sin[positions])` for tables `[max_positions, 1, 1, d]`; on CUDA the kernel
+    reads the table rows at `positions` itself (`actor.glue_kernels.rope_at`: no gather kernels)."""
+    tables = (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+              and cos.shape == sin.shape and cos.shape[1:] == (1, 1, t.shape[-1]) and t.dim() == 4 and t.shape[-1] % 2 == 0)
+    if not (t.is_cuda and tables and positions.dim() == 1 and positions.shape[0] == t.shape[0] and positions.is_contiguous()):
+        return rope(t, cos[positions], sin[positions])
+    from megatron_jetrl.actor.glue_kernels import rope_at
+
+    return rope_at(t, cos, sin, positions)

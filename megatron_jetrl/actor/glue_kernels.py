@@ -29,20 +29,24 @@ def _k():
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, eps,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        # torch's mean multiplies the sum by 1/N (no division); the rest is the eager formula's op order
+    def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, res_ptr, h_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, eps,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr):
+        # torch's mean multiplies the sum by 1/N (no division); the rest is the eager formula's op order.
+        # HAS_RES (inference): the row normalized is x + residual rounded to x's dtype (torch's add), written to h_ptr
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
         r64 = rows.to(tl.int64)
         src = (r64 // (B * C)) * sa + (r64 % (B * C) // C) * sb + (r64 % C) * sc
+        out = rows[:, None].to(tl.int64) * N + cols[None, :]
         x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + out, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + out, x, mask=mask)
         h = x.to(tl.float32)
         r = libdevice.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)
         n = (h * r[:, None]).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        out = rows[:, None].to(tl.int64) * N + cols[None, :]
         tl.store(y_ptr + out, (w[None, :] * n).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < n_rows)
 
@@ -77,10 +81,11 @@ def _k():
         tl.store(dw_ptr + pid * N + cols, dw, mask=cmask)
 
     @triton.jit
-    def _rope(t_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, HALF, B, C, sa, sb, sc, SIGN: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rope(t_ptr, cos_ptr, sin_ptr, y_ptr, pos_ptr, n_rows, HALF, B, C, sa, sb, sc, SIGN: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_POS: tl.constexpr):
         # forward (SIGN=1): y1 = t1 cos1 - t2 sin1, y2 = t2 cos2 + t1 sin2 (rotate-half, FP32, one rounding);
-        # backward (SIGN=-1, t = dy): dt1 = dy1 cos1 + dy2 sin2, dt2 = dy2 cos2 - dy1 sin1
+        # backward (SIGN=-1, t = dy): dt1 = dy1 cos1 + dy2 sin2, dt2 = dy2 cos2 - dy1 sin1.
+        # The table row of row r is its leading index a = r // (B C), or with HAS_POS positions[a]
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_H)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < HALF)
@@ -88,7 +93,10 @@ def _k():
         src = ((r64 // (B * C)) * sa + (r64 % (B * C) // C) * sb + (r64 % C) * sc)[:, None] + cols[None, :]
         t1 = tl.load(t_ptr + src, mask=mask, other=0.0).to(tl.float32)
         t2 = tl.load(t_ptr + src + HALF, mask=mask, other=0.0).to(tl.float32)
-        pos = (r64 // (B * C))[:, None] * (2 * HALF) + cols[None, :]
+        lead = r64 // (B * C)
+        if HAS_POS:
+            lead = tl.load(pos_ptr + lead, mask=rows < n_rows, other=0).to(tl.int64)
+        pos = lead[:, None] * (2 * HALF) + cols[None, :]
         c1 = tl.load(cos_ptr + pos, mask=mask, other=0.0)
         c2 = tl.load(cos_ptr + pos + HALF, mask=mask, other=0.0)
         s1 = tl.load(sin_ptr + pos, mask=mask, other=0.0)
@@ -137,8 +145,8 @@ class RMSNorm(torch.autograd.Function):
         r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block_r, block_n, warps = _blocks(n)
         if n_rows:
-            _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
-                                                      BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+            _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, x4, x4, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
+                                                      BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=False, num_warps=warps)
         ctx.save_for_backward(x4, weight, r)
         ctx.x_strides = (sa, sb, sc)
         return y
@@ -174,12 +182,37 @@ class RoPE(torch.autograd.Function):
         return _rope(dy, cos, sin, -1), None, None
 
 
-def _rope(t, cos, sin, sign: int):
+def _rope(t, cos, sin, sign: int, positions=None):
     t4, n_rows, b, c, (sa, sb, sc) = _rows4(t)
     half = t.shape[-1] // 2
     y = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     block_r, block_h, warps = _blocks(half)
     if n_rows:
-        _k()["rope"][(-(-n_rows // block_r),)](t4, cos, sin, y, n_rows, half, b, c, sa, sb, sc, SIGN=sign,
-                                               BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+        _k()["rope"][(-(-n_rows // block_r),)](t4, cos, sin, y, cos if positions is None else positions, n_rows, half, b, c,
+                                               sa, sb, sc, SIGN=sign, BLOCK_R=block_r, BLOCK_H=block_h,
+                                               HAS_POS=positions is not None, num_warps=warps)
     return y
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    """Inference only (no autograd): `(rms_norm(h), h)` with `h = x + residual` in x's dtype (torch's add), one kernel
+    that writes both. x, residual `[..., N]` of one dtype and shape, residual contiguous."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"add_rms_norm takes a contiguous residual of x's shape and dtype, got {tuple(residual.shape)} "
+                         f"{residual.dtype} (contiguous: {residual.is_contiguous()}) for x {tuple(x.shape)} {x.dtype}")
+    x4, n_rows, b, c, (sa, sb, sc) = _rows4(x)
+    n = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_r, block_n, warps = _blocks(n)
+    if n_rows:
+        _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, residual, h, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
+                                                  BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=True, num_warps=warps)
+    return y, h
+
+
+def rope_at(t, cos, sin, positions):
+    """Inference only: `rope(t, cos[positions], sin[positions])` with the table rows read inside the kernel (no gather
+    kernels): t `[s, ...]`, positions `[s]` integer, each below the tables' length (not checked on the device)."""
+    return _rope(t, cos, sin, 1, positions)

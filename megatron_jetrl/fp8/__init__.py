@@ -54,7 +54,9 @@ WGrad   dW = dY^T(128x1 along tokens) . X(128x1 along tokens)
                                                    by the forward, dequantized in FP32 (q * s) and
                                                    re-quantized along tokens (no BF16 copy is kept)
 
-Gradients between ops stay BF16; GEMMs output BF16 (or the input dtype). Master weights stay in their
+Gradients between ops stay BF16 (a SwiGLU MLP's d[gate | up] at most transiently: the down projection's backward
+makes it and quantizes it for the up projection's DGrad and WGrad, `GatedGradHandoff`, the bytes of quantizing
+the BF16 gradient); GEMMs output BF16 (or the input dtype). Master weights stay in their
 own dtype; the weight is quantized once per optimizer step (cached by parameter version) and those
 bytes serve every micro-batch forward, the backward, and the export to the rollout engine.
 Embeddings, lm_head, norms and attention stay BF16.
@@ -80,7 +82,7 @@ jetrl                    FP8 FProp/DGrad/WGrad in training, the identical FP8 fo
 
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import available_backends, blockwise_gemm
-from megatron_jetrl.fp8.linear import FP8Linear, QuantizedWeight, fp8_linear, fp8_linear_forward, fp8_linears_forward
+from megatron_jetrl.fp8.linear import FP8Linear, GatedGradHandoff, QuantizedWeight, fp8_linear, fp8_linear_forward, fp8_linears_forward
 from megatron_jetrl.fp8.quant import (
     BLOCKS,
     E4M3_MAX,
@@ -103,6 +105,7 @@ __all__ = [
     "check_shard_alignment",
     "dequantize_blockwise",
     "fp8_linear",
+    "GatedGradHandoff",
     "fp8_linear_forward",
     "fp8_linears_forward",
     "quantize_blockwise",

@@ -16,6 +16,11 @@ rows 8r..8r+7, columns 8c..8c+7 with 16-byte loads (8 bytes for E4M3 input), so 
   one row of the transposed output: they go into a shared 128x128-byte tile (16-byte chunks XOR-swizzled so
   that neither the 8-byte writes nor the 16-byte reads conflict much), which leaves in 16-byte stores.
 
+A second kernel, `swiglu_bwd_tile`, starts from the SwiGLU MLP's saved [gate | up] and the down projection's
+DGrad output instead of x: one CTA computes the d[gate] and d[up] tiles of the same 128 tokens x 128 features,
+each (token, feature) once with the roundings of `kernels.swiglu_backward` (torch's autograd), and runs the same
+row and column passes on each, so d[gate | up] is never stored in BF16 (`kernels.swiglu_backward_dual`).
+
 It runs when the layout allows the vector accesses (`takes`); any other input goes to the Triton kernels, which
 give the same bytes. Compiled at first use with NVRTC (`torch.cuda._compile_kernel`, torch >= 2.8), in well
 under a second: no toolkit headers, no build step.
@@ -102,6 +107,153 @@ __device__ __forceinline__ void e4m3x2_to_f32(unsigned short two, float& lo, flo
     asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h16));
 }
 
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ unsigned bf16_rn(float x) {  // round to nearest even; NaN stays NaN
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// d[gate] | d[up] << 16 (BF16 bits) of silu(g) * u for the output gradient dy: the operations and roundings of
+// kernels._swiglu_bwd, i.e. of torch's autograd of F.silu(gate) * up (MulBackward, then SiluBackward in FP32 opmath).
+// `1.0f + expf(-g)` is left to the compiler as torch's own CUDA kernel leaves it.
+__device__ __forceinline__ unsigned swiglu_grad(float g, float u, float dy) {
+    const float e = 1.0f + expf(-g);
+    const float act = __uint_as_float(bf16_rn(__fdiv_rn(g, e)) << 16);          // F.silu(gate), BF16
+    const unsigned du = bf16_rn(__fmul_rn(dy, act));                              // d_up = dy * silu(gate)
+    const float t = __uint_as_float(bf16_rn(__fmul_rn(dy, u)) << 16);            // dy * up, BF16
+    const float sig = __fdiv_rn(1.0f, e);
+    const unsigned dg = bf16_rn(__fmul_rn(__fmul_rn(t, sig), __fmaf_rn(g, __fsub_rn(1.0f, sig), 1.0f)));
+    return dg | (du << 16);
+}
+
+// The row (ROWS) and transposed column (COLS) passes of the module docstring over one 128 (tokens) x 128 (features)
+// tile of a [T, N] tensor whose features start at n0; v(i, j) is this thread's value at tile row 8r+i, column 8c+j.
+// Both kernels run it; a kernel that runs it twice syncs in between (red, col_scale and tile are reused).
+template <class Values>
+__device__ __forceinline__ void quantize_tile(
+    Values v, float (*red)[128], float* col_scale, float* col_recip, unsigned char* tile, int t0, int n0, int T, int N,
+    float eps, unsigned char* __restrict__ q, float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
+    int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t)
+{
+    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4, warp = tid >> 5;
+    const int n = n0 + 8 * c;
+#if ROWS
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int t = t0 + 8 * r + i;
+        float row[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) row[j] = v(i, j);
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = nanmax(m, fabsf(row[j]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float sr = scale_of(m, eps);
+        if (n < N && t < T) {
+            *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8(row, sr, recip(sr));
+            if (c == 0) s[(long long)t * s_t + (long long)(n0 >> 7) * s_n] = sr;
+        }
+    }
+#endif
+#if COLS
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = nanmax(m, fabsf(v(i, j)));
+        m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if ((tid & 16) == 0) red[warp][8 * c + j] = m;
+    }
+    __syncthreads();
+    if (tid < 128) {
+        float m = red[0][tid];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) m = nanmax(m, red[w][tid]);
+        const float sc = scale_of(m, eps);
+        col_scale[tid] = sc;
+        col_recip[tid] = recip(sc);
+        if (n0 + tid < N) st[(long long)(n0 + tid) * st_n + (long long)blockIdx.x * st_t] = sc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float col[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) col[i] = v(i, j);
+        const int row = 8 * c + j;                      // feature within the tile: a row of the transposed output
+        const int chunk = (r >> 1) ^ (c & 7);           // 16-byte chunk holding tokens 8r..8r+7, swizzled by row / 8
+        *reinterpret_cast<uint2*>(tile + row * 128 + chunk * 16 + (r & 1) * 8) = quantize8(col, col_scale[row], col_recip[row]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+        const int row = (tid >> 3) + 32 * k4, k = tid & 7;
+        const int t = t0 + 16 * k;
+        if (n0 + row < N && t < T) {
+            const uint4 chunk = *reinterpret_cast<const uint4*>(tile + row * 128 + ((k ^ ((row >> 3) & 7)) * 16));
+            *reinterpret_cast<uint4*>(qt + (long long)(n0 + row) * ldqt + t) = chunk;
+        }
+    }
+#endif
+}
+
+// d[gate | up] of silu(gate) * up, quantized without being stored: one CTA reads tokens t0..t0+127 of gate, up
+// (columns f0.. and I + f0.. of gu [T, 2I]) and dy [T, I], computes both gradients once per (token, feature) as BF16
+// pairs, and writes the rows and transposed columns of the d[gate] tile (features f0..) and of the d[up] tile
+// (features I + f0..) of the [T, 2I] gradient. d[gate] stays in registers while d[up] waits, half in registers and
+// half in shared memory (word w of thread tid at up_smem[w][tid]: no bank conflicts), so that nothing spills and
+// the static shared memory stays under 48 KiB. Arguments in quant_tile's
+// order: dy in xs's place, its row stride in xs_t; N = I, a multiple of 128 (a tile never straddles gate and up).
+extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_tile(
+    const unsigned char* __restrict__ gu, const unsigned char* __restrict__ dy,
+    unsigned char* __restrict__ q, float* __restrict__ s,
+    unsigned char* __restrict__ qt, float* __restrict__ st,
+    int T, int I, int ldgu, int lddy, int unused, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
+{
+    __shared__ float red[8][128];
+    __shared__ float col_scale[128], col_recip[128];
+    __shared__ __align__(16) unsigned char tile[128 * 128];
+    __shared__ unsigned up_smem[16][256];
+    const float eps = __int_as_float(eps_bits);
+    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
+    const int t0 = blockIdx.x * 128, f0 = blockIdx.y * 128, f = f0 + 8 * c;
+    unsigned p[8][4], up[4][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int t = t0 + 8 * r + i;
+        const bool ok = t < T;
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        const long long g_at = (long long)t * ldgu + f;
+        const uint4 g4 = ok ? *reinterpret_cast<const uint4*>(gu + g_at * 2) : zero;
+        const uint4 u4 = ok ? *reinterpret_cast<const uint4*>(gu + (g_at + I) * 2) : zero;
+        const uint4 d4 = ok ? *reinterpret_cast<const uint4*>(dy + ((long long)t * lddy + f) * 2) : zero;
+        const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w}, dw[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned lo = swiglu_grad(bf16_lo(gw[j]), bf16_lo(uw[j]), bf16_lo(dw[j]));
+            const unsigned hi = swiglu_grad(bf16_hi(gw[j]), bf16_hi(uw[j]), bf16_hi(dw[j]));
+            p[i][j] = (lo & 0xFFFFu) | (hi << 16);
+            const unsigned u2 = (lo >> 16) | (hi & 0xFFFF0000u);
+            if (i < 4) up[i][j] = u2;
+            else up_smem[4 * (i - 4) + j][tid] = u2;
+        }
+    }
+    auto packed = [&](int i, int j) { return j & 1 ? bf16_hi(p[i][j >> 1]) : bf16_lo(p[i][j >> 1]); };
+    quantize_tile(packed, red, col_scale, col_recip, tile, t0, f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[i][j] = i < 4 ? up[i][j] : up_smem[4 * (i - 4) + j][tid];
+#if COLS
+    __syncthreads();  // the d[gate] tile's column pass is done with red, col_scale and tile
+#endif
+    quantize_tile(packed, red, col_scale, col_recip, tile, t0, I + f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
+}
+
 extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
     const unsigned char* __restrict__ x, const float* __restrict__ xs,
     unsigned char* __restrict__ q, float* __restrict__ s,
@@ -112,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
     __shared__ float col_scale[128], col_recip[128];
     __shared__ __align__(16) unsigned char tile[128 * 128];
     const float eps = __int_as_float(eps_bits);
-    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4, warp = tid >> 5;
+    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
     const int t0 = blockIdx.x * 128, n0 = blockIdx.y * 128;
     const int n = n0 + 8 * c;
     const bool n_ok = n < N;
@@ -139,60 +291,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
             v[i][j] = __uint_as_float(j & 1 ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16));
 #endif
     }
-#if ROWS
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int t = t0 + 8 * r + i;
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = nanmax(m, fabsf(v[i][j]));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const float sr = scale_of(m, eps);
-        if (n_ok && t < T) {
-            *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8(v[i], sr, recip(sr));
-            if (c == 0) s[(long long)t * s_t + (long long)blockIdx.y * s_n] = sr;
-        }
-    }
-#endif
-#if COLS
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        float m = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m = nanmax(m, fabsf(v[i][j]));
-        m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, 16));
-        if ((tid & 16) == 0) red[warp][8 * c + j] = m;
-    }
-    __syncthreads();
-    if (tid < 128) {
-        float m = red[0][tid];
-#pragma unroll
-        for (int w = 1; w < 8; ++w) m = nanmax(m, red[w][tid]);
-        const float sc = scale_of(m, eps);
-        col_scale[tid] = sc;
-        col_recip[tid] = recip(sc);
-        if (n0 + tid < N) st[(long long)(n0 + tid) * st_n + (long long)blockIdx.x * st_t] = sc;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float col[8] = {v[0][j], v[1][j], v[2][j], v[3][j], v[4][j], v[5][j], v[6][j], v[7][j]};
-        const int row = 8 * c + j;                      // feature within the tile: a row of the transposed output
-        const int chunk = (r >> 1) ^ (c & 7);           // 16-byte chunk holding tokens 8r..8r+7, swizzled by row / 8
-        *reinterpret_cast<uint2*>(tile + row * 128 + chunk * 16 + (r & 1) * 8) = quantize8(col, col_scale[row], col_recip[row]);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int row = (tid >> 3) + 32 * p, k = tid & 7;
-        const int t = t0 + 16 * k;
-        if (n0 + row < N && t < T) {
-            const uint4 chunk = *reinterpret_cast<const uint4*>(tile + row * 128 + ((k ^ ((row >> 3) & 7)) * 16));
-            *reinterpret_cast<uint4*>(qt + (long long)(n0 + row) * ldqt + t) = chunk;
-        }
-    }
-#endif
+    quantize_tile([&](int i, int j) { return v[i][j]; }, red, col_scale, col_recip, tile, t0, n0, T, N, eps, q, s, qt, st,
+                  ldq, s_t, s_n, ldqt, st_n, st_t);
 }
 """
 
@@ -229,11 +329,11 @@ def _make_context_current(device_index: int) -> None:
 
 
 @functools.cache
-def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int):
-    """The compiled kernel (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
+def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile"):
+    """The compiled kernel `name` (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
     flags = "".join(f"#define {k} {int(v)}\n" for k, v in (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0)))
     with torch.cuda.device(device_index):
-        kern = torch.cuda._compile_kernel(flags + _SOURCE, "quant_tile")
+        kern = torch.cuda._compile_kernel(flags + _SOURCE, name)
     if getattr(kern, "func", None) is None:
         raise RuntimeError(f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
                            "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels")
@@ -305,5 +405,37 @@ def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool) -> None:
         (-(-t // TILE), -(-n // TILE)),
         [x.data_ptr(), xs.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
         [t, n, x.stride(0), xs.stride(0), xs.stride(1), q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0),
+         st_.stride(1), eps_bits],
+    )
+
+
+def takes_swiglu(gate_up: torch.Tensor, d_out: torch.Tensor) -> bool:
+    """Whether `quantize_swiglu_backward` handles gate_up [T, 2I] and d_out [T, I]: both BF16 with 16-byte aligned
+    rows, I % 128 == 0 (a tile never straddles gate and up) and T % 16 == 0 (whole chunks of the transposed rows)."""
+    if not available() or gate_up.dim() != 2 or d_out.dim() != 2 or gate_up.device.type != "cuda":
+        return False
+    t, i = d_out.shape
+    if tuple(gate_up.shape) != (t, 2 * i) or t == 0 or i == 0 or t % 16 or i % TILE or t >= 2**31 or 2 * i >= 2**31:
+        return False
+    return gate_up.dtype == d_out.dtype == torch.bfloat16 and gate_up.device == d_out.device and _aligned(gate_up, 8) and _aligned(d_out, 8)
+
+
+def quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, eps: float, ue8m0: bool) -> None:
+    """Fill `quantize`'s outputs for d[gate | up] `[T, 2I]`, the gradient of silu(gate) * up for `d_out`, without
+    storing it (the `swiglu_bwd_tile` kernel). The caller checked `takes_swiglu`; either output pair may be None."""
+    t, i = d_out.shape
+    rows, cols = q is not None, qt is not None
+    device_index = gate_up.device.index if gate_up.device.index is not None else torch.cuda.current_device()
+    _make_context_current(device_index)
+    kern = _kernel(False, rows, cols, ue8m0, device_index, "swiglu_bwd_tile")
+    q_, s_ = (q, s) if rows else (qt, st)
+    qt_, st_ = (qt, st) if cols else (q, s)
+    eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]
+    _launch(
+        kern.func,
+        device_index,
+        (-(-t // TILE), i // TILE),
+        [gate_up.data_ptr(), d_out.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
+        [t, i, gate_up.stride(0), d_out.stride(0), 0, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0),
          st_.stride(1), eps_bits],
     )

@@ -25,6 +25,8 @@ quantize_dual(x)           one pass over a [T, N] gradient: 1x128 (along N) byte
                            kernel of `fp8/cuda_tiles.py` wherever the layout allows its 16-byte accesses.
 swiglu_backward(gu, dy)    d[gate | up] of silu(gate) * up (the FP8 down projection's input) in one pass, with the
                            roundings of torch's autograd of those ops (BF16, not part of the quantizer contract).
+swiglu_backward_dual(gu, dy)  quantize_dual of that gradient; mode "cuda" computes and quantizes it in one CUDA tile
+                           kernel (fp8/cuda_tiles.py), never storing it.
 quantize_128x128(w)        weight tiles; optionally also the transposed copy (bytes of W^T, scales of
                            W^T: identical to quantizing W^T, since a 128x128 tile has one scale).
 gemm(a, sa, b, sb)         dequant(a) @ dequant(b)^T, a 1x128, b 128x128 or 1x128 (WGrad), both K-major.
@@ -488,6 +490,9 @@ QUANT_CFG = {
     # Triton 1x128 kernel + the CUDA 128x1^T kernel; split: the Triton 1x128 kernel + the Triton cols kernel (two reads
     # of x); fused: one Triton kernel (19-21% of copy)
     "dual": dict(mode="cuda", num_warps=8),
+    # swiglu_backward_dual: "cuda" = fp8/cuda_tiles.py's swiglu_bwd_tile (d[gate | up] never stored; checked once per
+    # device against "split" at first use); "split" = swiglu_backward, then quantize_dual.
+    "swiglu_bwd": dict(mode="split"),
 }
 
 
@@ -610,6 +615,55 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
 
                 _raise_non_finite(dequantize_blockwise(x, x_scale, (1, 128)) if fp8_in else x, blk)
     return q, s, qt, st
+
+
+def swiglu_backward_dual(gate_up, d_out, scale_mode="fp32", *, eps=EPS, rows=True, cols=True, mode=None):
+    """`quantize_dual(swiglu_backward(gate_up, d_out), check_finite=False, rows=rows, cols=cols)`: the FP8 up
+    projection's DGrad (1x128) and WGrad (128x1, transposed) operands of d[gate | up], gate_up `[T, 2I]`, d_out `[T, I]`.
+
+    Mode "cuda" (where `cuda_tiles.takes_swiglu`): one kernel, d[gate | up] never stored in BF16; its bytes are
+    compared with "split"'s once per device, scale mode and output set, and a difference raises. "split": the two
+    kernels."""
+    _check_args(gate_up, scale_mode)
+    mode = mode or QUANT_CFG["swiglu_bwd"]["mode"]
+    if mode not in ("cuda", "split"):
+        raise ValueError(f"swiglu_backward_dual mode must be 'cuda' or 'split', got {mode!r}")
+    if mode == "cuda" and (rows or cols) and cuda_tiles.takes_swiglu(gate_up, d_out):
+        _check_fused_swiglu(gate_up.device, scale_mode, float(eps), rows, cols)
+        return _swiglu_dual_cuda(gate_up, d_out, scale_mode, eps, rows, cols)
+    return quantize_dual(swiglu_backward(gate_up, d_out), scale_mode, eps=eps, check_finite=False, rows=rows, cols=cols)
+
+
+def _swiglu_dual_cuda(gate_up, d_out, scale_mode, eps, rows, cols):
+    t, n = gate_up.shape
+    tb, nb, dev = -(-t // GROUP), n // GROUP, gate_up.device
+    q, s = (torch.empty(t, n, dtype=E4M3, device=dev), _outer_major_empty(t, nb, dev)) if rows else (None, None)
+    qt, st = (torch.empty(n, t, dtype=E4M3, device=dev), _outer_major_empty(n, tb, dev)) if cols else (None, None)
+    cuda_tiles.quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, float(eps), scale_mode == "ue8m0")
+    return q, s, qt, st
+
+
+@functools.cache
+def _check_fused_swiglu(device, scale_mode: str, eps: float, rows: bool, cols: bool) -> None:
+    """Once per device, scale mode and output set (one host sync): the fused kernel's bytes on a probe of 144 tokens
+    x 2 x 256 features (a partial token tile; zero, tiny, huge, infinite and NaN gates, tiny and huge up / d_out)
+    equal the two-kernel path's."""
+    g = torch.Generator(device=device).manual_seed(0)
+    gate_up = (torch.randn(144, 512, device=device, generator=g) * 4).to(torch.bfloat16)
+    d_out = torch.randn(144, 256, device=device, generator=g).to(torch.bfloat16)
+    special = [0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, 90.0, -90.0, 1e-38, -1e-38, float("inf"), -float("inf"), float("nan")]
+    gate_up[0, :len(special)] = torch.tensor(special)
+    gate_up[1, 256:256 + len(special)] = torch.tensor(special)
+    d_out[2, :4] = torch.tensor([1e-38, -1e4, 3e38, float("nan")])
+    fused = _swiglu_dual_cuda(gate_up, d_out, scale_mode, eps, rows, cols)
+    split = quantize_dual(swiglu_backward(gate_up, d_out), scale_mode, eps=eps, check_finite=False, rows=rows, cols=cols)
+    bad = [name for name, a, b in zip(("rows", "row scales", "columns", "column scales"), fused, split)
+           if a is not None and not torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a.view(torch.int32),
+                              b.view(torch.uint8) if b.dtype == E4M3 else b.view(torch.int32))]
+    if bad:
+        raise RuntimeError(f"the fused SwiGLU-backward quantizer (fp8/cuda_tiles.py swiglu_bwd_tile) differs from "
+                           f"swiglu_backward + quantize_dual on {device} ({scale_mode} scales) in its {', '.join(bad)}; "
+                           "set megatron_jetrl.fp8.kernels.QUANT_CFG['swiglu_bwd']['mode'] = 'split' and report it")
 
 
 def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transposed=False):

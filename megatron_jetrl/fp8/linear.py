@@ -161,9 +161,51 @@ def _gated_backward(gate_up, act, d_out):
     return torch.cat([d_gate, d_up], dim=-1)
 
 
+def _quantize_gated_grad(gate_up, act, d_out, flow: PrecisionFlow, rows: bool, cols: bool):
+    """`_quantize_grad(_gated_backward(gate_up, act, d_out), ...)`; for SiLU on CUDA one call of
+    `kernels.swiglu_backward_dual`, whose "cuda" mode never stores d[gate | up] in BF16."""
+    if act is F.silu and _fast(d_out) and d_out.stride(-1) == 1 and gate_up.stride(-1) == 1:
+        from megatron_jetrl.fp8 import kernels
+
+        return kernels.swiglu_backward_dual(gate_up, d_out, flow.scale_mode, eps=flow.eps, rows=rows, cols=cols)
+    return _quantize_grad(_gated_backward(gate_up, act, d_out), flow, rows, cols)
+
+
+class GatedGradHandoff:
+    """d[gate | up] of a gated MLP, handed as FP8 from the down projection's backward to the up projection's.
+
+    The up projection's output `[gate | up]` is the down projection's input and nothing else's (the caller's
+    promise: `FP8GatedMLP` with a bias-free up projection). The down projection's backward then makes the up
+    projection's DGrad (1x128) and WGrad (128x1) bytes of d[gate | up] itself (`_quantize_gated_grad`) and gives
+    autograd a zero-stride placeholder of the right shape; the up projection's backward takes the bytes when that
+    very placeholder arrives. Any other gradient arriving while bytes wait means an op came between the two, and
+    is refused. The bytes are those the up projection would have made from the BF16 gradient (tests/unit)."""
+
+    def __init__(self):
+        self.rows = self.cols = True  # which operands the up projection's backward needs (set by its forward)
+        self._token: torch.Tensor | None = None
+        self._grads: tuple | None = None
+
+    def give(self, grads: tuple, shape, dtype, device) -> torch.Tensor:
+        self._grads = grads
+        self._token = torch.empty(1, dtype=dtype, device=device)
+        return self._token.expand(shape)
+
+    def take(self, dy: torch.Tensor) -> tuple | None:
+        if self._grads is None:
+            return None
+        if any(dy.stride()) or dy.untyped_storage().data_ptr() != self._token.untyped_storage().data_ptr():
+            raise RuntimeError("the gated MLP's up projection received a gradient other than the down projection's "
+                               "FP8 handoff: an op between the two changed d[gate | up]. Build the MLP without "
+                               "GatedGradHandoff when its [gate | up] output is used elsewhere")
+        grads, self._grads, self._token = self._grads, None, None
+        return grads
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None):
+    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None,
+                handoff: GatedGradHandoff | None = None):
         x2d = x.reshape(-1, x.shape[-1])
         if act is None:
             x_q, x_s = _quantize_input(x2d, flow, site)
@@ -172,7 +214,9 @@ class _FP8LinearFunction(torch.autograd.Function):
             x_q, x_s = _quantize_gated(x2d, act, flow, site)
             ctx.save_for_backward(x_q, x_s, x2d)
         y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
-        ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act = qweight, weight, flow, site, act
+        ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
+        if handoff is not None and act is None:  # the up projection: tell the down projection what to make
+            handoff.rows, handoff.cols = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], qweight.q.shape[0])
@@ -184,18 +228,23 @@ class _FP8LinearFunction(torch.autograd.Function):
         # train_step's one finiteness check finds it and stops or skips the update (run.on_nonfinite).
         x_q, x_s = ctx.saved_tensors[:2]
         flow, weight = ctx.flow, ctx.weight
+        handed = ctx.handoff.take(dy) if ctx.handoff is not None and ctx.act is None else None
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
-            dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
+            dy_q, dy_s, dyt_q, dyt_s = handed or _quantize_grad(dy2d, flow, need_dx, need_dw)
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
             dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
-            if ctx.act is not None:
-                dx = _gated_backward(ctx.saved_tensors[2], ctx.act, dx)
-            dx = dx.reshape(ctx.x_shape)
+            if ctx.act is not None and ctx.handoff is not None:  # the up projection's operands, made here
+                h = ctx.handoff
+                dx = h.give(_quantize_gated_grad(ctx.saved_tensors[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
+            elif ctx.act is not None:
+                dx = _gated_backward(ctx.saved_tensors[2], ctx.act, dx).reshape(ctx.x_shape)
+            else:
+                dx = dx.reshape(ctx.x_shape)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
@@ -206,7 +255,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=weight.dtype, backend=flow.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -238,13 +287,15 @@ def _requantize_tokens(x_q, x_s, flow):
 
 
 def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None,
-               gated_act=None):
+               gated_act=None, handoff: GatedGradHandoff | None = None):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
     Pass `weight_q` to reuse a weight quantized once per optimizer step; `site` names the layer in non-finite
     reports. WGrad goes straight into `weight.main_grad` when the weight has one (megatron DDP). With
     `gated_act`, `x` is a gated MLP's `[gate | up]` and the linear's input is `gated_act(gate) * up`, fused
-    into the input quantization (the down projection of a SwiGLU MLP).
+    into the input quantization (the down projection of a SwiGLU MLP). One `handoff` given to both linears of
+    such an MLP (up projection bias-free, its output feeding only the down projection) moves the quantization of
+    d[gate | up] into the down projection's backward (`GatedGradHandoff`).
     """
     if not flow.train_fp8:
         if gated_act is not None:
@@ -254,7 +305,10 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     site = site or f"FP8 linear {list(weight.shape)}"
     if weight_q is None:
         weight_q = QuantizedWeight.quantize(weight, flow, site=site, transposed=True)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act)
+    if handoff is not None and gated_act is None and bias is not None:
+        raise ValueError(f"{site}: a GatedGradHandoff needs a bias-free up projection (its bias gradient needs the BF16 "
+                         "d[gate | up], which the handoff never makes); pass handoff=None")
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff)
 
 
 class FP8Linear(torch.nn.Module):

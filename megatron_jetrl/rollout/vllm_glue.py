@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
+from megatron_jetrl.actor.fused import fused_add_rms_norm, fused_rms_norm, fused_rope, fused_rope_at
 
 
 def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """vLLM's RMSNorm contract with the trainer's numerics: `norm(x)`, or with a residual
     `(norm(x + residual), x + residual)`. The sum is the trainer's BF16 residual add, and its rounded value is what
-    gets normalized."""
+    gets normalized (on CUDA the add is inside the norm's kernel)."""
     if residual is None:
         return fused_rms_norm(x, weight, eps)
-    h = x + residual
-    return fused_rms_norm(h, weight, eps), h
+    return fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rope_tables(head_size: int, base: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,18 +47,19 @@ def rope_tables(head_size: int, base: float, max_positions: int, device) -> tupl
 
 def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
     """vLLM's rotary contract (`query` `[tokens, heads * head_size]` at `positions`) with the trainer's RoPE: the
-    tables of `rope_tables` and the math of `actor.fused.rope`. Returns new tensors shaped as the inputs."""
+    tables of `rope_tables` and the math of `actor.fused.rope`, the table rows read at `positions` inside the kernel
+    on CUDA. Returns new tensors shaped as the inputs."""
     head_size = cos.shape[-1]
     pos = positions.flatten()
-    cos, sin, t = cos[pos], sin[pos], pos.shape[0]
-    q = fused_rope(query.reshape(t, 1, -1, head_size), cos, sin).view_as(query)
-    return q, None if key is None else fused_rope(key.reshape(t, 1, -1, head_size), cos, sin).view_as(key)
+    t = pos.shape[0]
+    q = fused_rope_at(query.reshape(t, 1, -1, head_size), cos, sin, pos).view_as(query)
+    return q, None if key is None else fused_rope_at(key.reshape(t, 1, -1, head_size), cos, sin, pos).view_as(key)
 
 
 def probe(layer, arch, device, tokens: int = 512, method: str | None = None) -> dict[str, float]:
-    """Share of output elements in which a vLLM decoder layer's `input_layernorm` and `rotary_emb` differ from the
-    trainer's functions, on one random input each: through whatever forward they dispatch to, or through `method`
-    (e.g. `forward_native`)."""
+    """Share of output elements in which a vLLM decoder layer's `input_layernorm` (alone, and with a residual: the
+    normalized sum and the sum) and `rotary_emb` differ from the trainer's functions, on one random input each:
+    through whatever forward they dispatch to, or through `method` (e.g. `forward_native`)."""
     from megatron_jetrl.actor.fp8_layers import rope_cos_sin, rope_key
 
     g = torch.Generator(device=device).manual_seed(1)
@@ -67,6 +67,10 @@ def probe(layer, arch, device, tokens: int = 512, method: str | None = None) -> 
     ln, rot, d = layer.input_layernorm, layer.self_attn.rotary_emb, arch.head_dim
     norm_fn, rot_fn = (ln, rot) if method is None else (getattr(ln, method), getattr(rot, method))
     shares = {"rms_norm": (norm_fn(x.clone()) != fused_rms_norm(x, ln.weight, arch.rms_norm_eps)).float().mean().item()}
+    r = (torch.randn(tokens, arch.hidden_size, device=device, generator=g) * 3).to(torch.bfloat16)
+    y, h = norm_fn(x.clone(), r.clone())  # (clones: vLLM's fused add + norm writes its inputs in place)
+    shares["rms_norm_residual"] = torch.cat([(y != fused_rms_norm(x + r, ln.weight, arch.rms_norm_eps)).flatten(),
+                                             (h != x + r).flatten()]).float().mean().item()
     q = torch.randn(tokens, arch.num_heads * d, device=device, generator=g).to(torch.bfloat16)
     k = torch.randn(tokens, arch.num_kv_heads * d, device=device, generator=g).to(torch.bfloat16)
     got_q, got_k = rot_fn(torch.arange(tokens, device=device), q.clone(), k.clone())

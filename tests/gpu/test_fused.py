@@ -210,3 +210,21 @@ def test_rms_norm_on_a_strided_view():
     assert within_ulps(out["kernel"][0], out["eager"][0], 2) and flipped(out["kernel"][0], out["eager"][0]) < 1e-3
     for got, want in zip(out["kernel"][1:], out["eager"][1:]):
         assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 128, 513])
+def test_rollout_glue_kernels_equal_their_two_step_forms(tokens):
+    """The vLLM trainer-glue kernels are bit for bit the steps they fuse: `add_rms_norm` = (fused_rms_norm(x + r),
+    x + r), and `rope_at` = fused_rope at the gathered table rows (random positions, q and k shaped as vLLM's)."""
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+    x = (torch.randn(tokens, 2048, device=DEV, generator=gen(11)) * 3).bfloat16()
+    r = (torch.randn(tokens, 2048, device=DEV, generator=gen(12)) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(2048, device=DEV, generator=gen(13))).bfloat16()
+    y, h = fused.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, x + r) and torch.equal(y, fused.fused_rms_norm(x + r, w, 1e-6))
+    cos, sin = rope_cos_sin(128, (("rotary_base", 1e6), ("rotary_percent", 1.0)), 4096, torch.empty(0, device=DEV).device)
+    pos = torch.randint(0, 4096, (tokens,), device=DEV, generator=gen(14))
+    for heads in (16, 4):
+        q = torch.randn(tokens, 1, heads, 128, device=DEV, generator=gen(15 + heads)).bfloat16()
+        assert torch.equal(fused.fused_rope_at(q, cos, sin, pos), fused.fused_rope(q, cos[pos].contiguous(), sin[pos].contiguous()))

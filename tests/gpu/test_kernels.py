@@ -188,6 +188,69 @@ def test_cuda_tile_kernel_bytes_rows_cols_and_from_e4m3(mode):
     assert same(qt, tq.t()) and same_scales(st, ts.t())
 
 
+SWIGLU_TILE_SHAPES = [(16, 128), (144, 256), (272, 384), (1040, 1536), (4096, 3072)]  # (tokens T, I)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_swiglu_backward_quantizer_equals_the_two_kernels(mode):
+    """kernels.swiglu_backward_dual(mode="cuda") (fp8/cuda_tiles.py swiglu_bwd_tile: d[gate | up] never stored) ==
+    quantize_dual(swiglu_backward(gate_up, d_out)) byte for byte: partial token tiles, large / tiny / infinite / NaN
+    gates and gradients, rows + cols, cols only, rows only; inputs it does not take fall back to the same bytes."""
+    from megatron_jetrl.fp8 import cuda_tiles
+
+    k = kernels()
+    for n, (t, i) in enumerate(SWIGLU_TILE_SHAPES):
+        g = gen(900 + n)
+        gate_up = (torch.randn(t, 2 * i, device=DEV, generator=g) * torch.exp(torch.randn(t, 1, device=DEV, generator=g) * 2)).to(torch.bfloat16)
+        d_out = adversarial(t, i, torch.bfloat16, 950 + n)
+        gate_up[0, :10] = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, 90.0, -90.0, float("inf"), -float("inf")])
+        gate_up[-1, i:i + 4] = torch.tensor([1e-38, -1e-38, 3e38, float("nan")])
+        assert cuda_tiles.takes_swiglu(gate_up, d_out), (t, i)
+        want = k.quantize_dual(k.swiglu_backward(gate_up, d_out), mode, check_finite=False)
+        for rows, cols in ((True, True), (False, True), (True, False)):
+            got = k.swiglu_backward_dual(gate_up, d_out, mode, rows=rows, cols=cols, mode="cuda")
+            for name, a, b, on in zip(("rows", "row scales", "cols", "col scales"), got, want, (rows, rows, cols, cols)):
+                if not on:
+                    assert a is None
+                elif a.dtype == torch.float8_e4m3fn:
+                    assert same(a, b), (t, i, rows, cols, name)
+                else:
+                    assert same_scales(a, b), (t, i, rows, cols, name)
+    # not taken (I % 128, T % 16, FP16): the two kernels, the same bytes as quantizing the BF16 gradient
+    for t, i, dtype in ((64, 200, torch.bfloat16), (40, 256, torch.bfloat16), (64, 256, torch.float16)):
+        gu, dy = torch.randn(t, 2 * i, device=DEV).to(dtype), torch.randn(t, i, device=DEV).to(dtype)
+        assert not cuda_tiles.takes_swiglu(gu, dy)
+        got = k.swiglu_backward_dual(gu, dy, mode, mode="cuda")
+        want = k.quantize_dual(k.swiglu_backward(gu, dy), mode, check_finite=False)
+        assert all(same(a, b) if a.dtype == torch.float8_e4m3fn else same_scales(a, b) for a, b in zip(got, want))
+
+
+def test_fused_swiglu_backward_through_the_gated_mlp(monkeypatch):
+    """Public path: fc1 -> fc2(gated SiLU) with a GatedGradHandoff and the fused kernel gives the output and all
+    gradients of the MLP without the handoff, bit for bit (into main_grad, as under megatron DDP)."""
+    from megatron_jetrl.fp8 import GatedGradHandoff, fp8_linear
+
+    k = kernels()
+    monkeypatch.setitem(k.QUANT_CFG, "swiglu_bwd", dict(mode="cuda"))
+    g = gen(990)
+    x = torch.randn(4, 512, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(2 * 1536, 1024, device=DEV, generator=g) * 0.03).to(torch.bfloat16)
+    w2 = (torch.randn(1024, 1536, device=DEV, generator=g) * 0.03).to(torch.bfloat16)
+    dy = torch.randn(4, 512, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    flow = PrecisionFlow(mode="jetrl")
+    outs = []
+    for handoff in (None, GatedGradHandoff()):
+        xx = x.clone().requires_grad_(True)
+        a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        a.main_grad = torch.zeros(a.shape, dtype=torch.float32, device=DEV)
+        y = fp8_linear(fp8_linear(xx, a, flow=flow, handoff=handoff), b, flow=flow, gated_act=F.silu, handoff=handoff)
+        y.backward(dy)
+        outs.append((y, xx.grad, a.main_grad, b.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+
+
 def test_cuda_tile_kernel_poisons_non_finite_groups():
     k = kernels()
     x = torch.randn(256, 512, device=DEV).to(torch.bfloat16)

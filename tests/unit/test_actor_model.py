@@ -81,6 +81,42 @@ def test_native_fp8_linears_run_the_core_fp8_linear():
     assert col.quantized_weight() is not before
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_hands_fc1_its_fp8_gradient_from_fc2(monkeypatch, bias):
+    """FP8GatedMLP (SwiGLU) forward and backward are the core FP8 linears' bit for bit. Bias-free, fc2's backward
+    quantizes d[gate | up] for fc1 (one GatedGradHandoff per forward); with a bias, fc1 gets d[gate | up] in BF16."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_jetrl.actor.fp8_layers import FP8ColumnParallelLinear, FP8GatedMLP, FP8RowParallelLinear
+    from megatron_jetrl.fp8 import linear as fp8_linear_module
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, ffn_hidden_size=384, num_attention_heads=2, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=bias, use_cpu_initialization=True)
+    mlp = FP8GatedMLP(config, MLPSubmodules(linear_fc1=ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": JETRL}),
+                                            linear_fc2=ModuleSpec(module=FP8RowParallelLinear, params={"flow": JETRL})))
+    handed = []
+    real = fp8_linear_module._quantize_gated_grad
+    monkeypatch.setattr(fp8_linear_module, "_quantize_gated_grad", lambda *a: handed.append(1) or real(*a))
+    x = torch.randn(40, 2, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    y, out_bias = mlp(x)
+    y.sum().backward()
+    assert len(handed) == (0 if bias else 1)
+    x2 = x.detach().clone().requires_grad_()
+    w1, w2 = (t.detach().clone().requires_grad_() for t in (mlp.linear_fc1.weight, mlp.linear_fc2.weight))
+    b1 = mlp.linear_fc1.bias.detach().clone().requires_grad_() if bias else None
+    gate_up = fp8_linear(x2, w1, b1, flow=JETRL)
+    want = fp8_linear(gate_up, w2, flow=JETRL, gated_act=F.silu)
+    want.sum().backward()
+    assert torch.equal(y, want)
+    for got, ref in ((x.grad, x2.grad), (mlp.linear_fc1.weight.grad, w1.grad), (mlp.linear_fc2.weight.grad, w2.grad)):
+        assert torch.equal(got, ref)
+    if bias:
+        assert torch.equal(mlp.linear_fc1.bias.grad, b1.grad)
+    assert mlp.linear_fc1.grad_handoff is None and mlp.linear_fc2.grad_handoff is None
+
+
 def test_megatron_fp8_flag_on_local_spec_builds_plain_linears(checkpoints):
     """Why the native spec exists: megatron's own fp8='e4m3' + blockwise on the local spec is silently BF16."""
     from megatron.core.models.gpt import GPTModel

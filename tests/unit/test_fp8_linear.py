@@ -321,6 +321,54 @@ def test_gated_input_fused_into_quantization_equals_the_unfused_mlp(act):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _mlp_grads(x, w1, w2, dy, handoff, *, frozen_w1=False, x_grad=True, main_grad=False, act=torch.nn.functional.silu):
+    """fc1 -> fc2(gated_act) forward and backward; the output and every gradient (fc1's in main_grad if asked)."""
+    x = x.clone().requires_grad_(x_grad)
+    a, b = w1.clone().requires_grad_(not frozen_w1), w2.clone().requires_grad_(True)
+    if main_grad:
+        a.main_grad = torch.zeros(a.shape, dtype=torch.float32)
+    y = fp8_linear(fp8_linear(x, a, flow=JETRL, handoff=handoff), b, flow=JETRL, gated_act=act, handoff=handoff)
+    y.backward(dy)
+    return y, x.grad, a.main_grad if main_grad else a.grad, b.grad
+
+
+@pytest.mark.parametrize("case", [dict(), dict(frozen_w1=True), dict(x_grad=False), dict(main_grad=True),
+                                  dict(act=torch.nn.functional.gelu)])
+def test_gated_grad_handoff_gives_the_bits_of_the_unhanded_mlp(case):
+    """With one GatedGradHandoff, fc2's backward quantizes d[gate | up] for fc1: output and every gradient are the
+    bits of the MLP without it, whichever of fc1's operands are needed (frozen weight, input without grad)."""
+    from megatron_jetrl.fp8 import GatedGradHandoff
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 136, 256, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(768, 256, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16)
+    dy = torch.randn(2, 136, 256, generator=g).to(torch.bfloat16)
+    want = _mlp_grads(x, w1, w2, dy, None, **case)
+    handoff = GatedGradHandoff()
+    got = _mlp_grads(x, w1, w2, dy, handoff, **case)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+    assert handoff._grads is None and handoff._token is None  # taken, nothing kept alive
+
+
+def test_gated_grad_handoff_refuses_a_changed_gradient_and_a_biased_up_projection():
+    from megatron_jetrl.fp8 import GatedGradHandoff
+
+    x = torch.randn(8, 128, requires_grad=True)
+    w1, w2 = torch.randn(256, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
+    h = GatedGradHandoff()
+    gate_up = fp8_linear(x, w1, flow=JETRL, handoff=h)
+    y = fp8_linear(gate_up * 2, w2, flow=JETRL, gated_act=torch.nn.functional.silu, handoff=h)  # an op in between
+    with pytest.raises(RuntimeError, match=r"received a gradient other than the down projection's FP8 handoff"):
+        y.sum().backward()
+    with pytest.raises(ValueError, match=r"needs a bias-free up projection .* pass handoff=None"):
+        fp8_linear(x, w1, torch.zeros(256), flow=JETRL, handoff=GatedGradHandoff())
+
+
 def test_bias_only_gradient_quantizes_nothing():
     """A frozen weight, an input without grad: backward gives the bias gradient only (dY is not quantized)."""
     from megatron_jetrl.fp8 import finite

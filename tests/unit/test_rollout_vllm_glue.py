@@ -71,8 +71,8 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
         def __init__(self, fn):
             self.fn, self.weight = fn, w
 
-        def __call__(self, x):
-            return self.fn(x)
+        def __call__(self, x, residual=None):
+            return self.fn(x, residual)
 
     class Rot:
         base = 1e6
@@ -99,14 +99,22 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
 
         return rot(q), rot(k)
 
-    ours = vllm_glue.probe(layer(lambda x: vllm_glue.norm(x, None, w, 1e-6), trainer_rope), arch, torch.device("cpu"))
-    assert ours == {"rms_norm": 0.0, "rope": 0.0}
-    theirs = vllm_glue.probe(layer(lambda x: torch.nn.functional.rms_norm(x, (256,), w, 1e-6), bf16_rope), arch,
-                             torch.device("cpu"))
-    assert theirs["rms_norm"] > 0.1 and theirs["rope"] > 0.05
+    def vllm_norm(x, residual=None):  # vLLM's reference: one rounding at the end, the FP32 sum normalized
+        if residual is None:
+            return torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
+        h = x.float() + residual.float()
+        return torch.nn.functional.rms_norm(h, (256,), w.float(), 1e-6).to(x.dtype), h.to(x.dtype)
+
+    def trainer_norm(x, residual=None):
+        return vllm_glue.norm(x, residual, w, 1e-6)
+
+    ours = vllm_glue.probe(layer(trainer_norm, trainer_rope), arch, torch.device("cpu"))
+    assert ours == {"rms_norm": 0.0, "rms_norm_residual": 0.0, "rope": 0.0}
+    theirs = vllm_glue.probe(layer(vllm_norm, bf16_rope), arch, torch.device("cpu"))
+    assert theirs["rms_norm"] > 0.1 and theirs["rms_norm_residual"] > 0.05 and theirs["rope"] > 0.05
     # `method` probes one forward of each module (the diag tool's per-method rows)
-    both = layer(lambda x: vllm_glue.norm(x, None, w, 1e-6), trainer_rope)
-    both.input_layernorm.forward_native = lambda x: torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
+    both = layer(trainer_norm, trainer_rope)
+    both.input_layernorm.forward_native = vllm_norm
     both.self_attn.rotary_emb.forward_native = bf16_rope
     assert vllm_glue.probe(both, arch, torch.device("cpu")) == ours
     assert vllm_glue.probe(both, arch, torch.device("cpu"), method="forward_native") == theirs
