@@ -131,13 +131,22 @@ __device__ __forceinline__ unsigned swiglu_grad(float g, float u, float dy) {
 
 // The row (ROWS) and transposed column (COLS) passes of the module docstring over one 128 (tokens) x 128 (features)
 // tile of a [T, N] tensor whose features start at n0; v(i, j) is this thread's value at tile row 8r+i, column 8c+j.
-// Both kernels run it; a kernel that runs it twice syncs in between (red, col_scale and tile are reused).
+// Both kernels run it; a kernel that runs it twice syncs in between (it reuses `sh`).
+struct TileShared {                                   // the column pass's shared memory (21 KiB)
+    __align__(16) unsigned char tile[128 * 128];      // the transposed bytes, swizzled
+    float red[8][128];                                // per-warp column amax
+    float col_scale[128], col_recip[128];
+};
+
 template <class Values>
 __device__ __forceinline__ void quantize_tile(
-    Values v, float (*red)[128], float* col_scale, float* col_recip, unsigned char* tile, int t0, int n0, int T, int N,
-    float eps, unsigned char* __restrict__ q, float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
+    Values v, TileShared& sh, int t0, int n0, int T, int N, float eps,
+    unsigned char* __restrict__ q, float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
     int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t)
 {
+    float (*red)[128] = sh.red;
+    float *col_scale = sh.col_scale, *col_recip = sh.col_recip;
+    unsigned char* tile = sh.tile;
     const int tid = threadIdx.x, c = tid & 15, r = tid >> 4, warp = tid >> 5;
     const int n = n0 + 8 * c;
 #if ROWS
@@ -206,17 +215,15 @@ __device__ __forceinline__ void quantize_tile(
 // pairs, and writes the rows and transposed columns of the d[gate] tile (features f0..) and of the d[up] tile
 // (features I + f0..) of the [T, 2I] gradient. d[gate] stays in registers while d[up] waits, half in registers and
 // half in shared memory (word w of thread tid at up_smem[w][tid]: no bank conflicts), so that nothing spills and
-// the static shared memory stays under 48 KiB. Arguments in quant_tile's
-// order: dy in xs's place, its row stride in xs_t; N = I, a multiple of 128 (a tile never straddles gate and up).
+// the static shared memory stays under 48 KiB. Arguments in quant_tile's order: dy in xs's place, its row stride
+// in xs_t; N = I, a multiple of 128 (a tile never straddles gate and up).
 extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_tile(
     const unsigned char* __restrict__ gu, const unsigned char* __restrict__ dy,
     unsigned char* __restrict__ q, float* __restrict__ s,
     unsigned char* __restrict__ qt, float* __restrict__ st,
     int T, int I, int ldgu, int lddy, int unused, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
 {
-    __shared__ float red[8][128];
-    __shared__ float col_scale[128], col_recip[128];
-    __shared__ __align__(16) unsigned char tile[128 * 128];
+    __shared__ TileShared sh;
     __shared__ unsigned up_smem[16][256];
     const float eps = __int_as_float(eps_bits);
     const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
@@ -243,15 +250,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_tile(
         }
     }
     auto packed = [&](int i, int j) { return j & 1 ? bf16_hi(p[i][j >> 1]) : bf16_lo(p[i][j >> 1]); };
-    quantize_tile(packed, red, col_scale, col_recip, tile, t0, f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
+    quantize_tile(packed, sh, t0, f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) p[i][j] = i < 4 ? up[i][j] : up_smem[4 * (i - 4) + j][tid];
 #if COLS
-    __syncthreads();  // the d[gate] tile's column pass is done with red, col_scale and tile
+    __syncthreads();  // the d[gate] tile's column pass is done with the shared memory
 #endif
-    quantize_tile(packed, red, col_scale, col_recip, tile, t0, I + f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
+    quantize_tile(packed, sh, t0, I + f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
@@ -260,9 +267,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
     unsigned char* __restrict__ qt, float* __restrict__ st,
     int T, int N, int ldx, int xs_t, int xs_n, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
 {
-    __shared__ float red[8][128];
-    __shared__ float col_scale[128], col_recip[128];
-    __shared__ __align__(16) unsigned char tile[128 * 128];
+    __shared__ TileShared sh;
     const float eps = __int_as_float(eps_bits);
     const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
     const int t0 = blockIdx.x * 128, n0 = blockIdx.y * 128;
@@ -291,8 +296,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
             v[i][j] = __uint_as_float(j & 1 ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16));
 #endif
     }
-    quantize_tile([&](int i, int j) { return v[i][j]; }, red, col_scale, col_recip, tile, t0, n0, T, N, eps, q, s, qt, st,
-                  ldq, s_t, s_n, ldqt, st_n, st_t);
+    quantize_tile([&](int i, int j) { return v[i][j]; }, sh, t0, n0, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
 }
 """
 
@@ -390,23 +394,25 @@ def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool) -> None:
     """Fill the preallocated outputs of `kernels.quantize_dual` (q/s: 1x128 rows, qt/st: 128x1 transposed; either
     pair may be None). The caller checked `takes`; q, qt are contiguous, s/st any strides."""
     t, n = x.shape
-    rows, cols = q is not None, qt is not None
     fp8_in = x_scale is not None
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    xs = x_scale if fp8_in else (s if q is not None else st)  # (not read without FP8 input)
+    _run("quant_tile", fp8_in, x, xs, [t, n, x.stride(0), xs.stride(0), xs.stride(1)], (-(-t // TILE), -(-n // TILE)),
+         q, s, qt, st, eps, ue8m0)
+
+
+def _run(name: str, fp8_in: bool, a, b, head: list[int], grid, q, s, qt, st, eps: float, ue8m0: bool) -> None:
+    """Launch kernel `name` (the variant for the output pairs given) with its two inputs `a`, `b`, its first five
+    integer arguments `head`, then the outputs' strides and eps, the order both kernels share."""
+    rows, cols = q is not None, qt is not None
+    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     _make_context_current(device_index)  # before the first compile too: loading the module needs a current context
-    kern = _kernel(fp8_in, rows, cols, ue8m0, device_index)
-    xs = x_scale if fp8_in else (s if rows else st)
+    kern = _kernel(fp8_in, rows, cols, ue8m0, device_index, name)
     q_, s_ = (q, s) if rows else (qt, st)
     qt_, st_ = (qt, st) if cols else (q, s)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]
-    _launch(
-        kern.func,
-        device_index,
-        (-(-t // TILE), -(-n // TILE)),
-        [x.data_ptr(), xs.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
-        [t, n, x.stride(0), xs.stride(0), xs.stride(1), q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0),
-         st_.stride(1), eps_bits],
-    )
+    _launch(kern.func, device_index, grid,
+            [a.data_ptr(), b.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
+            [*head, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1), eps_bits])
 
 
 def takes_swiglu(gate_up: torch.Tensor, d_out: torch.Tensor) -> bool:
@@ -424,18 +430,5 @@ def quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, eps: float, ue8m0: bo
     """Fill `quantize`'s outputs for d[gate | up] `[T, 2I]`, the gradient of silu(gate) * up for `d_out`, without
     storing it (the `swiglu_bwd_tile` kernel). The caller checked `takes_swiglu`; either output pair may be None."""
     t, i = d_out.shape
-    rows, cols = q is not None, qt is not None
-    device_index = gate_up.device.index if gate_up.device.index is not None else torch.cuda.current_device()
-    _make_context_current(device_index)
-    kern = _kernel(False, rows, cols, ue8m0, device_index, "swiglu_bwd_tile")
-    q_, s_ = (q, s) if rows else (qt, st)
-    qt_, st_ = (qt, st) if cols else (q, s)
-    eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]
-    _launch(
-        kern.func,
-        device_index,
-        (-(-t // TILE), i // TILE),
-        [gate_up.data_ptr(), d_out.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
-        [t, i, gate_up.stride(0), d_out.stride(0), 0, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0),
-         st_.stride(1), eps_bits],
-    )
+    _run("swiglu_bwd_tile", False, gate_up, d_out, [t, i, gate_up.stride(0), d_out.stride(0), 0], (-(-t // TILE), i // TILE),
+         q, s, qt, st, eps, ue8m0)

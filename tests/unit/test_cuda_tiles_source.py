@@ -1,6 +1,7 @@
 """The CUDA source of `fp8/cuda_tiles.py` compiles for sm_90 with the GPU machine's CUDA 13.0 NVRTC and ptxas (pip
 wheels, no GPU): every kernel of every variant exists, fits its launch bounds, keeps static shared memory under
-48 KiB, and spills at most a few bytes. Its numerics are checked on the GPU (tests/gpu/test_kernels.py)."""
+48 KiB, and spills at most a few bytes; the launchers pass each kernel its arguments by the source's own parameter
+names. Their numerics are checked on the GPU (tests/gpu/test_kernels.py)."""
 
 import sys
 from pathlib import Path
@@ -12,10 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import check_cuda_tiles as check  # noqa: E402
 
 NVRTC, PTXAS = check._wheel_file(*check.NVRTC), check._wheel_file(*check.PTXAS)
-pytestmark = pytest.mark.skipif(NVRTC is None or PTXAS is None, reason="needs nvidia-cuda-nvrtc and nvidia-cuda-nvcc (requirements.txt)")
+needs_nvrtc = pytest.mark.skipif(NVRTC is None or PTXAS is None, reason="needs nvidia-cuda-nvrtc and nvidia-cuda-nvcc (requirements.txt)")
 MAX_REGISTERS = {"quant_tile": 65536 // (256 * 3), "swiglu_bwd_tile": 65536 // (256 * 2)}  # __launch_bounds__
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("rows,cols", [(1, 1), (1, 0), (0, 1)])
 @pytest.mark.parametrize("ue8m0", [0, 1])
 def test_every_tile_kernel_compiles_within_its_launch_bounds(rows, cols, ue8m0):
@@ -31,6 +33,49 @@ def test_every_tile_kernel_compiles_within_its_launch_bounds(rows, cols, ue8m0):
             assert r.get("spill_stores", 0) + r.get("spill_loads", 0) <= 128, (flags, kernel, r)
 
 
+@needs_nvrtc
 def test_a_compile_error_is_reported_with_nvrtc_s_log():
     with pytest.raises(RuntimeError, match=r"(?s)NVRTC error .*undefined_symbol"):
         check.nvrtc_ptx(check.load_nvrtc(NVRTC), 'extern "C" __global__ void k() { undefined_symbol(); }', "90")
+
+
+def _signature(kernel: str) -> list[str]:
+    """The parameter names of `kernel` in the CUDA source, in order."""
+    import re
+
+    src = check.cuda_tiles._SOURCE
+    params = src[src.index(f"{kernel}(") + len(kernel) + 1: src.index(")", src.index(f"{kernel}("))]
+    return [re.split(r"[\s*]+", p.strip())[-1] for p in params.split(",")]
+
+
+@pytest.mark.parametrize("rows,cols", [(True, True), (True, False), (False, True)])
+def test_launch_arguments_match_the_kernel_signatures(monkeypatch, rows, cols):
+    """What the Python side passes each kernel, by the kernel's own parameter names (no GPU: the launch is caught)."""
+    import torch
+
+    tiles = check.cuda_tiles
+    launched = {}
+    monkeypatch.setattr(tiles, "_make_context_current", lambda device_index: None)
+    monkeypatch.setattr(tiles, "_kernel", lambda *a: type("K", (), {"func": a})())
+    monkeypatch.setattr(tiles, "_launch", lambda func, dev, grid, ptrs, ints: launched.update(func=func, grid=grid, ptrs=ptrs, ints=ints))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    t, i = 272, 384
+    gate_up, d_out = torch.empty(t, 2 * i + 8, dtype=torch.bfloat16)[:, : 2 * i], torch.empty(t, i, dtype=torch.bfloat16)
+    q, s = (torch.empty(t, 2 * i, dtype=torch.uint8), torch.empty(6, t).t()) if rows else (None, None)
+    qt, st = (torch.empty(2 * i, t, dtype=torch.uint8), torch.empty(3, 2 * i).t()) if cols else (None, None)
+    tiles.quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, 1e-10, False)
+    assert launched["func"] == (False, rows, cols, False, 0, "swiglu_bwd_tile") and launched["grid"] == (3, 3)
+    q_, s_ = (q, s) if rows else (qt, st)
+    qt_, st_ = (qt, st) if cols else (q, s)
+    got = dict(zip(_signature("swiglu_bwd_tile"), launched["ptrs"] + launched["ints"]))
+    assert got["gu"] == gate_up.data_ptr() and got["dy"] == d_out.data_ptr() and got["q"] == q_.data_ptr() and got["st"] == st_.data_ptr()
+    assert (got["T"], got["I"], got["ldgu"], got["lddy"]) == (t, i, 2 * i + 8, i)
+    assert (got["ldq"], got["s_t"], got["s_n"], got["ldqt"], got["st_n"], got["st_t"]) == \
+        (q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1))
+    x = torch.empty(t, 2 * i, dtype=torch.bfloat16)
+    tiles.quantize(x, None, q, s, qt, st, 1e-10, True)
+    got = dict(zip(_signature("quant_tile"), launched["ptrs"] + launched["ints"]))
+    assert launched["func"][5] == "quant_tile" and launched["grid"] == (3, 6)
+    assert got["x"] == x.data_ptr() and (got["T"], got["N"], got["ldx"]) == (t, 2 * i, 2 * i)
+    assert (got["ldq"], got["s_t"], got["s_n"], got["ldqt"], got["st_n"], got["st_t"]) == \
+        (q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1))
