@@ -30,6 +30,10 @@ puts each variant in its own column):
 * cutlass-gemm (jetrl only): `VLLM_USE_DEEP_GEMM=0`, so that vLLM's FP8 linears run its CUTLASS block kernel instead
   of DeepGEMM (same activation quantizer and bytes; another reduction order than the trainer's DeepGEMM): whether
   DeepGEMM's small-M GEMMs (74% of the copy rate at batch 128, BENCHMARKS.md) are what holds decode back;
+* unseeded: the shipped engine, sampling without per-request seeds. With seeds (what the rollout pool passes, so that
+  a prompt samples the same tokens whichever engine serves it) vLLM 0.26's V1 sampler draws each request's noise in a
+  Python loop, one kernel per request and step (`random_sample` in `v1/sample/ops/topk_topp_sampler.py`): whether that
+  host work is what holds FP8 decode back once its GPU time is shorter than BF16's;
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "vllm-glue", "fused", "triton-attn", "cutlass-gemm")
+VARIANTS = ("shipped", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "unseeded")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -107,6 +111,11 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
     return {}, True
+
+
+def sampling_seed(variant: str) -> int | None:
+    """The decode runs' `SamplingParams.seed`: per-request seeds from 1, or none for --variant unseeded."""
+    return None if variant == "unseeded" else 1
 
 
 DECODE_CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case. Attention
@@ -150,12 +159,12 @@ def _kernels(run) -> tuple[dict[str, float], float]:
     return by_name, busy / 1e6
 
 
-def decode_profile(engine, prompts, steps: int = 64) -> dict:
+def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> dict:
     """Where one decode step's time goes: torch.profiler over a generate of `steps` new tokens minus one of 2 (prefill
     and the first token cancel), per decode step: wall ms, GPU-busy ms, kernel ms by category and the top kernels."""
     per = {}
     for new in (2, steps):
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=1)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=seed)
         engine.generate(prompts, sampling)  # warm: this batch and length's graphs and JIT
         wall = min(timed(lambda: engine.generate(prompts, sampling)) for _ in range(2))
         kernels, busy = _kernels(lambda: engine.generate(prompts, sampling))
@@ -251,14 +260,14 @@ def main(argv=None) -> dict:
     res["decode"] = {}
     for b in a.batches:
         prompts = torch.randint(0, arch.vocab_size - 1, (b, a.prompt), generator=g).tolist()
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=1)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=sampling_seed(a.variant))
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
         res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
         print(f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
               f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
     if a.profile_batch:
         prompts = torch.randint(0, arch.vocab_size - 1, (a.profile_batch, a.prompt), generator=g).tolist()
-        res["decode_profile"] = decode_profile(engine, prompts)
+        res["decode_profile"] = decode_profile(engine, prompts, seed=sampling_seed(a.variant))
         print_decode_profile(f"{a.mode} {a.variant}", res["decode_profile"])
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

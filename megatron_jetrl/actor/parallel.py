@@ -11,45 +11,21 @@ if ``init_parallel`` created it).
 from __future__ import annotations
 
 import datetime
-import importlib
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-_CPU_PATCH_MODULE = "patches.megatron_core_0_16_1_cpu"
 _OWNS_PROCESS_GROUP = False
-
-
-def _load_cpu_patch():
-    """Import the CPU patch module, from the repository's ``patches/`` if not importable, else from the copy an
-    installed package carries (``megatron_jetrl/_patches/``, pyproject.toml's package data)."""
-    try:
-        return importlib.import_module(_CPU_PATCH_MODULE)
-    except ModuleNotFoundError:
-        pass
-    here = Path(__file__).resolve().parents[1]
-    tried = [here.parent / "patches" / "megatron_core_0_16_1_cpu.py", here / "_patches" / "megatron_core_0_16_1_cpu.py"]
-    path = next((p for p in tried if p.is_file()), None)
-    if path is None:
-        raise ModuleNotFoundError(
-            f"megatron-core CPU patch not found (tried import {_CPU_PATCH_MODULE!r} and {', '.join(map(str, tried))})"
-        )
-    spec = importlib.util.spec_from_file_location(_CPU_PATCH_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_CPU_PATCH_MODULE] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def apply_cpu_patch_if_needed() -> bool:
     """Apply the megatron-core CPU patch when CUDA is unavailable. Returns True if applied."""
     if torch.cuda.is_available():
         return False
-    return _load_cpu_patch().apply()
+    from megatron_jetrl.patching import load_patch
+
+    return load_patch("megatron_core_0_16_1_cpu").apply()
 
 
 def init_parallel(

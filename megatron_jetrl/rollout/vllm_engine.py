@@ -439,7 +439,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         pin_environment(engine_env(flow, env))
         import vllm
 
+        from megatron_jetrl.patching import load_patch
         from megatron_jetrl.rollout import vllm_glue
+
+        load_patch("vllm_0_26_0_seeded_sampling").apply()  # seeded requests' noise in one kernel, not one per request
 
         if glue == "trainer":
             vllm_glue.register()

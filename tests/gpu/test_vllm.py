@@ -169,3 +169,35 @@ def test_vllm_logprobs_against_the_native_fp8_engine_on_the_same_bytes(setup):
     print(f"vLLM FP8 vs native FP8, same bytes: mean |dlogp| {diff.abs().mean():.4f}, max {diff.abs().max():.4f}, "
           f"{len(diff)} tokens")
     assert diff.abs().mean() < 0.5 and torch.isfinite(diff).all()
+
+
+def test_seeded_tokens_depend_on_the_seed_not_the_batch(setup):
+    """With the seeded-sampling patch (patches/vllm_0_26_0_seeded_sampling.py, applied by the engine) a request's
+    tokens follow from its seed and its own logits: the same on a second run, another seed gives other tokens, and
+    alone it starts as in a batch of 8 (vLLM's GEMMs need not give a row the same bits at another batch size, so only
+    the first tokens are compared). The patch's kernel equals its Python reference."""
+    import importlib
+
+    from megatron_jetrl.patching import load_patch
+    from megatron_jetrl.rollout.engine import SamplingParams
+
+    patch = load_patch("vllm_0_26_0_seeded_sampling")
+    assert importlib.import_module(patch.MODULE).random_sample is patch.seeded_random_sample
+    engine, arch, flow = setup
+    engine.update_weights(stream(arch, flow, seed=8).items())
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    ps = prompts(8, seed=3)
+    seeds = [100 + i for i in range(8)]
+    batch = [c.token_ids for o in engine.generate(ps, sampling, request_seeds=seeds) for c in o.completions]
+    alone = [engine.generate([ps[i]], sampling, request_seeds=[seeds[i]])[0].completions[0].token_ids for i in (2, 5)]
+    print(f"alone vs in a batch of 8: {[sum(x == y for x, y in zip(a, batch[i])) for a, i in zip(alone, (2, 5))]} of 24 tokens equal")
+    assert [a[:4] for a in alone] == [batch[2][:4], batch[5][:4]]
+    again = [c.token_ids for o in engine.generate(ps, sampling, request_seeds=seeds) for c in o.completions]
+    assert again == batch
+    other = [c.token_ids for o in engine.generate(ps, sampling, request_seeds=[s + 1000 for s in seeds]) for c in o.completions]
+    assert sum(a != b for a, b in zip(other, batch)) >= 6
+    q = torch.zeros(5, 3000, device="cuda")
+    keys = [patch.draw_key(s, d) for s, d in ((1, 0), (1, 1), (2, 0))]
+    patch.seeded_exponential(q, [0, 2, 4], keys)
+    want = patch.reference_exponential(keys, 3000).cuda()
+    assert torch.allclose(q[[0, 2, 4]], want, rtol=1e-5, atol=1e-6) and not q[[1, 3]].any()

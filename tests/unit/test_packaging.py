@@ -28,12 +28,13 @@ def test_installed_package_carries_the_cpu_patch_and_the_configs(tmp_path):
                         str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (target / "megatron_jetrl/_patches/megatron_core_0_16_1_cpu.py").is_file()
+    assert (target / "megatron_jetrl/_patches/vllm_0_26_0_seeded_sampling.py").is_file()
     assert (target / "megatron_jetrl/_configs/tiny.yaml").is_file()
     assert (target / "megatron_jetrl/_configs/models/qwen2.5-7b.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    probe = ("from megatron_jetrl.rl.config import DEFAULT_CONFIG, load_config; from megatron_jetrl.actor import parallel; "
-             "print(DEFAULT_CONFIG); load_config(); print(parallel._load_cpu_patch().__file__)")
+    probe = ("from megatron_jetrl.rl.config import DEFAULT_CONFIG, load_config; from megatron_jetrl.patching import load_patch; "
+             "print(DEFAULT_CONFIG); load_config(); print(load_patch('megatron_core_0_16_1_cpu').__file__)")
     r = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -272,6 +272,12 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
         bench.variant_settings("cutlass-gemm", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
         bench.variant_settings("fast", "jetrl")
+    # unseeded: the shipped engine; its decode runs pass no seed, so the pool sends no per-request seeds
+    assert bench.variant_settings("unseeded", "bf16") == ({}, True)
+    assert bench.sampling_seed("unseeded") is None and bench.sampling_seed("shipped") == 1
+    from megatron_jetrl.rollout.engine import SamplingParams, request_seeds_for
+
+    assert request_seeds_for(SamplingParams(seed=bench.sampling_seed("unseeded")), 4) is None
     # the decode profile's categories (kernel names as CUPTI reports them in these engines)
     cat = bench.decode_category
     assert cat("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>") == "attention"
