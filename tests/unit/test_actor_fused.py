@@ -47,3 +47,22 @@ def test_a_failed_compile_names_model_fused(monkeypatch):
     run = fused.on_cuda_compiled(fused.rms_norm)
     with pytest.raises(RuntimeError, match=r"(?s)fused rms_norm kernel.*no working C compiler.*model\.fused=false"):
         run(types.SimpleNamespace(is_cuda=True), None, 1e-6)
+
+
+def test_rollout_glue_forms_on_the_cpu_and_a_bad_residual():
+    """The vLLM glue's forms (`fused_add_rms_norm`, `fused_rope_at`) are the two-step formulas on the CPU (their CUDA
+    kernels: tests/gpu/test_fused.py); the kernel's wrapper refuses a residual it cannot read in place."""
+    from megatron_jetrl.actor import glue_kernels
+    from megatron_jetrl.actor.fp8_layers import rope_cos_sin
+
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(5, 256, generator=g).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(256, generator=g)).bfloat16()
+    y, h = fused.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, x + r) and torch.equal(y, fused.rms_norm(x + r, w, 1e-6))
+    cos, sin = rope_cos_sin(128, (("rotary_base", 1e6), ("rotary_percent", 1.0)), 64, torch.device("cpu"))
+    pos = torch.tensor([7, 0, 63, 7, 30])
+    t = torch.randn(5, 1, 4, 128, generator=g).bfloat16()
+    assert torch.equal(fused.fused_rope_at(t, cos, sin, pos), fused.rope(t, cos[pos], sin[pos]))
+    with pytest.raises(ValueError, match=r"contiguous residual of x's shape and dtype, got \(5, 128\)"):
+        glue_kernels.add_rms_norm(x, r[:, :128], w, 1e-6)
