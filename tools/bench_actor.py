@@ -151,7 +151,7 @@ CATEGORIES = (  # kernel-name substrings -> category (first match wins)
     ("optimizer (Adam, grad norm)", ("adam", "multi_tensor_apply", "normtwo")),
     ("logprobs (Inductor)", ("_exp_", "amax")),  # actor.logprobs' row kernels (RMSNorm's backward says "expand")
     ("fused glue (Triton, Inductor)", ("triton_poi_", "triton_per_", "triton_red_", "_rms_", "_rope")),  # actor.fused, megatron's SwiGLU
-    ("quantize", ("_quant", "quant_tile")),  # the Triton quantizers and the CUDA tile kernel (fp8/cuda_tiles.py)
+    ("quantize", ("_quant", "quant_tile", "swiglu_bwd_tile")),  # the Triton quantizers and the CUDA tile kernels (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
     ("attention core", ("flash", "fmha", "attention", "softmax")),
     ("copy/transpose/cat", ("copy", "transpose", "cat", "memcpy", "memset")),

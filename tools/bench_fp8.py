@@ -604,7 +604,7 @@ def linear_targets(res):
 # ---- profile: where the time of the FP8 linear goes ---------------------------------------------------
 
 PROFILE_CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case
-    ("quantize", ("quant",)),
+    ("quantize", ("quant", "swiglu_bwd_tile")),
     ("GEMM deepgemm", ("fp8_gemm_1d", "sm90_fp8_gemm", "deep_gemm", "deepgemm")),
     ("GEMM triton", ("_gemm_tma", "_gemm_ptr")),
     ("GEMM cuBLAS", ("nvjet", "xmma", "cublas", "cutlass", "gemm", "sm90_")),
