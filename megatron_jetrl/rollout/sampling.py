@@ -11,13 +11,20 @@ from __future__ import annotations
 import torch
 
 
+def sample_seed(request_seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request, in both engines: consecutive request seeds (the pool's
+    `seed + prompt index`) stay 1_000_003 samples apart. vLLM, which seeds sample j with `seed + j` itself, gets
+    `sample_seed(request_seed, 0)` (`rollout.vllm_engine.sampling_kwargs`)."""
+    return (int(request_seed) * 1_000_003 + sample_index) % (2**63 - 1)
+
+
 def sequence_generator(request_seed: int | None, sample_index: int, device="cpu") -> torch.Generator:
-    """The generator of sample `sample_index` of a request: seeded from (request seed, index), or fresh entropy."""
+    """The generator of sample `sample_index` of a request: seeded with `sample_seed`, or fresh entropy."""
     g = torch.Generator(device=device)
     if request_seed is None:
         g.seed()
     else:
-        g.manual_seed((int(request_seed) * 1_000_003 + sample_index) % (2**63 - 1))
+        g.manual_seed(sample_seed(request_seed, sample_index))
     return g
 
 

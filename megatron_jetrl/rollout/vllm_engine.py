@@ -42,6 +42,7 @@ import torch
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
+from megatron_jetrl.rollout.sampling import sample_seed
 from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, collect_batch, expected_tensors, validate_weights
 
 VLLM_VERSION = "0.26.0"
@@ -173,12 +174,18 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
 
 def sampling_kwargs(sampling: SamplingParams, request_seed: int | None, eos_token_ids: Sequence[int] = ()) -> dict:
     """Keyword arguments of `vllm.SamplingParams(...)`: `logprobs=0` returns the sampled token's logprob. The
-    model's EOS ids join `stop_token_ids` (without a tokenizer vLLM knows no EOS)."""
+    model's EOS ids join `stop_token_ids` (without a tokenizer vLLM knows no EOS).
+
+    The seed: vLLM seeds sample j of a request with `seed + j` (`v1/engine/parallel_sampling.py`), and the pool's
+    request seeds are consecutive (`seed + prompt index`), so prompt i's sample j + 1 and prompt i + 1's sample j
+    would draw the same noise at every step. vLLM gets `sample_seed(request_seed, 0)` instead: sample j's seed is
+    then the native engine's (`rollout.sampling.sample_seed`), distinct for every (prompt, sample) below 10^6
+    samples a prompt."""
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([] if sampling.ignore_eos else eos_token_ids)]))
     kwargs = dict(
         n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
         stop=list(sampling.stop) or None, stop_token_ids=stop_ids or None,
-        ignore_eos=sampling.ignore_eos, logprobs=0, seed=request_seed,
+        ignore_eos=sampling.ignore_eos, logprobs=0, seed=None if request_seed is None else sample_seed(request_seed, 0),
     )
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -60,7 +60,16 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
 def test_sampling_kwargs_and_output_parsing():
     kw = sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=33, stop=("</a>",), stop_token_ids=(2,)), 17, [9, 2])
     assert kw == dict(n=4, temperature=0.7, top_p=0.9, max_tokens=33, stop=["</a>"], stop_token_ids=[2, 9],
-                      ignore_eos=False, logprobs=0, seed=17)
+                      ignore_eos=False, logprobs=0, seed=17 * 1_000_003)
+    # vLLM seeds sample j with seed + j: the pool's consecutive request seeds must not share a sample's stream, and
+    # sample j of a request gets the native engine's seed for it
+    from megatron_jetrl.rollout.engine import request_seeds_for
+    from megatron_jetrl.rollout.sampling import sample_seed
+
+    sampling = SamplingParams(n=8, seed=5)
+    seeds = request_seeds_for(sampling, 64)
+    children = [(r, j, sampling_kwargs(sampling, r, [])["seed"] + j) for r in seeds for j in range(8)]
+    assert len({c for _, _, c in children}) == 64 * 8 and all(c == sample_seed(r, j) for r, j, c in children)
     assert "stop_token_ids" not in sampling_kwargs(SamplingParams(ignore_eos=True), None, [9])
     assert "seed" not in sampling_kwargs(SamplingParams(), None) and "stop" not in sampling_kwargs(SamplingParams(), None)
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
