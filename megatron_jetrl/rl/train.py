@@ -34,6 +34,7 @@ from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_ba
 from megatron_jetrl.rl.warmup import warm_start
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
+from megatron_jetrl.rollout.sampling import step_seed
 
 
 class Phases(dict):
@@ -119,7 +120,7 @@ def rollout(s, step: int) -> RolloutBatch:
     batch = None
     prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in problems]
     sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed * 1_000_003 + step)
+                              max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed(cfg.run.seed, step))
     if s.pool is not None:  # rank 0's native pool, or a colocated pool on every rank (collective)
         outputs = s.pool.generate(prompts, sampling)
         if colocated(s):

@@ -11,6 +11,13 @@ from __future__ import annotations
 import torch
 
 
+def step_seed(run_seed: int, step: int) -> int:
+    """`SamplingParams.seed` of a GRPO step: its prompts get request seeds `step_seed + prompt index`
+    (`rollout.engine.request_seeds_for`), so steps stay 1_000_003 prompts apart and no prompt of one step shares a
+    request seed (hence noise) with a prompt of another."""
+    return (int(run_seed) * 1_000_003 + step) * 1_000_003
+
+
 def sample_seed(request_seed: int, sample_index: int) -> int:
     """The seed of sample `sample_index` of a request, in both engines: consecutive request seeds (the pool's
     `seed + prompt index`) stay 1_000_003 samples apart. vLLM, which seeds sample j with `seed + j` itself, gets

@@ -70,6 +70,12 @@ def test_sampling_kwargs_and_output_parsing():
     seeds = request_seeds_for(sampling, 64)
     children = [(r, j, sampling_kwargs(sampling, r, [])["seed"] + j) for r in seeds for j in range(8)]
     assert len({c for _, _, c in children}) == 64 * 8 and all(c == sample_seed(r, j) for r, j, c in children)
+    # GRPO steps: no prompt of one step shares a request seed with a prompt of another
+    from megatron_jetrl.rollout.sampling import step_seed
+
+    per_step = [request_seeds_for(SamplingParams(n=8, seed=step_seed(3, step)), 64) for step in range(200)]
+    assert len({r for seeds in per_step for r in seeds}) == 200 * 64
+    assert len({sample_seed(r, j) for seeds in per_step for r in seeds for j in range(8)}) == 200 * 64 * 8
     assert "stop_token_ids" not in sampling_kwargs(SamplingParams(ignore_eos=True), None, [9])
     assert "seed" not in sampling_kwargs(SamplingParams(), None) and "stop" not in sampling_kwargs(SamplingParams(), None)
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
