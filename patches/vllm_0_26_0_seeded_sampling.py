@@ -5,7 +5,8 @@ serves it (`megatron_jetrl.rollout.engine.request_seeds_for`). vLLM 0.26.0's V1 
 race's noise one request at a time: `random_sample` in `vllm/v1/sample/ops/topk_topp_sampler.py` loops over the
 requests' generators in Python, `q[i].exponential_(generator=g)`, with vLLM's own note "This can be slow because we
 handle each request one by one". That is a host dispatch and a kernel launch per request and decode step: an
-estimated 1 ms of host time a step at 128 requests (~7 us each; not measured), beside an FP8 decode step of about 9 ms of GPU time.
+estimated 1 ms of host time a step at 128 requests (~7 us each; not measured), beside an FP8 decode step of about
+9 ms of GPU time.
 
 The change: `random_sample` is replaced by `seeded_random_sample`. Rows with a generator take their Exp(1) noise from
 `seeded_exponential`: a counter-based hash (SplitMix64) of the generator's seed, the number of draws this function
