@@ -97,6 +97,12 @@ def ptxas_report(ptxas: Path, ptx: str, arch: str) -> dict[str, dict]:
     return report
 
 
+def variant_report(lib: ctypes.CDLL, ptxas: Path, flags: dict, arch: str = "90") -> dict[str, dict]:
+    """`ptxas_report` of one variant of the source (`flags`: FP8_IN, ROWS, COLS, UE8M0)."""
+    src = cuda_tiles.source(flags["FP8_IN"], flags["ROWS"], flags["COLS"], flags["UE8M0"])
+    return ptxas_report(ptxas, nvrtc_ptx(lib, src, arch), arch)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nvrtc", type=Path, default=_wheel_file(*NVRTC))
@@ -113,8 +119,7 @@ def main() -> int:
         if not (rows or cols):
             continue
         flags = dict(FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=ue8m0)
-        source = "".join(f"#define {k} {v}\n" for k, v in flags.items()) + cuda_tiles._SOURCE
-        report = ptxas_report(a.ptxas, nvrtc_ptx(lib, source, a.arch), a.arch)
+        report = variant_report(lib, a.ptxas, flags, a.arch)
         for kernel in KERNELS:
             if kernel == "swiglu_bwd_tile" and fp8_in:
                 continue  # the SwiGLU kernel reads BF16; FP8_IN only changes quant_tile

@@ -69,12 +69,17 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return RMSNorm.apply(x, weight, eps)
 
 
+def _kernel_tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the RoPE kernel takes `t` `[s, b, heads, d]` on CUDA with these tables: megatron's, contiguous FP32
+    `[rows, 1, 1, d]`, d even."""
+    return (t.is_cuda and t.dim() == 4 and t.shape[-1] % 2 == 0 and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1:] == (1, 1, t.shape[-1]))
+
+
 def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rope`; on CUDA one Triton kernel per direction (`actor.glue_kernels.RoPE`) for megatron's tables: contiguous
     FP32 cos/sin `[s, 1, 1, d]` of the tensor's own length and head dim (anything else runs the eager formula)."""
-    tables = (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-              and cos.shape == sin.shape == (t.shape[0], 1, 1, t.shape[-1]) and t.dim() == 4 and t.shape[-1] % 2 == 0)
-    if not (t.is_cuda and tables):
+    if not (_kernel_tables(t, cos, sin) and cos.shape[0] == t.shape[0]):
         return rope(t, cos, sin)
     from megatron_jetrl.actor.glue_kernels import RoPE
 
@@ -95,9 +100,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def fused_rope_at(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Inference: `rope(t, cos[positions], sin[positions])` for tables `[max_positions, 1, 1, d]`; on CUDA the kernel
     reads the table rows at `positions` itself (`actor.glue_kernels.rope_at`: no gather kernels)."""
-    tables = (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-              and cos.shape == sin.shape and cos.shape[1:] == (1, 1, t.shape[-1]) and t.dim() == 4 and t.shape[-1] % 2 == 0)
-    if not (t.is_cuda and tables and positions.dim() == 1 and positions.shape[0] == t.shape[0] and positions.is_contiguous()):
+    if not (_kernel_tables(t, cos, sin) and positions.dim() == 1 and positions.shape[0] == t.shape[0] and positions.is_contiguous()):
         return rope(t, cos[positions], sin[positions])
     from megatron_jetrl.actor.glue_kernels import rope_at
 

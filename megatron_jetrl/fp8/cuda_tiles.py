@@ -332,12 +332,17 @@ def _make_context_current(device_index: int) -> None:
     _thread.device = device_index
 
 
+def source(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool) -> str:
+    """The CUDA source of one variant: its four switches as #defines, then `_SOURCE`."""
+    flags = (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0))
+    return "".join(f"#define {k} {int(v)}\n" for k, v in flags) + _SOURCE
+
+
 @functools.cache
 def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile"):
     """The compiled kernel `name` (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
-    flags = "".join(f"#define {k} {int(v)}\n" for k, v in (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0)))
     with torch.cuda.device(device_index):
-        kern = torch.cuda._compile_kernel(flags + _SOURCE, name)
+        kern = torch.cuda._compile_kernel(source(fp8_in, rows, cols, ue8m0), name)
     if getattr(kern, "func", None) is None:
         raise RuntimeError(f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
                            "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels")

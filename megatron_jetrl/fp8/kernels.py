@@ -578,11 +578,7 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
     x2 = _rows(x)
     t, n = x2.shape
     tb, nb = -(-t // GROUP), -(-n // GROUP)
-    dev = x.device
-    q = torch.empty(t, n, dtype=E4M3, device=dev) if rows else None
-    s = _outer_major_empty(t, nb, dev) if rows else None
-    qt = torch.empty(n, t, dtype=E4M3, device=dev) if cols else None
-    st = _outer_major_empty(n, tb, dev) if cols else None
+    q, s, qt, st = _dual_outputs(t, n, rows, cols, x.device)
     dummy8 = qt if q is None else q
     dummy32 = st if s is None else s
     xs = x_scale if fp8_in else dummy32
@@ -634,11 +630,15 @@ def swiglu_backward_dual(gate_up, d_out, scale_mode="fp32", *, eps=EPS, rows=Tru
     return quantize_dual(swiglu_backward(gate_up, d_out), scale_mode, eps=eps, check_finite=False, rows=rows, cols=cols)
 
 
+def _dual_outputs(t: int, n: int, rows: bool, cols: bool, device):
+    """`quantize_dual`'s empty outputs for a [T, N] input: (q, s) if rows, (qt, st) if cols, else Nones."""
+    q, s = (torch.empty(t, n, dtype=E4M3, device=device), _outer_major_empty(t, -(-n // GROUP), device)) if rows else (None, None)
+    qt, st = (torch.empty(n, t, dtype=E4M3, device=device), _outer_major_empty(n, -(-t // GROUP), device)) if cols else (None, None)
+    return q, s, qt, st
+
+
 def _swiglu_dual_cuda(gate_up, d_out, scale_mode, eps, rows, cols):
-    t, n = gate_up.shape
-    tb, nb, dev = -(-t // GROUP), n // GROUP, gate_up.device
-    q, s = (torch.empty(t, n, dtype=E4M3, device=dev), _outer_major_empty(t, nb, dev)) if rows else (None, None)
-    qt, st = (torch.empty(n, t, dtype=E4M3, device=dev), _outer_major_empty(n, tb, dev)) if cols else (None, None)
+    q, s, qt, st = _dual_outputs(*gate_up.shape, rows, cols, gate_up.device)
     cuda_tiles.quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, float(eps), scale_mode == "ue8m0")
     return q, s, qt, st
 

@@ -144,7 +144,7 @@ def _gated_backward(gate_up, act, d_out):
     `d_out * up` and `d_out * silu(gate)`, then SiluBackward's `silu_backward`. That skips autograd's recomputed
     product `silu(gate) * up` and the final `cat` (two passes over [T, I] and [T, 2I]); on CUDA one Triton kernel
     computes the same ops in one pass (`kernels.swiglu_backward`). Other activations go through autograd itself."""
-    if act is F.silu and _fast(d_out) and d_out.stride(-1) == 1 and gate_up.stride(-1) == 1:  # the same ops, one Triton pass
+    if _silu_kernels(gate_up, act, d_out):  # the same ops, one Triton pass
         from megatron_jetrl.fp8 import kernels
 
         return kernels.swiglu_backward(gate_up, d_out)
@@ -161,10 +161,15 @@ def _gated_backward(gate_up, act, d_out):
     return torch.cat([d_gate, d_up], dim=-1)
 
 
+def _silu_kernels(gate_up, act, d_out) -> bool:
+    """Whether the SwiGLU backward runs as the CUDA kernels of `fp8/kernels.py` (SiLU, unit last strides)."""
+    return act is F.silu and _fast(d_out) and d_out.stride(-1) == 1 and gate_up.stride(-1) == 1
+
+
 def _quantize_gated_grad(gate_up, act, d_out, flow: PrecisionFlow, rows: bool, cols: bool):
     """`_quantize_grad(_gated_backward(gate_up, act, d_out), ...)`; for SiLU on CUDA one call of
     `kernels.swiglu_backward_dual`, whose "cuda" mode never stores d[gate | up] in BF16."""
-    if act is F.silu and _fast(d_out) and d_out.stride(-1) == 1 and gate_up.stride(-1) == 1:
+    if _silu_kernels(gate_up, act, d_out):
         from megatron_jetrl.fp8 import kernels
 
         return kernels.swiglu_backward_dual(gate_up, d_out, flow.scale_mode, eps=flow.eps, rows=rows, cols=cols)

@@ -24,8 +24,7 @@ def test_every_tile_kernel_compiles_within_its_launch_bounds(rows, cols, ue8m0):
     lib = check.load_nvrtc(NVRTC)
     for fp8_in in (0, 1):
         flags = dict(FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=ue8m0)
-        source = "".join(f"#define {k} {v}\n" for k, v in flags.items()) + check.cuda_tiles._SOURCE
-        report = check.ptxas_report(PTXAS, check.nvrtc_ptx(lib, source, "90"), "90")
+        report = check.variant_report(lib, PTXAS, flags)
         for kernel, limit in MAX_REGISTERS.items():
             r = report[kernel]
             assert r["registers"] <= limit, (flags, kernel, r)
