@@ -17,7 +17,7 @@ launcher builds it: `rl.config.load_config([--preset, configs/modes/<mode>.yaml]
 variants take overrides: `--modes bf16 jetrl jetrl+precision.backend=cublaslt`.
 
 Layers: `--layers auto` (default) fits as many Qwen3-8B layers as the memory budget allows for every variant
-(`--mem-gib`, default 80 GiB, capped by the free memory; 10% kept back): it measures the peak memory of one step
+(`--mem-gib`, default: all of the device's free memory, 10% kept back): it measures the peak memory of one step
 with 1 and 2 layers per variant (fixed part + per layer) and takes the smallest fit, at most the model's 36. The
 same layer count serves every variant. Give two or more counts (`--layers 4 auto`) to also get the step time
 extrapolated linearly to the full 36 layers. An out-of-memory in the timed runs retries with 20% fewer layers.
@@ -443,7 +443,8 @@ def _sync(device):
 def probe_layers(a, variants, cfgs, arch, device):
     """Layers that fit the budget for every variant, from the peak memory of a one-micro-batch step at 1 and 2 layers."""
     free, total = torch.cuda.mem_get_info()
-    budget = min(free + torch.cuda.memory_allocated(), int(a.mem_gib * 2**30)) * 0.9
+    budget = free + torch.cuda.memory_allocated()
+    budget = (budget if a.mem_gib is None else min(budget, int(a.mem_gib * 2**30))) * 0.9
     tokens, mask, adv = make_batch(arch.vocab_size, a.micro_batch, a.seq, device)
     lp0 = torch.full((a.micro_batch, a.seq - 1), -math.log(arch.vocab_size), device=device)
     extras = {"old": lp0, "adv": adv, "mask": mask, "rollout": lp0, "ref": lp0}
@@ -598,9 +599,9 @@ def step_main(a):
             try:
                 n, probe = probe_layers(a, variants, cfgs, arch, device)
             except torch.cuda.OutOfMemoryError as e:
-                _gc()
                 n, probe = 1, {"error": f"out of memory in the probe: {str(e)[:200]}"}
                 print(f"  memory probe ran out of memory: 1 layer ({str(e)[:120]})", flush=True)
+            _gc()
             out["memory_probe"] = probe
             counts.append(n)
         else:
@@ -611,14 +612,16 @@ def step_main(a):
                 out["rows"] += run_variants(a, variants, cfgs, arch, layers, device)
                 break
             except torch.cuda.OutOfMemoryError as e:
-                _gc()
-                if layers <= 1:
-                    out.setdefault("errors", []).append(f"out of memory at 1 layer: {str(e)[:200]}")
-                    break
-                smaller = max(1, int(layers * 0.8))
-                print(f"  out of memory at {layers} layers: retrying with {smaller}", flush=True)
-                out["rows"] = [r for r in out["rows"] if r["layers"] != layers]
-                layers = smaller
+                oom = str(e)[:200]
+            # freed only here, after the except block: its traceback holds the failed step's frames and tensors
+            _gc()
+            if layers <= 1:
+                out.setdefault("errors", []).append(f"out of memory at 1 layer: {oom}")
+                break
+            smaller = max(1, int(layers * 0.8))
+            print(f"  out of memory at {layers} layers: retrying with {smaller}", flush=True)
+            out["rows"] = [r for r in out["rows"] if r["layers"] != layers]
+            layers = smaller
         if a.json:
             _write_json(a.json, out)
     destroy_parallel()
@@ -682,7 +685,8 @@ def main(argv=None):
     g.add_argument("--preset", default=DEFAULT_PRESET, help="model preset the modes compose onto (default Qwen3-8B-Base)")
     g.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
     g.add_argument("--layers", nargs="+", default=["auto"], help="layer counts, or auto (fit --mem-gib)")
-    g.add_argument("--mem-gib", type=float, default=80.0, help="memory budget of --layers auto (capped by the free memory)")
+    g.add_argument("--mem-gib", type=float, default=None,
+                   help="memory budget of --layers auto (default: all free memory; a smaller one compares H100 and H200)")
     g.add_argument("--seq", type=int, default=4096)
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (M = micro-batch x seq tokens per GEMM)")
     g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
