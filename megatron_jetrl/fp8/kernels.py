@@ -491,7 +491,8 @@ QUANT_CFG = {
     # of x); fused: one Triton kernel (19-21% of copy)
     "dual": dict(mode="cuda", num_warps=8),
     # swiglu_backward_dual: "cuda" = fp8/cuda_tiles.py's swiglu_bwd_tile (d[gate | up] never stored; checked once per
-    # device against "split" at first use); "split" = swiglu_backward, then quantize_dual.
+    # device against "split" at first use); "split" = swiglu_backward, then quantize_dual. Split ships: on an H200
+    # the one kernel is bit-exact but takes 1402 us against 773 for the two (16384 tokens, I = 8192; layer 1.29x vs 1.42x).
     "swiglu_bwd": dict(mode="split"),
 }
 
