@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
+from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 from megatron_jetrl.fp8 import finite
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -50,6 +51,11 @@ class OptimConfig:
     """On CUDA, step megatron's torch Adam (its choice without TE or apex) as torch's fused Adam: one kernel instead
     of seven passes over the FP32 state (`use_fused_adam`). False: the foreach Adam megatron builds. TE's and
     apex's Adam are fused either way; the CPU runs foreach."""
+    wgrad_fusion: bool = True
+    """On CUDA, megatron's BF16 linears (bf16 mode's, and the lm_head in every mode) add their weight gradient into
+    the FP32 `main_grad` inside the WGrad GEMM (megatron's gradient accumulation fusion, through cuBLAS instead of
+    apex: `actor.wgrad_fusion`), as the FP8 linears do. False: a BF16 gradient, then DDP's separate add. The CPU
+    keeps the separate add."""
 
     def __post_init__(self):
         import math
@@ -80,6 +86,8 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
                                                  use_distributed_optimizer=optim.distributed),
     )
     config.finalize_model_grads_func = finalize_model_grads
+    if optim.wgrad_fusion and torch.cuda.is_available():
+        fuse_wgrad_accumulation(ddp)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
                         adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=optim.bf16,

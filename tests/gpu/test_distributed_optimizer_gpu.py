@@ -36,20 +36,21 @@ def _loss(logprobs, extras):
     return -(logprobs * extras["advantages"][:, None]).mean(), {}
 
 
-def _actor(distributed: bool, init: dict | None, fused: bool = True):
+def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str = "jetrl", wgrad_fusion: bool = True):
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.actor.train_step import OptimConfig, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
 
-    arch, flow = ModelArch.from_hf_config(CONFIG), PrecisionFlow(mode="jetrl")
+    arch, flow = ModelArch.from_hf_config(CONFIG), PrecisionFlow(mode=mode)
     torch.manual_seed(0)
     model = build_model(arch, flow, ActorOptions(params_dtype=torch.bfloat16)).cuda()
     if init is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init[name])
-    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed, fused=fused))
+    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed, fused=fused,
+                                                          wgrad_fusion=wgrad_fusion))
     return model, ddp, optimizer, flow
 
 
@@ -114,3 +115,29 @@ def test_fused_adam_is_the_foreach_update(one_rank):
                                   for group in o.optimizer.param_groups for p in group["params"]])
     diff = (mains[True] - mains[False]).abs()
     assert float(diff.max()) <= 1e-6 * float(mains[False].abs().max()) + 1e-7, float(diff.max())
+
+
+def test_fused_wgrad_accumulation_on_gpu(one_rank):
+    """`OptimConfig.wgrad_fusion` (the default): the device check passes for BF16 operands into an FP32 main_grad
+    (torch's `addmm(out_dtype=float32)` into cuBLAS), every megatron linear of a bf16-mode actor is switched, and
+    after a step of two micro-batches each main_grad equals the unfused run's up to the BF16 rounding that the
+    unfused run applies to each micro-batch's gradient (the fused one keeps the FP32 product)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_jetrl.actor.train_step import train_step
+    from megatron_jetrl.actor.wgrad_fusion import _check
+
+    assert _check(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, torch.float32) is None
+    tokens, step, _ = _batch_and_init(3)
+    init = {k: v.detach().clone() for k, v in _actor(False, None, mode="bf16")[0].named_parameters()}
+    grads = {}
+    for fusion in (False, True):
+        model, ddp, optimizer, _ = _actor(False, init, mode="bf16", wgrad_fusion=fusion)
+        linears = [m for m in model.modules() if type(m) in (ColumnParallelLinear, RowParallelLinear)]
+        assert len(linears) == 1 + 4 * CONFIG["num_hidden_layers"]
+        assert all(m.gradient_accumulation_fusion == fusion for m in linears)
+        assert train_step(ddp, optimizer, tokens, _loss, **step)["ok"]
+        grads[fusion] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    for name, want in grads[False].items():
+        got = grads[True][name]
+        assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max()) + 1e-30, name

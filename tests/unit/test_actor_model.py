@@ -295,3 +295,51 @@ def test_hf_import_of_a_transformers_written_checkpoint(family, tmp_path):
     # rope_theta error ~0.3, FP8 ~0.05-0.3.
     assert ((got - want).norm() / want.norm()).item() < 4e-6
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("flow", [BF16, JETRL], ids=["bf16", "jetrl"])
+def test_fused_wgrad_accumulation_adds_what_ddp_adds(flow, checkpoints):
+    """megatron's gradient accumulation fusion through patches/megatron_core_0_16_1_wgrad_fusion.py, in megatron's own
+    backward: after a step of two micro-batches every main_grad equals the unfused run's within FP32 summation
+    error (nothing added twice, nothing lost), and exactly megatron's own linears were switched (all in bf16 mode,
+    the lm_head in jetrl, whose FP8 linears accumulate themselves)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from actor_scenario import MICRO, grpo_like_loss
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
+
+    root, _ = checkpoints
+    tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=3), CONFIGS["qwen3"]["vocab_size"]
+    grads, switched = {}, {}
+    for fused in (False, True):
+        model, _ = _imported("qwen3", flow, root)
+        ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3, wgrad_fusion=False))
+        switched[fused] = fuse_wgrad_accumulation(ddp) if fused else 0
+        out = train_step(ddp, optimizer, tokens, grpo_like_loss, vocab_size=vocab, micro_batch_size=MICRO,
+                         extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+        assert out["ok"]
+        grads[fused] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        megatron_linears = [m for m in model.modules() if type(m) in (ColumnParallelLinear, RowParallelLinear)]
+        assert all(m.gradient_accumulation_fusion == fused for m in megatron_linears)
+    assert switched[True] == (1 + 4 * CONFIGS["qwen3"]["num_hidden_layers"] if flow is BF16 else 1)
+    for name, want in grads[False].items():
+        torch.testing.assert_close(grads[True][name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=name)
+
+
+def test_fused_wgrad_gemm_check():
+    """The once-per-device check: FP32 on CPU passes (and the stand-in adds dy^T x within FP32 summation error);
+    BF16 operands on CPU (no `addmm.dtype` kernel there) and a BF16 main_grad are refused with the reason."""
+    from megatron_jetrl.actor.wgrad_fusion import PATCH, _check
+    from megatron_jetrl.patching import load_patch
+
+    cpu = torch.device("cpu")
+    assert _check(cpu, torch.float32, torch.float32) is None
+    assert "addmm" in _check(cpu, torch.bfloat16, torch.float32)
+    assert "float32 only" in _check(cpu, torch.float32, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x, dy, acc = torch.randn(300, 40, generator=g), torch.randn(300, 24, generator=g), torch.randn(24, 40, generator=g)
+    want = acc.double() + dy.double().t() @ x.double()
+    load_patch(PATCH).wgrad_gemm_accum_fp32(x, dy, acc)
+    bound = 300 * torch.finfo(torch.float32).eps * (want.abs() + dy.double().abs().t() @ x.double().abs())
+    assert bool(((acc.double() - want).abs() <= bound).all())
