@@ -31,12 +31,9 @@ def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, 
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
 
 
-def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """The same for a BF16/FP16 `main_grad` (megatron DDP without `grad_reduce_in_fp32`)."""
-    main_grad.addmm_(grad_output.t(), total_input)
-
-
-EXTENSION = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
+# Only the FP32 entry: `actor.wgrad_fusion` switches a layer only when its main_grad is FP32 (grad_reduce_in_fp32),
+# so megatron never calls the extension's `wgrad_gemm_accum_fp16` through this stand-in.
+EXTENSION = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32)
 
 
 def installed_version() -> str:

@@ -29,8 +29,8 @@ def fuse_wgrad_accumulation(ddp) -> int:
     (0 when none has an FP32 `main_grad` or the device check fails)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    layers = [m for m in ddp.module.modules()
-              if type(m) in (ColumnParallelLinear, RowParallelLinear) and getattr(m.weight, "main_grad", None) is not None]
+    megatron_own = (ColumnParallelLinear, RowParallelLinear)  # not their FP8 subclasses: those accumulate themselves
+    layers = [m for m in ddp.module.modules() if type(m) in megatron_own and getattr(m.weight, "main_grad", None) is not None]
     kinds = {(m.weight.device, m.weight.dtype, m.weight.main_grad.dtype) for m in layers}
     problems = [p for p in (_check(*kind) for kind in kinds) if p]
     if problems:
