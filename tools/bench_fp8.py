@@ -149,15 +149,12 @@ def quant_section(res, copy_gbs, sweep):
     add("  SwiGLU bwd alone (bf16 out)", lambda: K.swiglu_backward(gu, x), elems * 10)
     add("128x128 (bf16 in)", lambda: K.quantize_128x128(w, check_finite=False), elems * 3)
     add("128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True), elems * 4)
-    # the shipped 1x128 / 128x128 mode ("cuda": fp8/cuda_tiles.py's persistent kernel) against the Triton kernels
+    # the shipped 1x128 / 128x128 mode ("cuda": fp8/cuda_tiles.py) against the Triton kernels
     add("  Triton: 1x128 (bf16 in)", lambda: K.quantize_1x128(x, check_finite=False, mode="triton"), elems * 3 + t_ * nb * 4)
-    add("  Triton: 1x128 fused SwiGLU", lambda: K.swiglu_quantize_1x128(gu, check_finite=False, mode="triton"), elems * 5 + t_ * nb * 4)
     add("  Triton: 128x128 (bf16 in)", lambda: K.quantize_128x128(w, check_finite=False, mode="triton"), elems * 3)
     add("  Triton: 128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True, mode="triton"), elems * 4)
     add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)
     add("check_finite=True 1x128 (one host sync)", lambda: K.quantize_1x128(x, check_finite=True), elems * 3 + t_ * nb * 4)
-    if "quant" in sweep or "tiles" in sweep:
-        _sweep_tile_structures(rows, x, xq, xs, w, gu, copy_gbs)
     if "quant" in sweep:
         print("  sweep 1x128 (BLOCK_M, groups/program, warps):", flush=True)
         for bm in (4, 8, 16, 32):
@@ -188,44 +185,6 @@ def quant_section(res, copy_gbs, sweep):
             print(f"    dual fused warps={wp} {gbs:6.0f} GB/s", flush=True)
             rows.append({"kernel": f"sweep dual fused w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs})
     res["quant"] = rows
-
-
-def _sweep_tile_structures(rows, x, xq, xs, w, gu, copy_gbs):
-    """Every structure of fp8/cuda_tiles.py's kernels for each use of kernels.QUANT_CFG["cuda_tiles"]: time, and bytes
-    equal to the shipped structure's (the sweep that picks QUANT_CFG["cuda_tiles"])."""
-    from megatron_jetrl.fp8 import cuda_tiles
-
-    t_, n_ = x.shape
-    elems, sc = t_ * n_, t_ * n_ // 128 * 4
-    cases = {
-        "rows": (lambda st: K.quantize_1x128(x, check_finite=False, structure=st), elems * 3 + sc),
-        "cols": (lambda st: K.quantize_dual(x, check_finite=False, rows=False, structure=st), elems * 3 + sc),
-        "dual": (lambda st: K.quantize_dual(x, check_finite=False, structure=st), elems * 4 + 2 * sc),
-        "fp8": (lambda st: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs, structure=st), elems * 2 + 2 * sc),
-        "block128": (lambda st: K.quantize_128x128(w, check_finite=False, structure=st), elems * 3),
-        "block128+T": (lambda st: K.quantize_128x128(w, check_finite=False, transposed=True, structure=st), elems * 4),
-        "swiglu": (lambda st: K.swiglu_quantize_1x128(gu, check_finite=False, structure=st), elems * 5 + sc),
-    }
-    print("  sweep fp8/cuda_tiles.py structures (% of copy; bytes against the shipped structure's):", flush=True)
-    for use, (fn, nbytes) in cases.items():
-        shipped = K.QUANT_CFG["cuda_tiles"][use.split("+")[0]]
-        want = fn(shipped)
-        line = []
-        for st in cuda_tiles.STRUCTURES:
-            try:
-                got = fn(st)
-                ok = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a.contiguous().view(torch.int32),
-                                     b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b.contiguous().view(torch.int32))
-                         for a, b in zip(got, want) if a is not None)
-                ms = bench(lambda: fn(st))
-            except Exception as e:  # noqa: BLE001 - one structure failing must not hide the others
-                line.append(f"{st} failed ({type(e).__name__})")
-                rows.append({"kernel": f"sweep tiles {use} {st}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
-            pct = 100 * nbytes / ms / 1e6 / copy_gbs
-            line.append(f"{st} {ms * 1e3:6.1f} us {pct:4.1f}%{'' if ok else ' BYTES DIFFER'}")
-            rows.append({"kernel": f"sweep tiles {use} {st}", "ms": ms, "pct_copy": pct, "ok": ok, "shipped": st == shipped})
-        print(f"    {use:11s} (ships {shipped}): " + " | ".join(line), flush=True)
 
 
 def make_gemm_operands(m, n, k, b_block, count):
@@ -934,9 +893,7 @@ DEFAULT_SECTIONS = "ceilings,quant,gemm,linear,layer"
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_fp8.json"))
-    ap.add_argument("--sweep", nargs="?", const="gemm,quant", default="",
-                    help="also time launch configs: gemm (Triton GEMM tiles), quant (Triton quantizers and the CUDA tile "
-                         "kernels' structures), tiles (only the latter)")
+    ap.add_argument("--sweep", nargs="?", const="gemm,quant", default="", help="also time Triton launch configs: gemm,quant")
     ap.add_argument("--sections", nargs="+", default=[DEFAULT_SECTIONS],
                     help=f"space- or comma-separated, any of {', '.join(SECTIONS)} (default: {DEFAULT_SECTIONS})")
     ap.add_argument("--models", default=",".join(MODELS))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_jetrl.fp8 import cuda_tiles  # noqa: E402
 
-KERNELS = ("quant_tile", "swiglu_bwd_tile", "swiglu_rows")
+KERNELS = ("quant_tile", "swiglu_bwd_tile")
 
 
 def _wheel_file(*candidates: tuple[str, ...]) -> Path | None:
@@ -98,9 +98,8 @@ def ptxas_report(ptxas: Path, ptx: str, arch: str) -> dict[str, dict]:
 
 
 def variant_report(lib: ctypes.CDLL, ptxas: Path, flags: dict, arch: str = "90") -> dict[str, dict]:
-    """`ptxas_report` of one variant of the source (`flags`: FP8_IN, ROWS, COLS, UE8M0, optional BLOCK128 and STRUCTURE)."""
-    src = cuda_tiles.source(flags["FP8_IN"], flags["ROWS"], flags["COLS"], flags["UE8M0"], flags.get("BLOCK128", 0),
-                            flags.get("STRUCTURE", "one"))
+    """`ptxas_report` of one variant of the source (`flags`: FP8_IN, ROWS, COLS, UE8M0, optional BLOCK128)."""
+    src = cuda_tiles.source(flags["FP8_IN"], flags["ROWS"], flags["COLS"], flags["UE8M0"], flags.get("BLOCK128", 0))
     return ptxas_report(ptxas, nvrtc_ptx(lib, src, arch), arch)
 
 
@@ -115,24 +114,22 @@ def main() -> int:
         return 2
     lib = load_nvrtc(a.nvrtc)
     bad = 0
-    print(f"{'variant':<64} {'kernel':<16} {'regs':>5} {'spill st/ld':>12} {'smem':>6}")
-    for (fp8_in, rows, cols, ue8m0, block128), structure in itertools.product(itertools.product((0, 1), repeat=5), cuda_tiles.STRUCTURES):
+    print(f"{'variant':<44} {'kernel':<16} {'regs':>5} {'spill st/ld':>12} {'smem':>6}")
+    for fp8_in, rows, cols, ue8m0, block128 in itertools.product((0, 1), repeat=5):
         if not (rows or cols) or (block128 and (fp8_in or not rows)):
             continue  # 128x128 tiles: BF16 weights, always their rows (and optionally the transposed copy)
-        flags = dict(FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=ue8m0, BLOCK128=block128, STRUCTURE=structure)
+        flags = dict(FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=ue8m0, BLOCK128=block128)
         report = variant_report(lib, a.ptxas, flags, a.arch)
         for kernel in KERNELS:
-            if kernel == "swiglu_bwd_tile" and (fp8_in or block128 or structure != "one"):
+            if kernel == "swiglu_bwd_tile" and (fp8_in or block128):
                 continue  # the SwiGLU kernel reads BF16 and has 1x128 / 128x1 groups: those flags only change quant_tile
-            if kernel == "swiglu_rows" and (fp8_in or block128 or cols or not rows):
-                continue  # BF16 in, 1x128 rows out: the only variant it is launched as
             r = report.get(kernel)
             if r is None:
                 print(f"{kernel}: missing from the PTX")
                 bad += 1
                 continue
             variant = " ".join(f"{k}={v}" for k, v in flags.items())
-            print(f"{variant:<64} {kernel:<16} {r['registers']:>5} {r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<6} {r['smem']:>6}")
+            print(f"{variant:<44} {kernel:<16} {r['registers']:>5} {r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<6} {r['smem']:>6}")
     print("OK: every variant compiles" if not bad else f"{bad} kernel variant(s) missing")
     return 1 if bad else 0
 

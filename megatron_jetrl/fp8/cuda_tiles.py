@@ -64,16 +64,18 @@ __device__ __forceinline__ float scale_of(float amax, float eps) {
 // q = RN(x*y) and two FMA corrections q += (x - s*q)*y (Markstein: the second lands on RN(x/s)), instead of a
 // full-range division (reciprocal, range check, slow path) per element. Outside 2^-60 <= s <= 2^120 (NaN, inf,
 // a tiny custom eps) the residual could under/overflow: such a group (recip() returns 0) takes the IEEE division,
-// out of line, so that the hot loop stays small.
+// out of line, so that the hot loop stays small. The residual is formed negated, -RN(s*q - x) (= RN(x - s*q), round
+// to nearest being symmetric), so that x = -0 keeps its sign through the corrections (-0 + -0 = -0, where x - s*q
+// would give +0) with no copysign per element: the negations are free operand modifiers of the FMAs.
 __device__ __forceinline__ float recip(float s) {
     return (s >= 0x1p-60f && s <= 0x1p+120f) ? __frcp_rn(s) : 0.0f;
 }
 
 __device__ __forceinline__ float divide(float x, float s, float y) {
     float q = __fmul_rn(x, y);
-    q = __fmaf_rn(__fmaf_rn(-s, q, x), y, q);
-    q = __fmaf_rn(__fmaf_rn(-s, q, x), y, q);
-    return copysignf(q, x);  // x = -0: the corrections give +0, x / s is -0
+    q = __fmaf_rn(-__fmaf_rn(s, q, -x), y, q);
+    q = __fmaf_rn(-__fmaf_rn(s, q, -x), y, q);
+    return q;
 }
 
 __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {  // satfinite: +-448 at most, NaN stays NaN
@@ -301,292 +303,58 @@ extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_tile(
     quantize_tile(packed, sh, blockIdx.x, I + f0, T, 2 * I, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
 }
 
-// cp.async (sm_80+): a thread's 16/8/4-byte copy global -> shared, zero-filled when `ok` is false (nothing is read).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(ok ? 8 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-
-// quant_tile and swiglu_rows come in four structures (compile-time switches; kernels.QUANT_CFG["cuda_tiles"] picks one
-// per use, by the sweep in tools/bench_fp8.py):
-// * one (the default): one tile per CTA, loaded straight into registers;
-// * PACKED: the same, keeping the BF16 words in registers and unpacking a value where it is read (fewer registers:
-//   more CTAs per SM, more loads in flight);
-// * PERSISTENT: a CTA takes tiles b, b + gridDim.x, ... and while it quantizes one tile, its next tile is already on
-//   the way into the other of two input stages in dynamic shared memory (cp.async);
-// * PREFETCH: persistent too, the next tile's loads issued into registers before this tile is quantized.
-// Tiles are numbered token tile fastest (bt = tile % tiles_t), so that neighbouring CTAs write neighbouring 128-byte
-// pieces of the transposed rows.
-#if PERSISTENT || PREFETCH
-#define QT_CTAS 2
-#define SW_CTAS 3
-#elif PACKED
-#define QT_CTAS 4
-#define SW_CTAS 4
-#else
-#define QT_CTAS 3
-#define SW_CTAS 4
-#endif
-
-// A thread's 8 row vectors of one tile: 16 bytes of BF16 or 8 of E4M3 each (with the row's 1x128 scale).
-struct Rows {
-#if FP8_IN
-    uint2 x[8];
-    float xs[8];
-#else
-    uint4 x[8];
-#endif
-};
-
-// One input stage of the persistent quant_tile: thread tid's vector of row i sits at index i * 256 + tid, so a warp's
-// copies and reads are contiguous (no bank conflicts), and every thread reads back only what it copied itself.
-struct Stage {
-#if FP8_IN
-    uint2 x[8 * 256];
-    float xs[8 * 256];
-#else
-    uint4 x[8 * 256];
-#endif
-};
-
-// Where thread (c, r)'s row i of tile (bt, bn) starts, and whether it is inside the [T, N] tensor (a whole vector is,
-// or is not: N % 8 == 0).
-__device__ __forceinline__ bool row_at(int bt, int bn, int i, int T, int N, int ldx, long long& at, int& t) {
-    const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
-    const int n = bn * 128 + 8 * c;
-    t = bt * 128 + 8 * r + i;
-    const bool ok = n < N && t < T;
-    at = ok ? (long long)t * ldx + n : 0;
-    return ok;
-}
-
-__device__ __forceinline__ void load_rows(Rows& in, const unsigned char* __restrict__ x, const float* __restrict__ xs,
-                                          int bt, int bn, int T, int N, int ldx, int xs_t, int xs_n) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        long long at;
-        int t;
-        const bool ok = row_at(bt, bn, i, T, N, ldx, at, t);
-#if FP8_IN
-        in.x[i] = ok ? *reinterpret_cast<const uint2*>(x + at) : make_uint2(0u, 0u);
-        in.xs[i] = ok ? xs[(long long)t * xs_t + (long long)bn * xs_n] : 0.0f;
-#else
-        in.x[i] = ok ? *reinterpret_cast<const uint4*>(x + at * 2) : make_uint4(0u, 0u, 0u, 0u);
-#endif
-    }
-}
-
-__device__ __forceinline__ void load_stage(Stage& sg, const unsigned char* __restrict__ x, const float* __restrict__ xs,
-                                           int tile, int tiles, int tiles_t, int T, int N, int ldx, int xs_t, int xs_n) {
-    if (tile < tiles) {
-        const int tid = threadIdx.x, bt = tile % tiles_t, bn = tile / tiles_t;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            long long at;
-            int t;
-            const bool ok = row_at(bt, bn, i, T, N, ldx, at, t);
-#if FP8_IN
-            cp_async8(&sg.x[i * 256 + tid], x + at, ok);
-            cp_async4(&sg.xs[i * 256 + tid], xs + (ok ? (long long)t * xs_t + (long long)bn * xs_n : 0), ok);
-#else
-            cp_async16(&sg.x[i * 256 + tid], x + at * 2, ok);
-#endif
-        }
-    }
-    asm volatile("cp.async.commit_group;");  // an empty group past the last tile keeps the wait count uniform
-}
-
-__device__ __forceinline__ void stage_rows(Rows& in, const Stage& sg) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        in.x[i] = sg.x[i * 256 + threadIdx.x];
-#if FP8_IN
-        in.xs[i] = sg.xs[i * 256 + threadIdx.x];
-#endif
-    }
-}
-
-// quantize_tile over the values of `in` (E4M3 input: q * s in FP32, exact, as dequantize_blockwise).
-__device__ __forceinline__ void quantize_rows(
-    const Rows& in, TileShared& sh, int bt, int bn, int T, int N, float eps,
-    unsigned char* __restrict__ q, float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
-    int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t)
-{
-#if PACKED && !FP8_IN
-    auto value = [&](int i, int j) {
-        const unsigned w = (&in.x[i].x)[j >> 1];
-        return j & 1 ? bf16_hi(w) : bf16_lo(w);
-    };
-    quantize_tile(value, sh, bt, bn * 128, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
-#else
-    float v[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#if FP8_IN
-        const unsigned w[2] = {in.x[i].x, in.x[i].y};
-#pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-            e4m3x2_to_f32((unsigned short)(w[j >> 2] >> (8 * (j & 3))), v[i][j], v[i][j + 1]);
-            v[i][j] = __fmul_rn(v[i][j], in.xs[i]);
-            v[i][j + 1] = __fmul_rn(v[i][j + 1], in.xs[i]);
-        }
-#else
-        const unsigned w[4] = {in.x[i].x, in.x[i].y, in.x[i].z, in.x[i].w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] = j & 1 ? bf16_hi(w[j >> 1]) : bf16_lo(w[j >> 1]);
-#endif
-    }
-    quantize_tile([&](int i, int j) { return v[i][j]; }, sh, bt, bn * 128, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
-#endif
-}
-
-// The 1x128 rows and/or 128x1 transposed columns (or, BLOCK128, the 128x128 tiles) of a [T, N] tensor.
-extern "C" __global__ void __launch_bounds__(256, QT_CTAS) quant_tile(
+// The 1x128 rows and/or 128x1 transposed columns (or, BLOCK128, the 128x128 tiles) of a [T, N] tensor (E4M3 input: its
+// values q * s rounded to FP32, as dequantize_blockwise). One tile per CTA, numbered token tile fastest, so that
+// neighbouring CTAs write neighbouring 128-byte pieces of the transposed rows; each thread issues all 8 of its row loads
+// (and scale loads) before it converts any. Measured on an H200 against a persistent CTA with cp.async double
+// buffering, one with register prefetch and one holding packed BF16 words: none was faster (BENCHMARKS.md, session 20).
+extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
     const unsigned char* __restrict__ x, const float* __restrict__ xs,
     unsigned char* __restrict__ q, float* __restrict__ s,
     unsigned char* __restrict__ qt, float* __restrict__ st,
     int T, int N, int ldx, int xs_t, int xs_n, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
 {
     __shared__ TileShared sh;
-    const float eps = __int_as_float(eps_bits);
-    const int tiles_t = (T + 127) >> 7, tiles = tiles_t * ((N + 127) >> 7);
-    Rows in;
-#if PERSISTENT
-    extern __shared__ __align__(16) unsigned char dyn[];
-    Stage* stage = reinterpret_cast<Stage*>(dyn);
-    int k = 0;
-    load_stage(stage[0], x, xs, blockIdx.x, tiles, tiles_t, T, N, ldx, xs_t, xs_n);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, k ^= 1) {
-        load_stage(stage[k ^ 1], x, xs, tile + gridDim.x, tiles, tiles_t, T, N, ldx, xs_t, xs_n);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this tile's copies (this thread's own) have landed
-        stage_rows(in, stage[k]);
-        quantize_rows(in, sh, tile % tiles_t, tile / tiles_t, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#elif PREFETCH
-    int tile = blockIdx.x;
-    if (tile < tiles) load_rows(in, x, xs, tile % tiles_t, tile / tiles_t, T, N, ldx, xs_t, xs_n);
-    for (; tile < tiles; tile += gridDim.x) {
-        const Rows cur = in;
-        const int next = tile + gridDim.x;
-        if (next < tiles) load_rows(in, x, xs, next % tiles_t, next / tiles_t, T, N, ldx, xs_t, xs_n);  // in flight
-        quantize_rows(cur, sh, tile % tiles_t, tile / tiles_t, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
-    }
-#else
-    const int bt = blockIdx.x % tiles_t, bn = blockIdx.x / tiles_t;
-    load_rows(in, x, xs, bt, bn, T, N, ldx, xs_t, xs_n);
-    quantize_rows(in, sh, bt, bn, T, N, eps, q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
-#endif
-}
-
-// The 1x128 rows of silu(gate) * up for gu = [gate | up] ([T, 2I]), the FP8 down projection's input, without storing
-// the BF16 product: the roundings of torch's F.silu(gate) * up (SiLU x / (1 + exp(-x)) in FP32 rounded to BF16, then
-// the BF16 product of the two). Tiles of 64 tokens x 128 features of the product: thread (c, r) takes features
-// 8c..8c+7 of rows 4r..4r+3. Arguments in quant_tile's order (gu in x's place, N = I, ldx = gu's row stride); xs, qt
-// and st are not read.
-struct SwigluStage {
-    uint4 g[4 * 256], u[4 * 256];
-};
-
-__device__ __forceinline__ void swiglu_quantize_rows(
-    const uint4 (&g4)[4], const uint4 (&u4)[4], int bt, int n0, int T, int I, float eps,
-    unsigned char* __restrict__ q, float* __restrict__ s, int ldq, int s_t, int s_n)
-{
-    const int c = threadIdx.x & 15, r = threadIdx.x >> 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned gw[4] = {g4[i].x, g4[i].y, g4[i].z, g4[i].w}, uw[4] = {u4[i].x, u4[i].y, u4[i].z, u4[i].w};
-        float row[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float g = j & 1 ? bf16_hi(gw[j >> 1]) : bf16_lo(gw[j >> 1]);
-            const float u = j & 1 ? bf16_hi(uw[j >> 1]) : bf16_lo(uw[j >> 1]);
-            const float act = __uint_as_float(bf16_rn(__fdiv_rn(g, 1.0f + expf(-g))) << 16);   // F.silu(gate), BF16
-            row[j] = __uint_as_float(bf16_rn(__fmul_rn(act, u)) << 16);                        // * up, BF16
-        }
-        quantize_row(row, bt * 64 + 4 * r + i, n0 + 8 * c, n0, T, I, eps, q, s, ldq, s_t, s_n);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256, SW_CTAS) swiglu_rows(
-    const unsigned char* __restrict__ gu, const float* __restrict__ xs,
-    unsigned char* __restrict__ q, float* __restrict__ s,
-    unsigned char* __restrict__ qt, float* __restrict__ st,
-    int T, int I, int ldx, int xs_t, int xs_n, int ldq, int s_t, int s_n, int ldqt, int st_n, int st_t, int eps_bits)
-{
-    const float eps = __int_as_float(eps_bits);
     const int tid = threadIdx.x, c = tid & 15, r = tid >> 4;
-    const int tiles_t = (T + 63) >> 6, tiles = tiles_t * ((I + 127) >> 7);
-    auto at = [&](int tile, int i, bool& ok) {
-        const int t = (tile % tiles_t) * 64 + 4 * r + i, n = (tile / tiles_t) * 128 + 8 * c;
-        ok = n < I && t < T;
-        return ok ? (long long)t * ldx + n : 0;
-    };
-    uint4 g4[4], u4[4];
-#if PERSISTENT
-    extern __shared__ __align__(16) unsigned char dyn[];
-    SwigluStage* stage = reinterpret_cast<SwigluStage*>(dyn);
-    auto load = [&](SwigluStage& sg, int tile) {
-        if (tile < tiles) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                bool ok;
-                const long long a = at(tile, i, ok);
-                cp_async16(&sg.g[i * 256 + tid], gu + a * 2, ok);
-                cp_async16(&sg.u[i * 256 + tid], gu + (ok ? a + I : 0) * 2, ok);
-            }
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-    int k = 0;
-    load(stage[0], blockIdx.x);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, k ^= 1) {
-        load(stage[k ^ 1], tile + gridDim.x);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            g4[i] = stage[k].g[i * 256 + tid];
-            u4[i] = stage[k].u[i * 256 + tid];
-        }
-        swiglu_quantize_rows(g4, u4, tile % tiles_t, (tile / tiles_t) * 128, T, I, eps, q, s, ldq, s_t, s_n);
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    const int tiles_t = (T + 127) >> 7, bt = blockIdx.x % tiles_t, bn = blockIdx.x / tiles_t;
+    const int n = bn * 128 + 8 * c;
+#if FP8_IN
+    uint2 raw[8];
+    float sc[8];
 #else
-    auto load = [&](int tile) {
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 raw[8];
+#endif
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            bool ok;
-            const long long a = at(tile, i, ok);
-            g4[i] = ok ? *reinterpret_cast<const uint4*>(gu + a * 2) : zero;
-            u4[i] = ok ? *reinterpret_cast<const uint4*>(gu + (a + I) * 2) : zero;
-        }
-    };
-#if PREFETCH
-    int tile = blockIdx.x;
-    if (tile < tiles) load(tile);
-    for (; tile < tiles; tile += gridDim.x) {
-        uint4 g_cur[4], u_cur[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) { g_cur[i] = g4[i]; u_cur[i] = u4[i]; }
-        if (tile + gridDim.x < tiles) load(tile + gridDim.x);  // in flight while this tile is quantized
-        swiglu_quantize_rows(g_cur, u_cur, tile % tiles_t, (tile / tiles_t) * 128, T, I, eps, q, s, ldq, s_t, s_n);
-    }
+    for (int i = 0; i < 8; ++i) {
+        const int t = bt * 128 + 8 * r + i;
+        const bool ok = n < N && t < T;
+        const long long at = ok ? (long long)t * ldx + n : 0;
+#if FP8_IN
+        raw[i] = ok ? *reinterpret_cast<const uint2*>(x + at) : make_uint2(0u, 0u);
+        sc[i] = ok ? xs[(long long)t * xs_t + (long long)bn * xs_n] : 0.0f;
 #else
-    load(blockIdx.x);
-    swiglu_quantize_rows(g4, u4, blockIdx.x % tiles_t, (blockIdx.x / tiles_t) * 128, T, I, eps, q, s, ldq, s_t, s_n);
+        raw[i] = ok ? *reinterpret_cast<const uint4*>(x + at * 2) : make_uint4(0u, 0u, 0u, 0u);
 #endif
+    }
+    float v[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#if FP8_IN
+        const unsigned w[2] = {raw[i].x, raw[i].y};
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            e4m3x2_to_f32((unsigned short)(w[j >> 2] >> (8 * (j & 3))), v[i][j], v[i][j + 1]);
+            v[i][j] = __fmul_rn(v[i][j], sc[i]);
+            v[i][j + 1] = __fmul_rn(v[i][j + 1], sc[i]);
+        }
+#else
+        const unsigned w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = j & 1 ? bf16_hi(w[j >> 1]) : bf16_lo(w[j >> 1]);
 #endif
+    }
+    quantize_tile([&](int i, int j) { return v[i][j]; }, sh, bt, bn * 128, T, N, __int_as_float(eps_bits),
+                  q, s, qt, st, ldq, s_t, s_n, ldqt, st_n, st_t);
 }
 """
 
@@ -601,8 +369,6 @@ def _libcuda():
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     return lib
 
 
@@ -624,63 +390,21 @@ def _make_context_current(device_index: int) -> None:
     _thread.device = device_index
 
 
-STRUCTURES = ("one", "packed", "persistent", "prefetch")  # quant_tile / swiglu_rows: the source's comment above quant_tile
-_LOOPING = ("persistent", "prefetch")  # launched with the CTAs that fit at once, each looping over tiles
-
-
-def source(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, block128: bool = False, structure: str = "one") -> str:
-    """The CUDA source of one variant: its switches as #defines, then `_SOURCE`."""
-    if structure not in STRUCTURES:
-        raise ValueError(f"the tile quantizer's structure must be one of {STRUCTURES}, got {structure!r}")
-    flags = (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0), ("BLOCK128", block128),
-             ("PERSISTENT", structure == "persistent"), ("PACKED", structure == "packed"), ("PREFETCH", structure == "prefetch"))
+def source(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, block128: bool = False) -> str:
+    """The CUDA source of one variant: its five switches as #defines, then `_SOURCE`."""
+    flags = (("FP8_IN", fp8_in), ("ROWS", rows), ("COLS", cols), ("UE8M0", ue8m0), ("BLOCK128", block128))
     return "".join(f"#define {k} {int(v)}\n" for k, v in flags) + _SOURCE
 
 
-# The persistent structure's dynamic shared memory is two input stages. quant_tile's Stage: 8 x 256 16-byte vectors
-# (BF16) or 8-byte vectors + FP32 scales (E4M3); swiglu_rows's SwigluStage: 4 x 256 16-byte vectors of gate and of up.
-STAGE_BYTES = {False: 8 * 256 * 16, True: 8 * 256 * (8 + 4)}
-SWIGLU_STAGE_BYTES = 2 * 4 * 256 * 16
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-
-
-def dynamic_smem(name: str, fp8_in: bool, structure: str = "persistent") -> int:
-    """Bytes of dynamic shared memory kernel `name` is launched with (0 but for the persistent structure)."""
-    if structure != "persistent":
-        return 0
-    return {"quant_tile": 2 * STAGE_BYTES[fp8_in], "swiglu_rows": 2 * SWIGLU_STAGE_BYTES}.get(name, 0)
-
-
-class _Compiled:
-    """A compiled kernel: its CUfunction, dynamic shared memory and, when persistent, its grid (the CTAs that fit at
-    once; 0: one CTA per tile)."""
-
-    def __init__(self, func, smem: int, ctas: int):
-        self.func, self.smem, self.ctas = func, smem, ctas
-
-    def grid(self, tiles: int) -> tuple[int, int]:
-        return (min(self.ctas, tiles) if self.ctas else tiles, 1)
-
-
 @functools.cache
-def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile",
-            block128: bool = False, structure: str = "one") -> _Compiled:
-    """The compiled kernel `name` (NVRTC through torch, once per variant and device)."""
+def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile", block128: bool = False):
+    """The compiled kernel `name` (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
     with torch.cuda.device(device_index):
-        kern = torch.cuda._compile_kernel(source(fp8_in, rows, cols, ue8m0, block128, structure), name)
+        kern = torch.cuda._compile_kernel(source(fp8_in, rows, cols, ue8m0, block128), name)
     if getattr(kern, "func", None) is None:
         raise RuntimeError(f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
                            "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels")
-    smem, lib, per_sm = dynamic_smem(name, fp8_in, structure), _libcuda(), ctypes.c_int()
-    if structure not in _LOOPING or name == "swiglu_bwd_tile":
-        return _Compiled(kern.func, 0, 0)
-    func = kern.func  # a ctypes.c_void_p (CUfunction)
-    if (smem and lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, smem)) or \
-            lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), func, 256, ctypes.c_size_t(smem)):
-        raise RuntimeError(f"the FP8 tile quantizer {name} cannot get {smem} bytes of dynamic shared memory on device {device_index}")
-    if per_sm.value < 1:
-        raise RuntimeError(f"the FP8 tile quantizer {name} fits no CTA on device {device_index} ({smem} bytes of dynamic shared memory)")
-    return _Compiled(kern.func, smem, per_sm.value * torch.cuda.get_device_properties(device_index).multi_processor_count)
+    return kern
 
 
 class _Args:
@@ -700,14 +424,14 @@ class _Args:
         return self.params
 
 
-def _launch(func, device_index, grid, pointers, ints, smem: int = 0) -> None:
+def _launch(func, device_index, grid, pointers, ints) -> None:
     """cuLaunchKernel of CTAs of 256 threads on torch's current stream."""
     _make_context_current(device_index)
     args = getattr(_thread, "args", None)
     if args is None:
         args = _thread.args = _Args()
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    err = _libcuda().cuLaunchKernel(func, grid[0], grid[1], 1, 256, 1, 1, smem, stream, args.fill(pointers, ints), None)
+    err = _libcuda().cuLaunchKernel(func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, args.fill(pointers, ints), None)
     if err:
         raise RuntimeError(f"cuLaunchKernel of the FP8 tile quantizer failed with CUDA error {err}")
 
@@ -730,39 +454,18 @@ def takes(x: torch.Tensor, x_scale: torch.Tensor | None, cols: bool = True) -> b
     return x.dtype == E4M3 and x_scale is not None and _aligned(x, 8)
 
 
-def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool, block128: bool = False, structure: str = "one") -> None:
+def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool, block128: bool = False) -> None:
     """Fill the preallocated outputs of `kernels.quantize_dual` (q/s: 1x128 rows, qt/st: 128x1 transposed; either
     pair may be None) or, `block128`, of `kernels.quantize_128x128` (q/s: the 128x128 tiles; qt/st: those of x^T, or
-    None). The caller checked `takes`; q, qt are contiguous, s/st any strides."""
+    None). The caller checked `takes`; q, qt are contiguous, s/st any strides. One CTA per 128x128 tile."""
     t, n = x.shape
     fp8_in = x_scale is not None
     xs = x_scale if fp8_in else (s if q is not None else st)  # (not read without FP8 input)
-    _tiles("quant_tile", fp8_in, block128, structure, -(-t // TILE) * -(-n // TILE),
-           x, xs, [t, n, x.stride(0), xs.stride(0), xs.stride(1)], q, s, qt, st, eps, ue8m0)
-
-
-def _tiles(name: str, fp8_in: bool, block128: bool, structure: str, tiles: int, a, b, head: list[int], q, s, qt, st, eps, ue8m0) -> None:
-    """Launch kernel `name` of the given structure over `tiles` tiles."""
-    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     _make_context_current(device_index)  # before the first compile too: loading the module needs a current context
-    kern = _kernel(fp8_in, q is not None, qt is not None, ue8m0, device_index, name, block128, structure)
-    _launch(kern.func, device_index, kern.grid(tiles), *_arguments(a, b, head, q, s, qt, st, eps), smem=kern.smem)
-
-
-def takes_swiglu_rows(gate_up: torch.Tensor) -> bool:
-    """Whether `quantize_swiglu_rows` handles gate_up [T, 2I]: BF16 with 16-byte aligned rows and I % 8 == 0."""
-    if not available() or gate_up.dim() != 2 or gate_up.device.type != "cuda" or gate_up.dtype != torch.bfloat16:
-        return False
-    t, two_i = gate_up.shape
-    return t > 0 and two_i > 0 and two_i % 16 == 0 and t < 2**31 and two_i < 2**31 and _aligned(gate_up, 8)
-
-
-def quantize_swiglu_rows(gate_up, q, s, eps: float, ue8m0: bool, structure: str = "one") -> None:
-    """Fill q [T, I] (contiguous) and s [T, ceil(I/128)] (any strides) with the 1x128 quantization of silu(gate) * up
-    for gate_up = [gate | up] [T, 2I], the BF16 product never stored (swiglu_rows). The caller checked `takes_swiglu_rows`."""
-    t, i = gate_up.shape[0], gate_up.shape[1] // 2
-    _tiles("swiglu_rows", False, False, structure, -(-t // 64) * -(-i // TILE), gate_up, s, [t, i, gate_up.stride(0), 0, 0],
-           q, s, None, None, eps, ue8m0)
+    kern = _kernel(fp8_in, q is not None, qt is not None, ue8m0, device_index, "quant_tile", block128)
+    _launch(kern.func, device_index, (-(-t // TILE) * -(-n // TILE), 1),
+            *_arguments(x, xs, [t, n, x.stride(0), xs.stride(0), xs.stride(1)], q, s, qt, st, eps))
 
 
 def _arguments(a, b, head: list[int], q, s, qt, st, eps: float):

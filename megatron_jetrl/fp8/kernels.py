@@ -483,9 +483,9 @@ def _finite_or_raise(x, s, block, check_finite):
 
 # Launch settings, chosen by the sweep in tools/bench_fp8.py on the H200 (see BENCHMARKS.md).
 QUANT_CFG = {
-    # mode "cuda": fp8/cuda_tiles.py's persistent kernels (quant_tile rows only; swiglu_rows with the SwiGLU prologue)
-    # for BF16 input whose layout allows their 16-byte accesses, else (and in mode "triton") the Triton kernel with
-    # these launch settings
+    # mode "cuda": fp8/cuda_tiles.py's kernel (rows only) for 2-D BF16 input whose layout allows its 16-byte accesses;
+    # else, in mode "triton" and with the SwiGLU prologue, the Triton kernel with these launch settings (SwiGLU in a
+    # CUDA tile kernel measured slower: 61% of the copy rate against Triton's 67%, H200, session 20)
     "1x128": dict(mode="cuda", block_m=16, groups=1, num_warps=4),
     # mode "cuda": fp8/cuda_tiles.py's kernel with one scale per tile (BLOCK128) where the layout allows; "triton" else
     "128x128": dict(mode="cuda"),
@@ -499,20 +499,11 @@ QUANT_CFG = {
     # device against "split" at first use); "split" = swiglu_backward, then quantize_dual. Split ships: on an H200
     # the one kernel is bit-exact but takes 1402 us against 773 for the two (16384 tokens, I = 8192; layer 1.29x vs 1.42x).
     "swiglu_bwd": dict(mode="split"),
-    # the structure of fp8/cuda_tiles.py's kernels per use ("one" tile per CTA, "packed" BF16 words in registers,
-    # "persistent" with cp.async double buffering; chosen by tools/bench_fp8.py --sweep on the H200): rows = the 1x128
-    # quantizer, cols = 128x1^T only, dual = both, fp8 = 128x1^T from E4M3 + scales, block128 = the weights' tiles,
-    # swiglu = SwiGLU + 1x128
-    "cuda_tiles": dict(rows="one", cols="one", dual="one", fp8="one", block128="persistent", swiglu="one"),
 }
 
 
-def _structure(use: str, structure: str | None) -> str:
-    return structure or QUANT_CFG["cuda_tiles"][use]
-
-
 def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None, groups=None,
-                   mode=None, structure=None):
+                   mode=None):
     """1x128 quantization of `x[..., K]` (bytes of `quantize_blockwise(x, (1, 128))`).
 
     Returns `(q, s)`: q `[..., K]` E4M3, s `[..., ceil(K/128)]` FP32; for 2-D input s has strides
@@ -533,11 +524,11 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
     cfg = QUANT_CFG["1x128"]
     bm = block_m or cfg["block_m"]
     g = groups or cfg["groups"]
-    cuda = (mode or cfg["mode"]) == "cuda" and not (block_m or num_warps or groups)
-    if cuda and swiglu and cuda_tiles.takes_swiglu_rows(x2):
-        cuda_tiles.quantize_swiglu_rows(x2, q, s, float(eps), scale_mode == "ue8m0", _structure("swiglu", structure))
-    elif cuda and not swiglu and cuda_tiles.takes(x2, None, cols=False):
-        cuda_tiles.quantize(x2, None, q, s, None, None, float(eps), scale_mode == "ue8m0", structure=_structure("rows", structure))
+    mode = mode or cfg["mode"]
+    if mode not in ("cuda", "triton"):
+        raise ValueError(f"quantize_1x128 mode must be 'cuda' or 'triton', got {mode!r}")
+    if mode == "cuda" and not (swiglu or block_m or num_warps or groups) and cuda_tiles.takes(x2, None, cols=False):
+        cuda_tiles.quantize(x2, None, q, s, None, None, float(eps), scale_mode == "ue8m0")
     elif m and k:
         _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
@@ -578,8 +569,7 @@ def _quant_cols(x2, xs, qt, st, t, n, eps, fp8_in, ue8m0, block_n=None, num_warp
     )
 
 
-def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None, mode=None, cols_cfg=None,
-                  structure=None):
+def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None, mode=None, cols_cfg=None):
     """One pass over a 2-D `x[T, N]`: 1x128 groups along N and 128x1 groups along T, the latter transposed.
 
     Returns `(q, s, qt, st)`: q `[T, N]` and s `[T, ceil(N/128)]` (strides (1, T)) are
@@ -609,10 +599,9 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
     if mode in ("cuda", "cuda-split") and cols_cfg is None and (rows or cols) and cuda_tiles.takes(x2, x_scale):
         if mode == "cuda-split" and rows and cols and not fp8_in:  # Triton's 1x128 kernel + the CUDA 128x1^T kernel
             q, s = quantize_1x128(x2, scale_mode, eps=eps, check_finite=False, mode="triton")
-            cuda_tiles.quantize(x2, None, None, None, qt, st, float(eps), ue8m0, structure=_structure("cols", structure))
+            cuda_tiles.quantize(x2, None, None, None, qt, st, float(eps), ue8m0)
         else:
-            use = "fp8" if fp8_in else "dual" if rows and cols else "rows" if rows else "cols"
-            cuda_tiles.quantize(x2, x_scale, q, s, qt, st, float(eps), ue8m0, structure=_structure(use, structure))
+            cuda_tiles.quantize(x2, x_scale, q, s, qt, st, float(eps), ue8m0)
     elif t and n and cols and (not rows or (mode in ("split", "cuda", "cuda-split") and not fp8_in)):
         if rows:  # two kernels, x read twice (measured faster than the fused one-pass kernel on the H200)
             q, s = quantize_1x128(x2, scale_mode, eps=eps, check_finite=False)
@@ -689,7 +678,7 @@ def _check_fused_swiglu(device, scale_mode: str, eps: float, rows: bool, cols: b
                            "set megatron_jetrl.fp8.kernels.QUANT_CFG['swiglu_bwd']['mode'] = 'split' and report it")
 
 
-def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transposed=False, mode=None, structure=None):
+def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transposed=False, mode=None):
     """128x128 tiles of a 2-D `w[N, K]` (bytes of `quantize_blockwise(w, (128, 128))`).
 
     Returns `(q, s)` or, with `transposed=True`, `(q, s, qt, st)` where `qt = q.t().contiguous()` and
@@ -705,9 +694,12 @@ def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transp
     s = torch.empty(nb, kb, dtype=torch.float32, device=w.device)
     qt = torch.empty(k, n, dtype=E4M3, device=w.device) if transposed else q
     st = torch.empty(kb, nb, dtype=torch.float32, device=w.device) if transposed else s
-    if (mode or QUANT_CFG["128x128"]["mode"]) == "cuda" and cuda_tiles.takes(w2, None, cols=transposed):
+    mode = mode or QUANT_CFG["128x128"]["mode"]
+    if mode not in ("cuda", "triton"):
+        raise ValueError(f"quantize_128x128 mode must be 'cuda' or 'triton', got {mode!r}")
+    if mode == "cuda" and cuda_tiles.takes(w2, None, cols=transposed):
         cuda_tiles.quantize(w2, None, q, s, qt if transposed else None, st if transposed else None, float(eps),
-                            scale_mode == "ue8m0", block128=True, structure=_structure("block128", structure))
+                            scale_mode == "ue8m0", block128=True)
     elif n and k:
         _k()["quant_128x128"][(nb, kb)](
             w2, q, s, qt, st, n, k, w2.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),

@@ -190,10 +190,9 @@ def test_cuda_tile_kernel_bytes_rows_cols_and_from_e4m3(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_tile_kernel_bytes_1x128_and_128x128(mode):
-    """The persistent CUDA tile kernel behind the shipped 1x128 (rows only: any token count) and 128x128 (one scale
-    per tile, with and without the transposed copy) quantizers: the reference's bytes and scales on partial tiles and
-    adversarial groups, and the same bytes as the Triton kernels they replace; a grid smaller than the tile count
-    (the persistent loop) is covered by the large shapes."""
+    """The CUDA tile kernel behind the shipped 1x128 (rows only: any token count) and 128x128 (one scale per tile,
+    with and without the transposed copy) quantizers: the reference's bytes and scales on partial tiles and
+    adversarial groups, and the same bytes as the Triton kernels they replace."""
     from megatron_jetrl.fp8 import cuda_tiles
 
     k = kernels()
@@ -215,37 +214,6 @@ def test_cuda_tile_kernel_bytes_1x128_and_128x128(mode):
             assert same(q, wq) and same_scales(s, ws) and same(qt, tq) and same_scales(st, ts), (m, n)
             q3, s3, qt3, st3 = k.quantize_128x128(x, mode, transposed=True, mode="triton")
             assert same(q3, wq) and same(qt3, tq) and same_scales(st3, ts), (m, n)
-
-
-@pytest.mark.parametrize("structure", ["one", "packed", "persistent", "prefetch"])
-def test_every_tile_structure_gives_the_reference_bytes(structure):
-    """Each structure of fp8/cuda_tiles.py's kernels (QUANT_CFG["cuda_tiles"] picks one per use): partial tiles, more
-    tiles than a persistent grid holds, every output set, E4M3 input, 128x128 tiles with the transposed copy, SwiGLU."""
-    from megatron_jetrl.fp8 import dequantize_blockwise
-
-    k = kernels()
-    for i, (m, n) in enumerate([(144, 136), (272, 1000), (8208, 1024)]):
-        x = adversarial(m, n, torch.bfloat16, 1900 + i)
-        rq, rs = quantize_blockwise(x, (1, 128), "fp32")
-        tq, ts = quantize_blockwise(x, (128, 1), "fp32")
-        q, s, qt, st = k.quantize_dual(x, structure=structure)
-        assert same(q, rq) and same_scales(s, rs) and same(qt, tq.t()) and same_scales(st, ts.t()), (m, n)
-        _, _, qt, st = k.quantize_dual(x, rows=False, structure=structure)
-        assert same(qt, tq.t()) and same_scales(st, ts.t()), (m, n)
-        q, s = k.quantize_1x128(x, structure=structure)
-        assert same(q, rq) and same_scales(s, rs), (m, n)
-        xq, xs = k.quantize_1x128(x, mode="triton")
-        tq8, ts8 = quantize_blockwise(dequantize_blockwise(xq, xs, (1, 128)), (128, 1), "fp32")
-        _, _, qt, st = k.quantize_dual(xq, rows=False, x_scale=xs, structure=structure)
-        assert same(qt, tq8.t()) and same_scales(st, ts8.t()), (m, n)
-        wq, ws = quantize_blockwise(x, (128, 128), "fp32")
-        wtq, wts = quantize_blockwise(x.t().contiguous(), (128, 128), "fp32")
-        q, s, qt, st = k.quantize_128x128(x, transposed=True, structure=structure)
-        assert same(q, wq) and same_scales(s, ws) and same(qt, wtq) and same_scales(st, wts), (m, n)
-        gu = (torch.randn(m, 2 * n, device=DEV, generator=gen(1950 + i)) * 3).to(torch.bfloat16)
-        hq, hs = quantize_blockwise(F.silu(gu[:, :n]) * gu[:, n:], (1, 128), "fp32")
-        q, s = k.swiglu_quantize_1x128(gu, structure=structure)
-        assert same(q, hq) and same_scales(s, hs), (m, n)
 
 
 SWIGLU_TILE_SHAPES = [(16, 128), (144, 256), (272, 384), (1040, 1536), (4096, 3072)]  # (tokens T, I)
@@ -363,35 +331,6 @@ def test_swiglu_fused_quantization_equals_quantizing_torch_swiglu(dtype):
         q, s = k.swiglu_quantize_1x128(gu)
         rq, rs = quantize_blockwise(h, (1, 128))
         assert same(q, rq) and same_scales(s, rs), (m, n)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_cuda_swiglu_rows_bytes(mode):
-    """fp8/cuda_tiles.py swiglu_rows (the shipped SwiGLU + 1x128 quantizer for BF16): the bytes of quantizing torch's
-    `F.silu(gate) * up`, and of the Triton kernel, on partial token and feature tiles, huge / tiny / infinite / NaN
-    gates, in both scale modes; a grid smaller than the tile count (the persistent loop) at 8192 tokens."""
-    from megatron_jetrl.fp8 import cuda_tiles
-
-    k = kernels()
-    for i, (m, n) in enumerate([(1, 8), (64, 256), (100, 136), (1040, 1536), (8192, 1024)]):
-        g = gen(1700 + i)
-        gu = (torch.randn(m, 2 * n, device=DEV, generator=g) * torch.exp(torch.randn(m, 1, device=DEV, generator=g) * 2)).to(torch.bfloat16)
-        if m > 2:
-            gu[1, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e-38, -1e-38])
-            gu[2, n:n + 3] = torch.tensor([1e-30, 3e38, -3e38])
-        assert cuda_tiles.takes_swiglu_rows(gu), (m, n)
-        rq, rs = quantize_blockwise(F.silu(gu[:, :n]) * gu[:, n:], (1, 128), mode, check_finite=False)
-        q, s = k.swiglu_quantize_1x128(gu, mode, check_finite=False)
-        assert same(q, rq) and same_scales(s, rs), (m, n)
-        q2, s2 = k.swiglu_quantize_1x128(gu, mode, check_finite=False, mode="triton")
-        assert same(q2, rq) and same_scales(s2, rs), (m, n)
-    gu[5, 3] = float("nan")
-    gu[7, n + 1] = float("inf")
-    with pytest.raises(NonFiniteInputError):
-        k.swiglu_quantize_1x128(gu, mode)
-    q, s = k.swiglu_quantize_1x128(gu, mode, check_finite=False)
-    rq, rs = quantize_blockwise(F.silu(gu[:, :n]) * gu[:, n:], (1, 128), mode, check_finite=False)
-    assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(torch.isnan(q.float()), torch.isnan(rq.float()))
 
 
 def test_non_finite_raises_or_poisons():
