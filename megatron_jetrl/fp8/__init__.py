@@ -69,9 +69,10 @@ of two E4M3 values has at most 8 significant bits, so a 128-term block sum is ex
 scales and sums the blocks in a fixed order. Its result for a row depends on that row alone (batch
 invariant), which is what lets the rollout engine reproduce the actor's logprobs bit for bit on CPU.
 `cublaslt` (torch `F.scaled_mm`, sm90), `triton` (portable, sm89+) and `deepgemm` (when importable) are
-the fast paths on GPUs; on CUDA the quantizers run as Triton kernels (`fp8/kernels.py`) and, for the
-backward's token-grouped (128x1, transposed) passes, a CUDA tile kernel (`fp8/cuda_tiles.py`), all checked
-byte for byte against the torch reference in `tests/gpu`.
+the fast paths on GPUs; on CUDA the quantizers run as a CUDA tile kernel (`fp8/cuda_tiles.py`: BF16 1x128
+rows, the backward's token-grouped 128x1 passes written transposed, 128x128 weight tiles) where the layout allows
+its 16-byte accesses, and as Triton kernels (`fp8/kernels.py`) otherwise and for the SwiGLU-fused input, all
+checked byte for byte against the torch reference in `tests/gpu`.
 
 Precision modes (`PrecisionFlow.mode`)
 --------------------------------------

@@ -1,4 +1,5 @@
-"""A CUDA kernel for the token-grouped (128x1, written transposed) FP8 quantizations of the backward pass.
+"""A CUDA kernel for the token-grouped (128x1, written transposed) FP8 quantizations of the backward pass, which also
+serves the 1x128 rows alone (the forward's activations) and, with one scale per tile, the 128x128 weight tiles.
 
 WGrad wants both operands grouped along tokens and K-major (`[features, tokens]`, tokens contiguous), so the
 backward writes a transposed copy of dY and of the saved activation X. In Triton those transposes go through a
@@ -20,6 +21,12 @@ A second kernel, `swiglu_bwd_tile`, starts from the SwiGLU MLP's saved [gate | u
 DGrad output instead of x: one CTA computes the d[gate] and d[up] tiles of the same 128 tokens x 128 features,
 each (token, feature) once with the roundings of `kernels.swiglu_backward` (torch's autograd), and runs the same
 row and column passes on each, so d[gate | up] is never stored in BF16 (`kernels.swiglu_backward_dual`).
+
+With BLOCK128, a tile's amax is reduced over all 256 threads and both passes use that one scale (the 128x128
+weight groups; the transposed copy is W^T's). The kernel is issue-bound rather than memory-bound: a tile's two
+passes cost ~20 instructions per element (unpack, amax, x * (1/s) and two FMA corrections per output, the E4M3
+packing), so a CTA loads, computes and stores in phases that its neighbours on the SM do not fully hide
+(BENCHMARKS.md, session 20: SASS counts and the structures tried).
 
 It runs when the layout allows the vector accesses (`takes`); any other input goes to the Triton kernels, which
 give the same bytes. Compiled at first use with NVRTC (`torch.cuda._compile_kernel`, torch >= 2.8), in well

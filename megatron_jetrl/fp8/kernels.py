@@ -13,7 +13,8 @@ Every quantizer here reproduces the bytes of the reference `megatron_jetrl.fp8.q
 Kernels
 -------
 quantize_1x128(x)          1x128 groups along the last dim; scales written outer-dim-major (strides (1, M))
-                           which is what cuBLASLt and the Triton GEMM read without a copy.  Optional
+                           which is what cuBLASLt and the Triton GEMM read without a copy. BF16 input goes to the
+                           CUDA tile kernel (`QUANT_CFG["1x128"]["mode"] = "cuda"`) where its layout allows.  Optional
                            SwiGLU prologue (`swiglu_quantize_1x128`): quantizes silu(gate) * up of a
                            [M, 2I] tensor without writing the BF16 product.
 quantize_dual(x)           one pass over a [T, N] gradient: 1x128 (along N) bytes/scales and the 128x1
@@ -28,7 +29,8 @@ swiglu_backward(gu, dy)    d[gate | up] of silu(gate) * up (the FP8 down project
 swiglu_backward_dual(gu, dy)  quantize_dual of that gradient; mode "cuda" computes and quantizes it in one CUDA tile
                            kernel (fp8/cuda_tiles.py), never storing it.
 quantize_128x128(w)        weight tiles; optionally also the transposed copy (bytes of W^T, scales of
-                           W^T: identical to quantizing W^T, since a 128x128 tile has one scale).
+                           W^T: identical to quantizing W^T, since a 128x128 tile has one scale). BF16 weights go
+                           to the CUDA tile kernel with one scale per tile where the layout allows.
 gemm(a, sa, b, sb)         dequant(a) @ dequant(b)^T, a 1x128, b 128x128 or 1x128 (WGrad), both K-major.
                            Each 128-deep K block is one tensor-core product in FP32, scaled by
                            sa * sb and added to an FP32 accumulator (DeepSeek-style promotion).
