@@ -55,9 +55,18 @@ __device__ __forceinline__ float nanmax(float m, float a) {   // max that keeps 
     return r;
 }
 
+// a / 448 correctly rounded, as __fdiv_rn(a, 448): for 2^-64 <= a <= 2^64 the three FMAs of its fast path with
+// 1/448 rounded to FP32 (0x3b124925, what the compiler's refinement of the reciprocal gives), which is its result
+// wherever its range check passes; elsewhere (inf, a tiny custom eps) the division itself. No branch on the hot path.
+__device__ __forceinline__ float div448(float a) {
+    if (!(a >= 0x1p-64f && a <= 0x1p+64f)) return __fdiv_rn(a, 448.0f);
+    const float c = __int_as_float(0x3b124925), q = __fmul_rn(a, c);
+    return __fmaf_rn(c, __fmaf_rn(q, -448.0f, a), q);
+}
+
 __device__ __forceinline__ float scale_of(float amax, float eps) {
     if (amax != amax) return NAN_F;
-    float s = __fdiv_rn(fmaxf(amax, eps), 448.0f);
+    float s = div448(fmaxf(amax, eps));
 #if UE8M0
     s = fmaxf(s, 1e-10f);
     unsigned b = __float_as_uint(s);
@@ -75,14 +84,46 @@ __device__ __forceinline__ float scale_of(float amax, float eps) {
 // to nearest being symmetric), so that x = -0 keeps its sign through the corrections (-0 + -0 = -0, where x - s*q
 // would give +0) with no copysign per element: the negations are free operand modifiers of the FMAs.
 __device__ __forceinline__ float recip(float s) {
-    return (s >= 0x1p-60f && s <= 0x1p+120f) ? __frcp_rn(s) : 0.0f;
+    // __frcp_rn's fast path (its result for these exponents): MUFU.RCP, then one Newton step y0 + y0 (1 - s y0)
+    float y0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(s));
+    const float y = __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
+    return (s >= 0x1p-60f && s <= 0x1p+120f) ? y : 0.0f;
 }
 
+//
+// BF16 input (8 significant bits) needs only the first correction: with y = RN(1/s), q = RN(x*y) corrected once is
+// RN(x/s) for every pair of an 8-bit and a 24-bit significand, which tests/gpu/test_kernels.py checks exhaustively
+// (2^30 pairs: the quotient of any other exponents is the same up to an exact power of two; below the FP32 normal
+// range every quotient rounds to an E4M3 zero of x's sign anyway). E4M3 input dequantizes to 24-bit values, for
+// which no such check exists: it keeps both corrections (CORRECTIONS).
+#ifndef CORRECTIONS
+#define CORRECTIONS (FP8_IN ? 2 : 1)
+#endif
 __device__ __forceinline__ float divide(float x, float s, float y) {
     float q = __fmul_rn(x, y);
     q = __fmaf_rn(-__fmaf_rn(s, q, -x), y, q);
+#if CORRECTIONS > 1
     q = __fmaf_rn(-__fmaf_rn(s, q, -x), y, q);
+#endif
     return q;
+}
+
+// tests/gpu: divide() against __fdiv_rn for x = 1 + m/128 (every 8-bit significand) and s = 1 + k / 2^23 (every
+// 24-bit significand, one per thread); counts the pairs that differ and keeps the first s that does.
+extern "C" __global__ void check_divide(unsigned long long* bad, unsigned* first_s) {
+    const unsigned k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (1u << 23)) return;
+    const float s = __uint_as_float(0x3f800000u | k), y = recip(s);
+    unsigned n = 0;
+    for (unsigned m = 0; m < 128; ++m) {
+        const float x = __uint_as_float(0x3f800000u | (m << 16));
+        n += __float_as_uint(divide(x, s, y)) != __float_as_uint(__fdiv_rn(x, s));
+    }
+    if (n) {
+        atomicAdd(bad, (unsigned long long)n);
+        atomicMin(first_s, k);
+    }
 }
 
 __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {  // satfinite: +-448 at most, NaN stays NaN

@@ -103,12 +103,15 @@ def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
 def test_fused_adam_is_the_foreach_update(one_rank):
     """`OptimConfig.fused` (torch's fused Adam, the default on CUDA) against megatron's foreach Adam from the same
     weights and gradients: the same FP32 main parameters after a step, up to FP32 rounding of the update."""
-    from megatron_jetrl.actor.train_step import adam_is_fused, train_step
+    from megatron_jetrl.actor.train_step import _torch_adams, adam_is_fused, train_step
 
     tokens, step, init = _batch_and_init(2)
     mains = {}
     for fused in (True, False):
         model, ddp, optimizer, _ = _actor(True, init, fused=fused)
+        if not _torch_adams(optimizer):  # seen on an H200 with the TE kit carried (session 20)
+            pytest.skip("megatron-core picked Transformer Engine's FusedAdam (TE importable): a fused kernel already, "
+                        "with no torch Adam for optim.fused to switch")
         assert adam_is_fused(optimizer) is fused
         train_step(ddp, optimizer, tokens, _loss, **step)
         mains[fused] = torch.cat([p.detach().float().flatten() for o in optimizer.chained_optimizers

@@ -188,6 +188,21 @@ def test_cuda_tile_kernel_bytes_rows_cols_and_from_e4m3(mode):
     assert same(qt, tq.t()) and same_scales(st, ts.t())
 
 
+@pytest.mark.parametrize("fp8_in", [False, True])
+def test_tile_division_is_correctly_rounded_for_every_significand_pair(fp8_in):
+    """fp8/cuda_tiles.py's x / s (x * RN(1/s) with one FMA correction for BF16 input, two for E4M3 input) equals the
+    IEEE division for every 8-bit significand of x and every 24-bit significand of s: 2^30 pairs, exhaustive for
+    BF16 input (other exponents scale the same operations by exact powers of two)."""
+    from megatron_jetrl.fp8 import cuda_tiles
+
+    kern = torch.cuda._compile_kernel(cuda_tiles.source(fp8_in, True, True, False), "check_divide")
+    bad = torch.zeros(1, dtype=torch.int64, device=DEV)
+    first = torch.full((1,), 1 << 30, dtype=torch.int32, device=DEV)
+    kern(grid=((1 << 23) // 256, 1, 1), block=(256, 1, 1), args=[bad, first])
+    torch.cuda.synchronize()
+    assert int(bad) == 0, f"{int(bad)} (x, s) pairs differ from __fdiv_rn; first s = 1 + 0x{int(first):06x} / 2^23"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_tile_kernel_bytes_1x128_and_128x128(mode):
     """The CUDA tile kernel behind the shipped 1x128 (rows only: any token count) and 128x128 (one scale per tile,
