@@ -91,6 +91,30 @@ __device__ __forceinline__ float recip(float s) {
     return (s >= 0x1p-60f && s <= 0x1p+120f) ? y : 0.0f;
 }
 
+// Whether a group of amax `amax` is inside the range where scale_of and recip take no branch: max(amax, eps) in
+// [2^-50, 2^64] (so s = that / 448, rounded up to a power of two with UE8M0, lies in [2^-60, 2^120]); false for NaN
+// and inf. A warp (rows) or a CTA (columns, 128x128 tiles) whose groups all are quantizes them with no per-group
+// branch (quantize8<false>), the others take the checked path: the same bytes either way.
+__device__ __forceinline__ bool fast_group(float amax, float eps) {
+    return fmaxf(amax, eps) >= 0x1p-50f && amax <= 0x1p+64f;
+}
+
+__device__ __forceinline__ float fast_scale(float amax, float eps) {  // scale_of for a fast_group
+    const float a = fmaxf(amax, eps), c = __int_as_float(0x3b124925), q = __fmul_rn(a, c);
+    float s = __fmaf_rn(c, __fmaf_rn(q, -448.0f, a), q);
+#if UE8M0
+    const unsigned b = __float_as_uint(fmaxf(s, 1e-10f));
+    s = __uint_as_float((((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u)) << 23);
+#endif
+    return s;
+}
+
+__device__ __forceinline__ float fast_recip(float s) {  // recip for a fast_group's scale
+    float y0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(s));
+    return __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
+}
+
 //
 // BF16 input (8 significant bits) needs only the first correction: with y = RN(1/s), q = RN(x*y) corrected once is
 // RN(x/s) for every pair of an 8-bit and a 24-bit significand, which tests/gpu/test_kernels.py checks exhaustively
@@ -141,8 +165,11 @@ __device__ __noinline__ uint2 quantize8_ieee(float a, float b, float c, float d,
                       pack4(__fdiv_rn(e, s), __fdiv_rn(f, s), __fdiv_rn(g, s), __fdiv_rn(h, s)));
 }
 
+// The 8 bytes of 8 values of one group (scale s, y = recip(s)). CHECKED: a group whose y is 0 takes the IEEE division;
+// unchecked, the caller has established that no group it quantizes needs it (fast_group), and no branch is left.
+template <bool CHECKED = true>
 __device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s, float y) {
-    if (y == 0.0f) return quantize8_ieee(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
+    if (CHECKED && y == 0.0f) return quantize8_ieee(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
     return make_uint2(pack4(divide(v[0], s, y), divide(v[1], s, y), divide(v[2], s, y), divide(v[3], s, y)),
                       pack4(divide(v[4], s, y), divide(v[5], s, y), divide(v[6], s, y), divide(v[7], s, y)));
 }
@@ -179,21 +206,44 @@ __device__ __forceinline__ unsigned swiglu_grad(float g, float u, float dy) {
     return dg | (du << 16);
 }
 
-// One 1x128 group of row t: this thread's 8 values (features n..n+7 of the group that starts at n0), the amax
-// reduced over the 16 threads of its half-warp, then its 8 bytes and (the half-warp's first thread) its scale.
-__device__ __forceinline__ void quantize_row(
-    const float (&row)[8], int t, int n, int n0, int T, int N, float eps,
-    unsigned char* __restrict__ q, float* __restrict__ s, int ldq, int s_t, int s_n)
-{
+// A 1x128 group's amax: this thread's 8 values, reduced over the 16 threads of its half-warp.
+__device__ __forceinline__ float half_warp_amax(const float (&row)[8]) {
     float m = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = nanmax(m, fabsf(row[j]));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float sr = scale_of(m, eps);
+    return m;
+}
+
+// Row t's group that starts at n0, of amax m: this thread's 8 bytes (features n..n+7) and (the half-warp's first
+// thread) the group's scale.
+template <bool CHECKED>
+__device__ __forceinline__ void store_row(
+    const float (&row)[8], float m, int t, int n, int n0, int T, int N, float eps,
+    unsigned char* __restrict__ q, float* __restrict__ s, int ldq, int s_t, int s_n)
+{
+    const float sr = CHECKED ? scale_of(m, eps) : fast_scale(m, eps);
+    const float yr = CHECKED ? recip(sr) : fast_recip(sr);
     if (n < N && t < T) {
-        *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8(row, sr, recip(sr));
+        *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8<CHECKED>(row, sr, yr);
         if ((threadIdx.x & 15) == 0) s[(long long)t * s_t + (long long)(n0 >> 7) * s_n] = sr;
+    }
+}
+
+// This thread's 8 columns of a tile into the shared transposed tile: each column's 8 bytes are 8 consecutive tokens
+// of one row of the transposed output (16-byte chunks XOR-swizzled by row / 8).
+template <bool CHECKED, class Values>
+__device__ __forceinline__ void cols_to_tile(Values v, unsigned char* tile, const float* col_scale, const float* col_recip) {
+    const int c = threadIdx.x & 15, r = threadIdx.x >> 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float col[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) col[i] = v(i, j);
+        const int row = 8 * c + j;                      // feature within the tile: a row of the transposed output
+        const int chunk = (r >> 1) ^ (c & 7);           // 16-byte chunk holding tokens 8r..8r+7
+        *reinterpret_cast<uint2*>(tile + row * 128 + chunk * 16 + (r & 1) * 8) = quantize8<CHECKED>(col, col_scale[row], col_recip[row]);
     }
 }
 
@@ -218,6 +268,7 @@ __device__ __forceinline__ void quantize_tile(
     const int tid = threadIdx.x, c = tid & 15, r = tid >> 4, warp = tid >> 5, t0 = bt * 128;
     const int n = n0 + 8 * c;
 #if BLOCK128
+    float block_amax;
     {   // one scale for the whole tile (the weights' 128x128 groups): amax over the thread, the warp, the 8 warps
         float m = 0.0f;
 #pragma unroll
@@ -231,6 +282,7 @@ __device__ __forceinline__ void quantize_tile(
         m = red[0][0];
 #pragma unroll
         for (int w = 1; w < 8; ++w) m = nanmax(m, red[0][w]);
+        block_amax = m;
         const float sc = scale_of(m, eps);
         if (tid < 128) { col_scale[tid] = sc; col_recip[tid] = recip(sc); }
         if (tid == 0) {
@@ -243,21 +295,33 @@ __device__ __forceinline__ void quantize_tile(
     }
 #endif
 #if ROWS
+#if BLOCK128
+    const bool fast = fast_group(block_amax, eps);  // the tile's one scale (uniform across the CTA)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int t = t0 + 8 * r + i;
         float row[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) row[j] = v(i, j);
-#if BLOCK128
-        if (n < N && t < T) *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8(row, col_scale[0], col_recip[0]);
-#else
-        quantize_row(row, t, n, n0, T, N, eps, q, s, ldq, s_t, s_n);
-#endif
+        if (n < N && t < T)
+            *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) =
+                fast ? quantize8<false>(row, col_scale[0], col_recip[0]) : quantize8<true>(row, col_scale[0], col_recip[0]);
     }
+#else
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float row[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) row[j] = v(i, j);
+        const float m = half_warp_amax(row);
+        if (__all_sync(0xffffffffu, fast_group(m, eps))) store_row<false>(row, m, t0 + 8 * r + i, n, n0, T, N, eps, q, s, ldq, s_t, s_n);
+        else store_row<true>(row, m, t0 + 8 * r + i, n, n0, T, N, eps, q, s, ldq, s_t, s_n);
+    }
+#endif
 #endif
 #if COLS
 #if !BLOCK128
+    float col_amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         float m = 0.0f;
@@ -271,22 +335,18 @@ __device__ __forceinline__ void quantize_tile(
         float m = red[0][tid];
 #pragma unroll
         for (int w = 1; w < 8; ++w) m = nanmax(m, red[w][tid]);
+        col_amax = m;
         const float sc = scale_of(m, eps);
         col_scale[tid] = sc;
         col_recip[tid] = recip(sc);
         if (n0 + tid < N) st[(long long)(n0 + tid) * st_n + (long long)bt * st_t] = sc;
     }
-    __syncthreads();
+    const bool fast_cols = !__syncthreads_or(tid < 128 && !fast_group(col_amax, eps));
+#else
+    const bool fast_cols = fast_group(block_amax, eps);
 #endif
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        float col[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) col[i] = v(i, j);
-        const int row = 8 * c + j;                      // feature within the tile: a row of the transposed output
-        const int chunk = (r >> 1) ^ (c & 7);           // 16-byte chunk holding tokens 8r..8r+7, swizzled by row / 8
-        *reinterpret_cast<uint2*>(tile + row * 128 + chunk * 16 + (r & 1) * 8) = quantize8(col, col_scale[row], col_recip[row]);
-    }
+    if (fast_cols) cols_to_tile<false>(v, tile, col_scale, col_recip);
+    else cols_to_tile<true>(v, tile, col_scale, col_recip);
     __syncthreads();
 #pragma unroll
     for (int k4 = 0; k4 < 4; ++k4) {
