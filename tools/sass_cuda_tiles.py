@@ -1,8 +1,9 @@
 """SASS instruction counts of `fp8/cuda_tiles.py`'s quant_tile per variant, and the time a GPU needs just to issue them.
 
-quant_tile is fully unrolled, so its static SASS count is what each warp issues per 128x128 tile; on a [T, N]
-input the issue-bound time is tiles x 8 warps x count / (SMs x 4 schedulers x max SM clock). Set beside the
-memory-bound time (bytes at the device copy rate, tools/bench_fp8.py) it says which bound a variant is up against.
+quant_tile is fully unrolled; on a [T, N] input its issue-bound time is tiles x 8 warps x count / (SMs x 4
+schedulers x max SM clock). Set beside the memory-bound time (bytes at the device copy rate, tools/bench_fp8.py) it
+says which bound a variant is up against. Since the kernel carries a checked and a branch-free copy of its passes
+(`fast_group`), the static count includes both: it bounds what a warp issues from above, and the time from above.
 Needs the CUDA toolkit's nvcc and cuobjdump and a GPU (for the SM count and clock): run on the GPU machine.
 
     python3 tools/sass_cuda_tiles.py [--tokens 16384 --features 8192] [--source path/to/old_cuda_tiles.py] [--dump DIR]

@@ -23,10 +23,13 @@ each (token, feature) once with the roundings of `kernels.swiglu_backward` (torc
 row and column passes on each, so d[gate | up] is never stored in BF16 (`kernels.swiglu_backward_dual`).
 
 With BLOCK128, a tile's amax is reduced over all 256 threads and both passes use that one scale (the 128x128
-weight groups; the transposed copy is W^T's). The kernel is issue-bound rather than memory-bound: a tile's two
-passes cost ~20 instructions per element (unpack, amax, x * (1/s) and two FMA corrections per output, the E4M3
-packing), so a CTA loads, computes and stores in phases that its neighbours on the SM do not fully hide
-(BENCHMARKS.md, session 20: SASS counts and the structures tried).
+weight groups; the transposed copy is W^T's).
+
+The kernel is bound by the instructions it issues as much as by memory (BENCHMARKS.md, session 20: SASS counts
+and the structures tried), so its hot path is kept short without changing a byte: the scale's division by 448 and
+the group reciprocal run as the branch-free fast paths of __fdiv_rn / __frcp_rn; BF16 input divides with one
+Markstein correction (checked exhaustively, `divide`); and the per-group fallbacks (NaN, inf, out-of-range scales)
+are one uniform branch per pair of rows, and one per CTA for the columns (`fast_group`).
 
 It runs when the layout allows the vector accesses (`takes`); any other input goes to the Triton kernels, which
 give the same bytes. Compiled at first use with NVRTC (`torch.cuda._compile_kernel`, torch >= 2.8), in well
@@ -77,7 +80,7 @@ __device__ __forceinline__ float scale_of(float amax, float eps) {
 }
 
 // x / s, correctly rounded, for a group that shares s: y = RN(1/s) once per group, then per element
-// q = RN(x*y) and two FMA corrections q += (x - s*q)*y (Markstein: the second lands on RN(x/s)), instead of a
+// q = RN(x*y) and FMA corrections q += (x - s*q)*y (Markstein; how many: below, at divide()), instead of a
 // full-range division (reciprocal, range check, slow path) per element. Outside 2^-60 <= s <= 2^120 (NaN, inf,
 // a tiny custom eps) the residual could under/overflow: such a group (recip() returns 0) takes the IEEE division,
 // out of line, so that the hot loop stays small. The residual is formed negated, -RN(s*q - x) (= RN(x - s*q), round
@@ -115,7 +118,6 @@ __device__ __forceinline__ float fast_recip(float s) {  // recip for a fast_grou
     return __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
 }
 
-//
 // BF16 input (8 significant bits) needs only the first correction: with y = RN(1/s), q = RN(x*y) corrected once is
 // RN(x/s) for every pair of an 8-bit and a 24-bit significand, which tests/gpu/test_kernels.py checks exhaustively
 // (2^30 pairs: the quotient of any other exponents is the same up to an exact power of two; below the FP32 normal
