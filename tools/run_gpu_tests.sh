@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Run every GPU test in one go on a CUDA machine (the H200): bash tools/run_gpu_tests.sh [pytest args...]
+# (paths under tests/ in the args run those tests only, e.g. tests/gpu/test_kernels.py -k cuda_tile)
 # From the repository root, with the machine's own python3 (torch + Triton); no install needed.
 # Exit status: pytest's; 2 when this machine has no CUDA GPU (or python3 lacks torch/Triton), said in one line.
 set -euo pipefail
@@ -16,4 +17,7 @@ if not torch.cuda.is_available():
              "CPU tests: bash tools/test.sh")
 print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, cc {torch.cuda.get_device_capability()}")
 PY
-PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} exec python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu "$@"
+# test paths given (tests/gpu/test_kernels.py, a ::node id) replace the default tests/gpu; options alone keep it
+where=tests/gpu
+for arg in "$@"; do case $arg in tests/*) where= ;; esac; done
+PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} exec python3 -m pytest -q -p no:cacheprovider -m gpu $where "$@"
