@@ -61,10 +61,20 @@ __device__ __forceinline__ float nanmax(float m, float a) {   // max that keeps 
 // a / 448 correctly rounded, as __fdiv_rn(a, 448): for 2^-64 <= a <= 2^64 the three FMAs of its fast path with
 // 1/448 rounded to FP32 (0x3b124925, what the compiler's refinement of the reciprocal gives), which is its result
 // wherever its range check passes; elsewhere (inf, a tiny custom eps) the division itself. No branch on the hot path.
-__device__ __forceinline__ float div448(float a) {
-    if (!(a >= 0x1p-64f && a <= 0x1p+64f)) return __fdiv_rn(a, 448.0f);
+__device__ __forceinline__ float div448_fast(float a) {
     const float c = __int_as_float(0x3b124925), q = __fmul_rn(a, c);
     return __fmaf_rn(c, __fmaf_rn(q, -448.0f, a), q);
+}
+
+__device__ __forceinline__ float div448(float a) {
+    if (!(a >= 0x1p-64f && a <= 0x1p+64f)) return __fdiv_rn(a, 448.0f);
+    return div448_fast(a);
+}
+
+// UE8M0: a finite positive scale rounded up to a power of two.
+__device__ __forceinline__ float ue8m0_up(float s) {
+    const unsigned b = __float_as_uint(s);
+    return __uint_as_float((((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u)) << 23);
 }
 
 __device__ __forceinline__ float scale_of(float amax, float eps) {
@@ -72,9 +82,7 @@ __device__ __forceinline__ float scale_of(float amax, float eps) {
     float s = div448(fmaxf(amax, eps));
 #if UE8M0
     s = fmaxf(s, 1e-10f);
-    unsigned b = __float_as_uint(s);
-    unsigned e = (b >> 23) & 0xFFu;
-    if (e != 0xFFu) s = __uint_as_float((e + ((b & 0x7FFFFFu) != 0u)) << 23);
+    if (((__float_as_uint(s) >> 23) & 0xFFu) != 0xFFu) s = ue8m0_up(s);  // inf stays visible
 #endif
     return s;
 }
@@ -86,11 +94,15 @@ __device__ __forceinline__ float scale_of(float amax, float eps) {
 // out of line, so that the hot loop stays small. The residual is formed negated, -RN(s*q - x) (= RN(x - s*q), round
 // to nearest being symmetric), so that x = -0 keeps its sign through the corrections (-0 + -0 = -0, where x - s*q
 // would give +0) with no copysign per element: the negations are free operand modifiers of the FMAs.
-__device__ __forceinline__ float recip(float s) {
+__device__ __forceinline__ float recip_fast(float s) {
     // __frcp_rn's fast path (its result for these exponents): MUFU.RCP, then one Newton step y0 + y0 (1 - s y0)
     float y0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(s));
-    const float y = __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
+    return __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
+}
+
+__device__ __forceinline__ float recip(float s) {
+    const float y = recip_fast(s);
     return (s >= 0x1p-60f && s <= 0x1p+120f) ? y : 0.0f;
 }
 
@@ -102,20 +114,13 @@ __device__ __forceinline__ bool fast_group(float amax, float eps) {
     return fmaxf(amax, eps) >= 0x1p-50f && amax <= 0x1p+64f;
 }
 
-__device__ __forceinline__ float fast_scale(float amax, float eps) {  // scale_of for a fast_group
-    const float a = fmaxf(amax, eps), c = __int_as_float(0x3b124925), q = __fmul_rn(a, c);
-    float s = __fmaf_rn(c, __fmaf_rn(q, -448.0f, a), q);
+__device__ __forceinline__ float fast_scale(float amax, float eps) {  // scale_of for a fast_group: no branch
+    const float s = div448_fast(fmaxf(amax, eps));
 #if UE8M0
-    const unsigned b = __float_as_uint(fmaxf(s, 1e-10f));
-    s = __uint_as_float((((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u)) << 23);
-#endif
+    return ue8m0_up(fmaxf(s, 1e-10f));
+#else
     return s;
-}
-
-__device__ __forceinline__ float fast_recip(float s) {  // recip for a fast_group's scale
-    float y0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(s));
-    return __fmaf_rn(y0, -__fmaf_rn(y0, s, -1.0f), y0);
+#endif
 }
 
 // BF16 input (8 significant bits) needs only the first correction: with y = RN(1/s), q = RN(x*y) corrected once is
@@ -226,7 +231,7 @@ __device__ __forceinline__ void store_row(
     unsigned char* __restrict__ q, float* __restrict__ s, int ldq, int s_t, int s_n)
 {
     const float sr = CHECKED ? scale_of(m, eps) : fast_scale(m, eps);
-    const float yr = CHECKED ? recip(sr) : fast_recip(sr);
+    const float yr = CHECKED ? recip(sr) : recip_fast(sr);
     if (n < N && t < T) {
         *reinterpret_cast<uint2*>(q + (long long)t * ldq + n) = quantize8<CHECKED>(row, sr, yr);
         if ((threadIdx.x & 15) == 0) s[(long long)t * s_t + (long long)(n0 >> 7) * s_n] = sr;
