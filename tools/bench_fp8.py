@@ -155,7 +155,7 @@ def quant_section(res, copy_gbs, sweep):
     add("  Triton: 128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True, mode="triton"), elems * 4)
     add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)
     add("check_finite=True 1x128 (one host sync)", lambda: K.quantize_1x128(x, check_finite=True), elems * 3 + t_ * nb * 4)
-    if "quant" in sweep:
+    if sweep:
         print("  sweep 1x128 (BLOCK_M, groups/program, warps):", flush=True)
         for bm in (4, 8, 16, 32):
             for gr in (1, 2, 4):
@@ -952,7 +952,7 @@ def main(argv=None):
     if "gemm" in args.sweep:
         gemm_sweep(res)
     for name, fn in (
-        ("quant", lambda: quant_section(res, copy_gbs, args.sweep)),
+        ("quant", lambda: quant_section(res, copy_gbs, "quant" in args.sweep)),
         ("gemm", lambda: gemm_section(res, backends, args.models.split(","), tuple(int(m) for m in args.ms.split(",")))),
         ("linear", lambda: linear_section(res, args.linear_m, te_fused=not args.no_te_fused)),
         ("layer", lambda: layer_section(res)),
