@@ -410,13 +410,15 @@ class StepRun:
 
     def step(self, tokens, extras, mb):
         from megatron_jetrl.actor.train_step import train_step
-        from megatron_jetrl.rl.loss import policy_loss
+        from megatron_jetrl.rl.loss import check_mask, policy_loss
 
         loss_cfg = self.cfg.loss
 
+        check_mask(extras["mask"], loss_cfg.agg, rows_per_loss=mb)
+
         def loss_fn(logprobs, ex):  # as rl.train.update_policy builds it
             return policy_loss(logprobs, ex["old"], ex["adv"], ex["mask"], cfg=loss_cfg, ref_logprobs=ex.get("ref"),
-                               rollout_logprobs=ex["rollout"])
+                               rollout_logprobs=ex["rollout"], checked=True)
 
         return train_step(self.ddp, self.optimizer, tokens, loss_fn, vocab_size=self.arch.vocab_size, micro_batch_size=mb,
                           extras=extras)

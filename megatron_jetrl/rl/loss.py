@@ -117,8 +117,6 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollou
     for name, t in {"logprobs": logprobs, **named, "advantages": advantages}.items():
         if t is not None and name != "mask" and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("mask must hold only 0 and 1 (1 on response tokens)")
     if cfg.uses_kl and ref_logprobs is None:
         raise ValueError(f"kl_estimator={cfg.kl_estimator!r} with kl_coef={cfg.kl_coef} needs ref_logprobs; "
                          "pass them or set kl_estimator='none'")
@@ -127,24 +125,43 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollou
                          "tokens); pass them or set tis_cap=None")
 
 
-def _check_tokens(mask: torch.Tensor, agg: str) -> None:
+def check_mask(mask: torch.Tensor, agg: str, rows_per_loss: int | None = None) -> None:
+    """The mask's values, in one host sync: only 0 and 1, and a response token wherever `agg` needs one (token-mean:
+    in each loss call's rows; the per-sequence aggregations: in every sequence).
+
+    `policy_loss` runs it on its own rows unless told that the caller did (`checked=True`). A trainer checks its
+    whole batch once per step instead, with `rows_per_loss` = the micro-batch size: a sync per micro-batch would
+    drain the GPU queue between every forward and its backward."""
+    rows = mask.bool().any(dim=1)
+    needed = rows
     if agg == "token-mean":
-        if not bool(mask.any()):
-            raise ValueError("mask selects no token: the loss of an empty batch is undefined; drop the batch")
-    elif not bool(mask.any(dim=1).all()):
-        empty = torch.nonzero(~mask.any(dim=1)).flatten().tolist()
-        raise ValueError(f"sequences {empty[:8]} have no response token under the mask; with agg={agg!r} every "
-                         "sequence must have one: drop those rows or use agg='token-mean'")
+        per = rows_per_loss or len(rows)
+        if len(rows) % per:
+            raise ValueError(f"{len(rows)} rows do not split into losses of rows_per_loss={per}: pass the micro-batch size")
+        needed = rows.view(-1, per).any(dim=1)
+    binary = mask.dtype == torch.bool or ((mask == 0) | (mask == 1)).all()
+    binary, complete = torch.stack([torch.as_tensor(binary, device=mask.device), needed.all()]).tolist()
+    if not binary:
+        raise ValueError("mask must hold only 0 and 1 (1 on response tokens)")
+    if complete:
+        return
+    if agg == "token-mean":
+        where = "" if rows_per_loss is None else f" in micro-batches {torch.nonzero(~needed).flatten().tolist()[:8]}"
+        raise ValueError(f"mask selects no token{where}: the loss of an empty batch is undefined; drop the batch")
+    empty = torch.nonzero(~rows).flatten().tolist()
+    raise ValueError(f"sequences {empty[:8]} have no response token under the mask; with agg={agg!r} every "
+                     "sequence must have one: drop those rows or use agg='token-mean'")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 cfg: PolicyLossConfig, ref_logprobs: torch.Tensor | None = None,
-                rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                rollout_logprobs: torch.Tensor | None = None, checked: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss to minimize and detached metrics (module docstring).
 
     Shapes: logprobs, old_logprobs, ref_logprobs, rollout_logprobs, mask `[B, T]` (mask 1 on response
     tokens); advantages `[B]`. `ref_logprobs` is needed when `cfg.uses_kl`, `rollout_logprobs` when
-    `cfg.tis_cap` is set (otherwise both are ignored).
+    `cfg.tis_cap` is set (otherwise both are ignored). Shapes and dtypes are checked on every call; the mask's
+    values (`check_mask`, a host sync) unless `checked`: the caller ran `check_mask` on the whole batch.
 
     Metrics (0-d tensors): `pg_loss` and `kl` aggregated like the loss (so loss = pg_loss + kl_coef * kl;
     `kl` only with a reference), and token means over the mask: `clip_frac` (tokens whose clipped term is
@@ -152,8 +169,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     hit the cap).
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, cfg)
+    if not checked:
+        check_mask(mask, cfg.agg)
     mask = mask.bool()
-    _check_tokens(mask, cfg.agg)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype)
 

@@ -27,7 +27,7 @@ from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
 from megatron_jetrl.rl.data import format_prompt
-from megatron_jetrl.rl.loss import policy_loss
+from megatron_jetrl.rl.loss import check_mask, policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
@@ -163,9 +163,11 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
         nonfinite(s, step, where)
         return {"ok": False, "grad_norm": None, "skipped": where, "skipped_updates": cfg.grpo.updates_per_step}
 
+    check_mask(mine.mask, cfg.loss.agg, rows_per_loss=cfg.grpo.micro_batch_size)  # once, not per micro-batch
+
     def loss_fn(logprobs, extras):
         return policy_loss(logprobs, extras["old"], extras["adv"], extras["mask"], cfg=cfg.loss,
-                           ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"])
+                           ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"], checked=True)
 
     extras = {"old": old, "adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
     if ref is not None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_jetrl.rl.advantages import group_advantages
-from megatron_jetrl.rl.loss import AGGREGATIONS, KL_ESTIMATORS, PolicyLossConfig, policy_loss
+from megatron_jetrl.rl.loss import AGGREGATIONS, KL_ESTIMATORS, PolicyLossConfig, check_mask, policy_loss
 
 HYP = settings(max_examples=60, deadline=None)
 
@@ -358,3 +358,33 @@ def test_bad_inputs_are_named():
         policy_loss(lp, old, adv, empty_row, cfg=PolicyLossConfig(agg="seq-mean-token-mean"), ref_logprobs=ref)
     loss, _ = policy_loss(lp, old, adv, empty_row, cfg=cfg, ref_logprobs=ref)  # token-mean skips the empty row
     assert torch.isfinite(loss)
+
+
+def test_checked_policy_loss_never_reads_a_tensor_on_the_host(monkeypatch):
+    """The trainer checks the mask once per step (check_mask); each micro-batch's loss then runs without a host
+    sync, which would drain the GPU queue between forward and backward. Same loss as the unchecked call."""
+    lp, old, adv, mask, ref, roll = make_batch(5)
+    for cfg in CONFIGS:
+        want, want_m = policy_loss(lp, old, adv, mask.double(), cfg=cfg, ref_logprobs=ref, rollout_logprobs=roll)
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+                m.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host sync: Tensor.{_n}"))
+            got, got_m = policy_loss(lp, old, adv, mask.double(), cfg=cfg, ref_logprobs=ref, rollout_logprobs=roll,
+                                     checked=True)
+        assert torch.equal(got, want) and all(torch.equal(got_m[k], v) for k, v in want_m.items())
+
+
+def test_check_mask_once_for_a_batch_names_the_bad_rows_and_micro_batches():
+    mask = torch.ones(6, 5)
+    check_mask(mask, "seq-mean-token-mean", rows_per_loss=2)
+    mask[2:4] = 0  # micro-batch 1 (rows 2, 3) has no response token
+    with pytest.raises(ValueError, match=r"sequences \[2, 3\] have no response token"):
+        check_mask(mask, "seq-mean-token-sum", rows_per_loss=2)
+    with pytest.raises(ValueError, match=r"mask selects no token in micro-batches \[1\]"):
+        check_mask(mask, "token-mean", rows_per_loss=2)
+    check_mask(mask, "token-mean", rows_per_loss=3)  # rows 0-2 and 3-5 each have tokens
+    check_mask(mask, "token-mean")  # one loss over all rows
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        check_mask(mask * 0.5, "token-mean")
+    with pytest.raises(ValueError, match="rows_per_loss=4: pass the micro-batch size"):
+        check_mask(mask, "token-mean", rows_per_loss=4)
