@@ -176,7 +176,8 @@ def host_issue_ms(fn, params, reps: int = 5) -> float:
 
 
 def profile_step(fn, params, iters: int = 3) -> dict:
-    """GPU kernel time of one `fn()` (mean of `iters`), by category and the top kernels (torch.profiler)."""
+    """GPU kernel time of one `fn()` (mean of `iters`), by category, the top kernels, and every kernel with its
+    time and calls per `fn()` (`kernels`, for the JSON) (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -191,6 +192,7 @@ def profile_step(fn, params, iters: int = 3) -> dict:
         if cuda:
             torch.cuda.synchronize()
     kernels: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for ev in prof.key_averages():
         if cuda:  # kernels (CUPTI events)
             us = ev.device_time_total if str(ev.device_type).endswith("CUDA") else 0.0
@@ -198,13 +200,15 @@ def profile_step(fn, params, iters: int = 3) -> dict:
             us = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0.0
         if us:
             kernels[ev.key] = kernels.get(ev.key, 0.0) + us / 1e3 / iters
+            calls[ev.key] = calls.get(ev.key, 0) + ev.count / iters
     cats: dict[str, float] = {}
     for name, ms in kernels.items():
         low = name.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
         cats[cat] = cats.get(cat, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return {"total_ms": sum(kernels.values()), "categories": cats, "top": top}
+    every = [(name, round(ms, 4), calls[name]) for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])]
+    return {"total_ms": sum(kernels.values()), "categories": cats, "top": top, "kernels": every}
 
 
 def print_profiles(rows, title: str) -> None:

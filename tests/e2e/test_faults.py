@@ -656,6 +656,23 @@ def test_train_step_never_updates_on_nan_inf(one_rank, tmp_path, poison, on_nonf
     assert not all(torch.equal(before[n], p) for n, p in _params(ddp).items())
 
 
+def test_finite_check_reads_gradients_once_and_clears_an_overflowing_norm(one_rank):
+    """train_step's check reads every gradient once (its L1 norm). Finite gradients whose L1 norm overflows FP32 take
+    the exact look, which finds nothing and lets the step go on; a NaN is named."""
+    from megatron_jetrl.actor import train_step as ts
+    from megatron_jetrl.fp8 import finite
+
+    model = SimpleNamespace(module=torch.nn.Module())
+    model.module.w = torch.nn.Parameter(torch.zeros(4096))
+    model.module.w.main_grad = torch.full((4096,), 3e35)  # finite; its L1 norm (1.2e39) is not
+    assert not torch.isfinite(torch.stack(torch._foreach_norm([model.module.w.main_grad], 1))).all()
+    with finite.watch() as watch:
+        assert ts._check_finite(model, [{"loss": torch.tensor(1.0)}], "raise", watch) is None
+    model.module.w.main_grad[7] = float("nan")
+    with finite.watch() as watch, pytest.raises(ts.NonFiniteError, match=r"rank 0: NaN/Inf in the gradients of \['w'\]"):
+        ts._check_finite(model, [{"loss": torch.tensor(1.0)}], "raise", watch)
+
+
 def test_train_step_stops_on_nan_under_fp8(one_rank, tmp_path):
     """jetrl: the FP8 backward quantizes the NaN gradient without refusing it; train_step's check names it."""
     from megatron_jetrl.actor.train_step import NonFiniteError, train_step

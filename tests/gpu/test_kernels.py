@@ -348,6 +348,28 @@ def test_swiglu_fused_quantization_equals_quantizing_torch_swiglu(dtype):
         assert same(q, rq) and same_scales(s, rs), (m, n)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_swiglu_fused_quantization_on_adversarial_groups(mode):
+    """The SwiGLU-fused quantizer divides BF16 products with one Markstein correction where every group of a program
+    allows it, else with the IEEE division: the reference's bytes on zero, tie, tiny and huge groups (1e30-sized
+    rows send their programs to the IEEE path), and with an infinite product in one row (its neighbours in the
+    same program take the IEEE path too)."""
+    k = kernels()
+    for i, (m, n) in enumerate([(64, 256), (100, 384), (1040, 1536)]):
+        up = adversarial(m, n, torch.bfloat16, 950 + i)
+        gate = torch.randn(m, n, device=DEV, generator=gen(960 + i)).mul(3).to(torch.bfloat16)
+        gu = torch.cat([gate, up], dim=1)
+        q, s = k.swiglu_quantize_1x128(gu, mode)
+        rq, rs = quantize_blockwise(F.silu(gate) * up, (1, 128), mode)
+        assert same(q, rq) and same_scales(s, rs), (m, n)
+    gu[65, 0], gu[65, n] = 1.0, float("inf")  # silu(1) * inf
+    q, s = k.swiglu_quantize_1x128(gu, mode, check_finite=False)
+    rq, rs = quantize_blockwise(F.silu(gu[:, :n]) * gu[:, n:], (1, 128), mode, check_finite=False)
+    rows = torch.arange(gu.shape[0], device=DEV) != 65
+    assert same(q[rows], rq[rows]) and same_scales(s[rows], rs[rows]) and same(q[65, 128:], rq[65, 128:])
+    assert not torch.isfinite(s[65, 0]) and not torch.isfinite(rs[65, 0])
+
+
 def test_non_finite_raises_or_poisons():
     k = kernels()
     x = torch.randn(256, 512, device=DEV)
