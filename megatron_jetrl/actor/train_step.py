@@ -17,6 +17,7 @@ import torch
 from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
 from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 from megatron_jetrl.fp8 import finite
+from megatron_jetrl.patching import load_patch
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -86,6 +87,7 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
                                                  use_distributed_optimizer=optim.distributed),
     )
     config.finalize_model_grads_func = finalize_model_grads
+    load_patch("megatron_core_0_16_1_grad_clip_scale").apply()  # clipping scales the gradients in place, in one pass
     if optim.wgrad_fusion and torch.cuda.is_available():
         fuse_wgrad_accumulation(ddp)
     optimizer = get_megatron_optimizer(

@@ -343,3 +343,48 @@ def test_fused_wgrad_gemm_check():
     load_patch(PATCH).wgrad_gemm_accum_fp32(x, dy, acc)
     bound = 300 * torch.finfo(torch.float32).eps * (want.abs() + dy.double().abs().t() @ x.double().abs())
     assert bool(((acc.double() - want).abs() <= bound).all())
+
+
+def test_grad_clip_scales_in_place_bit_for_bit(checkpoints):
+    """patches/megatron_core_0_16_1_grad_clip_scale.py: megatron's clipping (without apex/TE) scales the gradients in
+    place with one multi-tensor multiply, the same FP32 products as megatron's `dst.copy_(src * scale)` loop (signed
+    zeros, subnormals, huge values, NaN/Inf included); wrap_for_training installs it, and a clipped train step
+    leaves exactly the weights megatron's own loop leaves."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from actor_scenario import MICRO, grpo_like_loss
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.patching import load_patch
+
+    patch = load_patch("megatron_core_0_16_1_grad_clip_scale")
+    g = torch.Generator().manual_seed(5)
+    special = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, -1e30, float("inf"), float("nan"), 1.0, -7.25])
+    shapes = [(1,), (3, 5), (1000,), (64, 65), (0,)]
+    for scale in (0.3, 1e-7, 0.999999, 2.5e-3):
+        tensors = [torch.randn(*s, generator=g) * torch.exp(torch.randn(1, generator=g) * 20) for s in shapes] + [special]
+        want = [t.clone() for t in tensors]
+        utils.local_multi_tensor_scale(2048 * 32, None, [want, want], scale)
+        got = [t.clone() for t in tensors]
+        patch.foreach_multi_tensor_scale(2048 * 32, None, [got, got], scale)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want)), scale
+        out = [torch.empty_like(t) for t in tensors]  # not in place: megatron's loop
+        patch.foreach_multi_tensor_scale(2048 * 32, None, [tensors, out], scale)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out, want))
+
+    root, _ = checkpoints
+    tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=3), CONFIGS["qwen3"]["vocab_size"]
+    weights = {}
+    for scale_impl in ("megatron", "patched"):
+        model, _ = _imported("qwen3", BF16, root)
+        ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3, clip_grad=1e-3))  # always clips
+        assert clip_grads.multi_tensor_scale_impl is patch.foreach_multi_tensor_scale
+        if scale_impl == "megatron":
+            clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+        out = train_step(ddp, optimizer, tokens, grpo_like_loss, vocab_size=vocab, micro_batch_size=MICRO,
+                         extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+        assert out["ok"] and out["grad_norm"] > 1e-3
+        weights[scale_impl] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    patch.apply()
+    for name, want in weights["megatron"].items():
+        assert torch.equal(weights["patched"][name], want), name
