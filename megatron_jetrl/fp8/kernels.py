@@ -147,9 +147,13 @@ def _k():
             else:
                 g = tl.load(ptrs, mask=mask, other=0.0)
                 u = tl.load(ptrs + K, mask=mask, other=0.0)
-            g32 = g.to(tl.float32)
+            g32, u32 = g.to(tl.float32), u.to(tl.float32)
             act = div_rn(g32, 1.0 + libdevice.exp(-g32)).to(g.dtype)  # torch: x / (1 + expf(-x))
-            x = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+            x = (act.to(tl.float32) * u32).to(g.dtype).to(tl.float32)
+            # a zero product has the sign of gate XOR up (silu keeps gate's sign), as torch's has; measured on an
+            # H200 (Triton 3.6), this kernel gave +0 for gate = +0, up < 0 without the select
+            sign = (g32.to(tl.int32, bitcast=True) ^ u32.to(tl.int32, bitcast=True)) & -2147483648
+            x = tl.where(x == 0.0, sign.to(tl.float32, bitcast=True), x)
         else:
             if EVEN:
                 x = tl.load(ptrs).to(tl.float32)
