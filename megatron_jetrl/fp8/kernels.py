@@ -115,23 +115,11 @@ def _k():
         return c.to(tl.float8e4nv)
 
     @triton.jit
-    def to_e4m3_bf16(x, s, y):
-        """to_e4m3 for BF16-valued x, given y = RN(1/s) with s in [2^-60, 2^120]: RN(x y) and one FMA correction is
-        RN(x / s) for every 8-bit x significand (the Markstein division of fp8/cuda_tiles.py, checked there for
-        every pair of significands by tests/gpu/test_kernels.py)."""
-        q = x * y
-        v = tl.fma(-tl.fma(s, q, -x), y, q)
-        c = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        c = tl.where(v != v, v, c)
-        return c.to(tl.float8e4nv)
-
-    @triton.jit
     def _quant_1x128(
         x_ptr, q_ptr, s_ptr, M, K,
         stride_xm, stride_qm, stride_sm, stride_sk,
         eps,
         BLOCK_M: tl.constexpr, G: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
-        BF16_VALUES: tl.constexpr,
     ):
         # one program: BLOCK_M rows x G consecutive 128-groups
         pid_m = tl.program_id(0)
@@ -147,13 +135,9 @@ def _k():
             else:
                 g = tl.load(ptrs, mask=mask, other=0.0)
                 u = tl.load(ptrs + K, mask=mask, other=0.0)
-            g32, u32 = g.to(tl.float32), u.to(tl.float32)
+            g32 = g.to(tl.float32)
             act = div_rn(g32, 1.0 + libdevice.exp(-g32)).to(g.dtype)  # torch: x / (1 + expf(-x))
-            x = (act.to(tl.float32) * u32).to(g.dtype).to(tl.float32)
-            # a zero product has the sign of gate XOR up (silu keeps gate's sign), as torch's has; measured on an
-            # H200 (Triton 3.6), this kernel gave +0 for gate = +0, up < 0 without the select
-            sign = (g32.to(tl.int32, bitcast=True) ^ u32.to(tl.int32, bitcast=True)) & -2147483648
-            x = tl.where(x == 0.0, sign.to(tl.float32, bitcast=True), x)
+            x = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
         else:
             if EVEN:
                 x = tl.load(ptrs).to(tl.float32)
@@ -163,15 +147,7 @@ def _k():
         amax = tl.max(tl.abs(x3), axis=2)
         has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
         s = scale_of(amax, has_nan, eps, UE8M0)  # [BLOCK_M, G]
-        fast = 0
-        if BF16_VALUES:  # BF16 values (BF16 input, or the SwiGLU product rounded to BF16): one correction will do,
-            # where no group of the program needs the IEEE division's range (NaN, inf, a scale outside [2^-60, 2^120])
-            fast = tl.min(((tl.maximum(amax, eps) >= 8.881784197001252e-16) & (amax <= 18446744073709551616.0)).to(tl.int32))
-        if fast == 1:
-            q3 = to_e4m3_bf16(x3, s[:, :, None], div_rn(tl.zeros_like(s) + 1.0, s)[:, :, None])
-        else:
-            q3 = to_e4m3(x3, s[:, :, None])
-        q = tl.reshape(q3, (BLOCK_M, G * 128))
+        q = tl.reshape(to_e4m3(x3, s[:, :, None]), (BLOCK_M, G * 128))
         q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :]
         offs_g = pid_k * G + tl.arange(0, G)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
@@ -559,7 +535,6 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
         _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
             BLOCK_M=bm, G=g, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
-            BF16_VALUES=x2.dtype == torch.bfloat16,
             num_warps=num_warps or cfg["num_warps"],
         )
     out_shape = shape[:-1] + (k,)
