@@ -11,7 +11,7 @@ vocabulary 151936), `actor.train_step.wrap_for_training` (megatron DDP + megatro
 the preset sets it) and `actor.train_step.train_step` over `--micro-batches` micro-batches of
 `--micro-batch x --seq` tokens with the GRPO policy loss (`rl.loss.policy_loss`, the preset's clip/KL settings;
 old = reference logprobs = the BF16 model's own, advantages random, the first quarter of each sequence masked as
-prompt), ending in the optimizer step and the FP8 weight re-quantization. Every precision is built the way the
+prompt, which gets no logits as in `rl.train`: `extras["first"]`), ending in the optimizer step and the FP8 weight re-quantization. Every precision is built the way the
 launcher builds it: `rl.config.load_config([--preset, configs/modes/<mode>.yaml], overrides)` and its
 `precision` (the shipped `PrecisionFlow`), `optim` and `loss` sections; nothing is hand-tuned. Extra labelled
 variants take overrides: `--modes bf16 jetrl jetrl+precision.backend=cublaslt`.
@@ -448,12 +448,14 @@ def _sync(device):
 
 def probe_layers(a, variants, cfgs, arch, device):
     """Layers that fit the budget for every variant, from the peak memory of a one-micro-batch step at 1 and 2 layers."""
+    from megatron_jetrl.actor.logprobs import response_start
+
     free, total = torch.cuda.mem_get_info()
     budget = free + torch.cuda.memory_allocated()
     budget = (budget if a.mem_gib is None else min(budget, int(a.mem_gib * 2**30))) * 0.9
     tokens, mask, adv = make_batch(arch.vocab_size, a.micro_batch, a.seq, device)
     lp0 = torch.full((a.micro_batch, a.seq - 1), -math.log(arch.vocab_size), device=device)
-    extras = {"old": lp0, "adv": adv, "mask": mask, "rollout": lp0, "ref": lp0}
+    extras = {"old": lp0, "adv": adv, "mask": mask, "rollout": lp0, "ref": lp0, "first": response_start(mask)}
     fits = {}
     for label, _, _ in variants:
         peaks = {}
@@ -480,6 +482,8 @@ def probe_layers(a, variants, cfgs, arch, device):
 
 def run_variants(a, variants, cfgs, arch, layers, device):
     """Every variant at `layers` layers: check against BF16, then time the steps. Returns rows."""
+    from megatron_jetrl.actor.logprobs import response_start
+
     batch = a.micro_batch * a.micro_batches
     tokens, mask, adv = make_batch(arch.vocab_size, batch, a.seq, device)
     rows, state, old = [], None, None
@@ -515,7 +519,7 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                     raise RuntimeError(f"logprobs differ from BF16 on the same weights: centered relative error {err:.3g} (bound 0.5)")
             if not bool(torch.isfinite(lp).all()):
                 raise RuntimeError("non-finite logprobs before training")
-            extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old}
+            extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old, "first": response_start(mask)}
             times, results, retries = [], [], 0
             for i in range(a.warmup + a.steps):
                 if i == a.warmup and cuda:

@@ -20,8 +20,11 @@ A model built with `ActorOptions(batch_invariant=True)` takes the engine's log-s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from megatron_jetrl.actor.fp8_layers import unwrap
 from megatron_jetrl.actor.fused import on_cuda_compiled
 from megatron_jetrl.models import batch_invariant_ops as ops
 
@@ -157,26 +160,62 @@ def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: i
 
 def _actor_options(model):
     """The `ActorOptions` the GPTModel (under any wrappers) was built with, or None."""
-    while hasattr(model, "module"):
-        model = model.module
-    return getattr(model, "actor_options", None)
+    return getattr(unwrap(model), "actor_options", None)
+
+
+def response_start(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first response column of `mask[B, S-1]` (1 on response tokens) as a CPU int64 `[B]`; 0 for a row
+    without one. Logprob column t is predicted at position t: positions before a row's start need no logits."""
+    found = mask.bool()
+    return torch.where(found.any(dim=1), found.int().argmax(dim=1), 0).cpu()
+
+
+@contextlib.contextmanager
+def logits_from(model, start: int):
+    """Inside the block the GPTModel's output layer sees positions `start..` only (prompt positions need no logits:
+    the lm_head GEMMs and the logprob passes shrink by that share); yields the first position it computes (0
+    where it cannot: no output layer on this pipeline stage, or sequence-parallel hidden states)."""
+    layer = getattr(unwrap(model), "output_layer", None)
+    if start <= 0 or layer is None or getattr(layer, "sequence_parallel", False):
+        yield 0
+        return
+    handle = layer.register_forward_pre_hook(lambda _, args, kwargs: ((args[0][start:], *args[1:]), kwargs), with_kwargs=True)
+    try:
+        yield start
+    finally:
+        handle.remove()
+
+
+def _start(extras: dict) -> int:
+    first = extras.get("first")
+    if first is None or first.numel() == 0:
+        return 0
+    if first.device.type != "cpu":
+        raise ValueError(f"extras['first'] must be a CPU tensor (it decides the logits' shape on the host, with no "
+                         f"sync), got one on {first.device}: pass response_start(mask)")
+    return int(first.min())
 
 
 def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
     """A megatron `forward_step_func`: the loss callback gets `(logprobs[b, s-1], extras)`.
 
-    Without `loss_fn` (forward only) the logprobs themselves are collected.
+    Without `loss_fn` (forward only) the logprobs themselves are collected. With `extras["first"]` (CPU int64 per
+    row, `response_start`) logits are computed from the micro-batch's smallest first response column on, and the
+    logprobs before it are 0 (prompt positions, which the loss never reads).
     """
 
     def forward_step(data_iterator, model):
         tokens, extras = next(data_iterator)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        output = model(tokens, positions, None)
+        with logits_from(model, _start(extras)) as start:
+            output = model(tokens, positions, None)
         options = _actor_options(model)
         batch_invariant, fused = (options.batch_invariant, options.fused) if options is not None else (False, False)
 
         def loss_func(logits):
-            logprobs = shifted_logprobs(logits, tokens, vocab_size, temperature, batch_invariant, fused)
+            logprobs = shifted_logprobs(logits, tokens[:, start:], vocab_size, temperature, batch_invariant, fused)
+            if start:
+                logprobs = torch.nn.functional.pad(logprobs, (start, 0))
             if loss_fn is None:
                 return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
             loss, metrics = loss_fn(logprobs, extras)
@@ -189,16 +228,19 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
 
 
 @torch.no_grad()
-def compute_logprobs(model, tokens: torch.Tensor, *, vocab_size: int, micro_batch_size: int, temperature: float = 1.0):
+def compute_logprobs(model, tokens: torch.Tensor, *, vocab_size: int, micro_batch_size: int, temperature: float = 1.0,
+                     first: torch.Tensor | None = None):
     """log p(tokens[:, 1:]) `[B, S-1]` FP32 on the last pipeline stage (None on other stages).
 
     `tokens[B, S]` must be the same on every TP/PP rank of this DP replica; `model` the GPTModel (or its DDP
-    wrapper) of this stage. Runs megatron's pipeline schedule, forward only.
+    wrapper) of this stage. Runs megatron's pipeline schedule, forward only. `first` (`response_start` of the
+    response mask): each micro-batch skips the logits of positions before its first response column, whose
+    logprobs come back 0.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    micro = micro_batches(tokens, None, micro_batch_size)
+    micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
     out = get_forward_backward_func()(
         forward_step_func=forward_step_func(vocab_size, temperature), data_iterator=iter(micro), model=model,

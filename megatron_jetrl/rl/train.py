@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.actor.logprobs import compute_logprobs
+from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
 from megatron_jetrl.rl import faults, preflight
@@ -86,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         with t("rollout"):
             batch = rollout(s, step)
         mine = my_rows(batch, s.device)
+        first = response_start(mine.mask)  # prompt positions get no logits
         with t("eval"):
-            old = actor_logprobs(s, s.model, mine)
-            ref = actor_logprobs(s, s.reference, mine) if s.reference is not None else None
+            old = actor_logprobs(s, s.model, mine, first)
+            ref = actor_logprobs(s, s.reference, mine, first) if s.reference is not None else None
         with t("update"):
-            update = update_policy(s, step, batch, mine, old, ref)
+            update = update_policy(s, step, batch, mine, old, ref, first)
         with t("sync"):
             stats = sync(s)
         row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats}
@@ -144,11 +145,13 @@ def my_rows(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return batch.rows(rank * per, (rank + 1) * per).to(device)
 
 
-def actor_logprobs(s, model, batch: RolloutBatch) -> torch.Tensor:
-    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.micro_batch_size)
+def actor_logprobs(s, model, batch: RolloutBatch, first: torch.Tensor | None = None) -> torch.Tensor:
+    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.micro_batch_size,
+                            first=first)
 
 
-def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
+def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None,
+                  first: torch.Tensor | None = None) -> dict:
     """`updates_per_step` optimizer steps over equal chunks of this rank's rows `mine` (1: fully on-policy).
 
     NaN/Inf in the rewards (of the whole `batch`: every rank sees the same), the loss or the gradients: the run
@@ -172,6 +175,8 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
     extras = {"old": old, "adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
     if ref is not None:
         extras["ref"] = ref
+    if first is not None:
+        extras["first"] = first  # CPU: each micro-batch's logits start at its first response column
     chunk = len(mine) // cfg.grpo.updates_per_step
     results = []
     for u in range(cfg.grpo.updates_per_step):

@@ -388,3 +388,48 @@ def test_grad_clip_scales_in_place_bit_for_bit(checkpoints):
     patch.apply()
     for name, want in weights["megatron"].items():
         assert torch.equal(weights["patched"][name], want), name
+
+
+@pytest.mark.parametrize("flow", [BF16, JETRL], ids=["bf16", "jetrl"])
+def test_prompt_positions_get_no_logits(flow, checkpoints):
+    """rl.train passes each row's first response column (`response_start`, `extras["first"]`): a micro-batch's output
+    layer then runs from its smallest one on. The logprobs from there on, the loss and every main_grad after a step
+    equal the full computation's (FP32 rounding of shorter sums); the columns before are 0; a device tensor is refused."""
+    from actor_scenario import MICRO
+    from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.rl.loss import PolicyLossConfig, policy_loss
+
+    root, _ = checkpoints
+    tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=3), CONFIGS["qwen3"]["vocab_size"]
+    s = tokens.shape[1]
+    mask = torch.zeros(4, s - 1)
+    for row, p in enumerate((3, 5, 2, s - 2)):
+        mask[row, p:] = 1
+    first = response_start(mask)
+    assert first.tolist() == [3, 5, 2, s - 2] and response_start(torch.zeros(2, 5)).tolist() == [0, 0]
+    cfg = PolicyLossConfig(kl_estimator="none")
+
+    def loss_fn(lp, ex):
+        return policy_loss(lp, ex["old"], ex["adv"], ex["mask"], cfg=cfg, checked=True)
+
+    runs = {}
+    for window in (False, True):
+        model, _ = _imported("qwen3", flow, root)
+        ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3))
+        lp = compute_logprobs(ddp, tokens, vocab_size=vocab, micro_batch_size=MICRO, first=first if window else None)
+        extras = {"old": torch.full_like(mask, -3.0), "adv": torch.tensor([1.0, -1.0, 0.5, -0.5]), "mask": mask}
+        out = train_step(ddp, optimizer, tokens, loss_fn, vocab_size=vocab, micro_batch_size=MICRO,
+                         extras={**extras, "first": first} if window else extras)
+        assert out["ok"]
+        runs[window] = lp, out["loss"], {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    (full, full_loss, full_grads), (part, part_loss, part_grads) = runs[False], runs[True]
+    for rows in range(0, 4, MICRO):
+        start = int(first[rows:rows + MICRO].min())
+        assert start > 0 and not part[rows:rows + MICRO, :start].any()
+        torch.testing.assert_close(part[rows:rows + MICRO, start:], full[rows:rows + MICRO, start:], rtol=1e-6, atol=1e-6)
+    assert part_loss == pytest.approx(full_loss, rel=1e-6)
+    for name, want in full_grads.items():
+        torch.testing.assert_close(part_grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=name)
+    with pytest.raises(ValueError, match=r"extras\['first'\] must be a CPU tensor"):
+        compute_logprobs(ddp, tokens, vocab_size=vocab, micro_batch_size=MICRO, first=first.to("meta"))
