@@ -28,3 +28,13 @@ def load_patch(stem: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def require_megatron_core(patch: str, target: str) -> None:
+    """Refuse to apply `patches/<patch>.py` to a megatron-core other than `target` (the release its bodies match)."""
+    from megatron.core import package_info
+
+    found = str(package_info.__version__)
+    if found != target:
+        raise RuntimeError(f"patches/{patch}.py targets megatron-core=={target}, found {found}: pin "
+                           f"megatron-core=={target} or port the patch")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.patching import require_megatron_core
+
 TARGET_VERSION = "0.16.1"
 
 
@@ -29,17 +31,9 @@ def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         d.copy_(s * scale)
 
 
-def installed_version() -> str:
-    from megatron.core import package_info
-
-    return str(package_info.__version__)
-
-
 def apply() -> None:
     """Install the stand-in in `megatron.core.optimizer.clip_grads` where it uses megatron's local loop (idempotent)."""
-    if installed_version() != TARGET_VERSION:
-        raise RuntimeError(f"patches/megatron_core_0_16_1_grad_clip_scale.py targets megatron-core=={TARGET_VERSION}, "
-                           f"found {installed_version()}: pin megatron-core=={TARGET_VERSION} or port the patch")
+    require_megatron_core("megatron_core_0_16_1_grad_clip_scale", TARGET_VERSION)
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 

@@ -20,6 +20,8 @@ import types
 
 import torch
 
+from megatron_jetrl.patching import require_megatron_core
+
 TARGET_VERSION = "0.16.1"
 
 
@@ -36,17 +38,9 @@ def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, 
 EXTENSION = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32)
 
 
-def installed_version() -> str:
-    from megatron.core import package_info
-
-    return str(package_info.__version__)
-
-
 def apply() -> None:
     """Install the stand-in (idempotent; keeps apex's extension if megatron found one)."""
-    if installed_version() != TARGET_VERSION:
-        raise RuntimeError(f"patches/megatron_core_0_16_1_wgrad_fusion.py targets megatron-core=={TARGET_VERSION}, "
-                           f"found {installed_version()}: pin megatron-core=={TARGET_VERSION} or port the patch")
+    require_megatron_core("megatron_core_0_16_1_wgrad_fusion", TARGET_VERSION)
     from megatron.core.tensor_parallel import layers
 
     if not layers._grad_accum_fusion_available:

@@ -433,3 +433,14 @@ def test_prompt_positions_get_no_logits(flow, checkpoints):
         torch.testing.assert_close(part_grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=name)
     with pytest.raises(ValueError, match=r"extras\['first'\] must be a CPU tensor"):
         compute_logprobs(ddp, tokens, vocab_size=vocab, micro_batch_size=MICRO, first=first.to("meta"))
+
+
+def test_megatron_patches_refuse_another_release(monkeypatch):
+    from megatron.core import package_info
+
+    from megatron_jetrl.patching import load_patch
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    for name in ("megatron_core_0_16_1_grad_clip_scale", "megatron_core_0_16_1_wgrad_fusion"):
+        with pytest.raises(RuntimeError, match=rf"patches/{name}\.py targets megatron-core==0\.16\.1, found 0\.17\.0: pin"):
+            load_patch(name).apply()
