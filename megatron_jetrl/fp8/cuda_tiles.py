@@ -523,19 +523,20 @@ def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int
 
 
 class _Args:
-    """The kernel's 18 arguments as ctypes values with a fixed `void*[]` pointing at them: a launch updates the values
-    in place (torch's generic launcher builds them per call: ~60 us of host time, which the backward's small linears
-    feel as launch gaps). One per thread (autograd runs the backward on its own thread); cuLaunchKernel copies them."""
+    """The kernel's 18 arguments packed in one buffer (6 pointers, then 12 ints) with a fixed `void*[]` pointing into
+    it: a launch rewrites the buffer with one `pack_into` (torch's generic launcher builds the arguments per call: ~60 us
+    of host time, which the backward's small linears feel as launch gaps; 18 ctypes assignments were most of ours).
+    One per thread (autograd runs the backward on its own thread); cuLaunchKernel copies the values."""
+
+    PACK = struct.Struct("<6Q12i")
 
     def __init__(self):
-        self.values = [ctypes.c_void_p() for _ in range(6)] + [ctypes.c_int() for _ in range(12)]
-        self.params = (ctypes.c_void_p * 18)(*[ctypes.addressof(v) for v in self.values])
+        self.buffer = ctypes.create_string_buffer(self.PACK.size)
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * 18)(*[base + 8 * i for i in range(6)], *[base + 48 + 4 * i for i in range(12)])
 
     def fill(self, pointers, ints):
-        for v, p in zip(self.values, pointers):
-            v.value = p
-        for v, i in zip(self.values[6:], ints):
-            v.value = i
+        self.PACK.pack_into(self.buffer, 0, *pointers, *ints)
         return self.params
 
 

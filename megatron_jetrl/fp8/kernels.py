@@ -76,6 +76,11 @@ def supported(device) -> bool:
     return device.type == "cuda" and _supported_cuda(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def tensor_supported(x: torch.Tensor) -> bool:
+    """`supported(x.device)` without building a device object: it runs several times per FP8 linear."""
+    return x.is_cuda and _supported_cuda(x.get_device())
+
+
 @functools.cache
 def _supported_cuda(index: int) -> bool:
     return torch.cuda.is_available() and triton_available() and torch.cuda.get_device_capability(index) >= (8, 9)
@@ -461,7 +466,7 @@ def _check_args(x, scale_mode, fp8_ok=False):
         raise TypeError(f"the FP8 quantizer takes {', '.join(map(str, INPUT_DTYPES))}, got {x.dtype}")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-    if not supported(x.device):
+    if not tensor_supported(x):
         raise RuntimeError(f"the Triton FP8 kernels need a CUDA GPU with sm89+ and Triton; got {x.device}")
 
 

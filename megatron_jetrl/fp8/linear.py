@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.fp8 import finite
+from megatron_jetrl.fp8 import finite, kernels
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import blockwise_gemm
 from megatron_jetrl.fp8.quant import dequantize_blockwise, quantize_blockwise
@@ -41,8 +41,6 @@ class QuantizedWeight:
         site = site or f"FP8 linear {list(w.shape)}"
         sync = check == "sync" or (check == "step" and not finite.active())
         if transposed and _fast(w) and w.dim() == 2:
-            from megatron_jetrl.fp8 import kernels
-
             q, s, qt, st = kernels.quantize_128x128(w, flow.scale_mode, eps=flow.eps, check_finite=sync, transposed=True)
             t = (qt, st)
         else:
@@ -63,18 +61,12 @@ class QuantizedWeight:
 
 def _fast(x: torch.Tensor) -> bool:
     """Whether the Triton quantizers (byte-identical to the reference, tests/gpu) serve this tensor."""
-    if x.device.type != "cuda":
-        return False
-    from megatron_jetrl.fp8 import kernels
-
-    return kernels.supported(x.device)
+    return kernels.tensor_supported(x)
 
 
 def _quantize(x, block, flow, sync: bool):
     """`quantize_blockwise` bytes (Triton kernels on CUDA); `sync`: refuse NaN/Inf now (one host sync)."""
     if _fast(x) and (x.dim() == 2 or tuple(block) == ACT):
-        from megatron_jetrl.fp8 import kernels
-
         return kernels.quantize(x, block, flow.scale_mode, eps=flow.eps, check_finite=sync)
     return quantize_blockwise(x, block, flow.scale_mode, eps=flow.eps, check_finite=sync)
 
@@ -128,8 +120,6 @@ def _quantize_gated(gate_up2d, act, flow: PrecisionFlow, site: str):
     quantizing torch's `silu(g) * u`); otherwise the product is formed as megatron's MLP forms it."""
     sync = flow.check_finite == "sync"
     if act is F.silu and _fast(gate_up2d):
-        from megatron_jetrl.fp8 import kernels
-
         q, s = kernels.swiglu_quantize_1x128(gate_up2d, flow.scale_mode, eps=flow.eps, check_finite=sync)
         _record(flow, f"{site}: input", s)
         return q, s
@@ -145,8 +135,6 @@ def _gated_backward(gate_up, act, d_out):
     product `silu(gate) * up` and the final `cat` (two passes over [T, I] and [T, 2I]); on CUDA one Triton kernel
     computes the same ops in one pass (`kernels.swiglu_backward`). Other activations go through autograd itself."""
     if _silu_kernels(gate_up, act, d_out):  # the same ops, one Triton pass
-        from megatron_jetrl.fp8 import kernels
-
         return kernels.swiglu_backward(gate_up, d_out)
     gate, up = gate_up.chunk(2, dim=-1)
     if act is F.silu:
@@ -170,8 +158,6 @@ def _quantize_gated_grad(gate_up, act, d_out, flow: PrecisionFlow, rows: bool, c
     """`_quantize_grad(_gated_backward(gate_up, act, d_out), ...)`; for SiLU on CUDA one call of
     `kernels.swiglu_backward_dual`, whose "cuda" mode never stores d[gate | up] in BF16."""
     if _silu_kernels(gate_up, act, d_out):
-        from megatron_jetrl.fp8 import kernels
-
         return kernels.swiglu_backward_dual(gate_up, d_out, flow.scale_mode, eps=flow.eps, rows=rows, cols=cols)
     return _quantize_grad(_gated_backward(gate_up, act, d_out), flow, rows, cols)
 
@@ -267,8 +253,6 @@ def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
     """dY's 1x128 bytes (DGrad) and its 128x1 bytes transposed to [N, T] (WGrad). On CUDA one kernel call
     gives both (tests/gpu/test_kernels.py: the reference's bytes)."""
     if _fast(dy2d):
-        from megatron_jetrl.fp8 import kernels
-
         return kernels.quantize_dual(dy2d, flow.scale_mode, eps=flow.eps, check_finite=False, rows=rows, cols=cols)
     dy_q = dy_s = dyt_q = dyt_s = None
     if rows:
@@ -282,8 +266,6 @@ def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
 def _requantize_tokens(x_q, x_s, flow):
     """The saved FP8 activation dequantized in FP32 (q * s) and re-quantized along tokens, as [K, T] K-major."""
     if _fast(x_q):
-        from megatron_jetrl.fp8 import kernels
-
         _, _, xt_q, xt_s = kernels.quantize_dual(x_q, flow.scale_mode, eps=flow.eps, check_finite=False, rows=False, x_scale=x_s)
         return xt_q, xt_s
     x_hat = dequantize_blockwise(x_q, x_s, ACT)

@@ -79,3 +79,19 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch, rows, cols):
     assert got["x"] == x.data_ptr() and (got["T"], got["N"], got["ldx"]) == (t, 2 * i, 2 * i)
     assert (got["ldq"], got["s_t"], got["s_n"], got["ldqt"], got["st_n"], got["st_t"]) == \
         (q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1))
+
+
+def test_launch_arguments_point_at_their_values():
+    """cuLaunchKernel reads argument i through params[i]: 6 pointers (64-bit) then 12 ints (32-bit, signed: the
+    eps bits may be negative), rewritten in place by every launch."""
+    import ctypes
+
+    from megatron_jetrl.fp8.cuda_tiles import _Args
+
+    args = _Args()
+    for pointers, ints in (([1, 2**40 + 3, 3, 4, 5, 2**63 + 7], [7, -8, 9, 10, 11, 12, 13, 14, 15, 16, 17, -123456]),
+                           ([9, 8, 7, 6, 5, 4], list(range(12)))):
+        params = args.fill(pointers, ints)
+        got = [ctypes.c_uint64.from_address(params[i]).value for i in range(6)]
+        got += [ctypes.c_int32.from_address(params[6 + i]).value for i in range(12)]
+        assert got == pointers + ints
