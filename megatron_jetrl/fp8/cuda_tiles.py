@@ -577,7 +577,7 @@ def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool, block128: bool =
     t, n = x.shape
     fp8_in = x_scale is not None
     xs = x_scale if fp8_in else (s if q is not None else st)  # (not read without FP8 input)
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device_index = x.get_device()  # (a CUDA tensor: its device index, without building a device object)
     _make_context_current(device_index)  # before the first compile too: loading the module needs a current context
     kern = _kernel(fp8_in, q is not None, qt is not None, ue8m0, device_index, "quant_tile", block128)
     _launch(kern.func, device_index, (-(-t // TILE) * -(-n // TILE), 1),
@@ -590,9 +590,14 @@ def _arguments(a, b, head: list[int], q, s, qt, st, eps: float):
     rows, cols = q is not None, qt is not None
     q_, s_ = (q, s) if rows else (qt, st)
     qt_, st_ = (qt, st) if cols else (q, s)
-    eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]
     return ([a.data_ptr(), b.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
-            [*head, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1), eps_bits])
+            [*head, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1), _float_bits(eps)])
+
+
+@functools.lru_cache(maxsize=8)
+def _float_bits(x: float) -> int:
+    """The FP32 bit pattern of `x` as an int (the kernel takes eps as bits: no float rounding in the launch path)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def takes_swiglu(gate_up: torch.Tensor, d_out: torch.Tensor) -> bool:
@@ -610,7 +615,7 @@ def quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, eps: float, ue8m0: bo
     """Fill `quantize`'s outputs for d[gate | up] `[T, 2I]`, the gradient of silu(gate) * up for `d_out`, without
     storing it (the `swiglu_bwd_tile` kernel). The caller checked `takes_swiglu`; either output pair may be None."""
     t, i = d_out.shape
-    device_index = gate_up.device.index if gate_up.device.index is not None else torch.cuda.current_device()
+    device_index = gate_up.get_device()
     _make_context_current(device_index)
     kern = _kernel(False, q is not None, qt is not None, ue8m0, device_index, "swiglu_bwd_tile")
     _launch(kern.func, device_index, (-(-t // TILE), i // TILE),

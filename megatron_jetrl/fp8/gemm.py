@@ -35,9 +35,14 @@ def _check_operands(a_q, a_s, b_q, b_s, b_block, acc) -> None:
         raise ValueError(f"a's 1x128 scales must be {scale_shape(a_q.shape, (1, 128))}, got {tuple(a_s.shape)}")
     if tuple(b_s.shape) != scale_shape(b_q.shape, b_block):
         raise ValueError(f"b's {b_block} scales must be {scale_shape(b_q.shape, b_block)}, got {tuple(b_s.shape)}")
-    if acc is not None and (acc.dtype != torch.float32 or tuple(acc.shape) != (a_q.shape[0], b_q.shape[0]) or not acc.is_contiguous()):
-        raise ValueError(f"acc must be a contiguous FP32 [{a_q.shape[0]}, {b_q.shape[0]}] buffer, got {acc.dtype} "
-                         f"{tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
+    if acc is not None:
+        _check_acc(acc, a_q.shape[0], b_q.shape[0])
+
+
+def _check_acc(acc, m: int, n: int) -> None:
+    if acc.dtype != torch.float32 or acc.shape != (m, n) or not acc.is_contiguous():
+        raise ValueError(f"acc must be a contiguous FP32 [{m}, {n}] buffer (megatron DDP's main_grad needs "
+                         f"grad_reduce_in_fp32), got {acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -84,13 +89,21 @@ def resolve_backend(name: str, device: torch.device, n: int | None = None) -> st
     return name
 
 
-def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bfloat16, backend="auto", acc=None):
-    """`dequant(a) @ dequant(b)^T` in `out_dtype` on the chosen backend, or added into `acc` (see module docstring)."""
-    b_block = tuple(b_block)
-    _check_operands(a_q, a_s, b_q, b_s, b_block, acc)
-    name = resolve_backend(backend, a_q.device, b_q.shape[0])
+def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bfloat16, backend="auto", acc=None,
+                   checked=False):
+    """`dequant(a) @ dequant(b)^T` in `out_dtype` on the chosen backend, or added into `acc` (see module docstring).
+
+    `checked=True`: the caller vouches for the operands (the FP8 linear passes what this package's quantizers made,
+    `b_block` a tuple), so only `acc`, which comes from outside (megatron's `main_grad`), is checked on the hot path."""
+    if not checked:
+        b_block = tuple(b_block)
+        _check_operands(a_q, a_s, b_q, b_s, b_block, acc)
+    elif acc is not None:
+        _check_acc(acc, a_q.shape[0], b_q.shape[0])
+    device = a_q.device
+    name = resolve_backend(backend, device, b_q.shape[0])
     if name in CHECKED_AT_FIRST_USE:
-        backends.self_test(name, a_q.device)
+        backends.self_test(name, device)
     return backends.GEMMS[name](a_q, a_s, b_q, b_s, b_block, out_dtype, acc)
 
 

@@ -479,8 +479,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _outer_major_empty(m, kb, device):
-    """[m, kb] FP32 with strides (1, m): the layout cuBLASLt wants for 1x128 scales (no copy later)."""
-    return torch.empty(kb, m, dtype=torch.float32, device=device).t()
+    """[m, kb] FP32 with strides (1, m): the layout cuBLASLt and DeepGEMM want for 1x128 scales (no copy later)."""
+    return torch.empty_strided((m, kb), (1, m), dtype=torch.float32, device=device)
 
 
 def _finite_or_raise(x, s, block, check_finite):

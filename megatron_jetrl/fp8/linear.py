@@ -20,6 +20,7 @@ from megatron_jetrl.fp8.quant import dequantize_blockwise, quantize_blockwise
 
 ACT = (1, 128)
 TOKENS = (128, 1)
+TOKENS_T = (1, 128)  # WGrad's B operand: 128x1 token groups, stored transposed (K-major), so 1x128 along its rows
 WEIGHT = (128, 128)
 
 
@@ -86,23 +87,31 @@ def _quantize_input(x2d, flow: PrecisionFlow, site: str):
 
 def _fprop(x_q, x_s, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
     """FProp from the quantized input: X(1x128) . W(128x128)^T (+ bias), in `out_dtype`."""
-    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend)
+    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """`x[..., K]` as the 2-D `[tokens, K]` a GEMM takes (2-D input as is: no dispatch on the hot path)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
+    """A GEMM's fresh 2-D output `[tokens, N]` shaped as the input `like[..., K]` was (`[..., N]`)."""
+    return y if len(like) == 2 else y.view(*like[:-1], y.shape[-1])
 
 
 def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`."""
-    x_q, x_s = _quantize_input(x.reshape(-1, x.shape[-1]), flow, site or f"FP8 linear {list(weight.q.shape)}")
-    return _fprop(x_q, x_s, weight, bias, flow, x.dtype).reshape(*x.shape[:-1], weight.q.shape[0])
+    x_q, x_s = _quantize_input(_flat(x), flow, site or f"FP8 linear {list(weight.q.shape)}")
+    return _unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), x.shape)
 
 
 def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow, site: str | None = None) -> list[torch.Tensor]:
     """FProp of several weights that read the same `x` (q/k/v, gate/up): `x` is quantized once, and each
     output is, bit for bit, what `fp8_linear_forward(x, weight, bias)` returns."""
-    x2d = x.reshape(-1, x.shape[-1])
-    x_q, x_s = _quantize_input(x2d, flow, site or f"FP8 linears {[list(w.q.shape) for w in weights]}")
-    return [_fprop(x_q, x_s, weight, bias, flow, x.dtype).reshape(*x.shape[:-1], weight.q.shape[0])
-            for weight, bias in zip(weights, biases, strict=True)]
+    x_q, x_s = _quantize_input(_flat(x), flow, site or f"FP8 linears {[list(w.q.shape) for w in weights]}")
+    return [_unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), x.shape) for weight, bias in zip(weights, biases, strict=True)]
 
 
 def _wgrad_done(weight: torch.Tensor):
@@ -197,7 +206,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None,
                 handoff: GatedGradHandoff | None = None):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _flat(x)
         if act is None:
             x_q, x_s = _quantize_input(x2d, flow, site)
             ctx.save_for_backward(x_q, x_s)
@@ -210,17 +219,18 @@ class _FP8LinearFunction(torch.autograd.Function):
             handoff.rows, handoff.cols = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], qweight.q.shape[0])
+        return _unflat(y, x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         # Gradients are never refused mid-backward: a NaN/Inf output gradient is recorded under
         # check_finite="step" (naming this layer) and propagates as NaN into the parameter gradients, where
         # train_step's one finiteness check finds it and stops or skips the update (run.on_nonfinite).
-        x_q, x_s = ctx.saved_tensors[:2]
+        saved = ctx.saved_tensors
+        x_q, x_s = saved[:2]
         flow, weight = ctx.flow, ctx.weight
         handed = ctx.handoff.take(dy) if ctx.handoff is not None and ctx.act is None else None
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = _flat(dy)
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
@@ -228,22 +238,22 @@ class _FP8LinearFunction(torch.autograd.Function):
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
-            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend)
+            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True)
             if ctx.act is not None and ctx.handoff is not None:  # the up projection's operands, made here
                 h = ctx.handoff
-                dx = h.give(_quantize_gated_grad(ctx.saved_tensors[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
+                dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
             elif ctx.act is not None:
-                dx = _gated_backward(ctx.saved_tensors[2], ctx.act, dx).reshape(ctx.x_shape)
+                dx = _unflat(_gated_backward(saved[2], ctx.act, dx), ctx.x_shape)
             else:
-                dx = dx.reshape(ctx.x_shape)
+                dx = _unflat(dx, ctx.x_shape)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
-                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), backend=flow.backend, acc=main_grad)
+                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True)
                 dw = _wgrad_done(weight)
             else:
-                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=(1, 128), out_dtype=weight.dtype, backend=flow.backend)
+                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend, checked=True)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None
