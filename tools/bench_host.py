@@ -1,6 +1,7 @@
 """Host time of the FP8 linear and of each of its pieces, on the GPU (where the GPU never holds the host up).
 
     python3 tools/bench_host.py [--m 256] [--iters 300] [--rounds 5] [--profile]
+    python3 tools/bench_host.py --against DIR [--rounds 5]     # A/B: this tree against another checkout
 
 With a small M (default 256 tokens; N = K = 4096, the Qwen3-8B `o` projection) every kernel is shorter than the host
 work that issues it, so the time per call of a loop without syncs is the host's: Python, torch's dispatcher and
@@ -9,6 +10,12 @@ allocator, Triton's and DeepGEMM's launch paths, autograd. Rows: a BF16 nn.Linea
 linear on its own. `--profile` adds cProfile's top functions of the FP8 fwd+bwd. Host timings on a shared machine
 move by 10-20% between runs, so the two Triton launch paths (`fp8.launch`: the cached direct launch, and every
 launch through `JITFunction.run`) are timed in one process, alternating in `--rounds` rounds per row (median).
+
+`--against DIR` compares the code of two trees (DIR: e.g. `git worktree add /tmp/base HEAD~1`): the linear rows
+(BF16 and FP8 fwd+bwd, FP8 fwd) run in a fresh process per tree, alternating the trees for `--rounds` rounds, each
+importing its tree's `megatron_jetrl` first on PYTHONPATH. On these shared machines a process's host speed moves by
+up to 50% from one minute to the next (BENCHMARKS.md), more than most changes: compare medians of rounds run
+side by side, never two separate runs.
 """
 
 from __future__ import annotations
@@ -16,7 +23,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
+import statistics
+import subprocess
 import sys
 import time
 
@@ -42,7 +53,11 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5, help="alternations of the two launch paths per row")
     p.add_argument("--profile", action="store_true", help="cProfile of the FP8 linear fwd+bwd in a watch")
+    p.add_argument("--against", metavar="DIR", help="another checkout: A/B of the linear rows, a process per tree and round")
+    p.add_argument("--linear-rows", action="store_true", help=argparse.SUPPRESS)  # one --against process: JSON line
     args = p.parse_args(argv)
+    if args.against:
+        return against(args)
     if not torch.cuda.is_available():
         print("bench_host.py: needs a CUDA GPU (it times the host work of the GPU FP8 linear)", file=sys.stderr)
         return 2
@@ -93,6 +108,9 @@ def main(argv=None) -> int:
     ]
     if dg is not None:
         rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
+    if args.linear_rows:
+        print(json.dumps({name: host_us(fn, args.iters)[0] for name, fn in rows[:4]}), flush=True)
+        return 0
     direct = launch._direct_ok()  # the probe's verdict for this process
     print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "
           f"direct launch {'allowed' if direct else 'REFUSED by ' + launch.ENV + ' or the probe'}")
@@ -118,6 +136,29 @@ def main(argv=None) -> int:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue())
+    return 0
+
+
+def against(args) -> int:
+    """`--against DIR`: the linear rows of this tree and of DIR, a fresh process each, alternating for --rounds rounds."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this tree": here, f"against {args.against}": os.path.abspath(args.against)}
+    times: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, root in trees.items():
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+            done = subprocess.run([sys.executable, "-W", "ignore", os.path.abspath(__file__), "--linear-rows", "--m", str(args.m),
+                                   "--iters", str(args.iters)], env=env, capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                print(f"bench_host.py --against: the process for {name} ({root}) failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            times[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = list(times["this tree"][0])
+    print(f"host us per call, median of {args.rounds} alternating rounds ({args.iters} calls each), M={args.m} N=K=4096")
+    print("| what | " + " | ".join(trees) + " | this / against |\n|---|---|---|---|")
+    for row in rows:
+        a, b = (statistics.median(r[row] for r in times[name]) for name in trees)
+        print(f"| {row} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
     return 0
 
 
