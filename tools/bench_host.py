@@ -12,7 +12,7 @@ move by 10-20% between runs, so the two Triton launch paths (`fp8.launch`: the c
 launch through `JITFunction.run`) are timed in one process, alternating in `--rounds` rounds per row (median).
 
 `--against DIR` compares the code of two trees (DIR: e.g. `git worktree add /tmp/base HEAD~1`): the linear rows
-(BF16 and FP8 fwd+bwd, FP8 fwd) run in a fresh process per tree, alternating the trees for `--rounds` rounds, each
+(BF16 and FP8 fwd+bwd, FP8 fwd with and without gradients) run in a fresh process per tree, alternating the trees for `--rounds` rounds, each
 importing its tree's `megatron_jetrl` first on PYTHONPATH. On these shared machines a process's host speed moves by
 up to 50% from one minute to the next (BENCHMARKS.md), more than most changes: compare medians of rounds run
 side by side, never two separate runs.
@@ -92,11 +92,18 @@ def main(argv=None) -> int:
                 module(x).backward(dy)
         return run
 
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
     rows = [
         ("bf16 nn.Linear fwd+bwd", fwd_bwd(bf16)),
         ("FP8Linear fwd+bwd", fwd_bwd(lin)),
         ("FP8Linear fwd+bwd in a finite.watch (as in a train step)", fwd_bwd(lin, in_watch=True)),
         ("FP8Linear fwd", lambda: lin(x)),
+        ("FP8Linear fwd under no_grad (old and reference logprobs)", no_grad(lambda: lin(x))),
         ("  kernels.quantize_1x128 (FProp input)", lambda: kernels.quantize_1x128(x.detach(), check_finite=False)),
         ("  kernels.quantize_dual rows+cols (dY)", lambda: kernels.quantize_dual(dy, check_finite=False)),
         ("  kernels.quantize_dual cols from E4M3 (X for WGrad)", lambda: kernels.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs)),
@@ -109,7 +116,7 @@ def main(argv=None) -> int:
     if dg is not None:
         rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
     if args.linear_rows:
-        print(json.dumps({name: host_us(fn, args.iters)[0] for name, fn in rows[:4]}), flush=True)
+        print(json.dumps({name: host_us(fn, args.iters)[0] for name, fn in rows[:5]}), flush=True)
         return 0
     direct = launch._direct_ok()  # the probe's verdict for this process
     print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "

@@ -101,9 +101,11 @@ def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
     return y if len(like) == 2 else y.view(*like[:-1], y.shape[-1])
 
 
-def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None) -> torch.Tensor:
-    """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`."""
-    x_q, x_s = _quantize_input(_flat(x), flow, site or f"FP8 linear {list(weight.q.shape)}")
+def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None,
+                       gated_act=None) -> torch.Tensor:
+    """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
+    `x` is a gated MLP's `[gate | up]` (as in `fp8_linear`)."""
+    x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
     return _unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), x.shape)
 
 
@@ -121,6 +123,11 @@ def _wgrad_done(weight: torch.Tensor):
         return None
     weight.grad_added_to_main_grad = True
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def _quantize_x(x2d, act, flow: PrecisionFlow, site: str):
+    """The FProp input's 1x128 bytes: of `x2d`, or with a gated `act` of `act(gate) * up` from `x2d = [gate | up]`."""
+    return _quantize_input(x2d, flow, site) if act is None else _quantize_gated(x2d, act, flow, site)
 
 
 def _quantize_gated(gate_up2d, act, flow: PrecisionFlow, site: str):
@@ -207,11 +214,10 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None,
                 handoff: GatedGradHandoff | None = None):
         x2d = _flat(x)
+        x_q, x_s = _quantize_x(x2d, act, flow, site)
         if act is None:
-            x_q, x_s = _quantize_input(x2d, flow, site)
             ctx.save_for_backward(x_q, x_s)
         else:  # x = [gate | up] of a gated MLP: this linear's input is act(gate) * up, never stored in BF16
-            x_q, x_s = _quantize_gated(x2d, act, flow, site)
             ctx.save_for_backward(x_q, x_s, x2d)
         y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
@@ -305,6 +311,9 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     if handoff is not None and gated_act is None and bias is not None:
         raise ValueError(f"{site}: a GatedGradHandoff needs a bias-free up projection (its bias gradient needs the BF16 "
                          "d[gate | up], which the handoff never makes); pass handoff=None")
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
+        return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act)
     return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff)
 
 

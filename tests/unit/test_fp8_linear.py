@@ -136,6 +136,24 @@ def test_training_and_rollout_forward_are_byte_equal():
     assert torch.equal(rollout.view(torch.int16), functional.view(torch.int16))
 
 
+@pytest.mark.parametrize("act", [None, torch.nn.functional.silu])
+def test_forward_without_gradients_is_the_training_forward_without_an_autograd_node(act, monkeypatch):
+    """Under no_grad (the old and reference logprobs) `fp8_linear` skips the autograd Function: the same bits, no node,
+    nothing saved; with gradients on it builds the node as before."""
+    from megatron_jetrl.fp8 import linear
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(256, 384, generator=g).to(torch.bfloat16).requires_grad_(True)
+    b = torch.randn(256, generator=g).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(2, 9, 768 if act else 384, generator=g).to(torch.bfloat16)
+    trained = fp8_linear(x.clone().requires_grad_(True), w, b if act is None else None, flow=JETRL, gated_act=act)
+    saved = []
+    monkeypatch.setattr(linear._FP8LinearFunction, "apply", lambda *a: pytest.fail("autograd Function under no_grad"))
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        evaluated = fp8_linear(x.clone().requires_grad_(True), w, b if act is None else None, flow=JETRL, gated_act=act)
+    assert trained.grad_fn is not None and evaluated.grad_fn is None and not evaluated.requires_grad and not saved
+    assert torch.equal(trained.detach().view(torch.int16), evaluated.view(torch.int16))
+
+
 def test_linears_sharing_an_input_are_each_the_single_linear_bit_for_bit():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 5, 384, generator=g).to(torch.bfloat16)
