@@ -38,12 +38,16 @@ from megatron_jetrl.rollout.sampling import step_seed
 
 
 class Phases(dict):
-    """Wall time per phase of one step (seconds)."""
+    """Wall time per phase of one step (seconds), the GPU's share included: a phase ends with a device sync. The host
+    issues kernels ahead of the GPU, so without it a phase's queued GPU work was billed to the next phase's first
+    sync (the eval forward's to the update, whose reward check syncs first); the step's sum was right, its split not."""
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 

@@ -77,3 +77,25 @@ def test_batch_invariant_ops_are_named_so():
     from megatron_jetrl.models import batch_invariant_ops
 
     assert callable(batch_invariant_ops.tree_sum)
+
+
+def test_phase_times_include_the_device_work_queued_in_the_phase(monkeypatch):
+    """`Phases` ends each phase with a device sync (once CUDA is in use), so queued GPU work is billed to the phase
+    that issued it; on a CPU run it only times."""
+    import torch
+
+    from megatron_jetrl.rl.train import Phases
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1))
+    t = Phases()
+    with t("eval"):
+        pass
+    with t("eval"):
+        pass
+    assert list(t) == ["time/eval"] and t["time/eval"] >= 0 and synced == [1, 1]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with t("update"):
+        pass
+    assert synced == [1, 1] and "time/update" in t
