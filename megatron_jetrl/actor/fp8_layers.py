@@ -41,7 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
-from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, fp8_linear
+from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, finite, fp8_linear
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 
@@ -361,6 +361,10 @@ def fp8_weights(model) -> dict[str, QuantizedWeight]:
     """This rank's FP8 weights by megatron parameter name (`...linear_qkv.weight`, as in models.mapping).
 
     The very objects the forward used for the current weight version (quantized now if not yet):
-    feed them to `models.export.hf_tensors(..., fetch_fp8=...)` so the rollout gets those bytes.
-    """
-    return {f"{name}.weight": m.quantized_weight() for name, m in unwrap(model).named_modules() if isinstance(m, _FP8Weight)}
+    feed them to `models.export.hf_tensors(..., fetch_fp8=...)` so the rollout gets those bytes. Weights quantized
+    here (after each optimizer step, for the weight sync) are checked for NaN/Inf together, one host sync, not one
+    per weight (`check_finite="step"`); the error names the first bad weight."""
+    with finite.watch() as watch:
+        weights = {f"{name}.weight": m.quantized_weight() for name, m in unwrap(model).named_modules() if isinstance(m, _FP8Weight)}
+    watch.check()
+    return weights

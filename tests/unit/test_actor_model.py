@@ -198,6 +198,27 @@ def test_fp8_weights_are_the_rollout_bytes(checkpoints):
         assert torch.equal(exported[name.replace("weight", "weight_scale_inv")], want.s), name
 
 
+def test_fp8_weights_check_every_weight_with_one_sync_and_name_the_bad_one(checkpoints, monkeypatch):
+    """After an optimizer step `fp8_weights` quantizes every weight inside one watch (check_finite="step"): no host
+    sync per weight, and a NaN weight is refused by name."""
+    from megatron_jetrl.actor.fp8_layers import fp8_weights, requantize_weights
+    from megatron_jetrl.fp8 import NonFiniteInputError, linear
+
+    root, _ = checkpoints
+    model, _ = _imported("qwen3", JETRL, root)
+    requantize_weights(model)
+    syncs = []  # check_finite of each weight quantization: True would be a host sync of its own
+    real = linear.quantize_blockwise
+    monkeypatch.setattr(linear, "quantize_blockwise", lambda *a, **k: (syncs.append(k.get("check_finite")), real(*a, **k))[1])
+    assert len(fp8_weights(model)) == len(syncs) == 8 and not any(syncs)
+    requantize_weights(model)
+    layer = dict(model.named_modules())["decoder.layers.1.mlp.linear_fc2"]
+    with torch.no_grad():
+        layer.weight[3, 5] = float("nan")
+    with pytest.raises(NonFiniteInputError, match=r"decoder\.layers\.1\.mlp\.linear_fc2: weight"):
+        fp8_weights(model)
+
+
 def test_misaligned_tp_is_refused_before_building():
     from megatron_jetrl.actor.provider import transformer_config
 
