@@ -249,7 +249,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 h = ctx.handoff
                 dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
             elif ctx.act is not None:
-                dx = _unflat(_gated_backward(saved[2], ctx.act, dx), ctx.x_shape)
+                dx = _gated_backward(saved[2], ctx.act, dx).reshape(ctx.x_shape)  # (empty_like keeps gate_up's strides)
             else:
                 dx = _unflat(dx, ctx.x_shape)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
