@@ -115,8 +115,11 @@ def main(argv=None) -> int:
     ]
     if dg is not None:
         rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
-    if args.linear_rows:
-        print(json.dumps({name: host_us(fn, args.iters)[0] for name, fn in rows[:5]}), flush=True)
+    if args.linear_rows:  # which tree this process imported rides along: the parent checks it is the one it meant
+        import megatron_jetrl
+
+        times = {name: host_us(fn, args.iters)[0] for name, fn in rows[:5]}
+        print(json.dumps({"imported": os.path.dirname(os.path.dirname(os.path.abspath(megatron_jetrl.__file__))), **times}), flush=True)
         return 0
     direct = launch._direct_ok()  # the probe's verdict for this process
     print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "
@@ -150,6 +153,10 @@ def against(args) -> int:
     """`--against DIR`: the linear rows of this tree and of DIR, a fresh process each, alternating for --rounds rounds."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this tree": here, f"against {args.against}": os.path.abspath(args.against)}
+    if not os.path.isfile(os.path.join(trees[f"against {args.against}"], "megatron_jetrl", "__init__.py")):
+        print(f"bench_host.py --against: {args.against} holds no megatron_jetrl package; give the root of another checkout "
+              "(e.g. `git worktree add /tmp/base HEAD~1`, then --against /tmp/base)", file=sys.stderr)
+        return 2
     times: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, root in trees.items():
@@ -159,7 +166,12 @@ def against(args) -> int:
             if done.returncode:
                 print(f"bench_host.py --against: the process for {name} ({root}) failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 return 1
-            times[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            if os.path.realpath(row.pop("imported")) != os.path.realpath(root):
+                print(f"bench_host.py --against: the process for {name} imported megatron_jetrl from elsewhere, not {root} "
+                      "(an installed copy ahead of PYTHONPATH?): the A/B would compare one tree with itself", file=sys.stderr)
+                return 1
+            times[name].append(row)
     rows = list(times["this tree"][0])
     print(f"host us per call, median of {args.rounds} alternating rounds ({args.iters} calls each), M={args.m} N=K=4096")
     print("| what | " + " | ".join(trees) + " | this / against |\n|---|---|---|---|")
