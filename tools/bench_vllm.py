@@ -251,6 +251,7 @@ def main(argv=None) -> dict:
     pool = ColocatedPool(engine)
     pool.sleep()
     res["pool_cycle_s"] = timed(lambda: pool.sync(batch.items()))
+    res["pool_cycle_parts"] = pool.last_sync.parts
     del batch
     torch.cuda.empty_cache()
     print(f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s, sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "

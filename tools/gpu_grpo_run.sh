@@ -126,6 +126,8 @@ for mode in modes:
         r[k] = mean(k)
     r["mismatch_max_over_steps"] = max((x.get("mismatch/max_abs_diff") or 0) for x in rows) if rows else None
     r["startup_s"] = r["wall_s"] - sum(x["time/step"] for x in rows) if rows else None
+    parts = sorted({k for x in use for k in x if (k.startswith("sync/") and k.endswith("_s")) or k.startswith("rollout/sleep")})
+    r["parts"] = {k: mean(k) for k in parts}  # a colocated (vLLM) pool's sync parts and sleep, means like the phases
     results[mode + os.environ["SUFFIX"]] = r
 (out / "results.json").write_text(json.dumps(results, indent=1))
 
@@ -143,6 +145,9 @@ if "jetrl" in results and "bf16" in results:
     a, b = results["bf16"]["mean_excl_step0"], results["jetrl"]["mean_excl_step0"]
     lines += ["", "bf16 time / jetrl time (>1: jetrl faster): " + ", ".join(
         f"{p} {a[p] / b[p]:.3f}x" if a[p] and b[p] else f"{p} n/a" for p in PH)]
+for mode, r in results.items():
+    if r["parts"]:
+        lines += ["", f"{mode} sync parts and sleep (means, s; GiB released): " + ", ".join(f"{k} {f(v)}" for k, v in r["parts"].items())]
 lines += ["", "step 0 (not in the means): " + "; ".join(
     f"{mode} " + " ".join(f"{p} {f(r['step0'][p], '.2f')}" for p in PH) for mode, r in results.items() if r["step0"])]
 table = "\n".join(lines)

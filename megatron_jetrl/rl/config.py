@@ -263,10 +263,12 @@ class RolloutConfig:
     """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
     the world / tp engines share each step's prompts). Independent of parallel.tp."""
     kv_cache_fraction: float = 0.5
-    """vLLM only: share of the GPU memory free at engine start (after the actor is built and the engine's weights
-    are counted) given to the KV cache. The cache is dropped while the actor trains and mapped again for rollout."""
+    """vLLM only: the most of the GPU memory free at engine start (after the actor is built and the engine's weights
+    are counted) that the KV cache may take. Below that it gets what a step can use: the engine's share of the
+    step's sequences at max_model_len each (`rollout.colocated.kv_cache_need`). The cache is dropped while the actor
+    trains and mapped again for rollout, at a cost that grows with its size."""
     kv_cache_gb: float = 0.0
-    """vLLM only: KV cache size in GiB per engine rank; 0 sizes it with kv_cache_fraction."""
+    """vLLM only: KV cache size in GiB per engine rank; 0 sizes it as kv_cache_fraction says."""
     max_model_len: int = 0
     """vLLM only: longest prompt + response; 0 means 1024 prompt tokens + max_new_tokens (capped by the model's
     max_position_embeddings)."""

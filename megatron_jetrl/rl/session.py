@@ -111,8 +111,9 @@ def _native_pool(cfg: JetRLConfig, arch: ModelArch, flow: PrecisionFlow, device,
 
 def start_vllm_pool(s: "Session") -> None:
     """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
-    directory, with its KV cache sized from the memory free now; the sync that follows writes the actor's bytes."""
-    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes
+    directory, with the KV cache its share of a step can use (at most a fraction of the memory free now); the sync
+    that follows writes the actor's bytes."""
+    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
 
     r = s.cfg.rollout
@@ -122,10 +123,11 @@ def start_vllm_pool(s: "Session") -> None:
     dist.barrier()
     free, total = torch.cuda.mem_get_info()
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
-    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction)
     max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
     groups = dist.get_world_size() // r.tp
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
+    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction,
+                                                      kv_cache_need(s.arch, seqs, max_len, r.tp))
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,

@@ -10,11 +10,9 @@ update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,20 +33,7 @@ from megatron_jetrl.rl.warmup import warm_start
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 from megatron_jetrl.rollout.sampling import step_seed
-
-
-class Phases(dict):
-    """Wall time per phase of one step (seconds), the GPU's share included: a phase ends with a device sync. The host
-    issues kernels ahead of the GPU, so without it a phase's queued GPU work was billed to the next phase's first
-    sync (the eval forward's to the update, whose reward check syncs first); the step's sum was right, its split not."""
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
+from megatron_jetrl.rollout.sync import Phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             update = update_policy(s, step, batch, mine, old, ref, first)
         with t("sync"):
             stats = sync(s)
-        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats}
+        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s)}
         row["time/step"] = sum(v for k, v in t.items())
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
         writer.write(row)
@@ -217,6 +202,13 @@ def sync(s) -> dict:
         drain(pairs)
         return {}
     return {k: v for k, v in s.pool.sync(pairs).as_metrics().items()}
+
+
+def pool_metrics(s) -> dict:
+    """The colocated engine's sleep (inside the rollout phase): seconds, and the GiB it released."""
+    if not colocated(s) or s.pool.sleep_seconds is None:
+        return {}
+    return {"rollout/sleep_s": s.pool.sleep_seconds, "rollout/sleep_released_gib": (s.pool.wake_bytes or 0) / 2**30}
 
 
 def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, update: dict) -> dict:

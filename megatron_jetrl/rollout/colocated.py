@@ -11,8 +11,12 @@ all-gather: every rank raises at once, naming the rank and the error (an engine 
 collectives is left to the run's collective timeout and failure report).
 
 Memory: the engine sleeps at level 2 while the actor trains (`sleep`: weights and KV cache discarded) and
-`sync` wakes the weights, writes the trainer's bytes on the device, then wakes the KV cache. The KV cache is
-sized from the memory free when the engine starts (`kv_cache_bytes`).
+`sync` wakes the weights, writes the trainer's bytes on the device, then wakes the KV cache. Mapping and unmapping
+that memory costs time in proportion to its size, every step, so the KV cache is what the step can use and no more:
+an engine never holds more than its share of the step's sequences (`max_num_seqs`), each at most `max_model_len`
+tokens long (`kv_cache_need`), and at most a fraction of the memory free when it starts (`kv_cache_bytes`). The
+trainer's cached allocator blocks are handed back before a wake (`torch.cuda.empty_cache`, which makes the
+trainer's next phase allocate again) only when the free memory is short of what the engine's last sleep released.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_jetrl.rollout.engine import RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.pool import shard_bounds
-from megatron_jetrl.rollout.sync import SyncStats
+from megatron_jetrl.rollout.sync import Phases, SyncStats
 
 
 def rollout_groups(world: int, rollout_tp: int) -> int:
@@ -39,13 +43,31 @@ def my_share(count: int, rank: int, world: int, rollout_tp: int) -> tuple[int, i
     return shard_bounds(count, rollout_groups(world, rollout_tp))[rank // rollout_tp]
 
 
-def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float) -> int:
-    """KV cache size: `fraction` of the memory left free once the engine's weights are in."""
+KV_ALIGN = 256
+"""Tokens a sequence's KV cache is rounded up to (a multiple of every vLLM block size: 16 by default on Hopper)."""
+
+
+def kv_bytes_per_token(arch, tp: int = 1) -> int:
+    """BF16 K and V of one token, all layers, on one TP rank (KV heads are split over TP ranks, or replicated when
+    there are fewer heads than ranks)."""
+    return arch.num_layers * 2 * max(1, arch.num_kv_heads // tp) * arch.head_dim * 2
+
+
+def kv_cache_need(arch, seqs: int, max_len: int, tp: int = 1) -> int:
+    """The most KV cache an engine can use: `seqs` sequences (its `max_num_seqs`) of `max_len` tokens, each rounded
+    up to `KV_ALIGN` tokens, plus one such slab for vLLM's reserved blocks."""
+    tokens = (seqs + 1) * -(-max_len // KV_ALIGN) * KV_ALIGN
+    return tokens * kv_bytes_per_token(arch, tp)
+
+
+def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: int | None = None) -> int:
+    """KV cache size: what the engine can use (`need`, from `kv_cache_need`), at most `fraction` of the memory left
+    free once the engine's weights are in."""
     left = free_bytes - weight_bytes
     if left <= 0 or fraction <= 0:
         raise ValueError(f"no GPU memory left for vLLM's KV cache: {free_bytes / 2**30:.1f} GiB free, weights take "
                          f"{weight_bytes / 2**30:.1f} GiB; use rollout.tp > 1, a smaller model or fewer training buffers")
-    return int(left * fraction)
+    return int(left * fraction) if need is None else min(int(left * fraction), need)
 
 
 class ColocatedPool:
@@ -60,6 +82,8 @@ class ColocatedPool:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         rollout_groups(self.world, rollout_tp)
         self.last_sync: SyncStats | None = None
+        self.sleep_seconds: float | None = None
+        self.wake_bytes: int | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -87,22 +111,44 @@ class ColocatedPool:
         return out
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
-        """Wake the weights, write the trainer's stream into them, wake the KV cache; time and bytes."""
+        """Wake the weights, write the trainer's stream into them, wake the KV cache; time, bytes and the seconds of
+        each part (`SyncStats.parts`)."""
         start = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the trainer's cached blocks go back before vLLM maps its memory again
-        self.engine.wake(["weights"])
-        done = self.engine.update_weights(weights)
-        self.engine.wake(["kv_cache"])
+        parts = Phases("sync/", "_s")
+        with parts("empty_cache"):
+            if self.short_of_memory():
+                torch.cuda.empty_cache()  # the trainer's cached blocks go back so that vLLM can map its memory again
+        with parts("wake_weights"):
+            self.engine.wake(["weights"])
+        done = self.engine.update_weights(weights, phases=parts)
+        with parts("wake_kv"):
+            self.engine.wake(["kv_cache"])
         self.last_sync = SyncStats(tensors=done["tensors"], bytes=done["bytes"], buckets=1,
-                                   seconds=time.perf_counter() - start)
+                                   seconds=time.perf_counter() - start, parts=dict(parts))
         return self.last_sync
+
+    def short_of_memory(self) -> bool:
+        """Whether the device's free memory is short of what the engine's last sleep released (1 GiB spare), so
+        that the wake needs the trainer's cached blocks; before the first sleep, whether CUDA is in use at all."""
+        if not torch.cuda.is_initialized():
+            return False
+        if self.wake_bytes is None:
+            return True
+        return torch.cuda.mem_get_info()[0] < self.wake_bytes + (1 << 30)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sync(weights)
 
     def sleep(self) -> None:
+        """The engine's sleep; its seconds (`sleep_seconds`) and the device memory it released (`wake_bytes`, what
+        the next wake maps again)."""
+        cuda = torch.cuda.is_initialized()
+        before = torch.cuda.mem_get_info()[0] if cuda else 0
+        start = time.perf_counter()
         self.engine.sleep()
+        self.sleep_seconds = time.perf_counter() - start
+        if cuda:
+            self.wake_bytes = max(0, torch.cuda.mem_get_info()[0] - before)
 
     def wake(self) -> None:
         self.engine.wake()

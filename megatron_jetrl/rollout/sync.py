@@ -9,6 +9,7 @@ without the other.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,26 @@ def broadcast_bucket(flat: torch.Tensor | None, metas: list[TensorMeta] | None, 
     return unpack(flat, metas)
 
 
+class Phases(dict):
+    """Wall time per named phase (seconds, summed over repeats), the GPU's share included: a phase ends with a device
+    sync once CUDA is in use. The host issues kernels ahead of the GPU, so without it a phase's queued GPU work was
+    billed to the next phase's first sync (in GRPO, the eval forward's to the update, whose reward check syncs first).
+    Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts."""
+
+    def __init__(self, prefix: str = "time/", suffix: str = ""):
+        super().__init__()
+        self.prefix, self.suffix = prefix, suffix
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        key = f"{self.prefix}{name}{self.suffix}"
+        self[key] = self.get(key, 0.0) + time.perf_counter() - start
+
+
 @dataclass
 class SyncStats:
     tensors: int = 0
@@ -110,6 +131,9 @@ class SyncStats:
     buckets: int = 0
     seconds: float = 0.0
     per_engine_seconds: list[float] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds per part of a colocated sync (`sync/<part>_s`: empty_cache, wake_weights, stream, validate, copy,
+    wake_kv), each ending with a device sync."""
 
     @property
     def gbps(self) -> float:
@@ -117,7 +141,7 @@ class SyncStats:
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
         return {f"{prefix}tensors": self.tensors, f"{prefix}bytes": self.bytes, f"{prefix}buckets": self.buckets,
-                f"{prefix}seconds": self.seconds, f"{prefix}GBps": self.gbps}
+                f"{prefix}seconds": self.seconds, f"{prefix}GBps": self.gbps, **self.parts}
 
 
 def stream_weights(pairs: Iterable[tuple[str, torch.Tensor]], engines: Sequence, *, bucket_bytes: int = 256 << 20,

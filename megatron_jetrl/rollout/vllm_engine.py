@@ -42,8 +42,9 @@ import torch
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
-from megatron_jetrl.rollout.sampling import sample_seed
 from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, collect_batch, expected_tensors, validate_weights
+from megatron_jetrl.rollout.sampling import sample_seed
+from megatron_jetrl.rollout.sync import Phases
 
 VLLM_VERSION = "0.26.0"
 INSTALL = f"pip install vllm=={VLLM_VERSION}"
@@ -515,14 +516,20 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             r.request_seed = s
         return results
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """The whole model: validated first (nothing written if refused), copied on the device, bytes compared."""
-        batch = collect_batch(weights)
-        problems = validate_weights(self.specs, batch, require_complete=True, family=self.arch.family)
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], phases: Phases | None = None) -> dict:
+        """The whole model: validated first (nothing written if refused), copied on the device, bytes compared.
+        `phases` (a `Phases`) gets the seconds of each part: stream (pulling `weights`: the trainer's quantization
+        and gathers), validate, copy (and compare)."""
+        phases = Phases("sync/", "_s") if phases is None else phases
+        with phases("stream"):
+            batch = collect_batch(weights)
+        with phases("validate"):
+            problems = validate_weights(self.specs, batch, require_complete=True, family=self.arch.family)
         if problems:
             raise WeightUpdateError("refused a weight update; nothing was written:\n  - " + "\n  - ".join(problems[:20]))
         self.ready = False
-        differ = apply_plan(self.arch, self.plan, self.params, batch, self.tp_rank, self.tp)
+        with phases("copy"):
+            differ = apply_plan(self.arch, self.plan, self.params, batch, self.tp_rank, self.tp)
         if differ:
             raise WeightUpdateError(f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
                                     f"{differ[:5]}; the engine refuses to generate until a complete update lands")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from actor_helpers import spawn
-from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, my_share, rollout_groups
+from megatron_jetrl.models import ModelArch
+from megatron_jetrl.rollout.colocated import ColocatedPool, kv_bytes_per_token, kv_cache_bytes, kv_cache_need, my_share, rollout_groups
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams
 
 
@@ -28,8 +29,9 @@ class SeededEngine:
     def sleep(self):
         self.events.append(("sleep",))
 
-    def update_weights(self, weights):
-        pairs = list(weights)
+    def update_weights(self, weights, phases=None):
+        with phases("stream"):
+            pairs = list(weights)
         self.events.append(("update", len(pairs)))
         return {"tensors": len(pairs), "bytes": sum(t.numel() * t.element_size() for _, t in pairs)}
 
@@ -93,3 +95,72 @@ def test_rank_layout_and_kv_cache_sizing():
     assert kv_cache_bytes(40 << 30, 8 << 30, 0.5) == 16 << 30
     with pytest.raises(ValueError, match="no GPU memory left for vLLM's KV cache"):
         kv_cache_bytes(4 << 30, 8 << 30, 0.5)
+
+
+def _arch(layers=28, kv_heads=2, head_dim=128):
+    return ModelArch(family="qwen2", hidden_size=1536, intermediate_size=8960, num_layers=layers, num_heads=12,
+                     num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=151936, max_position_embeddings=1024,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False)
+
+
+def test_kv_cache_is_what_the_step_can_use_at_most_the_fraction():
+    arch = _arch()
+    # K and V, BF16: 28 layers x 2 x 2 heads x 128 = 28 KiB a token; with TP 2 one head each, with TP 4 still one
+    assert kv_bytes_per_token(arch) == 28 * 2 * 2 * 128 * 2 == 28 << 10
+    assert kv_bytes_per_token(arch, 2) == kv_bytes_per_token(arch, 4) == 14 << 10
+    # configs/gpu_1p5b.yaml: 128 sequences of 1024 tokens, one slab more for vLLM's reserved blocks: 3.6 GiB
+    need = kv_cache_need(arch, 128, 1024)
+    assert need == 129 * 1024 * (28 << 10)
+    # a length is rounded up to whole 256-token slabs (any vLLM block size divides them)
+    assert kv_cache_need(arch, 4, 1000) == kv_cache_need(arch, 4, 1024) == 5 * 1024 * (28 << 10)
+    assert kv_cache_bytes(100 << 30, 2 << 30, 0.5, need) == need  # was 49 GiB: mapped and unmapped every step
+    assert kv_cache_bytes(6 << 30, 2 << 30, 0.5, need) == 2 << 30  # the fraction still bounds it
+
+
+class FakeCuda:
+    """torch.cuda as the pool sees it: free memory that sleep/wake move, and a count of empty_cache calls."""
+
+    def __init__(self, monkeypatch, free, engine_bytes):
+        self.free, self.engine_bytes, self.emptied = free, engine_bytes, 0
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (self.free, 80 << 30))
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+
+    def empty_cache(self):
+        self.emptied += 1
+        self.free += 10 << 30  # the trainer's cached blocks
+
+
+class MemoryEngine(SeededEngine):
+    def __init__(self, cuda):
+        super().__init__()
+        self.cuda = cuda
+
+    def sleep(self):
+        super().sleep()
+        self.cuda.free += self.cuda.engine_bytes
+
+    def wake(self, tags=("weights", "kv_cache")):
+        super().wake(tags)
+        self.cuda.free -= self.cuda.engine_bytes // 2
+
+
+def test_the_trainers_cache_is_emptied_only_when_the_wake_would_not_fit(monkeypatch):
+    cuda = FakeCuda(monkeypatch, free=30 << 30, engine_bytes=6 << 30)
+    engine = MemoryEngine(cuda)
+    pool = ColocatedPool.__new__(ColocatedPool)
+    pool.engine, pool.rollout_tp, pool.group, pool.last_sync, pool.sleep_seconds, pool.wake_bytes = engine, 1, None, None, None, None
+    weights = [("a.weight", torch.zeros(3, dtype=torch.bfloat16))]
+    stats = pool.sync(weights)  # the first sync: nothing known yet, so room is made
+    assert cuda.emptied == 1
+    assert set(stats.parts) == {"sync/empty_cache_s", "sync/wake_weights_s", "sync/stream_s", "sync/wake_kv_s"}
+    assert all(v >= 0 for v in stats.parts.values()) and set(stats.parts) <= set(stats.as_metrics())
+    pool.sleep()
+    assert pool.wake_bytes == 6 << 30 and pool.sleep_seconds >= 0
+    pool.sync(weights)  # 40 GiB free >= 6 + 1: the trainer keeps its blocks
+    assert cuda.emptied == 1
+    pool.sleep()
+    cuda.free = 6 << 30  # the trainer grew into the memory the engine released
+    pool.sync(weights)
+    assert cuda.emptied == 2

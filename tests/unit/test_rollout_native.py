@@ -448,3 +448,17 @@ def test_engine_without_weights_or_asleep_refuses_to_run():
         engine.score(seq)
     engine.wake()
     assert engine.score(seq) == before
+
+
+def test_good_scales_are_checked_in_one_concatenation(monkeypatch):
+    """A batch whose scales are all fine is checked in one pass over their concatenation: no check per tensor (what
+    names bad ones), which cost 15-25 ms of launches per sync at Qwen3-8B shapes."""
+    from megatron_jetrl.rollout import native
+
+    scales = {f"s{i}": torch.rand(3, i + 1) + 0.5 for i in range(5)}
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: pytest.fail("checked tensor by tensor"))
+    assert native._invalid_scales(scales) == []
+    monkeypatch.undo()
+    scales["s3"][1, 2] = 0.0
+    scales["s1"][0, 0] = float("inf")
+    assert native._invalid_scales(scales) == ["s1", "s3"]
