@@ -28,11 +28,22 @@ def _k():
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from megatron_jetrl.fp8.kernels import quant_math
+
+    _, scale_of, to_e4m3 = quant_math()
+
     @triton.jit
     def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, res_ptr, h_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, eps,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr):
+                 q_ptr, s_ptr, stride_sm, stride_sg, q_eps,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
         # torch's mean multiplies the sum by 1/N (no division); the rest is the eager formula's op order.
         # HAS_RES (inference): the row normalized is x + residual rounded to x's dtype (torch's add), written to h_ptr
+        # QUANT (inference): y as stored (rounded to its dtype) is also quantized in 1x128 groups, the FP8 quantizer's
+        # steps (fp8.kernels.quant_math), bytes to q_ptr (rows of N) and scales to s_ptr (row, group strides given).
+        # The groups are read back from y's store (after a CTA barrier), not reshaped in registers: with the reshape
+        # (the first version) a last bit of y differed from the unfused kernel's in 2e-5 of outputs at width 1024
+        # (four rows per program; vLLM's start-up check refused it), as if the RMS sum added in another order. Read
+        # back, the norm's part compiles to the unfused kernel's ops and layouts (Triton 3.6 TTGIR, sm_90)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
@@ -47,8 +58,20 @@ def _k():
         r = libdevice.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)
         n = (h * r[:, None]).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + out, (w[None, :] * n).to(y_ptr.dtype.element_ty), mask=mask)
+        y = (w[None, :] * n).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + out, y, mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < n_rows)
+        if QUANT:
+            tl.debug_barrier()  # this CTA's stores of y are visible to all its threads
+            G: tl.constexpr = BLOCK_N // 128
+            pairs = tl.program_id(0) * (BLOCK_R * G) + tl.arange(0, BLOCK_R * G)  # (row, group) of this program
+            row, grp = pairs // G, pairs % G
+            ok = (row < n_rows) & (grp * 128 < N)
+            at = row[:, None].to(tl.int64) * N + grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+            yq = tl.load(y_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            s = scale_of(tl.max(tl.abs(yq), axis=1), tl.max((yq != yq).to(tl.int32), axis=1) > 0, q_eps, False)
+            tl.store(q_ptr + at, to_e4m3(yq, s[:, None]), mask=ok[:, None])
+            tl.store(s_ptr + row.to(tl.int64) * stride_sm + grp * stride_sg, s, mask=ok)
 
     @triton.jit
     def _rms_bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, da, db, dc, iters,
@@ -146,7 +169,8 @@ class RMSNorm(torch.autograd.Function):
         block_r, block_n, warps = _blocks(n)
         if n_rows:
             _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, x4, x4, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
-                                                      BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=False, num_warps=warps)
+                                                      y, r, 0, 0, 0.0,
+                                                      BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=False, QUANT=False, num_warps=warps)
         ctx.save_for_backward(x4, weight, r)
         ctx.x_strides = (sa, sb, sc)
         return y
@@ -197,19 +221,40 @@ def _rope(t, cos, sin, sign: int, positions=None):
 def add_rms_norm(x, residual, weight, eps: float):
     """Inference only (no autograd): `(rms_norm(h), h)` with `h = x + residual` in x's dtype (torch's add), one kernel
     that writes both. x, residual `[..., N]` of one dtype and shape, residual contiguous."""
-    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+    y, h, _, _ = rms_norm_quant(x, residual, weight, eps)
+    return y, h
+
+
+def rms_norm_quant(x, residual, weight, eps: float, quant_eps: float | None = None, scale_rows: int | None = None):
+    """Inference only (no autograd): `(y, h, q, s)`. `y = rms_norm(h)` with `h = x + residual` in x's dtype (torch's
+    add), or `h = x` (returned as None) without a residual; with `quant_eps` also y's 1x128 FP8 quantization (bytes of
+    `fp8.kernels.quantize_1x128(y, eps=quant_eps)`), from the same kernel: q `[rows, N]`, scales `[rows, N / 128]` FP32
+    column-major with `scale_rows` (>= rows; vLLM's DeepGEMM wants a multiple of 4) between columns; else q, s are
+    None. x, residual `[..., N]` of one dtype and shape, residual contiguous; N % 128 == 0 to quantize."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
         raise ValueError(f"add_rms_norm takes a contiguous residual of x's shape and dtype, got {tuple(residual.shape)} "
                          f"{residual.dtype} (contiguous: {residual.is_contiguous()}) for x {tuple(x.shape)} {x.dtype}")
     x4, n_rows, b, c, (sa, sb, sc) = _rows4(x)
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    q = s = None
+    if quant_eps is not None:
+        scale_rows = n_rows if scale_rows is None else scale_rows
+        if n % 128 or scale_rows < n_rows:
+            raise ValueError(f"rms_norm_quant quantizes rows of a multiple of 128 with scale_rows >= rows; got N={n}, "
+                             f"{n_rows} rows, scale_rows={scale_rows}")
+        q = torch.empty((n_rows, n), dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty_strided((n_rows, n // 128), (1, scale_rows), dtype=torch.float32, device=x.device)
     block_r, block_n, warps = _blocks(n)
     if n_rows:
-        _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, residual, h, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
-                                                  BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=True, num_warps=warps)
-    return y, h
+        _k()["rms_fwd"][(-(-n_rows // block_r),)](
+            x4, weight, y, r, x4 if h is None else residual, x4 if h is None else h, n_rows, n, 1.0 / n, b, c, sa, sb, sc,
+            float(eps), y if q is None else q, r if s is None else s, 0 if s is None else s.stride(0),
+            0 if s is None else s.stride(1), 0.0 if quant_eps is None else float(quant_eps),
+            BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=h is not None, QUANT=q is not None, num_warps=warps)
+    return y, h, q, s
 
 
 def rope_at(t, cos, sin, positions):

@@ -87,11 +87,11 @@ def _supported_cuda(index: int) -> bool:
 
 
 @functools.cache
-def _k():
-    """Build the kernels on first use (imports triton)."""
+def quant_math():
+    """The quantizer's Triton functions `(div_rn, scale_of, to_e4m3)`: the contract's FP32 steps, shared with the kernels
+    that quantize what they produce (`actor.glue_kernels`' RMSNorm for vLLM's FP8 linears)."""
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     @triton.jit
     def div_rn(a, b):
@@ -119,14 +119,27 @@ def _k():
         c = tl.where(v != v, v, c)
         return c.to(tl.float8e4nv)
 
+    return div_rn, scale_of, to_e4m3
+
+
+@functools.cache
+def _k():
+    """Build the kernels on first use (imports triton)."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    div_rn, scale_of, to_e4m3 = quant_math()
+
     @triton.jit
     def _quant_1x128(
         x_ptr, q_ptr, s_ptr, M, K,
         stride_xm, stride_qm, stride_sm, stride_sk,
-        eps,
+        eps, p_ptr, stride_pm,
         BLOCK_M: tl.constexpr, G: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
+        PRODUCT: tl.constexpr,
     ):
-        # one program: BLOCK_M rows x G consecutive 128-groups
+        # one program: BLOCK_M rows x G consecutive 128-groups; PRODUCT (with SWIGLU): the BF16 product is stored too
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -142,7 +155,14 @@ def _k():
                 u = tl.load(ptrs + K, mask=mask, other=0.0)
             g32 = g.to(tl.float32)
             act = div_rn(g32, 1.0 + libdevice.exp(-g32)).to(g.dtype)  # torch: x / (1 + expf(-x))
-            x = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+            prod = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+            if PRODUCT:
+                p_ptrs = p_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_k[None, :]
+                if EVEN:
+                    tl.store(p_ptrs, prod)
+                else:
+                    tl.store(p_ptrs, prod, mask=mask)
+            x = prod.to(tl.float32)
         else:
             if EVEN:
                 x = tl.load(ptrs).to(tl.float32)
@@ -510,12 +530,14 @@ QUANT_CFG = {
 
 
 def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None, groups=None,
-                   mode=None):
+                   mode=None, product=None, scale=None):
     """1x128 quantization of `x[..., K]` (bytes of `quantize_blockwise(x, (1, 128))`).
 
     Returns `(q, s)`: q `[..., K]` E4M3, s `[..., ceil(K/128)]` FP32; for 2-D input s has strides
-    (1, M) (outer-dim-major). With `swiglu=True`, x is `[..., 2I]` = [gate | up] and the quantized
-    tensor is `silu(gate) * up` rounded to x's dtype (see tests/gpu for the byte check against torch).
+    (1, M) (outer-dim-major), or those of `scale` when given (a preallocated `[M, ceil(K/128)]` FP32 output, e.g.
+    vLLM's TMA-aligned column-major layout). With `swiglu=True`, x is `[..., 2I]` = [gate | up] and the quantized
+    tensor is `silu(gate) * up` rounded to x's dtype (see tests/gpu for the byte check against torch), which is
+    also written to `product` (2-D `[M, I]` of x's dtype, unit stride along I) when given.
     """
     _check_args(x, scale_mode)
     shape = x.shape
@@ -526,8 +548,13 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
             raise ValueError(f"swiglu quantization needs an even last dim ([gate | up]), got {k}")
         k //= 2
     kb = -(-k // GROUP)
+    if product is not None and (not swiglu or tuple(product.shape) != (m, k) or product.dtype != x.dtype or product.stride(-1) != 1):
+        raise ValueError(f"product must be a [{m}, {k}] {x.dtype} tensor with unit stride along its last dim, for swiglu "
+                         f"quantization; got {tuple(product.shape)} {product.dtype} (swiglu={swiglu})")
+    if scale is not None and (len(shape) != 2 or tuple(scale.shape) != (m, kb) or scale.dtype != torch.float32):
+        raise ValueError(f"scale must be a [{m}, {kb}] float32 tensor for 2-D input, got {tuple(scale.shape)} {scale.dtype}")
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    s = _outer_major_empty(m, kb, x.device)
+    s = _outer_major_empty(m, kb, x.device) if scale is None else scale
     cfg = QUANT_CFG["1x128"]
     bm = block_m or cfg["block_m"]
     g = groups or cfg["groups"]
@@ -537,10 +564,11 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
     if mode == "cuda" and not (swiglu or block_m or num_warps or groups) and cuda_tiles.takes(x2, None, cols=False):
         cuda_tiles.quantize(x2, None, q, s, None, None, float(eps), scale_mode == "ue8m0")
     elif m and k:
+        p = q if product is None else product
         _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
-            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps), p, p.stride(0),
             BLOCK_M=bm, G=g, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
-            num_warps=num_warps or cfg["num_warps"],
+            PRODUCT=product is not None, num_warps=num_warps or cfg["num_warps"],
         )
     out_shape = shape[:-1] + (k,)
     if check_finite and not bool(torch.isfinite(s).all()):

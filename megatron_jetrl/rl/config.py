@@ -283,6 +283,13 @@ class RolloutConfig:
     with model.spec=te, whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the
     glue does not replace."""
 
+    vllm_fused_quant: bool = False
+    """vLLM only, with the trainer's glue, an FP8 rollout and FP32 scales: the decoder layers' RMSNorm and SiLU-and-mul
+    kernels also write the FP8 bytes and scales of their output, which the FP8 linear after them then reads instead of
+    quantizing again (three launches fewer per layer and decode step; the same bytes, checked at start-up:
+    `rollout/vllm_glue.py`). Off by default until its current kernel has run on a GPU (BENCHMARKS.md, session 23:
+    decode 1.05x faster at Qwen3-8B shapes with the first version, which the start-up check refused at hidden 1024)."""
+
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
         _check(self.num_engines >= 1 and self.n >= 1, "rollout.num_engines and rollout.n must be >= 1")

@@ -131,7 +131,7 @@ def start_vllm_pool(s: "Session") -> None:
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
-                        glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec))
+                        glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 

@@ -434,11 +434,13 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
     def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
-                 verify_numerics: bool = True, glue: str = "auto", **llm_extra):
+                 verify_numerics: bool = True, glue: str = "auto", fused_quant: bool = False, **llm_extra):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
         own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
         `glue` (`resolve_glue`): with the trainer's, vLLM runs the trainer's RMSNorm and RoPE (`rollout.vllm_glue`)
-        and the engine refuses to start unless layer 0's modules then return the trainer's bytes."""
+        and the engine refuses to start unless layer 0's modules then return the trainer's bytes. `fused_quant`
+        (with the trainer's glue, FP8 rollout, FP32 scales; `rollout.vllm_fused_quant`): the norms and SiLU also write
+        the FP8 input of the linear after them (`vllm_glue.configure`), checked the same way."""
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
@@ -454,6 +456,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
         if glue == "trainer":
             vllm_glue.register()
+            fused = fused_quant and flow.rollout_fp8 and flow.scale_mode == "fp32"
+            vllm_glue.configure(flow.eps if fused else None, self.arch.hidden_size)
         elif vllm_glue.registered():
             raise RuntimeError("an engine with vLLM's glue was asked for, but this process registered the trainer's in "
                                "vLLM's op registry (global to the process): start it in a fresh process")
@@ -486,13 +490,21 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         from megatron_jetrl.rollout import vllm_glue
 
         layer = self.model.model.layers[0]
-        shares = vllm_glue.probe(layer, self.arch, next(self.model.parameters()).device)
+        device = next(self.model.parameters()).device
+        shares = vllm_glue.probe(layer, self.arch, device)
         if glue == "trainer" and verify and any(shares.values()):
             raise EngineConformanceError(
                 "vLLM does not run the trainer's glue although rollout.glue=trainer: outputs that differ from the "
                 f"trainer's functions {shares} (modules {type(layer.input_layernorm).__name__}, "
                 f"{type(layer.self_attn.rotary_emb).__name__})")
-        return {"mode": glue, "differ": shares}
+        fused = None
+        if glue == "trainer" and getattr(layer.input_layernorm, "quant_eps", None) is not None:
+            fused = vllm_glue.probe_fused(layer, self.arch, device)
+            if verify and (fused["mlp_took_stash"] != 1.0 or any(v for k, v in fused.items() if k != "mlp_took_stash")):
+                raise EngineConformanceError(
+                    "the FP8 activation quantization fused into vLLM's norm and SiLU does not give the quantizer's bytes "
+                    f"or is not taken by the linear ({fused}): run with rollout.vllm_fused_quant=false and report this")
+        return {"mode": glue, "differ": shares, "fused_quant": fused}
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:

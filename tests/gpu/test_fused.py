@@ -212,6 +212,33 @@ def test_rms_norm_on_a_strided_view():
         assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 128, 513, 4099])
+@pytest.mark.parametrize("width", [4096, 2048, 1536, 1024, 640])
+def test_norm_with_fused_quantization_writes_the_norm_and_the_quantizers_bytes(tokens, width):
+    """`glue_kernels.rms_norm_quant` (vLLM's fused norm + FP8 activation quantization, `rollout.vllm_glue`): y and h are
+    the unfused kernels' bits, q and s the quantizer's bytes of y, s in the given column stride; with a zero row (the
+    eps floor), a tiny group and a non-finite row. Widths below 4096 put several rows in one program: a first version
+    that reshaped y in registers summed those rows in another order (2e-5 of y's bits at width 1024, vLLM engine)."""
+    from megatron_jetrl.actor.glue_kernels import rms_norm_quant
+    from megatron_jetrl.fp8 import kernels
+
+    x = (torch.randn(tokens, width, device=DEV, generator=gen(21)) * 3).bfloat16()
+    r = (torch.randn(tokens, width, device=DEV, generator=gen(22)) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(width, device=DEV, generator=gen(23))).bfloat16()
+    if tokens > 3:
+        x[1], r[1] = 0.0, 0.0
+        w[:128] = 1e-30
+        x[3, 5] = float("inf")
+    rows = -(-tokens // 4) * 4
+    for residual in (None, r):
+        y, h, q, s = rms_norm_quant(x, residual, w, 1e-6, 1e-10, rows)
+        want_y, want_h = (fused.fused_rms_norm(x, w, 1e-6), None) if residual is None else fused.fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)) and (h is None or torch.equal(h, want_h))
+        wq, ws = kernels.quantize_1x128(y, eps=1e-10, check_finite=False)
+        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and s.stride() == (1, rows)
+        assert torch.equal(s.contiguous().view(torch.int32), ws.contiguous().view(torch.int32))
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 128, 513])
 def test_rollout_glue_kernels_equal_their_two_step_forms(tokens):
     """The vLLM trainer-glue kernels are bit for bit the steps they fuse: `add_rms_norm` = (fused_rms_norm(x + r),

@@ -348,6 +348,26 @@ def test_swiglu_fused_quantization_equals_quantizing_torch_swiglu(dtype):
         assert same(q, rq) and same_scales(s, rs), (m, n)
 
 
+def test_swiglu_quantization_also_writes_the_product_into_a_given_scale_layout():
+    """vLLM's fused SiLU-and-mul (`rollout.vllm_glue.silu_mul_quant`): the BF16 product torch gives, its quantizer
+    bytes, and the scales in the preallocated TMA-aligned column-major buffer (rows rounded up to 4 apart)."""
+    k = kernels()
+    for i, (m, n) in enumerate([(1, 128), (6, 256), (100, 384), (128, 1536)]):
+        gu = torch.randn(m, 2 * n, device=DEV, generator=gen(990 + i)).mul(3).to(torch.bfloat16)
+        if m > 3:
+            gu[2, :128] = 0.0  # a zero group: the eps floor
+            gu[3, n:n + 128] = float("inf")  # silu * inf: a non-finite group, NaN/inf scale like the reference's
+        out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        buf = torch.empty_strided((m, n // 128), (1, -(-m // 4) * 4), device=DEV, dtype=torch.float32)
+        q, s = k.swiglu_quantize_1x128(gu, check_finite=False, product=out, scale=buf)
+        h = F.silu(gu[:, :n]) * gu[:, n:]
+        rq, rs = quantize_blockwise(h, (1, 128), check_finite=False)
+        assert s is buf and torch.equal(out.view(torch.int16), h.view(torch.int16))
+        assert same(q, rq) and same_scales(s, rs), (m, n)
+    with pytest.raises(ValueError, match="product must be"):
+        k.swiglu_quantize_1x128(gu, product=torch.empty(m, n + 1, device=DEV, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_swiglu_fused_quantization_on_adversarial_groups(mode):
     """The SwiGLU-fused quantizer divides BF16 products with one Markstein correction where every group of a program

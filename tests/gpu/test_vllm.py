@@ -31,7 +31,8 @@ ENGINE = {**dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0
           **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}"))}
 """`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
 (JSON) overrides them, e.g. '{"enforce_eager": false}': the whole module with full decode CUDA graphs (the default
-glue is the trainer's), or '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE."""
+glue is the trainer's), '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE, or '{"fused_quant": true}': with the FP8
+activation quantization fused into the trainer's norm and SiLU (`rollout.vllm_fused_quant`)."""
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,13 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
 
         assert not any(glue["differ"].values())
         assert not any(vllm_glue.probe(engine.model.model.layers[-1], arch, "cuda").values())
+        # with JETRL_VLLM_TEST_ENGINE='{"fused_quant": true}': the FP8 activation quantization fused into the norm and
+        # SiLU gives the quantizer's bytes and the linear takes them (else the engine has no such modules)
+        if ENGINE.get("fused_quant"):
+            want = {"norm_quant": 0.0, "silu_mul_quant": 0.0, "mlp_took_stash": 1.0, "mlp_output": 0.0}
+            assert glue["fused_quant"] == want and vllm_glue.probe_fused(engine.model.model.layers[-1], arch, "cuda") == want
+        else:
+            assert glue["fused_quant"] is None
         if not ENGINE["enforce_eager"]:
             assert engine.numerics["compilation"]["cudagraph_mode"].endswith("FULL_DECODE_ONLY")
     else:

@@ -118,3 +118,46 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
     both.self_attn.rotary_emb.forward_native = bf16_rope
     assert vllm_glue.probe(both, arch, torch.device("cpu")) == ours
     assert vllm_glue.probe(both, arch, torch.device("cpu"), method="forward_native") == theirs
+
+
+class Quant:
+    """The attributes of vLLM's QuantFP8 that `take` reads: DeepGEMM's dynamic 1x128 quantizer, column-major
+    TMA-aligned FP32 scales."""
+
+    def __init__(self, **kw):
+        self.is_group_quant, self.static, self.group_size, self.use_ue8m0 = True, False, 128, False
+        self.column_major_scales, self.tma_aligned_scales = True, True
+        self.__dict__.update(kw)
+
+
+def _stashed(rows=6, width=256):
+    y = torch.randn(rows, width).bfloat16()
+    q = torch.zeros(rows, width, dtype=torch.float8_e4m3fn)
+    s = torch.empty_strided((rows, width // 128), (1, vllm_glue.tma_rows(rows)), dtype=torch.float32)
+    vllm_glue.stash(y, q, s)
+    return y, q, s
+
+
+def test_a_linear_takes_the_stash_only_for_the_stashed_tensor_unchanged_and_a_matching_quantizer():
+    assert [vllm_glue.tma_rows(r) for r in (1, 4, 6, 128)] == [4, 4, 8, 128]
+    y, q, s = _stashed()
+    hits = vllm_glue.FUSED_QUANT["hits"]
+    assert vllm_glue.take(torch.randn(6, 256).bfloat16(), Quant()) is None  # another tensor: vLLM quantizes it
+    for op in (Quant(use_ue8m0=True), Quant(static=True), Quant(group_size=64), Quant(column_major_scales=False),
+               Quant(tma_aligned_scales=False), Quant(is_group_quant=False)):
+        assert vllm_glue.take(y.view(-1, 256), op) is None  # another layout or format than the stash's
+    with vllm_glue.unfused():
+        assert vllm_glue.take(y.view(-1, 256), Quant()) is None
+    got = vllm_glue.take(y.view(-1, 256), Quant())  # the linear's 2-D view of the norm's output
+    assert got is not None and got[0] is q and got[1] is s and vllm_glue.FUSED_QUANT["hits"] == hits + 1
+    assert vllm_glue.take(y.view(-1, 256), Quant()) is None  # taken once
+    y, q, s = _stashed()
+    y.mul_(2)  # changed after it was quantized
+    assert vllm_glue.take(y, Quant()) is None
+    y, q, s = _stashed(rows=8)  # 8 rows: TMA-aligned and plain column-major scales are the same layout
+    assert vllm_glue.take(y, Quant(tma_aligned_scales=False))[1] is s
+    y, q, s = _stashed()
+    assert vllm_glue.take(y[1:], Quant()) is None  # a slice starts elsewhere
+    with torch.inference_mode():  # vLLM's tensors: no version counter to compare, the rest still checked
+        y, q, s = _stashed()
+        assert vllm_glue.take(y[:, :128], Quant()) is None and vllm_glue.take(y.view(-1, 256), Quant())[0] is q
