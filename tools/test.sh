@@ -10,4 +10,9 @@ export JETRL_WHEEL_CACHE=${JETRL_WHEEL_CACHE:-.cache/wheels}
 if ! ls "$JETRL_WHEEL_CACHE"/transformer_engine-2.20.2-*.whl >/dev/null 2>&1; then
   "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps transformer-engine==2.20.2 -d "$JETRL_WHEEL_CACHE"
 fi
+# The GPU machine's Triton (its wheel carries ptxas): tests/unit/test_triton_kernels_source.py compiles the fused
+# quantization kernels for sm_90 with it, unpacked beside the cache (never installed into .venv: torch stays CPU).
+if ! ls "$JETRL_WHEEL_CACHE"/triton-3.6.0-*.whl >/dev/null 2>&1; then
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps triton==3.6.0 -d "$JETRL_WHEEL_CACHE"
+fi
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

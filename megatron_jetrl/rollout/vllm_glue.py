@@ -47,7 +47,11 @@ _stash: tuple | None = None
 
 def configure(quant_eps: float | None, hidden_size: int | None = None) -> None:
     """Fuse the FP8 activation quantization (eps of the flow's quantizer) into the RMSNorms of width `hidden_size` and
-    SiluAndMul of the engine built next, or not (None). Read when vLLM constructs the modules."""
+    SiluAndMul of the engine built next, or not (None). Read when vLLM constructs the modules. Widths below 256 are
+    not fused: there the norm's program holds 32 rows and tools/check_triton_kernels.py finds that the fused kernel
+    does not compile the norm as the plain one does."""
+    if hidden_size is not None and (hidden_size < 256 or hidden_size % 128):
+        quant_eps = None
     FUSED_QUANT.update(eps=quant_eps, hidden_size=hidden_size)
 
 
