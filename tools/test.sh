@@ -12,7 +12,8 @@ if ! ls "$JETRL_WHEEL_CACHE"/transformer_engine-2.20.2-*.whl >/dev/null 2>&1; th
 fi
 # The GPU machine's Triton (its wheel carries ptxas): tests/unit/test_triton_kernels_source.py compiles the fused
 # quantization kernels for sm_90 with it, unpacked beside the cache (never installed into .venv: torch stays CPU).
-if ! ls "$JETRL_WHEEL_CACHE"/triton-3.6.0-*.whl >/dev/null 2>&1; then
-  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps triton==3.6.0 -d "$JETRL_WHEEL_CACHE"
+if ! ls "$JETRL_WHEEL_CACHE"/triton-3.6.0-*.whl >/dev/null 2>&1; then  # 188 MB: a failed download skips that test, said
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps triton==3.6.0 -d "$JETRL_WHEEL_CACHE" \
+    || echo "tools/test.sh: could not download triton==3.6.0; tests/unit/test_triton_kernels_source.py will be skipped" >&2
 fi
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
