@@ -213,8 +213,9 @@ def registered() -> bool:  # pragma: no cover - needs vLLM
 
 
 def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers.py --glue trainer)
-    """Register the two classes in vLLM's out-of-tree registry. Call it once, after the environment is pinned and
-    before any engine is built."""
+    """Register the trainer's RMSNorm, RotaryEmbedding and SiluAndMul, and the QuantFP8 that takes a stash, in vLLM's
+    out-of-tree registry. Call it once, after the environment is pinned and before any engine is built; the fusion
+    itself follows `configure` per engine (off: the last two behave as vLLM's own)."""
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
