@@ -143,40 +143,55 @@ def decode_category(kernel: str) -> str:
     return next((c for c, keys in DECODE_CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def _kernels(run) -> tuple[dict[str, float], float]:
-    """Kernel ms by name and the ms some kernel ran (overlaps merged) of one profiled `run()`."""
+GAP_BINS_US = (4, 20, 200)
+"""Upper edges of the idle-gap bins (us) in decode_profile: back-to-back kernels of one graph, short launches, host."""
+
+
+def _kernels(run) -> tuple[dict[str, float], float, list[float]]:
+    """Kernel ms by name, the ms some kernel ran (overlaps merged) and the idle ms between kernels per GAP_BINS_US bin
+    (and above the last) of one profiled `run()`."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ivs = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                 if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns())
+    return kernel_timeline(sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                                  if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()))
+
+
+def kernel_timeline(ivs: list[tuple[int, int, str]]) -> tuple[dict[str, float], float, list[float]]:
+    """_kernels' sums over (start ns, end ns, name) intervals sorted by start."""
     by_name: dict[str, float] = {}
+    gaps = [0.0] * (len(GAP_BINS_US) + 1)
     busy, cur = 0, None
     for start, end, name in ivs:
         by_name[name] = by_name.get(name, 0.0) + (end - start) / 1e6
         if cur is None or start > cur[1]:
-            busy += 0 if cur is None else cur[1] - cur[0]
+            if cur is not None:
+                busy += cur[1] - cur[0]
+                gap_us = (start - cur[1]) / 1e3
+                gaps[sum(gap_us >= edge for edge in GAP_BINS_US)] += gap_us / 1e3
             cur = [start, end]
         cur[1] = max(cur[1], end)
     busy += 0 if cur is None else cur[1] - cur[0]
-    return by_name, busy / 1e6
+    return by_name, busy / 1e6, gaps
 
 
 def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> dict:
     """Where one decode step's time goes: torch.profiler over a generate of `steps` new tokens minus one of 2 (prefill
-    and the first token cancel), per decode step: wall ms, GPU-busy ms, kernel ms by category and the top kernels."""
+    and the first token cancel), per decode step: wall ms, GPU-busy ms, kernel ms by category, the top kernels, and
+    the GPU's idle ms by gap length (gaps of a few us sit between the kernels of one CUDA graph; long ones wait on
+    the host)."""
     per = {}
     for new in (2, steps):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=seed)
         engine.generate(prompts, sampling)  # warm: this batch and length's graphs and JIT
         wall = min(timed(lambda: engine.generate(prompts, sampling)) for _ in range(2))
-        kernels, busy = _kernels(lambda: engine.generate(prompts, sampling))
-        per[new] = (wall * 1e3, busy, kernels)
+        kernels, busy, gaps = _kernels(lambda: engine.generate(prompts, sampling))
+        per[new] = (wall * 1e3, busy, kernels, gaps)
     n = steps - 2
-    (w2, b2, k2), (w, b, k) = per[2], per[steps]
+    (w2, b2, k2, g2), (w, b, k, g) = per[2], per[steps]
     names = set(k) | set(k2)
     step_k = {name: (k.get(name, 0.0) - k2.get(name, 0.0)) / n for name in names}
     cats: dict[str, float] = {}
@@ -184,12 +199,20 @@ def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> di
         cats[decode_category(name)] = cats.get(decode_category(name), 0.0) + ms
     top = sorted(step_k.items(), key=lambda kv: -kv[1])[:12]
     return {"batch": len(prompts), "steps": n, "wall_ms": (w - w2) / n, "busy_ms": (b - b2) / n,
-            "kernel_ms": sum(step_k.values()), "categories": cats, "top": [[name[:120], ms] for name, ms in top]}
+            "kernel_ms": sum(step_k.values()), "categories": cats, "top": [[name[:120], ms] for name, ms in top],
+            "idle_ms_by_gap_us": {label: (g[i] - g2[i]) / n for i, label in enumerate(_gap_labels())}}
+
+
+def _gap_labels() -> list[str]:
+    edges = (0, *GAP_BINS_US)
+    return [f"{lo}-{hi}" for lo, hi in zip(edges, edges[1:])] + [f">{GAP_BINS_US[-1]}"]
 
 
 def print_decode_profile(tag: str, p: dict) -> None:
     print(f"[{tag}] decode step at batch {p['batch']} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
           f"{p['busy_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms", flush=True)
+    idle = ", ".join(f"{label} us {ms:.3f}" for label, ms in p.get("idle_ms_by_gap_us", {}).items())
+    print(f"[{tag}]   GPU idle ms by gap length: {idle}", flush=True)
     for cat, ms in sorted(p["categories"].items(), key=lambda kv: -kv[1]):
         print(f"[{tag}]   {cat:<12} {ms:8.3f} ms", flush=True)
     for name, ms in p["top"]:

@@ -344,7 +344,7 @@ def test_decode_profile_differences_two_generates_into_one_decode_step(monkeypat
     def kernels(run):  # prefill 5 ms of GEMM; each decode step 2 ms GEMM + 1 ms attention; 10 ms busy per step
         run()
         steps = new_tokens[-1] - 1
-        return {"nvjet_gemm": 5.0 + 2.0 * steps, "flash_fwd": 1.0 * steps}, 10.0 * steps
+        return {"nvjet_gemm": 5.0 + 2.0 * steps, "flash_fwd": 1.0 * steps}, 10.0 * steps, [0.5 * steps, 0, 0, 1.0 + 0.25 * steps]
 
     monkeypatch.setattr(bench, "_kernels", kernels)
     monkeypatch.setattr(bench, "timed", lambda fn: (fn(), 0.004 * new_tokens[-1])[1])  # 4 ms per generated token
@@ -353,3 +353,21 @@ def test_decode_profile_differences_two_generates_into_one_decode_step(monkeypat
     assert p["wall_ms"] == pytest.approx(4.0) and p["busy_ms"] == pytest.approx(10.0) and p["kernel_ms"] == pytest.approx(3.0)
     assert p["categories"] == pytest.approx({"GEMM BF16": 2.0, "attention": 1.0})
     assert [name for name, _ in p["top"]] == ["nvjet_gemm", "flash_fwd"]
+    assert p["idle_ms_by_gap_us"] == pytest.approx({"0-4": 0.5, "4-20": 0.0, "20-200": 0.0, ">200": 0.25})
+
+
+def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
+    """bench_vllm.kernel_timeline: busy time merges overlapping kernels; each idle gap lands in its length's bin."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    us = 1000
+    ivs = [(0, 10 * us, "a"), (5 * us, 12 * us, "b"), (14 * us, 20 * us, "a"),  # overlap, then a 2 us gap
+           (30 * us, 40 * us, "c"), (540 * us, 541 * us, "a")]  # a 10 us gap, then a 500 us gap
+    by_name, busy_ms, gaps = bench.kernel_timeline(ivs)
+    assert by_name == pytest.approx({"a": 0.017, "b": 0.007, "c": 0.010})
+    assert busy_ms == pytest.approx(0.029)
+    assert gaps == pytest.approx([0.002, 0.010, 0.0, 0.500])
