@@ -19,9 +19,10 @@ Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes an
 `--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/rollout_report.py
 puts each variant in its own column):
 * shipped: the engine as the trainer builds it (numerics pinned and checked; `rollout.glue: auto`, i.e. the trainer's
-  RMSNorm and RoPE, full CUDA graphs of decode steps, no torch.compile);
-* fused-quant (jetrl only): the shipped engine with the activation quantization of the FP8 linears after the norms
-  and SiLU done by those kernels (`rollout.vllm_fused_quant=true`; same bytes, still checked at start-up);
+  RMSNorm and RoPE, full CUDA graphs of decode steps, no torch.compile; in jetrl the norms and SiLU write the FP8
+  input of the linear after them, `rollout.vllm_fused_quant`);
+* unfused-quant (jetrl only): the shipped engine with vLLM's own quantizer kernel before each FP8 linear, instead of
+  the norms and SiLU writing the FP8 input (`rollout.vllm_fused_quant=false`; same bytes, still checked at start-up);
 * vllm-glue: vLLM's own RMSNorm and RoPE (`rollout.glue: vllm`) in its compiled engine (torch.compile, the
   byte-changing fusion passes off; the start-up check still runs): the shipped engine before session 17;
 * fused (jetrl only): vLLM's default compilation with its own glue, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
@@ -93,7 +94,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "fused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "unseeded")
+VARIANTS = ("shipped", "unfused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "unseeded")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -112,10 +113,10 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         return {"env": {"VLLM_USE_DEEP_GEMM": "0"}}, True
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
-    if variant == "fused-quant":
+    if variant == "unfused-quant":
         if mode != "jetrl":
-            raise ValueError("--variant fused-quant changes where FP8 activations are quantized: it applies to --mode jetrl only")
-        return {"fused_quant": True}, True
+            raise ValueError("--variant unfused-quant changes where FP8 activations are quantized: it applies to --mode jetrl only")
+        return {"fused_quant": False}, True
     return {}, True
 
 

@@ -283,12 +283,13 @@ class RolloutConfig:
     with model.spec=te, whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the
     glue does not replace."""
 
-    vllm_fused_quant: bool = False
+    vllm_fused_quant: bool = True
     """vLLM only, with the trainer's glue, an FP8 rollout and FP32 scales: the decoder layers' RMSNorm and SiLU-and-mul
     kernels also write the FP8 bytes and scales of their output, which the FP8 linear after them then reads instead of
     quantizing again (three launches fewer per layer and decode step; the same bytes, checked at start-up:
-    `rollout/vllm_glue.py`). Off by default until its current kernel has run on a GPU (BENCHMARKS.md, session 23:
-    decode 1.05x faster at Qwen3-8B shapes with the first version, which the start-up check refused at hidden 1024)."""
+    `rollout/vllm_glue.py`). Decode at Qwen3-8B shapes, batch 128: 1.05x faster than without it (H200, session 23),
+    1.22x vLLM BF16 with it (H100, session 24; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
+    the same bytes."""
 
     def __post_init__(self):
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")

@@ -16,7 +16,8 @@ that memory costs time in proportion to its size, every step, so the KV cache is
 an engine never holds more than its share of the step's sequences (`max_num_seqs`), each at most `max_model_len`
 tokens long (`kv_cache_need`), and at most a fraction of the memory free when it starts (`kv_cache_bytes`). The
 trainer's cached allocator blocks are handed back before a wake (`torch.cuda.empty_cache`, which makes the
-trainer's next phase allocate again) only when the free memory is short of what the engine's last sleep released.
+trainer's next phase allocate again) only when the free memory is short of what the engine's last sleep released
+(vLLM 0.26's sleep itself empties torch's cache once, after it unmaps).
 """
 
 from __future__ import annotations
@@ -140,15 +141,12 @@ class ColocatedPool:
         self.sync(weights)
 
     def sleep(self) -> None:
-        """The engine's sleep; its seconds (`sleep_seconds`) and the device memory it released (`wake_bytes`, what
-        the next wake maps again)."""
-        cuda = torch.cuda.is_initialized()
-        before = torch.cuda.mem_get_info()[0] if cuda else 0
+        """The engine's sleep; its seconds (`sleep_seconds`) and the device memory it releases (`wake_bytes`, what
+        the next wake maps again, as the engine's allocator counts it)."""
+        self.wake_bytes = self.engine.mapped_bytes()
         start = time.perf_counter()
         self.engine.sleep()
         self.sleep_seconds = time.perf_counter() - start
-        if cuda:
-            self.wake_bytes = max(0, torch.cuda.mem_get_info()[0] - before)
 
     def wake(self) -> None:
         self.engine.wake()

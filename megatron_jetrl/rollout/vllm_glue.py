@@ -19,7 +19,7 @@ default): the kernels sit behind autograd Functions that Dynamo does not trace.
 layer-0 modules now return the trainer's bytes. `norm` and `rope` are tested on the CPU against the trainer's
 functions (tests/unit/test_rollout_vllm_glue.py); `tools/diag_vllm_layers.py --glue trainer` measures the effect.
 
-Fused activation quantization (`rollout.vllm_fused_quant`, off by default; FP8 engines with FP32 scales, `configure`):
+Fused activation quantization (`rollout.vllm_fused_quant`, on by default; FP8 engines with FP32 scales, `configure`):
 vLLM's FP8 linear quantizes its BF16 input in a kernel of its own (`QuantFP8`, 1x128 groups, our bytes), a launch per
 linear per step that the norm or SiLU kernel before it could do while the row is in registers. The decoder layers'
 RMSNorms and `SiluAndMul` then also write the 1x128 bytes and scales of the BF16 output they return (the quantizer's

@@ -31,8 +31,8 @@ ENGINE = {**dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0
           **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}"))}
 """`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
 (JSON) overrides them, e.g. '{"enforce_eager": false}': the whole module with full decode CUDA graphs (the default
-glue is the trainer's), '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE, or '{"fused_quant": true}': with the FP8
-activation quantization fused into the trainer's norm and SiLU (`rollout.vllm_fused_quant`)."""
+glue is the trainer's), '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE, or '{"fused_quant": false}': with vLLM's
+own activation quantizer instead of the trainer's norm and SiLU writing the FP8 input (`rollout.vllm_fused_quant`)."""
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +80,9 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
 
         assert not any(glue["differ"].values())
         assert not any(vllm_glue.probe(engine.model.model.layers[-1], arch, "cuda").values())
-        # with JETRL_VLLM_TEST_ENGINE='{"fused_quant": true}': the FP8 activation quantization fused into the norm and
-        # SiLU gives the quantizer's bytes and the linear takes them (else the engine has no such modules)
-        if ENGINE.get("fused_quant"):
+        # the FP8 activation quantization fused into the norm and SiLU (the default) gives the quantizer's bytes and
+        # the linear takes them; with JETRL_VLLM_TEST_ENGINE='{"fused_quant": false}' the engine has no such modules
+        if ENGINE.get("fused_quant", True):
             want = {"norm_quant": 0.0, "silu_mul_quant": 0.0, "mlp_took_stash": 1.0, "mlp_output": 0.0}
             assert glue["fused_quant"] == want and vllm_glue.probe_fused(engine.model.model.layers[-1], arch, "cuda") == want
         else:

@@ -287,9 +287,9 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
         bench.variant_settings("cutlass-gemm", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
         bench.variant_settings("fast", "jetrl")
-    assert bench.variant_settings("fused-quant", "jetrl") == ({"fused_quant": True}, True)  # same bytes: still checked
+    assert bench.variant_settings("unfused-quant", "jetrl") == ({"fused_quant": False}, True)  # same bytes: still checked
     with pytest.raises(ValueError, match="applies to --mode jetrl only"):
-        bench.variant_settings("fused-quant", "bf16")
+        bench.variant_settings("unfused-quant", "bf16")
     # unseeded: the shipped engine; its decode runs pass no seed, so the pool sends no per-request seeds
     assert bench.variant_settings("unseeded", "bf16") == ({}, True)
     assert bench.sampling_seed("unseeded") is None and bench.sampling_seed("shipped") == 1
