@@ -81,6 +81,14 @@ def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[s
     return out
 
 
+def deep_gemm_cache_dir() -> Path:
+    """Where DeepGEMM keeps its JIT-compiled kernels in a vLLM process: DG_JIT_CACHE_DIR, which vLLM 0.26 sets to
+    $VLLM_CACHE_ROOT/deep_gemm when unset (`vllm/utils/deep_gemm.py`; VLLM_CACHE_ROOT defaults to
+    $XDG_CACHE_HOME/vllm, else ~/.cache/vllm). Its kernel count before the engine starts tells a cold start from a warm one."""
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "vllm")
+    return Path(os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(root, "deep_gemm")).expanduser()
+
+
 def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -263,8 +271,8 @@ def main(argv=None) -> dict:
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
     res = {"mode": a.mode, "variant": a.variant, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(), "prompt": a.prompt,
-           "new_tokens": a.new,
-           "deep_gemm_cache_entries": len(list(Path.home().glob(".deep_gemm/**/*.cubin")))}
+           "new_tokens": a.new, "deep_gemm_cache": str(deep_gemm_cache_dir()),
+           "deep_gemm_cache_entries": len(list(deep_gemm_cache_dir().glob("**/*.cubin")))}
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, flow, eos_token_ids=[config["eos_token_id"]], seed=0,
@@ -284,7 +292,7 @@ def main(argv=None) -> dict:
     res["pool_cycle_parts"] = pool.last_sync.parts
     del batch
     torch.cuda.empty_cache()
-    print(f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s, sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
+    print(f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s ({res['deep_gemm_cache_entries']} DeepGEMM kernels cached before it), sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
           f"copy {res['copy_GBps']:.0f} GB/s), pool cycle {res['pool_cycle_s']:.3f} s", flush=True)
 
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 training speed on the GPU machine (issue 14): kits, GPU tests and the FP8 benchmarks, from the repo root.
 #
-#   bash tools/gpu_fp8.sh STAGE...      STAGE: setup | tests | bench     e.g. bash tools/gpu_fp8.sh setup tests bench
+#   bash tools/gpu_fp8.sh STAGE...      STAGE: setup | tests | bench | jit-save     e.g. bash tools/gpu_fp8.sh setup tests bench
 #
 # carry (device tool), ~37 MiB with the repo (< 64 MiB):
 #   [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
@@ -12,6 +12,8 @@
 #   setup  DeepGEMM 2.5.0 (vLLM 0.26's bundle) -> /tmp/dg; Transformer Engine 2.20.2 (if .kits/te is here) ->
 #          /tmp/te-site through .kits/te/bin/build.sh (prebuilt extension, sm90 core, ends with check.sh);
 #          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a warm machine already has.        ~1-2 min
+#          Also loads carried DeepGEMM kernels (.cache/jit/deep_gemm_jit.tgz, tools/jit_cache.sh)
+#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/jit_cache.sh)
 #   tests  tools/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
 #   bench  tools/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
 #          tools/bench_actor.py (whole actor step, jetrl vs bf16) -> $OUT/bench_actor.{json,log}      ~3-5 min
@@ -29,7 +31,7 @@ OUT=${OUT:-$repo/out/gpu_fp8}
 mkdir -p "$OUT"
 [ $# -gt 0 ] || { echo "usage: bash tools/gpu_fp8.sh STAGE... (setup | tests | bench)"; exit 2; }
 for stage in "$@"; do
-  case $stage in setup|tests|bench) ;; *) echo "unknown stage $stage (setup | tests | bench)"; exit 2 ;; esac
+  case $stage in setup|tests|bench|jit-save) ;; *) echo "unknown stage $stage (setup | tests | bench | jit-save)"; exit 2 ;; esac
 done
 T_END=$(( $(date +%s) + ${TOTAL_TIMEOUT:-560} ))
 
@@ -48,6 +50,7 @@ environment() {  # the paths setup fills; TE's env.sh only once TE is installed
 
 setup() {
   local t
+  bash tools/jit_cache.sh load
   if [ -f .kits/deep_gemm/deep_gemm.tar.xz ]; then
     if [ -f /tmp/dg/deep_gemm/__init__.py ]; then echo "DeepGEMM: already in /tmp/dg"
     else mkdir -p /tmp/dg && tar -xJf .kits/deep_gemm/deep_gemm.tar.xz -C /tmp/dg && echo "DeepGEMM: unpacked into /tmp/dg"; fi
@@ -130,6 +133,7 @@ for stage in "$@"; do
         failed bench_actor "${PIPESTATUS[0]}" "$t"
       fi
       recap ;;
+    jit-save) bash tools/jit_cache.sh save "$OUT" || rc=1 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
 done

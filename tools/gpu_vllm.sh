@@ -2,7 +2,7 @@
 # vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
 # and math-verify wheels, installed once into /tmp/mcore):
 #
-#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native | diag
+#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native | diag | jit-save
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
@@ -18,6 +18,9 @@
 #           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
+#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/jit_cache.sh: keep it as
+#           .cache/jit/deep_gemm_jit.tgz and carry ".cache/jit": this script loads it first, so a fresh machine's FP8
+#           engine starts warm)
 #   diag    tools/diag_vllm_layers.py (8 layers, hidden 2048) with vLLM's own glue, then with the trainer's
 #           (--glue trainer: rollout/vllm_glue.py) -> $OUT/diag_{vllm,trainer}.log; each run gets DIAG_TIMEOUT s
 #           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
@@ -36,6 +39,7 @@ if ! PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatro
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
 fi
 export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+bash tools/jit_cache.sh load
 
 for stage in "$@"; do
   t0=$(date +%s)
@@ -63,6 +67,7 @@ for stage in "$@"; do
           > "$OUT/diag_$glue.log" 2>&1
         echo "glue $glue: exit $?"; grep -E "^\||prompt logprobs|Error" "$OUT/diag_$glue.log" | grep -v INFO
       done ;;
+    jit-save) bash tools/jit_cache.sh save "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"

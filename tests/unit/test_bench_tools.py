@@ -100,3 +100,28 @@ def test_bench_host_without_cuda_exits_2_in_one_line():
     one_line(run(sys.executable, "tools/bench_host.py"), 2, "bench_host.py: needs a CUDA GPU")
     r = run(sys.executable, "tools/bench_host.py", "--help")
     assert r.returncode == 0 and "--profile" in r.stdout, r.stderr
+
+
+def test_jit_cache_carries_deep_gemm_kernels_from_one_home_to_another(tmp_path):
+    """tools/jit_cache.sh: `save` packs vLLM's and the trainer's DeepGEMM caches (relative to $HOME), `load` unpacks
+    them into a fresh $HOME without overwriting what is there, and without a tarball does nothing."""
+    import os
+
+    script = REPO / "tools" / "jit_cache.sh"
+    old, new = tmp_path / "old", tmp_path / "new"
+    for rel in (".cache/vllm/deep_gemm/cache/kernel.a", ".deep_gemm/cache/kernel.b"):
+        (old / rel).mkdir(parents=True)
+        (old / rel / "kernel.cubin").write_bytes(b"sm_90 " + rel.encode())
+    env = dict(os.environ, HOME=str(old))
+    saved = subprocess.run(["bash", str(script), "save", str(tmp_path / "out")], env=env, capture_output=True, text=True)
+    assert saved.returncode == 0 and "2 kernels" in saved.stdout, saved.stdout + saved.stderr
+    (new / ".deep_gemm/cache/kernel.b").mkdir(parents=True)
+    (new / ".deep_gemm/cache/kernel.b/kernel.cubin").write_bytes(b"mine")
+    env = dict(os.environ, HOME=str(new), JIT_CACHE_TARBALL=str(tmp_path / "out" / "deep_gemm_jit.tgz"))
+    loaded = subprocess.run(["bash", str(script), "load"], env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert (new / ".cache/vllm/deep_gemm/cache/kernel.a/kernel.cubin").read_bytes() == b"sm_90 .cache/vllm/deep_gemm/cache/kernel.a"
+    assert (new / ".deep_gemm/cache/kernel.b/kernel.cubin").read_bytes() == b"mine"
+    env["JIT_CACHE_TARBALL"] = str(tmp_path / "missing.tgz")
+    nothing = subprocess.run(["bash", str(script), "load"], env=env, capture_output=True, text=True)
+    assert nothing.returncode == 0 and nothing.stdout == ""

@@ -371,3 +371,25 @@ def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
     assert by_name == pytest.approx({"a": 0.017, "b": 0.007, "c": 0.010})
     assert busy_ms == pytest.approx(0.029)
     assert gaps == pytest.approx([0.002, 0.010, 0.0, 0.500])
+
+
+def test_bench_counts_deep_gemm_kernels_where_vllm_keeps_them(monkeypatch, tmp_path):
+    """bench_vllm.deep_gemm_cache_dir follows vLLM 0.26 (vllm/utils/deep_gemm.py): DG_JIT_CACHE_DIR if set, else
+    $VLLM_CACHE_ROOT/deep_gemm, whose root defaults to $XDG_CACHE_HOME/vllm or ~/.cache/vllm (not DeepGEMM's own
+    ~/.deep_gemm, which the bench used to count: 0 kernels, cold or warm)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for var in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert bench.deep_gemm_cache_dir() == tmp_path / ".cache" / "vllm" / "deep_gemm"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/x")
+    assert bench.deep_gemm_cache_dir() == Path("/x/vllm/deep_gemm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "~/v")
+    assert bench.deep_gemm_cache_dir() == tmp_path / "v" / "deep_gemm"
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", "/dg")
+    assert bench.deep_gemm_cache_dir() == Path("/dg")
