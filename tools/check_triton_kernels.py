@@ -14,12 +14,22 @@ on an H200). It needs Triton 3.6.0, the GPU machine's (its wheel carries ptxas; 
     python tools/check_triton_kernels.py                      # with triton importable; exit 1 on a failure
 
 tests/unit/test_triton_kernels_source.py runs it with the wheel unpacked beside the CPU environment (torch stays CPU).
+
+    python tools/check_triton_kernels.py --sass               # instructions per element of the 1x128 quantizer
+
+`--sass` prints, for the Triton 1x128 quantizer with and without the SwiGLU prologue at its shipped launch settings,
+the static SASS instructions per element on the kernel's main path (up to its first unconditional EXIT: the IEEE
+division's slow path lies behind it), compiled as a launch on aligned tensors compiles it, with the commonest ops.
+A kernel that issues that many instructions per element cannot beat the GPU's issue rate, whatever its memory does.
 """
 
 from __future__ import annotations
 
+import collections
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,6 +102,41 @@ def check() -> list[str]:
     return problems
 
 
+def sass_per_element(swiglu: bool) -> tuple[float, collections.Counter]:
+    """(static main-path SASS instructions per element, op counts per element) of the 1x128 quantizer at the shipped
+    launch settings (`fp8.kernels.QUANT_CFG["1x128"]`), sm_90, aligned operands as a launch specializes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_jetrl.fp8 import kernels
+
+    cfg = kernels.QUANT_CFG["1x128"]
+    quant = kernels._k()["quant_1x128"].fn
+    names = quant.arg_names
+    const = dict(BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, stride_sm=1)
+    sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), tuple(const))
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm")]
+    src = ASTSource(fn=quant, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        listing = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter()
+    for line in listing.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s*(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if not m:
+            continue
+        ops[m.group(2)] += 1
+        if m.group(2) == "EXIT" and not m.group(1):
+            break
+    per_thread = cfg["block_m"] * cfg["groups"] * 128 / (32 * cfg["num_warps"])
+    return sum(ops.values()) / per_thread, collections.Counter({k: v / per_thread for k, v in ops.items()})
+
+
 def main() -> int:
     try:
         import triton
@@ -100,6 +145,12 @@ def main() -> int:
         return 2
     if triton.__version__ != TRITON:
         print(f"warning: triton {triton.__version__}, the GPU machine has {TRITON}: layouts may differ", file=sys.stderr)
+    if "--sass" in sys.argv[1:]:
+        for swiglu in (False, True):
+            total, ops = sass_per_element(swiglu)
+            common = ", ".join(f"{op} {n:.1f}" for op, n in ops.most_common(8))
+            print(f"sass quant_1x128{' SWIGLU' if swiglu else ''}: {total:.1f} instructions per element ({common})")
+        return 0
     problems = check()
     for p in problems:
         print("FAIL", p)

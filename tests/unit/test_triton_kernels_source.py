@@ -6,6 +6,7 @@ tests/gpu/test_kernels.py, tests/gpu/test_vllm.py)."""
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -37,3 +38,18 @@ def test_fused_quantization_kernels_compile_and_leave_the_norm_as_it_was():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("ok  rms_fwd") == 10 and done.stdout.count("ok  quant_1x128") == 4
+
+
+def test_sass_counts_the_quantizers_instructions_per_element():
+    """`check_triton_kernels.py --sass`: the 1x128 quantizer's main path at its shipped launch settings, compiled as an
+    aligned launch compiles it (vectorized loads: under 40 instructions an element; an unaligned compile reads one
+    element per load and counts about three times as many), and the SwiGLU prologue (exp, two IEEE divisions, BF16
+    roundings) adds to it."""
+    site = _triton_site()
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_triton_kernels.py"), "--sass"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = dict(re.findall(r"sass (quant_1x128(?: SWIGLU)?): ([0-9.]+) instructions per element", done.stdout))
+    plain, swiglu = float(counts["quant_1x128"]), float(counts["quant_1x128 SWIGLU"])
+    assert 10 < plain < 40 and swiglu > plain, done.stdout
