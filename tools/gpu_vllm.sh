@@ -6,7 +6,7 @@
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
-#           others. JETRL_VLLM_TEST_ENGINE='{"enforce_eager": false}' runs test_vllm.py's engine
+#           others, PYTEST_K=... selects (-k). JETRL_VLLM_TEST_ENGINE='{"enforce_eager": false}' runs test_vllm.py's engine
 #           with full decode CUDA graphs (and the default glue, the trainer's)
 #   bench   tools/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
 #           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:vllm-glue jetrl:cutlass-gemm bf16:triton-attn",
@@ -25,19 +25,27 @@
 #           (--glue trainer: rollout/vllm_glue.py) -> $OUT/diag_{vllm,trainer}.log; each run gets DIAG_TIMEOUT s
 #           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
-# Carry: kit-2 (61.5 MB) + this tree (~3.6 MB) + .whl/ (3.0 MB) is over a call's 64 MiB. Install the wheels in the kit's
-# call 1 instead (`bash .kits/vllm/unpack.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/*.whl`,
-# carrying .whl there): a warm machine keeps /tmp/mcore, and this script then finds megatron-core without .whl/.
+# Carry: the kit's two calls carry one tarball each (61.1 and 61.5 MB) with .kits/vllm/{unpack.sh,SHA256SUMS}; with this
+# tree (~5.6 MB tracked, most of it docs/) that is over a call's 64 MiB, so leave docs/ out of those two calls
+# (`git rm -r -q --cached docs && echo /docs/ >> .git/info/exclude`, undone by `git reset -q -- docs` and removing the
+# line). Later calls on the warm machine carry [".whl", ".kits/vllm/unpack.sh", ".kits/vllm/SHA256SUMS"] (+ ".cache/jit"):
+# this script checks the unpack is complete, installs .whl/ into /tmp/mcore and loads the carried DeepGEMM kernels.
+#   e.g.  OUT=$OUT RUNS="jetrl bf16" bash tools/gpu_vllm.sh tests bench jit-save
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_vllm}
 mkdir -p "$OUT"
+if [ -f .kits/vllm/unpack.sh ]; then  # carried (with SHA256SUMS): check the kit's two-call unpack is complete here
+  bash .kits/vllm/unpack.sh --need-complete > "$OUT/unpack.log" 2>&1 \
+    || { echo "the vLLM kit is incomplete on this machine (fresh machine? run the kit's two calls again): $(tail -n 2 "$OUT/unpack.log")"; exit 3; }
+fi
 [ -f /tmp/vllm-site/env.sh ] || { echo "the vLLM kit is not unpacked (/tmp/vllm-site/env.sh missing)"; exit 3; }
 source /tmp/vllm-site/env.sh
 if ! PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatron.core, math_verify" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mcore .whl/*.whl || exit 3
 fi
+PYTEST_ARGS=(); [ -n "${PYTEST_K:-}" ] && PYTEST_ARGS=(-k "$PYTEST_K")
 export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 bash tools/jit_cache.sh load
 
@@ -45,7 +53,8 @@ for stage in "$@"; do
   t0=$(date +%s)
   echo "== stage $stage $(date -u +%TZ)"
   case $stage in
-    tests) python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py} 2>&1 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -q -s -p no:cacheprovider -rf ${TESTS:-tests/gpu/test_vllm.py tests/gpu/test_vllm_grpo.py} "${PYTEST_ARGS[@]}" 2>&1 \
+             | tee "$OUT/tests.log" | grep -E "passed|failed|error|^FAILED|^ERROR" ;;
     bench)
       for run in ${RUNS:-jetrl bf16}; do
         mode=${run%%:*}; variant=${run#*:}; [ "$variant" = "$run" ] && variant=shipped
