@@ -33,6 +33,10 @@ puts each variant in its own column):
 * cutlass-gemm (jetrl only): `VLLM_USE_DEEP_GEMM=0`, so that vLLM's FP8 linears run its CUTLASS block kernel instead
   of DeepGEMM (same activation quantizer and bytes; another reduction order than the trainer's DeepGEMM): whether
   DeepGEMM's small-M GEMMs (74% of the copy rate at batch 128, BENCHMARKS.md) are what holds decode back;
+* triton-gemm (jetrl only): `linear_backend="triton"`, vLLM's Triton block-FP8 kernel (`TritonFp8BlockScaledMMKernel`,
+  same quantizer and bytes, another reduction order; vLLM 0.26 ships no tuned configs for Qwen3-8B's shapes, so its
+  default launch settings): whether a kernel other than DeepGEMM's, whose 64-row tiles read the narrow linears'
+  weights at 62-69% of the copy rate at batch 128, does better there;
 * unseeded: the shipped engine, sampling without per-request seeds. With seeds (what the rollout pool passes, so that
   a prompt samples the same tokens whichever engine serves it) vLLM 0.26's V1 sampler draws each request's noise in a
   Python loop, one kernel per request and step (`random_sample` in `v1/sample/ops/topk_topp_sampler.py`): whether that
@@ -102,7 +106,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9
 
 
-VARIANTS = ("shipped", "unfused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "unseeded")
+VARIANTS = ("shipped", "unfused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "triton-gemm", "unseeded")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -119,6 +123,10 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         if mode != "jetrl":
             raise ValueError("--variant cutlass-gemm picks vLLM's FP8 GEMM kernel: it applies to --mode jetrl only")
         return {"env": {"VLLM_USE_DEEP_GEMM": "0"}}, True
+    if variant == "triton-gemm":
+        if mode != "jetrl":
+            raise ValueError("--variant triton-gemm picks vLLM's FP8 GEMM kernel: it applies to --mode jetrl only")
+        return {"linear_backend": "triton"}, True
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
     if variant == "unfused-quant":
