@@ -39,13 +39,15 @@ NORM_SHAPES = ((4096, 1, 8), (2048, 2, 8), (1024, 4, 4), (512, 8, 4), (256, 16, 
 """(BLOCK_N, BLOCK_R, num_warps) of `glue_kernels._blocks` for hidden sizes 4096, 1536-2048, 640-1024, 512, 128."""
 
 
-def _compile(fn, signature: dict, constexprs: dict, warps: int):
+def _compile(fn, signature: dict, constexprs: dict, warps: int, aligned: tuple = ()):
+    """Compile for sm_90; `aligned`: the arguments a launch would specialize as divisible by 16 (pointers, sizes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -106,20 +108,15 @@ def sass_per_element(swiglu: bool) -> tuple[float, collections.Counter]:
     """(static main-path SASS instructions per element, op counts per element) of the 1x128 quantizer at the shipped
     launch settings (`fp8.kernels.QUANT_CFG["1x128"]`), sm_90, aligned operands as a launch specializes them."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from megatron_jetrl.fp8 import kernels
 
     cfg = kernels.QUANT_CFG["1x128"]
     quant = kernels._k()["quant_1x128"].fn
-    names = quant.arg_names
     const = dict(BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, stride_sm=1)
     sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), tuple(const))
-    aligned = [n for n in names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm")]
-    src = ASTSource(fn=quant, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["cubin"]
+    aligned = tuple(n for n in quant.arg_names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm"))
+    cubin = _compile(quant, sig, const, cfg["num_warps"], aligned).asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

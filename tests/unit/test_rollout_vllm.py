@@ -262,13 +262,19 @@ def test_config_refuses_vllm_settings_that_cannot_run():
             load_config("configs/gpu_1p5b.yaml", overrides)
 
 
-def test_bench_variants_set_only_what_they_measure(tmp_path):
+
+def load_bench_vllm():
+    """tools/bench_vllm.py as a module (it is a script, not a package module)."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+def test_bench_variants_set_only_what_they_measure(tmp_path):
+    bench = load_bench_vllm()
     write_model_dir(tmp_path, tiny_config("qwen3"), JETRL)
     assert bench.variant_settings("shipped", "jetrl") == ({}, True)
     extra, verify = bench.variant_settings("fused", "jetrl")
@@ -332,12 +338,7 @@ def test_trainers_glue_in_a_graph_engine_runs_full_decode_graphs_without_torch_c
 
 def test_decode_profile_differences_two_generates_into_one_decode_step(monkeypatch):
     """bench_vllm.decode_profile: prefill and the first token cancel between the 2-token and the N-token generate."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_vllm()
     new_tokens = []
 
     class Engine:
@@ -361,12 +362,7 @@ def test_decode_profile_differences_two_generates_into_one_decode_step(monkeypat
 
 def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
     """bench_vllm.kernel_timeline: busy time merges overlapping kernels; each idle gap lands in its length's bin."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_vllm()
     us = 1000
     ivs = [(0, 10 * us, "a"), (5 * us, 12 * us, "b"), (14 * us, 20 * us, "a"),  # overlap, then a 2 us gap
            (30 * us, 40 * us, "c"), (540 * us, 541 * us, "a")]  # a 10 us gap, then a 500 us gap
@@ -380,12 +376,9 @@ def test_bench_counts_deep_gemm_kernels_where_vllm_keeps_them(monkeypatch, tmp_p
     """bench_vllm.deep_gemm_cache_dir follows vLLM 0.26 (vllm/utils/deep_gemm.py): DG_JIT_CACHE_DIR if set, else
     $VLLM_CACHE_ROOT/deep_gemm, whose root defaults to $XDG_CACHE_HOME/vllm or ~/.cache/vllm (not DeepGEMM's own
     ~/.deep_gemm, which the bench used to count: 0 kernels, cold or warm)."""
-    import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_vllm()
     for var in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
