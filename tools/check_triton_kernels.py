@@ -26,6 +26,7 @@ A kernel that issues that many instructions per element cannot beat the GPU's is
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import subprocess
 import sys
@@ -96,24 +97,25 @@ def check() -> list[str]:
             else:
                 print(f"ok  {where}: {len(plain_ops)} ops up to y's store, identical with QUANT", flush=True)
     quant = kernels._k()["quant_1x128"].fn
-    sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), ("BLOCK_M", "G", "UE8M0", "SWIGLU", "EVEN", "PRODUCT"))
-    for product in (False, True):
+    sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), ("BLOCK_M", "G", "UE8M0", "SWIGLU", "EVEN", "PRODUCT", "DIV"))
+    for product, div in ((False, 1), (True, 1), (True, 0), (True, 2)):
         for even in (False, True):
-            _compile(quant, sig, dict(BLOCK_M=16, G=1, UE8M0=False, SWIGLU=True, EVEN=even, PRODUCT=product), 4)
-            print(f"ok  quant_1x128 SWIGLU PRODUCT={product} EVEN={even}: compiled", flush=True)
+            _compile(quant, sig, dict(BLOCK_M=16, G=1, UE8M0=False, SWIGLU=True, EVEN=even, PRODUCT=product, DIV=div), 4)
+            print(f"ok  quant_1x128 SWIGLU PRODUCT={product} EVEN={even} DIV={div}: compiled", flush=True)
     return problems
 
 
-def sass_per_element(swiglu: bool) -> tuple[float, collections.Counter]:
+def sass_per_element(swiglu: bool, div: int) -> tuple[float, collections.Counter]:
     """(static main-path SASS instructions per element, op counts per element) of the 1x128 quantizer at the shipped
-    launch settings (`fp8.kernels.QUANT_CFG["1x128"]`), sm_90, aligned operands as a launch specializes them."""
+    launch settings (`fp8.kernels.QUANT_CFG["1x128"]`), sm_90, aligned operands as a launch specializes them; `div`:
+    its division (`kernels.division_steps`: 0 IEEE, 1 what BF16 input takes)."""
     import triton
 
     from megatron_jetrl.fp8 import kernels
 
     cfg = kernels.QUANT_CFG["1x128"]
     quant = kernels._k()["quant_1x128"].fn
-    const = dict(BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, stride_sm=1)
+    const = dict(BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, DIV=div, stride_sm=1)
     sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), tuple(const))
     aligned = tuple(n for n in quant.arg_names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm"))
     cubin = _compile(quant, sig, const, cfg["num_warps"], aligned).asm["cubin"]
@@ -143,10 +145,10 @@ def main() -> int:
     if triton.__version__ != TRITON:
         print(f"warning: triton {triton.__version__}, the GPU machine has {TRITON}: layouts may differ", file=sys.stderr)
     if "--sass" in sys.argv[1:]:
-        for swiglu in (False, True):
-            total, ops = sass_per_element(swiglu)
+        for swiglu, div in itertools.product((False, True), (0, 1)):
+            total, ops = sass_per_element(swiglu, div)
             common = ", ".join(f"{op} {n:.1f}" for op, n in ops.most_common(8))
-            print(f"sass quant_1x128{' SWIGLU' if swiglu else ''}: {total:.1f} instructions per element ({common})")
+            print(f"sass quant_1x128{' SWIGLU' if swiglu else ''} DIV={div}: {total:.1f} instructions per element ({common})")
         return 0
     problems = check()
     for p in problems:

@@ -30,7 +30,7 @@ def _k():
 
     from megatron_jetrl.fp8.kernels import quant_math
 
-    _, scale_of, to_e4m3 = quant_math()
+    _, scale_of, to_e4m3, _ = quant_math()
 
     @triton.jit
     def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, res_ptr, h_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, eps,

@@ -7,7 +7,10 @@ Every quantizer here reproduces the bytes of the reference `megatron_jetrl.fp8.q
   zero padding), `s = max(amax, eps) / 448` and `x / s` as true IEEE divisions (`div.rn.f32` through
   inline PTX: Triton's `/` is an approximate division and libdevice's `div_rn` flushes subnormals),
   UE8M0 by exponent bumping, clamp to +-448 keeping NaN, `cvt.rn.satfinite` to E4M3 (round to nearest
-  even).  A non-finite group gets a NaN/inf scale and NaN bytes; the Python wrappers raise
+  even). `x / s` is the IEEE quotient computed from one reciprocal per group, y = RN(1/s), as q = RN(x * y)
+  plus Markstein FMA corrections (`quant_math`'s `divide`; one for BF16 values, two for wider ones:
+  `division_steps`), as fp8/cuda_tiles.py does; tests/gpu checks it against `div.rn.f32` for every 24-bit
+  scale significand. Eps below 2^-50 (scales under 2^-60) keeps the per-element division.  A non-finite group gets a NaN/inf scale and NaN bytes; the Python wrappers raise
   `NonFiniteInputError` (the reference's message) when `check_finite` is on.
 
 Kernels
@@ -88,8 +91,8 @@ def _supported_cuda(index: int) -> bool:
 
 @functools.cache
 def quant_math():
-    """The quantizer's Triton functions `(div_rn, scale_of, to_e4m3)`: the contract's FP32 steps, shared with the kernels
-    that quantize what they produce (`actor.glue_kernels`' RMSNorm for vLLM's FP8 linears)."""
+    """The quantizer's Triton functions `(div_rn, scale_of, to_e4m3, divide)`: the contract's FP32 steps, shared with the
+    kernels that quantize what they produce (`actor.glue_kernels`' RMSNorm for vLLM's FP8 linears)."""
     import triton
     import triton.language as tl
 
@@ -112,14 +115,34 @@ def quant_math():
         return tl.where(has_nan, float("nan"), s)
 
     @triton.jit
-    def to_e4m3(x, s):
-        """x / s (broadcast), clamped to +-448 with NaN kept, rounded to E4M3."""
-        v = div_rn(x, s)
+    def divide(x, s, DIV: tl.constexpr = 0):
+        """x / s (s broadcast over x's groups), the IEEE quotient. DIV (`division_steps`): 0, the IEEE division per
+        element; 1 or 2, y = RN(1/s) per group, q = RN(x * y), then DIV Markstein corrections q += (x - s q) y."""
+        if DIV == 0:
+            v = div_rn(x, s)
+        else:
+            # The residual is formed negated, s q - x, and added times -y, so that x = -0 keeps its sign (-0 + -0;
+            # x - s q would give +0). Negations are products with -1 (Triton's unary minus is 0 - x, which is +0
+            # for x = +0); they fold into the FMAs' operands.
+            y = div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            sf = tl.where(y == 0.0, 0.0, s)  # s = inf: the residual term vanishes and v = x * 0, as x / inf
+            ny = y * -1.0
+            nx = x * -1.0
+            v = x * y
+            v = tl.fma(tl.fma(sf, v, nx), ny, v)
+            if DIV == 2:
+                v = tl.fma(tl.fma(sf, v, nx), ny, v)
+        return v
+
+    @triton.jit
+    def to_e4m3(x, s, DIV: tl.constexpr = 0):
+        """x / s (`divide`), clamped to +-448 with NaN kept, rounded to E4M3."""
+        v = divide(x, s, DIV)
         c = tl.minimum(tl.maximum(v, -448.0), 448.0)
         c = tl.where(v != v, v, c)
         return c.to(tl.float8e4nv)
 
-    return div_rn, scale_of, to_e4m3
+    return div_rn, scale_of, to_e4m3, divide
 
 
 @functools.cache
@@ -129,7 +152,11 @@ def _k():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    div_rn, scale_of, to_e4m3 = quant_math()
+    div_rn, scale_of, to_e4m3, _ = quant_math()
+
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _quant_1x128(
@@ -137,7 +164,7 @@ def _k():
         stride_xm, stride_qm, stride_sm, stride_sk,
         eps, p_ptr, stride_pm,
         BLOCK_M: tl.constexpr, G: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
-        PRODUCT: tl.constexpr,
+        PRODUCT: tl.constexpr, DIV: tl.constexpr,
     ):
         # one program: BLOCK_M rows x G consecutive 128-groups; PRODUCT (with SWIGLU): the BF16 product is stored too
         pid_m = tl.program_id(0)
@@ -154,7 +181,7 @@ def _k():
                 g = tl.load(ptrs, mask=mask, other=0.0)
                 u = tl.load(ptrs + K, mask=mask, other=0.0)
             g32 = g.to(tl.float32)
-            act = div_rn(g32, 1.0 + libdevice.exp(-g32)).to(g.dtype)  # torch: x / (1 + expf(-x))
+            act = div_rn(g32, 1.0 + libdevice.exp(g32 * -1.0)).to(g.dtype)  # torch: x / (1 + expf(-x)); * -1 folds
             prod = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
             if PRODUCT:
                 p_ptrs = p_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_k[None, :]
@@ -169,10 +196,9 @@ def _k():
             else:
                 x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         x3 = tl.reshape(x, (BLOCK_M, G, 128))
-        amax = tl.max(tl.abs(x3), axis=2)
-        has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
-        s = scale_of(amax, has_nan, eps, UE8M0)  # [BLOCK_M, G]
-        q = tl.reshape(to_e4m3(x3, s[:, :, None]), (BLOCK_M, G * 128))
+        amax = tl.reduce(tl.abs(x3), 2, _max_nan)  # NaN when the group has one: one reduction answers both
+        s = scale_of(amax, amax != amax, eps, UE8M0)  # [BLOCK_M, G]
+        q = tl.reshape(to_e4m3(x3, s[:, :, None], DIV), (BLOCK_M, G * 128))
         q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :]
         offs_g = pid_k * G + tl.arange(0, G)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
@@ -508,6 +534,16 @@ def _finite_or_raise(x, s, block, check_finite):
         _raise_non_finite(x, block)
 
 
+def division_steps(dtype, eps: float) -> int:
+    """`to_e4m3`'s DIV for values of `dtype` (the SwiGLU product has its input's): the Markstein corrections that make
+    x * RN(1/s) the IEEE x / s. One for BF16 (8 significant bits: checked exhaustively, as cuda_tiles.divide is); two
+    for wider significands (the first leaves q within one ulp, Markstein's theorem's premise). 0, the IEEE division,
+    below eps = 2^-50: a scale under 2^-60 could underflow the residual."""
+    if eps < 2.0**-50:
+        return 0
+    return 1 if dtype == torch.bfloat16 else 2
+
+
 # Launch settings, chosen by the sweep in tools/bench_fp8.py on the H200 (see BENCHMARKS.md).
 QUANT_CFG = {
     # mode "cuda": fp8/cuda_tiles.py's kernel (rows only) for 2-D BF16 input whose layout allows its 16-byte accesses;
@@ -568,7 +604,7 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
         _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps), p, p.stride(0),
             BLOCK_M=bm, G=g, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
-            PRODUCT=product is not None, num_warps=num_warps or cfg["num_warps"],
+            PRODUCT=product is not None, DIV=division_steps(x.dtype, eps), num_warps=num_warps or cfg["num_warps"],
         )
     out_shape = shape[:-1] + (k,)
     if check_finite and not bool(torch.isfinite(s).all()):

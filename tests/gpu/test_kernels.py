@@ -6,6 +6,7 @@ emulated (exact per-block FP64) reference on fresh inputs, into poisoned outputs
 N/128 >= 2 (the cuBLASLt scale-pitch trap). The FP8 linear on CUDA: bit-identical to the CPU reference path.
 """
 
+import functools
 import itertools
 
 import pytest
@@ -203,6 +204,76 @@ def test_tile_division_is_correctly_rounded_for_every_significand_pair(fp8_in):
     assert int(bad) == 0, f"{int(bad)} (x, s) pairs differ from __fdiv_rn; first s = 1 + 0x{int(first):06x} / 2^23"
 
 
+@functools.cache
+def _triton_division_counter():
+    """A Triton kernel counting, for one x row and 2^23 scales s = 1 + k / 2^23 (every 24-bit significand), the pairs
+    where `quant_math`'s `divide(x, s, DIV)` differs from the IEEE division in any bit."""
+    import triton
+    import triton.language as tl
+
+    div_rn, _, _, divide = kernels().quant_math()
+
+    @triton.jit
+    def count(x_ptr, bad_ptr, NX: tl.constexpr, BLOCK_S: tl.constexpr, DIV: tl.constexpr):
+        k = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s = (k | 0x3F800000).to(tl.float32, bitcast=True)[:, None]
+        x = tl.load(x_ptr + tl.arange(0, NX))[None, :]
+        v = divide(x, s, DIV)
+        ref = div_rn(x + tl.zeros_like(v), s + tl.zeros_like(v))
+        tl.atomic_add(bad_ptr, tl.sum(tl.sum((v.to(tl.int32, bitcast=True) != ref.to(tl.int32, bitcast=True)).to(tl.int32), 1), 0))
+
+    return count
+
+
+@pytest.mark.parametrize("div, significand_bits", [(1, 8), (2, 11), (2, 24)])
+def test_triton_division_is_correctly_rounded(div, significand_bits):
+    """The Triton quantizers' x / s with one reciprocal per group (`divide`, DIV = `division_steps`) equals the IEEE
+    division bit for bit, for every 24-bit significand of s: exhaustive over x's significands for BF16 (8 bits, one
+    correction) and FP16 (11 bits, two); for FP32 (two corrections: Markstein's theorem once the first leaves q within
+    an ulp), 2^10 random 24-bit significands. Other exponents scale the same operations by exact powers of two."""
+    k = kernels()
+    if significand_bits == 24:
+        xs = 1.0 + torch.randint(0, 1 << 23, (1024,), generator=torch.Generator().manual_seed(0)).double() / 2**23
+    else:
+        xs = 1.0 + torch.arange(1 << (significand_bits - 1)).double() / 2 ** (significand_bits - 1)
+    assert k.division_steps({8: torch.bfloat16, 11: torch.float16, 24: torch.float32}[significand_bits], k.EPS) == div
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    x = xs.float().to(DEV)
+    for chunk in x.split(128):
+        _triton_division_counter()[((1 << 23) // 64,)](chunk, bad, NX=128, BLOCK_S=64, DIV=div, num_warps=8)
+    assert int(bad) == 0, f"{int(bad)} (x, s) pairs differ from div.rn.f32 (DIV={div}, {significand_bits}-bit x)"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_quantizer_division_edges(dtype, mode):
+    """The Triton 1x128 kernel (`mode="triton"`, the SwiGLU quantizer's, and fp16/fp32 input's) on the groups where a
+    reciprocal-based division could go wrong: +-0 beside huge and tiny values, subnormals, the dtype's largest values,
+    an infinite or NaN element (scale inf / NaN), all-zero groups; and with eps below 2^-50, where it divides the IEEE
+    way (DIV 0). The reference's bytes and scales in every case."""
+    k = kernels()
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal
+    rows = [
+        [0.0, -0.0] * 63 + [big, -big],
+        [-0.0] * 127 + [tiny],
+        [tiny / 4, -tiny / 8] * 63 + [1.0, -0.0],
+        [1e-3, -1e-3] * 63 + [float("inf"), -0.0],
+        [2.0, -0.0] * 63 + [float("nan"), 5.0],
+        [-0.0] * 128,
+        [448.0 * 2.0**-20, -(2.0**-30)] * 64,
+    ]
+    x = torch.tensor(rows, dtype=torch.float64).clamp(-big, big).to(dtype).to(DEV)
+    x = torch.cat([x, adversarial(57, 128, dtype, 77)])
+    for eps in (k.EPS, 1e-30):
+        assert k.division_steps(dtype, eps) == (0 if eps < 2.0**-50 else 1 if dtype == torch.bfloat16 else 2)
+        q, s = k.quantize_1x128(x, mode, eps=eps, check_finite=False, mode="triton")
+        rq, rs = quantize_blockwise(x, (1, 128), mode, eps=eps, check_finite=False)
+        nan = torch.isnan(rs)  # a NaN scale's payload is not part of the contract
+        assert int(nan.sum()) == 1 and torch.equal(torch.isnan(s), nan), (dtype, mode, eps)
+        assert same(q, rq) and same_scales(s.masked_fill(nan, 0), rs.masked_fill(nan, 0)), (dtype, mode, eps)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_tile_kernel_bytes_1x128_and_128x128(mode):
     """The CUDA tile kernel behind the shipped 1x128 (rows only: any token count) and 128x128 (one scale per tile,
@@ -370,10 +441,9 @@ def test_swiglu_quantization_also_writes_the_product_into_a_given_scale_layout()
 
 @pytest.mark.parametrize("mode", MODES)
 def test_swiglu_fused_quantization_on_adversarial_groups(mode):
-    """The SwiGLU-fused quantizer divides BF16 products with one Markstein correction where every group of a program
-    allows it, else with the IEEE division: the reference's bytes on zero, tie, tiny and huge groups (1e30-sized
-    rows send their programs to the IEEE path), and with an infinite product in one row (its neighbours in the
-    same program take the IEEE path too)."""
+    """The SwiGLU-fused quantizer divides BF16 products by the group's scale with one reciprocal and one Markstein
+    correction (`division_steps`): the reference's bytes on zero, tie, tiny and huge (1e30) groups, and with an
+    infinite product in one row (its scale inf, its neighbours in the same program unaffected)."""
     k = kernels()
     for i, (m, n) in enumerate([(64, 256), (100, 384), (1040, 1536)]):
         up = adversarial(m, n, torch.bfloat16, 950 + i)

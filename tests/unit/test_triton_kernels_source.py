@@ -37,19 +37,23 @@ def test_fused_quantization_kernels_compile_and_leave_the_norm_as_it_was():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_triton_kernels.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok  rms_fwd") == 10 and done.stdout.count("ok  quant_1x128") == 4
+    assert done.stdout.count("ok  rms_fwd") == 10 and done.stdout.count("ok  quant_1x128") == 8
 
 
 def test_sass_counts_the_quantizers_instructions_per_element():
     """`check_triton_kernels.py --sass`: the 1x128 quantizer's main path at its shipped launch settings, compiled as an
     aligned launch compiles it (vectorized loads: under 40 instructions an element; an unaligned compile reads one
-    element per load and counts about three times as many), and the SwiGLU prologue (exp, two IEEE divisions, BF16
-    roundings) adds to it."""
+    element per load and counts about three times as many), and the SwiGLU prologue (exp, an IEEE division, BF16
+    roundings) adds to it. Dividing by the group's scale through one reciprocal and a Markstein correction (DIV=1, what
+    BF16 takes) issues fewer instructions than the IEEE division per element (DIV=0): 15.1 against 24.9 plain, 42.0
+    against 52.8 with SwiGLU (Triton 3.6.0)."""
     site = _triton_site()
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_triton_kernels.py"), "--sass"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    counts = dict(re.findall(r"sass (quant_1x128(?: SWIGLU)?): ([0-9.]+) instructions per element", done.stdout))
-    plain, swiglu = float(counts["quant_1x128"]), float(counts["quant_1x128 SWIGLU"])
-    assert 10 < plain < 40 and swiglu > plain, done.stdout
+    counts = {(name, int(div)): float(n) for name, div, n in
+              re.findall(r"sass (quant_1x128(?: SWIGLU)?) DIV=(\d): ([0-9.]+) instructions per element", done.stdout)}
+    plain, swiglu = counts[("quant_1x128", 1)], counts[("quant_1x128 SWIGLU", 1)]
+    assert 10 < plain < 20 and plain < counts[("quant_1x128", 0)] - 5, done.stdout
+    assert plain < swiglu < 45 and swiglu < counts[("quant_1x128 SWIGLU", 0)] - 5, done.stdout
