@@ -29,6 +29,10 @@ For each group G, computing in FP32::
                                                 bumped when the mantissa is non-zero)
     q    = e4m3(clamp(x / s, -448, 448))        true division, round-to-nearest-even
 
+"True division" is the correctly rounded quotient, however it is computed: the CUDA and Triton kernels form it
+from one reciprocal per group, RN(x * RN(1/s)) plus one FMA correction (Markstein) for BF16 values, two for wider
+ones, and tests/gpu checks that against the IEEE division for every 24-bit significand of s (`fp8/kernels.py`).
+
 This is vLLM's activation quantizer, read in `csrc/quantization/w8a8/fp8/per_token_group_quant.cu`
 (vllm-project/vllm commit 0f5257e2, 2026-11) and its Triton fallback `_per_token_group_quant_fp8` in
 `vllm/model_executor/layers/quantization/utils/fp8_utils.py`; the pinned vLLM 0.26.0's CUDA op
