@@ -10,8 +10,9 @@ Every quantizer here reproduces the bytes of the reference `megatron_jetrl.fp8.q
   even). `x / s` is the IEEE quotient computed from one reciprocal per group, y = RN(1/s), as q = RN(x * y)
   plus Markstein FMA corrections (`quant_math`'s `divide`; one for BF16 values, two for wider ones:
   `division_steps`), as fp8/cuda_tiles.py does; tests/gpu checks it against `div.rn.f32` for every 24-bit
-  scale significand. Eps below 2^-50 (scales under 2^-60) keeps the per-element division.  A non-finite group gets a NaN/inf scale and NaN bytes; the Python wrappers raise
-  `NonFiniteInputError` (the reference's message) when `check_finite` is on.
+  scale significand. Eps below 2^-50 (scales under 2^-60) keeps the per-element division. A non-finite
+  group gets a NaN/inf scale and NaN bytes; the Python wrappers raise `NonFiniteInputError` (the
+  reference's message) when `check_finite` is on.
 
 Kernels
 -------
