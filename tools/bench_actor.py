@@ -684,6 +684,14 @@ def report_steps(out, arch):
                   f"{r['speedup_vs_bf16']:.2f}x -> {'MET' if ok else 'NOT MET'}")
 
 
+def profile_variants(profile, variants) -> list[str]:
+    """The layer variants `--profile` asks for: as given; a bare `--profile` ([]), every variant; absent (None), bf16
+    and jetrl where `variants` has them."""
+    if profile is None:
+        return [v for v in ("bf16", "jetrl") if v in variants]
+    return list(variants) if not profile else list(profile)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", action="store_true", help="benchmark one decoder layer instead of the whole step")
@@ -708,9 +716,13 @@ def main(argv=None):
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
     g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])
     g.add_argument("--rep-ms", type=int, default=200)
-    g.add_argument("--profile", nargs="*", default=["bf16", "jetrl"],
-                   help="variants to profile (kernel time by category) on the last shape")
+    g.add_argument("--profile", nargs="*", default=None,
+                   help="variants to profile (kernel time by category) on the last shape; a bare --profile: every "
+                        "variant (default: bf16 and jetrl, where --variants runs them)")
     a = p.parse_args(argv)
+    a.profile = profile_variants(a.profile, a.variants)
+    if a.layer and (unknown := [v for v in a.profile if v not in a.variants]):
+        p.error(f"--profile names variants that --variants does not run: {unknown} (running: {a.variants})")
     bad = [x for x in a.layers if x != "auto" and not (x.isdigit() and int(x) >= 1)]
     if bad:
         p.error(f"--layers takes positive integers or auto, got {bad}")

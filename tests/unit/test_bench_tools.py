@@ -54,6 +54,23 @@ def test_bench_actor_help_and_bad_arguments():
     one_line(run(sys.executable, "tools/bench_actor.py", "--layers", "0"), 2, "--layers")
     one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "fp4"), 2, "no precision mode preset", "fp4", "jetrl")
     one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "jetrl+backend"), 2, "section.key=value")
+    one_line(run(sys.executable, "tools/bench_actor.py", "--layer", "--variants", "bf16", "--profile", "jetrl"), 2,
+             "--profile", "jetrl")
+
+
+def test_bench_actor_profile_variants():
+    """A bare --profile profiles every layer variant (it profiled none before: argparse's empty list); absent, bf16 and
+    jetrl where they run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_actor", REPO / "tools/bench_actor.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    variants = ["bf16", "jetrl", "jetrl/cublaslt"]
+    assert bench.profile_variants([], variants) == variants
+    assert bench.profile_variants(None, variants) == ["bf16", "jetrl"]
+    assert bench.profile_variants(None, ["bf16", "jetrl/cublaslt"]) == ["bf16"]
+    assert bench.profile_variants(["jetrl/cublaslt"], variants) == ["jetrl/cublaslt"]
 
 
 @no_cuda
