@@ -18,8 +18,10 @@ tests/unit/test_triton_kernels_source.py runs it with the wheel unpacked beside 
     python tools/check_triton_kernels.py --sass               # instructions per element of the 1x128 quantizer
 
 `--sass` prints, for the Triton 1x128 quantizer with and without the SwiGLU prologue at its shipped launch settings,
-the static SASS instructions per element on the kernel's main path (up to its first unconditional EXIT: the IEEE
-division's slow path lies behind it), compiled as a launch on aligned tensors compiles it, with the commonest ops.
+each with the per-element IEEE division (DIV=0) and with the per-group reciprocal BF16 input takes (DIV=1,
+`kernels.division_steps`), the static SASS instructions per element on the kernel's main path (up to its first
+unconditional EXIT: the IEEE division's slow path lies behind it), compiled as a launch on aligned tensors compiles
+it, with the commonest ops.
 A kernel that issues that many instructions per element cannot beat the GPU's issue rate, whatever its memory does.
 """
 

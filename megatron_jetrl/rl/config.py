@@ -288,7 +288,7 @@ class RolloutConfig:
     kernels also write the FP8 bytes and scales of their output, which the FP8 linear after them then reads instead of
     quantizing again (three launches fewer per layer and decode step; the same bytes, checked at start-up:
     `rollout/vllm_glue.py`). Decode at Qwen3-8B shapes, batch 128: 1.05x faster than without it (H200, session 23),
-    1.22x vLLM BF16 with it (H100, session 24; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
+    1.22-1.23x vLLM BF16 with it (H100, sessions 24-25; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
     the same bytes."""
 
     def __post_init__(self):
