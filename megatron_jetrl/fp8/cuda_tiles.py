@@ -213,6 +213,14 @@ __device__ __forceinline__ unsigned swiglu_grad(float g, float u, float dy) {
     return dg | (du << 16);
 }
 
+// tests/gpu: swiglu_grad for every (g, u, dy) of three BF16 arrays, as d[gate] | d[up] << 16.
+extern "C" __global__ void check_swiglu(const unsigned short* g, const unsigned short* u, const unsigned short* dy,
+                                        unsigned* out, int n) {
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < n) out[k] = swiglu_grad(__uint_as_float((unsigned)g[k] << 16), __uint_as_float((unsigned)u[k] << 16),
+                                    __uint_as_float((unsigned)dy[k] << 16));
+}
+
 // A 1x128 group's amax: this thread's 8 values, reduced over the 16 threads of its half-warp.
 __device__ __forceinline__ float half_warp_amax(const float (&row)[8]) {
     float m = 0.0f;

@@ -561,7 +561,9 @@ QUANT_CFG = {
     "dual": dict(mode="cuda", num_warps=8),
     # swiglu_backward_dual: "cuda" = fp8/cuda_tiles.py's swiglu_bwd_tile (d[gate | up] never stored; checked once per
     # device against "split" at first use); "split" = swiglu_backward, then quantize_dual. Split ships: on an H200
-    # the one kernel is bit-exact but takes 1402 us against 773 for the two (16384 tokens, I = 8192; layer 1.29x vs 1.42x).
+    # the one kernel is bit-exact but takes 1402 us against 773 for the two (16384 tokens, I = 8192; layer 1.29x vs 1.42x);
+    # on an H100 3.5 ms against 2.6 (32768 tokens, I = 12288). A CTA per d[gate] or d[up] tile (2.3 ms) and both divisions
+    # through RN(1/e) gave the layer nothing either (session 26, BENCHMARKS.md): the two streaming kernels stay.
     "swiglu_bwd": dict(mode="split"),
 }
 

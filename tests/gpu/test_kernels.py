@@ -204,6 +204,30 @@ def test_tile_division_is_correctly_rounded_for_every_significand_pair(fp8_in):
     assert int(bad) == 0, f"{int(bad)} (x, s) pairs differ from __fdiv_rn; first s = 1 + 0x{int(first):06x} / 2^23"
 
 
+def test_tile_swiglu_gradient_equals_the_triton_kernel_for_every_bf16_gate():
+    """fp8/cuda_tiles.py's SwiGLU gradient (`swiglu_grad`, the fused SwiGLU-backward quantizer's) equals
+    `kernels.swiglu_backward` (torch's autograd roundings) in every bit of d[gate] and d[up], for all 65536 BF16 gate
+    values, each with 4 draws of up and dy over a wide range (NaN results: both NaN, payloads aside)."""
+    from megatron_jetrl.fp8 import cuda_tiles
+
+    k = kernels()
+    kern = torch.cuda._compile_kernel(cuda_tiles.source(False, True, True, False), "check_swiglu")
+    bits = torch.arange(65536, dtype=torch.int32, device=DEV)
+    g = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+    for draw in range(4):
+        gg = gen(1200 + draw)
+        u, dy = ((torch.randn(65536, device=DEV, generator=gg) * torch.exp(torch.randn(65536, device=DEV, generator=gg) * 3))
+                 .to(torch.bfloat16) for _ in range(2))
+        out = torch.empty(65536, dtype=torch.int32, device=DEV)
+        kern(grid=(256, 1, 1), block=(256, 1, 1), args=[g.view(torch.int16), u.view(torch.int16), dy.view(torch.int16), out, 65536])
+        want = k.swiglu_backward(torch.cat([g.view(512, 128), u.view(512, 128)], dim=1), dy.view(512, 128))
+        for name, got, ref in (("d[gate]", (out & 0xFFFF).to(torch.int16), want[:, :128].reshape(-1)),
+                               ("d[up]", (out >> 16).to(torch.int16), want[:, 128:].reshape(-1))):
+            got_f = got.view(torch.bfloat16)
+            differ = (got != ref.view(torch.int16)) & ~(torch.isnan(got_f) & torch.isnan(ref))
+            assert not bool(differ.any()), (draw, name, int(differ.sum()), g[differ][:4].float().tolist())
+
+
 @functools.cache
 def _triton_division_counter():
     """A Triton kernel counting, for one x row and 2^23 scales s = 1 + k / 2^23 (every 24-bit significand), the pairs
