@@ -263,7 +263,7 @@ class RolloutConfig:
     """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
     the world / tp engines share each step's prompts). Independent of parallel.tp, but in FP8 modes keep it equal
     to parallel.tp: an engine with another split sums the row-parallel linears' outputs in another order, the next
-    FP8 quantization amplifies that, and jetrl's mismatch rises to the FP8 floor (trainer TP 2 on 4 H100s: mean
+    FP8 quantization amplifies that, and jetrl's mismatch rises about fourfold (trainer TP 2 on 4 H100s: mean
     |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1; BENCHMARKS.md, session 26)."""
     kv_cache_fraction: float = 0.5
     """vLLM only: the most of the GPU memory free at engine start (after the actor is built and the engine's weights
