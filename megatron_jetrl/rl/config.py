@@ -261,10 +261,11 @@ class RolloutConfig:
     """Weight sync bucket size (MiB)."""
     tp: int = 1
     """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
-    the world / tp engines share each step's prompts). Independent of parallel.tp, but in FP8 modes keep it equal
-    to parallel.tp: an engine with another split sums the row-parallel linears' outputs in another order, the next
-    FP8 quantization amplifies that, and jetrl's mismatch rises about fourfold (trainer TP 2 on 4 H100s: mean
-    |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1; BENCHMARKS.md, session 26)."""
+    the world / tp engines share each step's prompts). Independent of parallel.tp, but when training in FP8 (jetrl)
+    keep it equal to parallel.tp (the trainer prints a note otherwise): an engine with another split sums the
+    row-parallel linears' outputs in another order, the next FP8 quantization amplifies that, and the mismatch rises
+    about fourfold (trainer TP 2 on 4 H100s: mean |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1;
+    BENCHMARKS.md, session 26)."""
     kv_cache_fraction: float = 0.5
     """vLLM only: the most of the GPU memory free at engine start (after the actor is built and the engine's weights
     are counted) that the KV cache may take. Below that it gets what a step can use: the engine's share of the
@@ -415,6 +416,16 @@ class JetRLConfig:
         elif arch.num_kv_heads % self.parallel.tp:
             raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
         return arch
+
+    def notices(self) -> list[str]:
+        """Valid settings a user should know cost something (the trainer prints them at start, rank 0)."""
+        out = []
+        if self.rollout.engine == "vllm" and self.precision.train_fp8 and self.rollout.tp != self.parallel.tp:
+            out.append(f"rollout.tp={self.rollout.tp} differs from parallel.tp={self.parallel.tp}: the engines add the row-parallel "
+                       "linears' partial outputs in another order than the trainer, and FP8 re-quantization amplifies it "
+                       "(trainer TP 2: mismatch 0.137 with TP-1 engines against 0.032 with TP-2 ones, BENCHMARKS.md); "
+                       f"set rollout.tp={self.parallel.tp} for the lowest mismatch")
+        return out
 
     def to_dict(self) -> dict:
         out = {}

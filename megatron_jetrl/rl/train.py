@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             sess.write_config(cfg)
             if previous is not None:
                 print(previous.resume_message(cfg), file=sys.stderr)
+            for notice in cfg.notices():
+                print(f"note: {notice}", file=sys.stderr)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         faults.record_failure(f"config error: {e}")

@@ -63,3 +63,15 @@ def test_preset_must_agree_with_the_checkpoint(tmp_path):
 
 def test_yaml_exponent_without_a_dot_is_a_number():
     assert load_config(None, ["optim.lr=5e-4"]).optim.lr == 5e-4
+
+
+def test_a_rollout_split_other_than_the_trainers_is_noted_in_jetrl_only():
+    """jetrl with vLLM engines split otherwise than the trainer (rollout.tp != parallel.tp) is valid but noted with
+    its measured cost and the fix; the same split in bf16, or the matching one, is not."""
+    base = ["rollout.engine=vllm", "parallel.tp=2"]
+    cfg = load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=1"])
+    notes = cfg.notices()
+    assert len(notes) == 1 and "rollout.tp=1 differs from parallel.tp=2" in notes[0] and notes[0].endswith("set rollout.tp=2 for the lowest mismatch")
+    assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=2"]).notices() == []
+    assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=1", "precision.mode=bf16"]).notices() == []
+    assert load_config().notices() == []
