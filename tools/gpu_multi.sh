@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU runs on one GPU host (issue 18): 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them (4 with
-# ARGS=parallel.dp=2: trainer TP 2 x DP 2; the vLLM stage then runs world / ROLLOUT_TP engines).
+# ARGS=parallel.dp=2: trainer TP 2 x DP 2; the vllm stage then runs world size / rollout TP engines).
 # (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
 # launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)
 #
