@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # session 27 call Q: every non-vLLM GPU test on today's tree (regression run), with TE and DeepGEMM kits
-cd "$(dirname "$0")/.." && OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+cd "$(dirname "$0")/../../.." && OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name --format=csv,noheader
 bash tools/gpu_fp8.sh setup 2>&1 | tail -4
 export PYTHONPATH=/tmp/dg:/tmp/mcore:$PWD; [ -f .kits/te/bin/env.sh ] && source .kits/te/bin/env.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Archived as it ran: copy it to .calls/ and this folder's sitecustomize.py to .calls/diag27/ (the vLLM kit's second call carries no docs/).
 # session 27 call M: GRPO with vLLM at 8 Qwen3-8B layers (eager), jetrl then bf16, then jetrl with gc frozen/disabled
 # during rollouts; .calls/diag27/sitecustomize.py times a fixed Python loop in the trainer's main thread and in a bare
 # helper process around every rollout, with schedstat, per-CPU busy, other processes' CPU and cpu MHz.

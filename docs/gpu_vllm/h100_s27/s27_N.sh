@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Archived as it ran: copy it to .calls/ and this folder's sitecustomize.py to .calls/diag27/ (the vLLM kit's second call carries no docs/).
 # session 27 call N (warm machine after M): jetrl plain, jetrl with gc frozen/disabled in rollouts, bf16, jetrl plain
 cd "$(dirname "$0")/.." && t0=$(date +%s); OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD/.calls/diag27

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Archived as it ran: copy it to .calls/ and this folder's sitecustomize.py to .calls/diag27/ (the vLLM kit's second call carries no docs/).
 # session 27 call P: GRPO with vLLM at 8 Qwen3-8B layers with decode CUDA graphs (rollout.enforce_eager=false),
 # jetrl and bf16 alternating, with the diag27 sampler (fixed-loop CPU calibration, DeepGEMM JIT kernels compiled in each rollout)
 cd "$(dirname "$0")/.." && t0=$(date +%s); OUT=${OUT:-/tmp/out}; W=/tmp/runs; mkdir -p $W
