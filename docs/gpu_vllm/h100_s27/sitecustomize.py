@@ -124,6 +124,17 @@ if "megatron_jetrl.rl.train" in _cmd() and os.environ.get("DIAG_OUT"):
                 other = sorted(((v[1] - pr0[p][1]) / _tick, f"{v[0]}/{p}") for p, v in pr1.items()
                                if p in pr0 and p != me and v[1] > pr0[p][1])
                 rec["other_procs_cpu_s"] = other[-8:][::-1]
+                info = []
+                for cpu_s, tag in other[-3:][::-1]:
+                    pid = tag.rsplit("/", 1)[1]
+                    try:
+                        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:300]
+                        ppid = _stat_fields(f"/proc/{pid}/stat")[1][1]
+                        threads = sorted(_stat_fields(f"/proc/{pid}/task/{t}/stat")[0] for t in os.listdir(f"/proc/{pid}/task"))
+                        info.append({"pid": pid, "ppid": ppid, "cpu_s": cpu_s, "cmd": cmd, "threads": threads[:12], "nthreads": len(threads)})
+                    except (OSError, IndexError):
+                        pass
+                rec["other_procs_info"] = info
                 rec["jit_after"] = _jit_count()
                 rec["calib_main_after"] = _calib()
                 rec["calib_helper_after"] = _helper_calib()
