@@ -13,7 +13,10 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
   what every GRPO step does), best and median of --sync-reps, against the device copy rate measured here; and one
   full pool cycle from sleep (wake weights, sync, wake KV cache);
 * decode: batch x (prompt, new) with ignore_eos, random prompt tokens; the first run of each batch (DeepGEMM
-  JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens.
+  JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens;
+* profile (--profile-batch B ...): one decode step's kernel time by category at each batch B, measured at the timed
+  runs' mean KV-cache length, and the bytes of the layers' linear weights (`linear_GB`). From a jetrl and a bf16 run
+  tools/rollout_report.py computes what FP8 weights can buy at that setting (its ceiling table).
 Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes and prints the table.
 
 `--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/rollout_report.py
@@ -83,6 +86,24 @@ def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[s
         else:
             out[name] = w
     return out
+
+
+def linear_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes a decode step reads for the decoder layers' linear weights (FP8 bytes and scales, or BF16): every 2-D
+    tensor under `model.layers.` (the norms' weights are 1-D; the embedding and lm_head sit outside the layers)."""
+    return sum(t.numel() * t.element_size() for name, t in tensors.items() if ".layers." in name and t.dim() == 2)
+
+
+def profile_context(prompt: int, new: int, steps: int, context: int | None, error) -> int:
+    """The profiled prompts' length: `context`, or the timed runs' mean decode context centred on the profiled steps.
+    `error(message)` (argparse's) when the window does not fit the engine's `prompt + new` tokens."""
+    if steps < 3:
+        error(f"--profile-steps must be at least 3 (the profile subtracts a 2-token generate), got {steps}")
+    context = prompt + new // 2 - steps // 2 if context is None else context
+    if context < 1 or context + steps > prompt + new:
+        error(f"the profiled window (prompt {context}, {steps} steps) does not fit the engine's {prompt} + {new} tokens: "
+              "give --profile-context and --profile-steps with context + steps <= prompt + new")
+    return context
 
 
 def deep_gemm_cache_dir() -> Path:
@@ -199,7 +220,7 @@ def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> di
     """Where one decode step's time goes: torch.profiler over a generate of `steps` new tokens minus one of 2 (prefill
     and the first token cancel), per decode step: wall ms, GPU-busy ms, kernel ms by category, the top kernels, and
     the GPU's idle ms by gap length (gaps of a few us sit between the kernels of one CUDA graph; long ones wait on
-    the host)."""
+    the host). `context`: the mean KV-cache length of the measured steps (prompt + steps / 2)."""
     per = {}
     for new in (2, steps):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=seed)
@@ -215,7 +236,7 @@ def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> di
     for name, ms in step_k.items():
         cats[decode_category(name)] = cats.get(decode_category(name), 0.0) + ms
     top = sorted(step_k.items(), key=lambda kv: -kv[1])[:12]
-    return {"batch": len(prompts), "steps": n, "wall_ms": (w - w2) / n, "busy_ms": (b - b2) / n,
+    return {"batch": len(prompts), "steps": n, "context": len(prompts[0]) + steps / 2, "wall_ms": (w - w2) / n, "busy_ms": (b - b2) / n,
             "kernel_ms": sum(step_k.values()), "categories": cats, "top": [[name[:120], ms] for name, ms in top],
             "idle_ms_by_gap_us": {label: (g[i] - g2[i]) / n for i, label in enumerate(_gap_labels())}}
 
@@ -226,7 +247,7 @@ def _gap_labels() -> list[str]:
 
 
 def print_decode_profile(tag: str, p: dict) -> None:
-    print(f"[{tag}] decode step at batch {p['batch']} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
+    print(f"[{tag}] decode step at batch {p['batch']}, context ~{p['context']:.0f} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
           f"{p['busy_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms", flush=True)
     idle = ", ".join(f"{label} us {ms:.3f}" for label, ms in p.get("idle_ms_by_gap_us", {}).items())
     print(f"[{tag}]   GPU idle ms by gap length: {idle}", flush=True)
@@ -256,8 +277,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
-    ap.add_argument("--profile-batch", type=int, default=None,
-                    help="after the timings, where one decode step's time goes at this batch (torch.profiler; see decode_profile)")
+    ap.add_argument("--profile-batch", type=int, nargs="+", default=None,
+                    help="after the timings, where one decode step's time goes at each of these batches (torch.profiler; see decode_profile)")
+    ap.add_argument("--profile-steps", type=int, default=64, help="decode steps profiled per batch (default 64)")
+    ap.add_argument("--profile-context", type=int, default=None,
+                    help="prompt length of the profiled generates (default: the timed runs' mean decode context, "
+                         "prompt + new/2 - steps/2, so that the profiled steps' KV cache is the average one)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     try:
@@ -266,6 +291,8 @@ def main(argv=None) -> dict:
         ap.error(str(e))
     if a.eager and a.variant == "fused":
         ap.error("--variant fused needs torch.compile (its passes do the fusing): leave out --eager")
+    if a.profile_batch:
+        a.profile_context = profile_context(a.prompt, a.new, a.profile_steps, a.profile_context, ap.error)
 
     import torch.distributed as dist
 
@@ -290,6 +317,7 @@ def main(argv=None) -> dict:
     res["numerics"] = engine.numerics
     batch = device_stream(arch, flow)
     res["model_GB"] = sum(t.numel() * t.element_size() for t in batch.values()) / 1e9
+    res["linear_GB"] = linear_bytes(batch) / 1e9
     times = [timed(lambda: engine.update_weights(batch.items())) for _ in range(a.sync_reps)]
     res["sync_best_s"], res["sync_median_s"] = min(times), statistics.median(times)
     res["sync_GBps"] = res["model_GB"] / res["sync_best_s"]
@@ -312,10 +340,12 @@ def main(argv=None) -> dict:
         res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
         print(f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
               f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
-    if a.profile_batch:
-        prompts = torch.randint(0, arch.vocab_size - 1, (a.profile_batch, a.prompt), generator=g).tolist()
-        res["decode_profile"] = decode_profile(engine, prompts, seed=sampling_seed(a.variant))
-        print_decode_profile(f"{a.mode} {a.variant}", res["decode_profile"])
+    res["decode_profiles"] = {}
+    for b in a.profile_batch or ():
+        prompts = torch.randint(0, arch.vocab_size - 1, (b, a.profile_context), generator=g).tolist()
+        p = decode_profile(engine, prompts, steps=a.profile_steps, seed=sampling_seed(a.variant))
+        res["decode_profiles"][str(b)] = p
+        print_decode_profile(f"{a.mode} {a.variant}", p)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return res

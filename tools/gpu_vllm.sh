@@ -2,7 +2,7 @@
 # vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
 # and math-verify wheels, installed once into /tmp/mcore):
 #
-#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | grpo | native | diag | jit-save
+#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | jit-save
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
@@ -16,6 +16,8 @@
 #           512 new tokens, batches 64 128 256 unless BENCH_ARGS changed them: pass the same as NATIVE_ARGS), then
 #           tools/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
 #           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
+#   report  tools/rollout_report.py over $OUT/bench_*.json alone (no native run) -> $OUT/vllm_report.md: the decode
+#           rates and, for batches both shipped runs profiled (BENCH_ARGS="--profile-batch 128 256"), the FP8 ceiling
 #   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
 #   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/jit_cache.sh: keep it as
@@ -67,6 +69,7 @@ for stage in "$@"; do
         --json "$OUT/bench_rollout.json" 2>&1 | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/bench_rollout.log" | tail -12
       python3 tools/rollout_report.py --native "$OUT/bench_rollout.json" --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) \
         -o "$OUT/rollout_report.md" ;;
+    report) python3 tools/rollout_report.py --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) -o "$OUT/vllm_report.md" ;;
     grpo) OUT=$OUT/vllm RUN_TIMEOUT=${RUN_TIMEOUT:-240} bash tools/gpu_grpo_run.sh rollout.engine=vllm ${GRPO_ARGS:-} >/dev/null 2>&1
           tail -20 "$OUT/vllm/run.log"; cat "$OUT/vllm/table.md" ;;
     native) OUT=$OUT/native bash tools/gpu_grpo_run.sh ${GRPO_ARGS:-} >/dev/null 2>&1; cat "$OUT/native/table.md" ;;

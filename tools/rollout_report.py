@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
 """One decode table at Qwen3-8B shapes: the native engine beside vLLM, FP8 (jetrl numerics) against BF16 in each.
 
-    python tools/rollout_report.py --native bench_rollout.json --vllm bench_jetrl.json bench_bf16.json [-o report.md]
+    python tools/rollout_report.py [--native bench_rollout.json] --vllm bench_jetrl.json bench_bf16.json [-o report.md]
 
-Inputs: the JSON of `tools/bench_rollout.py` (native engine, both precisions) and of `tools/bench_vllm.py --mode jetrl`
-and `--mode bf16` (one engine each). Only settings that match are compared: the same layers, prompt length and new tokens;
+Inputs: the JSON of `tools/bench_rollout.py` (native engine, both precisions; optional) and of `tools/bench_vllm.py
+--mode jetrl` and `--mode bf16` (one engine each). Only settings that match are compared: the same layers, prompt length and new tokens;
 a row per batch size that the vLLM runs have. Throughput is generated tokens per second of the whole generate() call,
 prefill included, as vLLM's benchmark times it: for the native engine b * n / (prefill_s + decode_s) of its end-to-end
 run. vLLM: best of its repeated runs (the first, which JIT-compiles DeepGEMM kernels for new shapes, in its own column).
 A vLLM run of another `--variant` than shipped (fused, triton-attn) gets two more columns: its tokens/s and its ratio to
 vLLM BF16 of the same variant when that ran, else to the shipped BF16 run.
+
+Ceiling: where both vLLM runs profiled a batch (`bench_vllm.py --profile-batch`, at the same context), a second table
+bounds what FP8 weights can buy a decode step there. FP8 changes only the decoder layers' linears; attention over the
+BF16 KV cache, the BF16 lm_head, norms and sampling are the same work in both modes (the trainer runs them in BF16, so
+the rollout must). The FP8 step therefore takes at least BF16's step minus BF16's linear GEMMs plus the time to read
+the FP8 linears' bytes once at the device copy rate (a decode step's GEMMs are bound by their weight reads; at
+M <= 256 the FP8 GEMM FLOPs take less than that read on Hopper), with every FP8-only pass free. The ceiling is BF16's
+step over that; no FP8 GEMM kernel can beat it with the trainer's numerics kept. Steps are GPU-busy ms.
 
 Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
 """
@@ -60,16 +68,23 @@ def native_rate(native: dict, precision: str, batch: int, new: int) -> float | N
     return None
 
 
-def table(native: dict, runs: dict[str, dict]) -> str:
+def check_native(native: dict, layers, prompt, new) -> None:
     missing = [k for k in ("model", "prompt", "new_tokens", "results", "device") if k not in native]
     if missing:
         raise ValueError(f"the native JSON lacks {missing}: give the output of tools/bench_rollout.py --json")
-    ref = next(iter(runs.values()))
-    layers, prompt, new = ref.get("layers"), ref.get("prompt"), ref.get("new_tokens")
     if (native["model"]["layers"], native["prompt"]) != (layers, prompt) or new not in native["new_tokens"]:
         raise ValueError(f"the native run (layers {native['model']['layers']}, prompt {native['prompt']}, new tokens "
                          f"{native['new_tokens']}) does not cover the vLLM runs' setting (layers {layers}, prompt {prompt}, "
                          f"new tokens {new}): run tools/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
+
+
+def table(native: dict | None, runs: dict[str, dict]) -> str:
+    ref = next(iter(runs.values()))
+    layers, prompt, new = ref.get("layers"), ref.get("prompt"), ref.get("new_tokens")
+    if native is not None:
+        check_native(native, layers, prompt, new)
+    else:
+        native = {"device": "not run", "results": []}
     f = lambda v, spec=".0f": "n/a" if v is None else format(v, spec)
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
     variants = [k for k in runs if k not in ("jetrl", "bf16") and not k.startswith("bf16 ")]
@@ -92,15 +107,48 @@ def table(native: dict, runs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ceiling(runs: dict[str, dict]) -> str:
+    """The ceiling table (module docstring) for every batch that the shipped jetrl and bf16 runs both profiled."""
+    f8, b16 = runs.get("jetrl"), runs.get("bf16")
+    if f8 is None or b16 is None:
+        return ""
+    pf, pb = f8.get("decode_profiles") or {}, b16.get("decode_profiles") or {}
+    lines = []
+    for b in sorted(set(pf) & set(pb), key=int):
+        F, B = pf[b], pb[b]
+        if F.get("context") != B.get("context"):
+            raise ValueError(f"batch {b}: the jetrl profile ran at context {F.get('context')}, the bf16 one at "
+                             f"{B.get('context')}: profile both with the same --prompt, --new and --profile-context")
+        if "linear_GB" not in f8 or "copy_GBps" not in f8:
+            raise ValueError("the jetrl run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version)")
+        lm_head = F["categories"].get("GEMM BF16", 0.0)  # the only BF16 GEMM of an FP8 engine
+        lin_b = B["categories"].get("GEMM BF16", 0.0) - lm_head
+        lin_f = F["categories"].get("GEMM FP8", 0.0)
+        read_f = f8["linear_GB"] / f8["copy_GBps"] * 1e3
+        best = B["busy_ms"] - lin_b + read_f
+        lines.append(f"| {b} | {B['context']:.0f} | {B['busy_ms']:.3f} | {lin_b:.3f} | {B['categories'].get('attention', 0.0):.3f} | "
+                     f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {F['busy_ms'] - B['busy_ms'] + lin_b - lin_f:.3f} | "
+                     f"{best:.3f} | **{B['busy_ms'] / best:.2f}x** | {B['busy_ms'] / F['busy_ms']:.2f}x |")
+    if not lines:
+        return ""
+    head = (f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB read at "
+            f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms).\n\n"
+            "| batch | context | BF16 step | its linear GEMMs | attention | FP8 step | its FP8 GEMMs (copy-rate share) | "
+            "FP8's other extra work | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    return "\n" + head + "\n" + "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--native", required=True, help="tools/bench_rollout.py JSON")
+    ap.add_argument("--native", help="tools/bench_rollout.py JSON (its columns read n/a without it)")
     ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode and --variant")
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
     try:
-        text = table(load(a.native), vllm_runs(a.vllm))
+        runs = vllm_runs(a.vllm)
+        text = table(load(a.native) if a.native else None, runs) + ceiling(runs)
     except ValueError as e:
         print(f"rollout_report: {e}", file=sys.stderr)
         return 2

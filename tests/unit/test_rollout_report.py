@@ -76,3 +76,34 @@ def test_variant_runs_get_their_own_columns(tmp_path):
                          "vLLM jetrl triton-attn / bf16 triton-attn |")
     assert row == "| 64 | 4096 | 4681 | 1.14x | 7500 | 9000 | 4500 | 1.20x | 1.92x | 9750 | 1.30x | 8800 | 1.10x |"
     assert tool.main(["--native", n, "--vllm", *paths, paths[2]]) == 2  # the fused run twice
+
+
+def profiled(mode, busy, cats, context=768.0, **extra):
+    r = dict(vllm(mode, {128: 1.0}), decode_profiles={"128": {"batch": 128, "context": context, "busy_ms": busy,
+                                                               "categories": cats}}, **extra)
+    return r
+
+
+def test_ceiling_bounds_the_fp8_step_by_the_fp8_weight_read(tmp_path):
+    """BF16 step 10 ms of which 6 ms are the linears' GEMMs (0.5 ms lm_head besides); FP8 linears 6 GB at 3000 GB/s
+    read in 2 ms at best: the FP8 step is at least 10 - 6 + 2 = 6 ms, a 1.67x ceiling. The FP8 run measured 8 ms busy
+    with 3 ms of FP8 GEMMs (2/3 of the copy rate) and 1 ms of extra work (8 - (10 - 6 + 3))."""
+    f8 = profiled("jetrl", 8.0, {"GEMM FP8": 3.0, "GEMM BF16": 0.5, "attention": 3.0}, linear_GB=6.0, copy_GBps=3000.0)
+    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5, "attention": 3.0})
+    out = tmp_path / "r.md"
+    assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "| 128 | n/a | n/a | n/a | 1 | 1 | 0 | 1.00x | n/a |" in text  # no --native: its columns read n/a
+    assert "the FP8 linears' 6.00 GB read at 3000 GB/s take 2.000 ms" in text
+    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 8.000 | 3.000 (67%) | 1.000 | 6.000 | "
+                                              "**1.67x** | 1.25x |")
+
+
+def test_ceiling_needs_profiles_at_one_context(tmp_path, capsys):
+    f8 = profiled("jetrl", 8.0, {"GEMM FP8": 3.0}, context=512.0, linear_GB=6.0, copy_GBps=3000.0)
+    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5}, context=768.0)
+    assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf)]) == 2
+    assert "the jetrl profile ran at context 512.0, the bf16 one at 768.0" in capsys.readouterr().err
+    bare = vllm("jetrl", {128: 1.0})  # profiles absent: the rates alone, no ceiling table
+    assert tool.main(["--vllm", write(tmp_path, "f.json", bare), write(tmp_path, "b.json", bf)]) == 0
+    assert "ceiling" not in capsys.readouterr().out

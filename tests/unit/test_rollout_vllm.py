@@ -389,3 +389,26 @@ def test_bench_counts_deep_gemm_kernels_where_vllm_keeps_them(monkeypatch, tmp_p
     assert bench.deep_gemm_cache_dir() == tmp_path / "v" / "deep_gemm"
     monkeypatch.setenv("DG_JIT_CACHE_DIR", "/dg")
     assert bench.deep_gemm_cache_dir() == Path("/dg")
+
+
+def test_bench_profiles_at_the_runs_mean_context_and_counts_the_layers_linear_bytes():
+    """bench_vllm: the profiled prompts default to the timed runs' mean decode context (centred on the profiled
+    steps); a window past the engine's prompt + new tokens is refused; linear_GB counts the layers' 2-D tensors only."""
+    bench = load_bench_vllm()
+    errors = []
+
+    def error(message):
+        errors.append(message)
+        raise SystemExit(2)
+
+    assert bench.profile_context(512, 1024, 64, None, error) == 512 + 512 - 32
+    assert bench.profile_context(256, 512, 64, 100, error) == 100
+    for steps, context in ((64, 1000), (2, None), (64, 0)):
+        with pytest.raises(SystemExit):
+            bench.profile_context(512, 512, steps, context, error)
+    assert "does not fit the engine's 512 + 512 tokens" in errors[0] and "at least 3" in errors[1]
+    tensors = {"model.layers.0.mlp.down_proj.weight": torch.zeros(8, 4, dtype=torch.float8_e4m3fn),
+               "model.layers.0.mlp.down_proj.weight_scale_inv": torch.zeros(1, 1),
+               "model.layers.0.input_layernorm.weight": torch.zeros(4, dtype=torch.bfloat16),
+               "model.embed_tokens.weight": torch.zeros(16, 4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(16, 4)}
+    assert bench.linear_bytes(tensors) == 8 * 4 + 4
