@@ -14,10 +14,13 @@ vLLM BF16 of the same variant when that ran, else to the shipped BF16 run.
 Ceiling: where both vLLM runs profiled a batch (`bench_vllm.py --profile-batch`, at the same context), a second table
 bounds what FP8 weights can buy a decode step there. FP8 changes only the decoder layers' linears; attention over the
 BF16 KV cache, the BF16 lm_head, norms and sampling are the same work in both modes (the trainer runs them in BF16, so
-the rollout must). The FP8 step therefore takes at least BF16's step minus BF16's linear GEMMs plus the time to read
-the FP8 linears' bytes once at the device copy rate (a decode step's GEMMs are bound by their weight reads; at
-M <= 256 the FP8 GEMM FLOPs take less than that read on Hopper), with every FP8-only pass free. The ceiling is BF16's
-step over that; no FP8 GEMM kernel can beat it with the trainer's numerics kept. Steps are GPU-busy ms.
+the rollout must). The FP8 step therefore takes at least BF16's step minus BF16's linear GEMMs plus the FP8 GEMMs'
+floor: the longer of reading the FP8 linears' bytes once at the device copy rate and their FLOPs (2 x batch x
+parameters; the parameters are the BF16 run's linear bytes / 2) at the FP8 tensor-core peak (--fp8-tflops, default
+1979: H100 and H200 SXM, dense), with every FP8-only pass free. The ceiling is BF16's step over that; no FP8 GEMM
+kernel beats it with the trainer's numerics kept, up to reading somewhat above the copy rate (towards the memory's
+peak): the last column gives the FP8 GEMM time (and weight read rate) that 1.3x would need with today's FP8-only
+work, unreachable where it is below the floor. Steps are GPU-busy ms.
 
 Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
 """
@@ -107,7 +110,11 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ceiling(runs: dict[str, dict]) -> str:
+GOAL = 1.3
+"""Issue 13's decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
+
+
+def ceiling(runs: dict[str, dict], fp8_tflops: float = 1979.0) -> str:
     """The ceiling table (module docstring) for every batch that the shipped jetrl and bf16 runs both profiled."""
     f8, b16 = runs.get("jetrl"), runs.get("bf16")
     if f8 is None or b16 is None:
@@ -119,23 +126,31 @@ def ceiling(runs: dict[str, dict]) -> str:
         if F.get("context") != B.get("context"):
             raise ValueError(f"batch {b}: the jetrl profile ran at context {F.get('context')}, the bf16 one at "
                              f"{B.get('context')}: profile both with the same --prompt, --new and --profile-context")
-        if "linear_GB" not in f8 or "copy_GBps" not in f8:
-            raise ValueError("the jetrl run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version)")
+        if "linear_GB" not in f8 or "copy_GBps" not in f8 or "linear_GB" not in b16:
+            raise ValueError("a run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version) in both modes")
         lm_head = F["categories"].get("GEMM BF16", 0.0)  # the only BF16 GEMM of an FP8 engine
         lin_b = B["categories"].get("GEMM BF16", 0.0) - lm_head
         lin_f = F["categories"].get("GEMM FP8", 0.0)
         read_f = f8["linear_GB"] / f8["copy_GBps"] * 1e3
-        best = B["busy_ms"] - lin_b + read_f
+        flops_f = 2 * int(b) * b16["linear_GB"] * 1e9 / 2 / (fp8_tflops * 1e12) * 1e3
+        floor = max(read_f, flops_f)
+        extra = F["busy_ms"] - B["busy_ms"] + lin_b - lin_f
+        best = B["busy_ms"] - lin_b + floor
+        need = B["busy_ms"] / GOAL - (B["busy_ms"] - lin_b) - extra  # FP8 GEMM ms for the goal, with today's extra work
+        need_rate = ("below zero: unreachable" if need <= 0 else f"{need:.3f} ms ({f8['linear_GB'] / need:.2f} TB/s)"
+                     + (": below the floor, unreachable" if need < floor else ""))
         lines.append(f"| {b} | {B['context']:.0f} | {B['busy_ms']:.3f} | {lin_b:.3f} | {B['categories'].get('attention', 0.0):.3f} | "
-                     f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {F['busy_ms'] - B['busy_ms'] + lin_b - lin_f:.3f} | "
-                     f"{best:.3f} | **{B['busy_ms'] / best:.2f}x** | {B['busy_ms'] / F['busy_ms']:.2f}x |")
+                     f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {extra:.3f} | "
+                     f"{floor:.3f} ({'read' if read_f >= flops_f else 'FLOPs'}) | {best:.3f} | **{B['busy_ms'] / best:.2f}x** | "
+                     f"{B['busy_ms'] / F['busy_ms']:.2f}x | {need_rate} |")
     if not lines:
         return ""
     head = (f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB read at "
-            f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms).\n\n"
+            f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms; FP8 peak {fp8_tflops:.0f} TFLOP/s).\n\n"
             "| batch | context | BF16 step | its linear GEMMs | attention | FP8 step | its FP8 GEMMs (copy-rate share) | "
-            "FP8's other extra work | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "FP8's other extra work | FP8 GEMMs' floor | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 | "
+            f"FP8 GEMMs for {GOAL}x with today's extra work |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     return "\n" + head + "\n" + "\n".join(lines) + "\n"
 
 
@@ -144,11 +159,13 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--native", help="tools/bench_rollout.py JSON (its columns read n/a without it)")
     ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode and --variant")
+    ap.add_argument("--fp8-tflops", type=float, default=1979.0,
+                    help="the FP8 tensor-core peak for the ceiling's FLOP floor (default 1979: H100/H200 SXM, dense)")
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
     try:
         runs = vllm_runs(a.vllm)
-        text = table(load(a.native) if a.native else None, runs) + ceiling(runs)
+        text = table(load(a.native) if a.native else None, runs) + ceiling(runs, a.fp8_tflops)
     except ValueError as e:
         print(f"rollout_report: {e}", file=sys.stderr)
         return 2

@@ -84,24 +84,30 @@ def profiled(mode, busy, cats, context=768.0, **extra):
     return r
 
 
-def test_ceiling_bounds_the_fp8_step_by_the_fp8_weight_read(tmp_path):
-    """BF16 step 10 ms of which 6 ms are the linears' GEMMs (0.5 ms lm_head besides); FP8 linears 6 GB at 3000 GB/s
-    read in 2 ms at best: the FP8 step is at least 10 - 6 + 2 = 6 ms, a 1.67x ceiling. The FP8 run measured 8 ms busy
-    with 3 ms of FP8 GEMMs (2/3 of the copy rate) and 1 ms of extra work (8 - (10 - 6 + 3))."""
+def test_ceiling_bounds_the_fp8_step_by_the_fp8_weights_floor(tmp_path):
+    """BF16 step 10 ms, 6 ms of it the linears' GEMMs (0.5 ms lm_head besides); FP8 linears 6 GB at 3000 GB/s: read in
+    2 ms at best; their 6e9 parameters (the BF16 run's 12 GB / 2) x 2 x 128 rows take 0.78 ms at 1979 TFLOP/s. So the FP8
+    step is at least 10 - 6 + 2 = 6 ms: a 1.67x ceiling. The FP8 run measured 8 ms busy with 3 ms of FP8 GEMMs (2/3 of
+    the copy rate) and 1 ms of extra work (8 - (10 - 6 + 3)); 1.3x would need its GEMMs in 10/1.3 - 4 - 1 = 2.692 ms."""
     f8 = profiled("jetrl", 8.0, {"GEMM FP8": 3.0, "GEMM BF16": 0.5, "attention": 3.0}, linear_GB=6.0, copy_GBps=3000.0)
-    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5, "attention": 3.0})
+    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5, "attention": 3.0}, linear_GB=12.0)
+    paths = [write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf)]
     out = tmp_path / "r.md"
-    assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf), "-o", str(out)]) == 0
+    assert tool.main(["--vllm", *paths, "-o", str(out)]) == 0
     text = out.read_text()
     assert "| 128 | n/a | n/a | n/a | 1 | 1 | 0 | 1.00x | n/a |" in text  # no --native: its columns read n/a
-    assert "the FP8 linears' 6.00 GB read at 3000 GB/s take 2.000 ms" in text
-    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 8.000 | 3.000 (67%) | 1.000 | 6.000 | "
-                                              "**1.67x** | 1.25x |")
+    assert "the FP8 linears' 6.00 GB read at 3000 GB/s take 2.000 ms; FP8 peak 1979 TFLOP/s" in text
+    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 8.000 | 3.000 (67%) | 1.000 | 2.000 (read) | "
+                                              "6.000 | **1.67x** | 1.25x | 2.692 ms (2.23 TB/s) |")
+    # a slow tensor core: 1.536 TFLOP at 500 TFLOP/s take 3.072 ms, above the read and above what 1.3x needs
+    assert tool.main(["--vllm", *paths, "--fp8-tflops", "500", "-o", str(out)]) == 0
+    assert out.read_text().rstrip().splitlines()[-1].endswith(
+        "| 3.072 (FLOPs) | 7.072 | **1.41x** | 1.25x | 2.692 ms (2.23 TB/s): below the floor, unreachable |")
 
 
 def test_ceiling_needs_profiles_at_one_context(tmp_path, capsys):
     f8 = profiled("jetrl", 8.0, {"GEMM FP8": 3.0}, context=512.0, linear_GB=6.0, copy_GBps=3000.0)
-    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5}, context=768.0)
+    bf = profiled("bf16", 10.0, {"GEMM BF16": 6.5}, context=768.0, linear_GB=12.0)
     assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf)]) == 2
     assert "the jetrl profile ran at context 512.0, the bf16 one at 768.0" in capsys.readouterr().err
     bare = vllm("jetrl", {128: 1.0})  # profiles absent: the rates alone, no ceiling table
