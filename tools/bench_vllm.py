@@ -37,7 +37,8 @@ puts each variant in its own column):
   of DeepGEMM (same activation quantizer and bytes; another reduction order than the trainer's DeepGEMM): whether
   DeepGEMM's small-M GEMMs (74% of the copy rate at batch 128, BENCHMARKS.md) are what holds decode back;
 * triton-gemm (jetrl only): `linear_backend="triton"`, vLLM's Triton block-FP8 kernel (`TritonFp8BlockScaledMMKernel`,
-  same quantizer and bytes, another reduction order; vLLM 0.26 ships no tuned configs for Qwen3-8B's shapes, so its
+  same quantizer and bytes, another reduction order; with vLLM's quantizer before each linear, since these linears
+  do not take the bytes the fused norm and SiLU leave: the start-up probe refuses that pairing; vLLM 0.26 ships no tuned configs for Qwen3-8B's shapes, so its
   default launch settings): whether a kernel other than DeepGEMM's, whose 64-row tiles read the narrow linears'
   weights at 62-69% of the copy rate at batch 128, does better there;
 * unseeded: the shipped engine, sampling without per-request seeds. With seeds (what the rollout pool passes, so that
@@ -147,7 +148,7 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
     if variant == "triton-gemm":
         if mode != "jetrl":
             raise ValueError("--variant triton-gemm picks vLLM's FP8 GEMM kernel: it applies to --mode jetrl only")
-        return {"linear_backend": "triton"}, True
+        return {"linear_backend": "triton", "fused_quant": False}, True  # its linears do not take the fused norm's bytes
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
     if variant == "unfused-quant":

@@ -291,7 +291,7 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert verify and engine_env(JETRL, extra["env"])["VLLM_USE_DEEP_GEMM"] == "0"
     with pytest.raises(ValueError, match="applies to --mode jetrl only"):
         bench.variant_settings("cutlass-gemm", "bf16")
-    assert bench.variant_settings("triton-gemm", "jetrl") == ({"linear_backend": "triton"}, True)  # an allowed kernel
+    assert bench.variant_settings("triton-gemm", "jetrl") == ({"linear_backend": "triton", "fused_quant": False}, True)
     with pytest.raises(ValueError, match="applies to --mode jetrl only"):
         bench.variant_settings("triton-gemm", "bf16")
     with pytest.raises(ValueError, match="unknown --variant"):
