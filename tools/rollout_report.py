@@ -87,14 +87,15 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
     if native is not None:
         check_native(native, layers, prompt, new)
     else:
-        native = {"device": "not run", "results": []}
+        native = {"device": None, "results": []}
     f = lambda v, spec=".0f": "n/a" if v is None else format(v, spec)
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
     variants = [k for k in runs if k not in ("jetrl", "bf16") and not k.startswith("bf16 ")]
     base = {k: f"bf16 {k.split(' ', 1)[1]}" if f"bf16 {k.split(' ', 1)[1]}" in runs else "bf16" for k in variants}
     extra_head = "".join(f" vLLM {k} | vLLM {k} / {base[k]} |" for k in variants)
     lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers, prompt {prompt}, {new} new tokens "
-             f"(native on {native['device']}, vLLM on {ref['device']}).", "",
+             + (f"(native on {native['device']}, vLLM on {ref['device']})." if native["device"] else
+                f"(vLLM on {ref['device']}; the native engine not run)."), "",
              "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | "
              "vLLM/native, FP8 |" + extra_head,
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(variants)]
