@@ -113,22 +113,25 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
 
 GOAL = 1.3
 """Issue 13's decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
+FP8_PEAK_TFLOPS = 1979.0
+"""Dense E4M3 tensor-core peak of the H100 and H200 SXM: the ceiling's FLOP floor unless --fp8-tflops says otherwise."""
 
 
-def ceiling(runs: dict[str, dict], fp8_tflops: float = 1979.0) -> str:
+def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
     """The ceiling table (module docstring) for every batch that the shipped jetrl and bf16 runs both profiled."""
     f8, b16 = runs.get("jetrl"), runs.get("bf16")
     if f8 is None or b16 is None:
         return ""
     pf, pb = f8.get("decode_profiles") or {}, b16.get("decode_profiles") or {}
+    batches = sorted(set(pf) & set(pb), key=int)
+    if batches and ("linear_GB" not in f8 or "copy_GBps" not in f8 or "linear_GB" not in b16):
+        raise ValueError("a run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version) in both modes")
     lines = []
-    for b in sorted(set(pf) & set(pb), key=int):
+    for b in batches:
         F, B = pf[b], pb[b]
         if F.get("context") != B.get("context"):
             raise ValueError(f"batch {b}: the jetrl profile ran at context {F.get('context')}, the bf16 one at "
                              f"{B.get('context')}: profile both with the same --prompt, --new and --profile-context")
-        if "linear_GB" not in f8 or "copy_GBps" not in f8 or "linear_GB" not in b16:
-            raise ValueError("a run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version) in both modes")
         lm_head = F["categories"].get("GEMM BF16", 0.0)  # the only BF16 GEMM of an FP8 engine
         lin_b = B["categories"].get("GEMM BF16", 0.0) - lm_head
         lin_f = F["categories"].get("GEMM FP8", 0.0)
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--native", help="tools/bench_rollout.py JSON (its columns read n/a without it)")
     ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode and --variant")
-    ap.add_argument("--fp8-tflops", type=float, default=1979.0,
+    ap.add_argument("--fp8-tflops", type=float, default=FP8_PEAK_TFLOPS,
                     help="the FP8 tensor-core peak for the ceiling's FLOP floor (default 1979: H100/H200 SXM, dense)")
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
