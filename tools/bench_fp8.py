@@ -12,7 +12,8 @@ Sections (each runs on its own; default: ceilings quant gemm linear layer):
             torch.nn.Linear (plain autograd): our FP8Linear with the shipped defaults (`PrecisionFlow(mode="jetrl")`,
             weight.main_grad attached as megatron DDP does), the same with backend="cublaslt", TE te.Linear under
             Float8BlockScaling (when transformer_engine imports) and the DeepGEMM GEMMs alone on pre-quantized
-            operands (the ceiling); rows per linear and the sum; targets: sum >= 1.5x, no linear < 1.3x
+            operands (the ceiling); rows per linear and the sum; targets: sum >= 1.5x, no linear < 1.3x; with the
+            ceilings section, the floor: those GEMMs plus the recipe's quantization bytes at the copy rate
   layer     one Qwen3-8B decoder layer (attention BF16, linears FP8, shipped defaults) fwd+bwd; target >= 1.35x
   profile   torch.profiler over fwd+bwd passes of the four FP8 linears (shipped defaults): GPU time per kernel
             and category, where the gap from the DeepGEMM ceiling goes, the GPU's idle time read off the kernel
@@ -603,6 +604,41 @@ def linear_targets(res):
     if tot.get("ceiling_ratio"):
         print(f"ceiling (DeepGEMM GEMMs only): {tot['ceiling_ratio']:.2f}x; shipped defaults reach "
               f"{100 * tot['ceiling_ms'] / tot['ours_ms']:.0f}% of it" if tot.get("ours_ms") else "", flush=True)
+    copy = (res.get("ceilings") or {}).get("copy_GBps")
+    if copy and all(r.get("ceiling_ms") and r.get("bf16_ms") for r in rows):
+        linear_floor(rows, tot, copy)
+
+
+def recipe_quant_bytes(m: int, n: int, k: int) -> int:
+    """Bytes the recipe's quantization must move in one fwd+bwd of a linear x[m, k] -> y[m, n] (weights excluded:
+    quantized once per optimizer step), FP32 scales included:
+      X   forward: BF16 read, 1x128 E4M3 rows written (FProp); backward: those rows and scales read back and
+          re-quantized along tokens (WGrad's 128x1 groups of the dequantized activation, the quantizer contract);
+      dY  backward: BF16 read, 1x128 rows (DGrad) and 128x1 token groups (WGrad) written in one pass."""
+    def scales(rows, cols):  # 1x128 row scales + 128x1 token-group scales of a [rows, cols] tensor
+        return 4 * rows * -(-cols // 128), 4 * cols * -(-rows // 128)
+    xr, xc = scales(m, k)
+    dr, dc = scales(m, n)
+    x = 2 * m * k + m * k + xr + (m * k + xr) + m * k + xc
+    dy = 2 * m * n + 2 * m * n + dr + dc
+    return x + dy
+
+
+def linear_floor(rows, tot, copy_gbps: float) -> None:
+    """The floor of the FP8 linear on this GPU: DeepGEMM's GEMMs (the ceiling column) plus the recipe's quantization
+    bytes at the device copy rate, with nothing else (no launch, no overlap). A target above its floor ratio is
+    out of reach of any change to quantization, copies or host work; only faster GEMMs move it."""
+    total_ms = 0.0
+    parts = []
+    for r in rows:
+        ms = r["ceiling_ms"] + recipe_quant_bytes(r["M"], r["N"], r["K"]) / copy_gbps / 1e6
+        r["floor_ms"], r["floor_ratio"] = ms, r["bf16_ms"] / ms
+        total_ms += ms
+        parts.append(f"{r['linear']} {r['floor_ratio']:.2f}x")
+    tot["floor_ms"], tot["floor_ratio"] = total_ms, tot["bf16_ms"] / total_ms
+    share = f"; shipped defaults reach {100 * total_ms / tot['ours_ms']:.0f}% of it" if tot.get("ours_ms") else ""
+    print(f"floor (DeepGEMM GEMMs + the recipe's quantization bytes at {copy_gbps:.0f} GB/s): {', '.join(parts)}; "
+          f"sum {tot['floor_ratio']:.2f}x ({total_ms:.3f} ms){share}", flush=True)
 
 
 # ---- profile: where the time of the FP8 linear goes ---------------------------------------------------

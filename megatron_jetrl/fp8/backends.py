@@ -23,7 +23,8 @@ deepgemm   DeepGEMM's `fp8_gemm_nt` (2.5.0 as bundled in vLLM 0.26 as `vllm.thir
                             (`c = d`), so the product lands in `acc` (the parameter's `main_grad`) with
                             no zeros buffer and no cast. K (tokens) is compiled as a runtime dim
                             (`compiled_dims="mn"`), so variable micro-batch lengths JIT no new kernels.
-triton     `megatron_jetrl.fp8.kernels.gemm` (any sm89+ GPU; the portable fallback).
+triton     `megatron_jetrl.fp8.kernels.gemm` (any sm89+ GPU; the portable fallback); with `acc` its store adds
+           the FP32 product into it (no separate buffer or add).
 
 Operands must be K-major ([M, K], [N, K] row-major). cuBLASLt and DeepGEMM want K a whole number of
 128-blocks: a partial last K block is padded with zero bytes, which is exact (a zero adds nothing and the
@@ -181,8 +182,9 @@ def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
 def gemm_triton(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
     from megatron_jetrl.fp8.kernels import gemm
 
-    out = gemm(a_q, a_s, b_q, b_s, b_block, torch.float32 if acc is not None else out_dtype)
-    return out if acc is None else acc.add_(out)
+    if acc is not None:
+        return gemm(a_q, a_s, b_q, b_s, b_block, torch.float32, out=acc, accumulate=True)
+    return gemm(a_q, a_s, b_q, b_s, b_block, out_dtype)
 
 
 # ---- first-use checks ---------------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def _k():
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
         stride_am, stride_bn, stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACC: tl.constexpr,
     ):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -382,16 +382,18 @@ def _k():
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             a_ptrs += 128
             b_ptrs += 128
-        c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if ACC:  # FP32 c is the accumulator (main_grad): the product lands on it, as a separate add would
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
     @triton.jit
     def _gemm_tma(
         a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K,
         stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_STAGES: tl.constexpr, LOOKAHEAD: tl.constexpr, WS: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LOOKAHEAD: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr,
     ):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -445,9 +447,11 @@ def _k():
                 else:
                     sb = tl.load(bs_ptrs + kb * stride_bsk)
                     acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if ACC:  # FP32 c is the accumulator (main_grad): the product lands on it, as a separate add would
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
     @triton.jit
     def _swiglu_bwd(
@@ -809,20 +813,25 @@ def triton_cdiv(a, b):
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench_fp8.py
 GEMM_CONFIG = {
     "tile": (128, 128, 8, 8, 4, True),  # 807 TFLOP/s on the 8B gate_up at M=8192 (sweep, 2026-11-22)
-    "rows": (128, 128, 8, 8, 4, True),  # WGrad (per-element sa*sb): ~600 TFLOP/s, all 128-wide tiles alike
+    "rows": (128, 128, 8, 8, 4, True),  # WGrad (per-element sa*sb): 451-488 TFLOP/s on an H200 at T = 8192 (session 29)
 }
+"""Triton is the portable fallback: on Hopper DeepGEMM's WGrad runs at 864-941 TFLOP/s on the same shapes. Also timed
+there (session 29, docs/gpu_fp8/h200_s29/): the one-block lookahead (7th field) 441-466 TFLOP/s, warp specialization
+(8th field) 481-538, 64x256 and 256x128 tiles 197-407; none is the default."""
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, config=None, out=None):
+def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, config=None, out=None, accumulate=False):
     """`dequant(a) @ dequant(b)^T` (operands as in `megatron_jetrl.fp8.gemm.blockwise_gemm`), on Triton.
 
     a [M, K] and b [N, K] need unit stride along K (K-major); any scale strides work, outer-dim-major
-    1x128 scales are read coalesced.
+    1x128 scales are read coalesced. `accumulate=True` adds the FP32 product into `out` (FP32 [M, N]).
     """
+    if accumulate and (out is None or out.dtype != torch.float32):
+        raise ValueError("gemm(accumulate=True) adds into `out`: pass an FP32 [M, N] buffer as out=")
     b_tile = tuple(b_block) == (128, 128)
     cfg = config or GEMM_CONFIG["tile" if b_tile else "rows"]
     bm, bn, gm, warps, stages, use_tma = cfg[:6]
@@ -838,7 +847,7 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
     if m == 0 or n == 0:
         return c
     if k == 0:
-        return c.zero_()
+        return c if accumulate else c.zero_()
     kern = _k()
     grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
     if use_tma and _tma_ok(a_q) and _tma_ok(b_q):
@@ -850,14 +859,14 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
             a_desc, b_desc, c, a_s, b_s, m, n, k, c.stride(0), c.stride(1),
             a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
             B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, NUM_STAGES=stages, LOOKAHEAD=lookahead, WS=ws,
-            num_warps=warps,
+            ACC=accumulate, num_warps=warps,
         )
     else:
         kern["gemm_ptr"][grid](
             a_q, b_q, c, a_s, b_s, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0), c.stride(1),
             a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
             B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, EVEN_K=(k % 128 == 0), NUM_STAGES=stages,
-            num_warps=warps,
+            ACC=accumulate, num_warps=warps,
         )
     return c
 

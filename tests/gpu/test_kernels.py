@@ -550,7 +550,7 @@ def test_triton_gemm_configs_write_every_element():
     k = kernels()
     configs = [
         (128, 128, 8, 8, 4, True), (128, 128, 8, 8, 3, False), (128, 256, 8, 8, 3, True), (128, 64, 8, 4, 5, True),
-        (128, 64, 8, 4, 4, True, True),
+        (128, 64, 8, 4, 4, True, True), (128, 128, 8, 8, 3, True, True), (128, 128, 8, 8, 4, True, False, True),
     ]
     for i, ((m, n, kk), b_block, cfg) in enumerate(itertools.product([(300, 640, 640), (129, 256, 1000)], [(128, 128), (1, 128)], configs)):
         g = gen(3000 + i)
@@ -560,6 +560,8 @@ def test_triton_gemm_configs_write_every_element():
         k.gemm(a_q, a_s, b_q, b_s, b_block, torch.float32, config=cfg, out=out)
         want = gemm_emulated(a_q, a_s, b_q, b_s, b_block, torch.float64)
         assert torch.isfinite(out).all() and rel(out, want) < 1e-3, (cfg, m, n, kk, b_block)
+        k.gemm(a_q, a_s, b_q, b_s, b_block, torch.float32, config=cfg, out=out, accumulate=True)  # out += product
+        assert rel(out, 2 * want) < 1e-3, ("accumulate", cfg, m, n, kk, b_block)
 
 
 def test_cublaslt_k_blocks_not_multiple_of_4_with_transposed_weight():
@@ -647,20 +649,22 @@ def test_auto_is_deepgemm_on_hopper_when_it_imports():
     assert resolve_backend("auto", torch.device(DEV), 777) != "deepgemm"  # N % 8: passed on, not refused
 
 
+@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
 @pytest.mark.parametrize("tokens", [8192, 1000])
-def test_deepgemm_wgrad_accumulates_into_a_gradient_like_a_separate_add(tokens):
-    """The 1D1D kernel with c = d = main_grad: within FP32 rounding of `start + product`."""
-    if not hopper_with_deepgemm():
+def test_wgrad_accumulates_into_a_gradient_like_a_separate_add(tokens, backend):
+    """DeepGEMM's 1D1D kernel with c = d = main_grad, and the Triton kernel's accumulating store: within FP32
+    rounding of `start + product`."""
+    if backend == "deepgemm" and not hopper_with_deepgemm():
         pytest.skip("DeepGEMM does not import here")
     g = gen(5000 + tokens)
     dy_t = torch.randn(768, tokens, device=DEV, generator=g)
     x_t = torch.randn(512, tokens, device=DEV, generator=g) * 0.1
     a_q, a_s = quantize_blockwise(dy_t, (1, 128))
     b_q, b_s = quantize_blockwise(x_t, (1, 128))
-    product = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), out_dtype=torch.float32, backend="deepgemm")
+    product = blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), out_dtype=torch.float32, backend=backend)
     start = torch.randn(768, 512, device=DEV, generator=g) * 4
     acc = start.clone()
-    assert blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), backend="deepgemm", acc=acc) is acc
+    assert blockwise_gemm(a_q, a_s, b_q, b_s, b_block=(1, 128), backend=backend, acc=acc) is acc
     bound = 4 * torch.finfo(torch.float32).eps * (start.abs() + product.abs())
     assert ((acc - (start + product)).abs() <= bound).all()
     want = gemm_emulated(a_q, a_s, b_q, b_s, (1, 128), torch.float64)

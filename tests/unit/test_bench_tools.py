@@ -112,6 +112,32 @@ def test_profile_timeline_measures_idle_between_kernels():
         bench.timeline(kernels[:5], passes=2)
 
 
+def test_linear_floor_adds_the_recipes_quantization_bytes_at_the_copy_rate(capsys):
+    """bench_fp8's floor: DeepGEMM's GEMMs plus X's and dY's bytes at the copy rate (X: BF16 read, rows written, read
+    back and re-quantized along tokens; dY: BF16 read, rows and token groups written; FP32 scales); worked numbers
+    for M = N = K = 256 and one 128-multiple-free shape."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # [256, 256]: row scales 256 * 2 and token-group scales 256 * 2, 4 B each
+    # X: 2 + 1 (forward) + 1 + 1 (backward) B per element, row scales written and read back, token-group scales written
+    # dY: 2 + 1 + 1 B per element, both scale sets written
+    sc = 4 * 256 * 2
+    assert bench.recipe_quant_bytes(256, 256, 256) == (5 * 256 * 256 + 3 * sc) + (4 * 256 * 256 + 2 * sc)
+    # partial groups count whole: 100 tokens (1 token group), 130 features (2 feature groups)
+    rows_sc, cols_sc = 4 * 100 * 2, 4 * 130 * 1
+    assert bench.recipe_quant_bytes(100, 130, 130) == (5 * 100 * 130 + 2 * rows_sc + cols_sc) + (4 * 100 * 130 + rows_sc + cols_sc)
+    rows = [{"linear": "a", "M": 256, "N": 256, "K": 256, "ceiling_ms": 1.0, "bf16_ms": 3.0}]
+    tot = {"bf16_ms": 3.0, "ours_ms": 2.0}
+    gbps = bench.recipe_quant_bytes(256, 256, 256) / 1e6  # the bytes take exactly 1 ms
+    bench.linear_floor(rows, tot, gbps)
+    assert rows[0]["floor_ms"] == pytest.approx(2.0) and rows[0]["floor_ratio"] == pytest.approx(1.5)
+    assert tot["floor_ratio"] == pytest.approx(1.5)
+    assert "a 1.50x; sum 1.50x (2.000 ms); shipped defaults reach 100% of it" in capsys.readouterr().out
+
+
 @no_cuda
 def test_bench_host_without_cuda_exits_2_in_one_line():
     one_line(run(sys.executable, "tools/bench_host.py"), 2, "bench_host.py: needs a CUDA GPU")
