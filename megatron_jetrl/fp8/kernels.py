@@ -346,6 +346,14 @@ def _k():
         return pid_m, pid_n
 
     @triton.jit
+    def _store_c(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn, ACC: tl.constexpr):
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if ACC:  # FP32 c is the accumulator (main_grad): the product lands on it, as a separate add would
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+    @triton.jit
     def _gemm_ptr(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
         stride_am, stride_bn, stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
@@ -382,11 +390,7 @@ def _k():
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             a_ptrs += 128
             b_ptrs += 128
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if ACC:  # FP32 c is the accumulator (main_grad): the product lands on it, as a separate add would
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_c(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn, ACC)
 
     @triton.jit
     def _gemm_tma(
@@ -447,11 +451,7 @@ def _k():
                 else:
                     sb = tl.load(bs_ptrs + kb * stride_bsk)
                     acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if ACC:  # FP32 c is the accumulator (main_grad): the product lands on it, as a separate add would
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_c(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn, ACC)
 
     @triton.jit
     def _swiglu_bwd(
