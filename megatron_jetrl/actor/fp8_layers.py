@@ -297,13 +297,16 @@ def _norm(batch_invariant: bool, fused: bool):
     return ModuleSpec(module=RMSNorm, params={"batch_invariant": batch_invariant, "fused": fused})
 
 
-def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False, fused: bool = True) -> ModuleSpec:
+def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False, fused: bool = True,
+                      core=None, bf16_linears=None) -> ModuleSpec:
     """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears; its core attention
     applies RoPE (build GPTModel without RoPE). `batch_invariant`: the engine's norms, RoPE and attention; else
-    `fused`: norms and RoPE as one kernel each on CUDA (`actor.fused`)."""
-    column, row = _linears(flow, batch_invariant)
+    `fused`: norms and RoPE as one kernel each on CUDA (`actor.fused`). `core` and `bf16_linears` (column, row) replace
+    the core attention and the BF16 linears (`actor.rollout_kernels`: the vLLM engine's kernels)."""
+    column, row = bf16_linears if bf16_linears and not flow.train_fp8 else _linears(flow, batch_invariant)
     norm = _norm(batch_invariant, fused)
-    core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else partial(SDPAttention, arch=arch, fused=fused)
+    if core is None:
+        core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else partial(SDPAttention, arch=arch, fused=fused)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -327,12 +330,13 @@ def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: boo
     )
 
 
-def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False, fused: bool = True):
-    """The decoder of one pipeline stage: `num_layers` native layers and this module's RMSNorm as final norm
-    (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
+def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False, fused: bool = True,
+                      core=None, bf16_linears=None):
+    """The decoder of one pipeline stage: `num_layers` native layers (`native_layer_spec`) and this module's RMSNorm as
+    final norm (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = native_layer_spec(flow, arch, batch_invariant, fused)
+    layer = native_layer_spec(flow, arch, batch_invariant, fused, core, bf16_linears)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 

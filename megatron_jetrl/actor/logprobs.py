@@ -14,8 +14,9 @@ Two implementations of that arithmetic:
   Inductor on CUDA into one kernel each. Backward saves the BF16 logits, not an FP32 softmax, and recomputes
   exp. Eagerly (CPU) it returns megatron's bits exactly; compiled, a sum may run in another order.
 
-A model built with `ActorOptions(batch_invariant=True)` takes the engine's log-softmax instead
-(`models.batch_invariant_ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced).
+A model built with `ActorOptions(batch_invariant=True)` takes the native engine's log-softmax instead
+(`models.batch_invariant_ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced), and one built
+with `ActorOptions(rollout_kernels=True)` vLLM's (`actor.rollout_kernels`).
 """
 
 from __future__ import annotations
@@ -133,11 +134,16 @@ def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 
 
 def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                     batch_invariant: bool = False, fused: bool = False) -> torch.Tensor:
+                     batch_invariant: bool = False, fused: bool = False, rollout_kernels: bool = False) -> torch.Tensor:
     """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`.
 
     The fused path runs on all `s` rows (the last one's target is token 0 and its logprob is dropped): slicing the
-    logits to `s-1` rows would make autograd copy the whole gradient into a zero-filled full-size buffer."""
+    logits to `s-1` rows would make autograd copy the whole gradient into a zero-filled full-size buffer.
+    `rollout_kernels`: the vLLM engine's log-softmax (`actor.rollout_kernels.exact_logprobs`)."""
+    if rollout_kernels:
+        from megatron_jetrl.actor.rollout_kernels import exact_logprobs
+
+        return exact_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
     if batch_invariant:
         return batch_invariant_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
     if fused:
@@ -210,10 +216,10 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
         with logits_from(model, _start(extras)) as start:
             output = model(tokens, positions, None)
         options = _actor_options(model)
-        batch_invariant, fused = (options.batch_invariant, options.fused) if options is not None else (False, False)
+        kinds = (options.batch_invariant, options.fused, options.rollout_kernels) if options is not None else (False,) * 3
 
         def loss_func(logits):
-            logprobs = shifted_logprobs(logits, tokens[:, start:], vocab_size, temperature, batch_invariant, fused)
+            logprobs = shifted_logprobs(logits, tokens[:, start:], vocab_size, temperature, *kinds)
             if start:
                 logprobs = torch.nn.functional.pad(logprobs, (start, 0))
             if loss_fn is None:

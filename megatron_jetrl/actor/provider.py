@@ -11,6 +11,7 @@ parallel state (`actor.parallel.init_parallel`). `copy_weights` moves weights be
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,10 @@ class ActorOptions:
     """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.batch_invariant_ops` (the native
     engine's functions). With BF16 params and the emulated FP8 backend the actor's logprobs then equal the
     engine's bit for bit (TP1). A slow reference path: meant for CPU runs and tests."""
+    rollout_kernels: bool = False
+    """Local spec on CUDA, with a vLLM rollout (`precision.exact_logprobs`): attention, the lm_head (and BF16 linears) and
+    the log-softmax run the vLLM engine's kernels (`actor.rollout_kernels`), so the actor's logprobs are the engine's
+    bit for bit. Needs vLLM 0.26.0 importable."""
 
     def __post_init__(self):
         if self.spec == "native":
@@ -53,6 +58,9 @@ class ActorOptions:
             raise ValueError(f"spec must be 'local' or 'te', got {self.spec!r}")
         if self.batch_invariant and self.spec != "local":
             raise ValueError("batch_invariant=True needs spec='local' (TE layers run TE's own kernels)")
+        if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
+            raise ValueError("rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
+                             "attention, lm_head and log-softmax by vLLM's kernels)")
 
 
 def rope_kwargs(arch: ModelArch) -> dict:
@@ -99,18 +107,27 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
 def _fused_swiglu(options: ActorOptions) -> bool:
     """megatron's fused SwiGLU (`bias_swiglu_impl`, compiled by its `jit_fuser`) for the local spec's BF16 MLP on
     CUDA; the FP8 MLP fuses SwiGLU into its quantization instead (`FP8GatedMLP`)."""
-    return options.fused and options.spec == "local" and not options.batch_invariant and torch.cuda.is_available()
+    return (options.fused and options.spec == "local" and not options.batch_invariant and not options.rollout_kernels
+            and torch.cuda.is_available())
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False, fused: bool = True):
-    """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm)."""
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False, fused: bool = True,
+               rollout_kernels: bool = False):
+    """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm), with the vLLM
+    engine's attention and BF16 linears under `rollout_kernels`."""
     if spec == "te":
         from megatron_jetrl.actor.te_recipe import te_layer_spec
 
         return te_layer_spec(arch.qk_norm)
     from megatron_jetrl.actor.fp8_layers import native_block_spec
 
-    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant, fused)
+    overrides = {}
+    if rollout_kernels:
+        from megatron_jetrl.actor import rollout_kernels as rk
+
+        overrides = {"core": partial(rk.FA3Attention, arch=arch),
+                     "bf16_linears": (rk.RolloutColumnParallelLinear, rk.RolloutRowParallelLinear)}
+    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant, fused, **overrides)
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
@@ -130,7 +147,8 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant, options.fused),
+        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant, options.fused,
+                                          options.rollout_kernels),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -144,6 +162,10 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     name_fp8_layers(model)
     if options.batch_invariant:
         use_batch_invariant_output_layer(model)
+    if options.rollout_kernels:
+        from megatron_jetrl.actor.rollout_kernels import use_rollout_output_layer
+
+        use_rollout_output_layer(model)
     model.actor_options = options  # read by actor.logprobs (which log-softmax)
     if torch.cuda.is_available():  # megatron builds some modules (our RMSNorm) on the CPU; its own setup calls .cuda()
         model.cuda(torch.cuda.current_device())

@@ -50,6 +50,16 @@ class PrecisionFlow:
     """FP8 GEMM backend: `auto` (deepgemm > cublaslt > triton > emulated: the first the device has, see
     `megatron_jetrl.fp8.gemm.available_backends`), or one of those by name."""
 
+    exact_logprobs: bool = False
+    """vLLM rollouts (GPU): the actor's forward runs the rollout engine's own kernels wherever they are not already the
+    same -- FlashAttention 3 with one KV split for attention, vLLM's batch-invariant GEMM for the lm_head (and, in mode
+    `bf16`, for every linear) and its log-softmax -- and vLLM runs in its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`:
+    one KV split in decode, no cascade attention). With the trainer's RMSNorm and RoPE in vLLM (`rollout.glue`) and the
+    FP8 linears both sides already share (DeepGEMM, one quantizer), every sampled token's logprob is then the actor's
+    bit for bit: mismatch exactly 0 and TIS weights exactly 1 (`megatron_jetrl/actor/rollout_kernels.py`). Backward
+    takes a gradient from torch's flash attention; only the forward must match. Not for `bf16-train-fp8-rollout`,
+    whose two forwards differ by design."""
+
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""
 
@@ -76,6 +86,11 @@ class PrecisionFlow:
             problems.append(f"check_finite must be one of {CHECK_MODES}, got {self.check_finite!r}{hint}")
         if self.backend not in GEMM_BACKENDS:
             problems.append(f"backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.exact_logprobs, bool):
+            problems.append(f"exact_logprobs must be true or false, got {self.exact_logprobs!r}")
+        elif self.exact_logprobs and self.mode == "bf16-train-fp8-rollout":
+            problems.append("exact_logprobs cannot hold in mode 'bf16-train-fp8-rollout': it trains in BF16 and samples in "
+                            "FP8, two forwards by design; use mode 'jetrl' (or 'bf16') with exact_logprobs")
         if problems:
             raise ValueError("invalid PrecisionFlow: " + "; ".join(problems))
         object.__setattr__(self, "gemms", GEMMS if self.mode == "jetrl" else ())
@@ -116,11 +131,13 @@ class PrecisionFlow:
         weight scales to UE8M0 at load on Hopper when DeepGEMM is used with E8M0; with FP32 scales that
         would change the weight bytes and the activation scales, so it is switched off. With `ue8m0`
         scales the re-quantization is the identity (already powers of two) and DeepGEMM may use them.
+        `exact_logprobs` turns on vLLM's batch-invariant mode (the field's docstring says what it changes) and pins the
+        model runner whose logprob kernel the actor calls (`actor.rollout_kernels`).
         """
-        if not self.rollout_fp8:
-            return {}
-        e8m0 = "1" if self.scale_mode == "ue8m0" else "0"
-        return {"VLLM_USE_DEEP_GEMM_E8M0": e8m0}
+        env = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"} if self.exact_logprobs else {}
+        if self.rollout_fp8:
+            env["VLLM_USE_DEEP_GEMM_E8M0"] = "1" if self.scale_mode == "ue8m0" else "0"
+        return env
 
     def te_env(self) -> dict[str, str]:
         """Environment Transformer Engine reads once at import for its default block-scaling QParams."""

@@ -397,8 +397,29 @@ class JetRLConfig:
                    f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
                    f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
                    "precision.eps at its default or use model.spec=local")
+        if self.precision.exact_logprobs:
+            self._check_exact_logprobs()
         if self.model.hf_config:
             self.arch()  # architecture problems surface here, before anything is built
+
+    def _check_exact_logprobs(self) -> None:
+        """`precision.exact_logprobs` holds only where both sides can run the same kernels (its docstring)."""
+        fix = "set precision.exact_logprobs=false"
+        _check(self.rollout.engine == "vllm",
+               f"precision.exact_logprobs pairs the actor with vLLM's kernels and needs rollout.engine=vllm, got "
+               f"{self.rollout.engine!r} ({fix}; the native engine is exact with model.batch_invariant=true)")
+        _check(self.model.spec == "local", f"precision.exact_logprobs needs model.spec=local (Transformer Engine's layers "
+                                           f"run TE's attention and norms, not vLLM's), got {self.model.spec!r}: {fix}")
+        _check(not self.model.batch_invariant, "precision.exact_logprobs runs vLLM's kernels in the actor and "
+                                               "model.batch_invariant=true the native engine's: set model.batch_invariant=false")
+        _check(self.rollout.glue != "vllm", "precision.exact_logprobs needs the trainer's RMSNorm and RoPE inside vLLM "
+                                            "(vLLM's own round differently): set rollout.glue=auto or trainer")
+        scaled = (self.model.hf_config or {}).get("rope_scaling")
+        _check(not scaled, f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
+                           f"which the trainer's glue does not replace: {fix}")
+        _check(self.rollout.tp == self.parallel.tp,
+               f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
+               f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}")
 
     def arch(self) -> ModelArch:
         """The model architecture, with the FP8 block alignment at this TP checked."""

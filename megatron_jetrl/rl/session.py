@@ -81,7 +81,22 @@ def init_distributed(cfg: JetRLConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
+    if cfg.rollout.engine == "vllm":
+        pin_vllm_environment(cfg.precision)
     init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.run.seed, timeout_minutes=cfg.run.timeout_s / 60)
+
+
+def pin_vllm_environment(flow: PrecisionFlow) -> None:
+    """vLLM's environment for the flow, before anything imports vLLM (the actor's `rollout_kernels` do) and before the
+    process group exists: under `exact_logprobs` vLLM's batch-invariant NCCL settings (one channel, tree all-reduce)
+    then hold for the trainer's collectives too, so both sides add the TP ranks' partial sums in one order."""
+    from megatron_jetrl.rollout.vllm_engine import engine_env, pin_environment
+
+    pin_environment(engine_env(flow))
+    if flow.exact_logprobs:
+        from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
+
+        override_envs_for_invariance()
 
 
 def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
@@ -157,7 +172,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
-                           batch_invariant=batch_invariant, fused=cfg.model.fused)
+                           batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs)
     model = build_model_same_init(arch, flow, options) if cfg.model.spec == "te" and not cfg.model.path else build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)

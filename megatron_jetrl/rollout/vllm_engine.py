@@ -406,6 +406,34 @@ def probe_problems(quant_fp8, flow: PrecisionFlow, x: torch.Tensor) -> list[str]
     return problems
 
 
+def exact_problems(attention_impls: dict[str, object], batch_invariant: bool, cascade_disabled: bool, glue: str,
+                   lm_head_method: str, v2_runner: bool = True) -> list[str]:
+    """Under `precision.exact_logprobs`, what in a running engine would compute other bytes than the actor's
+    `rollout_kernels`: vLLM's batch-invariant mode off, an attention that is not FA3, cascade attention, vLLM's own
+    RMSNorm/RoPE, a quantized or replaced lm_head, a model runner whose logprob kernel the actor does not call."""
+    problems = []
+    if not v2_runner:
+        problems.append("vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
+                        "the actor calls (the V2 runner's compute_token_logprobs): keep VLLM_USE_V2_MODEL_RUNNER=1")
+    if not batch_invariant:
+        problems.append("vLLM's batch-invariant mode is off (VLLM_BATCH_INVARIANT was not 1 when vllm was imported): "
+                        "create the engine, or call rl.session.pin_vllm_environment, before anything imports vllm")
+    if not cascade_disabled:
+        problems.append("cascade attention is on (a shared prefix's attention merged from two kernels): vLLM turns it off "
+                        "in its batch-invariant mode")
+    for name, impl in list(attention_impls.items())[:3]:
+        cls, version = type(impl).__name__, getattr(impl, "vllm_flash_attn_version", None)
+        if cls != "FlashAttentionImpl" or version != 3:
+            problems.append(f"{name}: attention {cls} (FlashAttention version {version}); the actor computes FlashAttention "
+                            "3's bytes: leave vLLM's default attention backend on Hopper")
+    if glue != "trainer":
+        problems.append(f"rollout.glue resolved to {glue!r}: vLLM's own RMSNorm and RoPE round unlike the actor's; use "
+                        "rollout.glue=auto or trainer (a llama3 scaled RoPE cannot)")
+    if lm_head_method != "UnquantizedEmbeddingMethod":
+        problems.append(f"the lm_head runs {lm_head_method}, not vLLM's unquantized (batch-invariant) GEMM")
+    return problems
+
+
 def check_numerics(model, flow: PrecisionFlow, pass_config, *, compiled: bool) -> dict:
     """Everything the flow pins, read back from the engine; raises EngineConformanceError naming what differs."""
     kernels = fp8_kernels(model)
@@ -477,6 +505,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             self.numerics = {"verified": False, "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
                              "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)]}
         self.numerics["glue"] = self._check_glue(glue, verify_numerics)
+        if flow.exact_logprobs:
+            self.numerics["exact_logprobs"] = self._check_exact(glue)
         self.numerics["compilation"] = {"mode": str(compilation.mode), "cudagraph_mode": str(compilation.cudagraph_mode)}
         self.params = dict(self.model.named_parameters())
         self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
@@ -505,6 +535,20 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
                     "the FP8 activation quantization fused into vLLM's norm and SiLU does not give the quantizer's bytes "
                     f"or is not taken by the linear ({fused}): run with rollout.vllm_fused_quant=false and report this")
         return {"mode": glue, "differ": shares, "fused_quant": fused}
+
+    def _check_exact(self, glue: str) -> dict:
+        """`exact_problems` read back from this engine; any refuses it."""
+        import vllm.envs as envs
+
+        impls = {name: m.impl for name, m in self.model.named_modules() if hasattr(m, "impl") and hasattr(m, "kv_cache")}
+        config = self.llm.llm_engine.vllm_config
+        method = type(getattr(self.model.lm_head, "quant_method", None)).__name__
+        problems = exact_problems(impls, bool(envs.VLLM_BATCH_INVARIANT), bool(config.model_config.disable_cascade_attn),
+                                  glue, method, bool(config.use_v2_model_runner))
+        if problems:
+            raise EngineConformanceError("precision.exact_logprobs: vLLM would not compute the actor's bytes:\n  - "
+                                         + "\n  - ".join(problems))
+        return {"attention": sorted({type(i).__name__ for i in impls.values()}), "layers": len(impls), "lm_head": method}
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:

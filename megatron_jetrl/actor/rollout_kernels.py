@@ -1,0 +1,200 @@
+"""The rollout engine's own kernels in the actor's forward (`precision.exact_logprobs`, vLLM 0.26.0 on CUDA).
+
+Train/rollout mismatch is exactly 0 only if every op between the token ids and a sampled token's logprob computes
+the same bytes in the actor (teacher-forced over whole sequences, micro-batch after micro-batch) as in the engine
+(prefill, then one token per decode step, in batches the scheduler picks). Per op, in a Qwen2/Qwen3/Llama layer:
+
+- embedding, residual adds, the SwiGLU product: elementwise, the same on both sides;
+- RMSNorm and RoPE: the trainer's kernels run inside vLLM (`rollout.glue`, checked at start-up);
+- FP8 linears: one activation quantizer (ours is vLLM's op byte for byte) and DeepGEMM's 1D2D GEMM, whose rows do not
+  depend on how many rows a call has (checked on an H100 at M = 1 ... 8192, all four Qwen3-8B linear shapes);
+- attention: the actor's torch SDPA differs from vLLM's FlashAttention 3 in a third of its outputs. FA3 with one
+  KV split gives every query the same bytes as a causal prefill over the whole sequence, a chunked prefill from the
+  paged cache and a paged decode step, so the actor calls FA3 itself (`FA3Attention`: vLLM's build,
+  `vllm.vllm_flash_attn`) and vLLM runs with one split (its batch-invariant mode). The backward is torch's flash
+  attention on the same inputs: a correct gradient; only the forward must match;
+- lm_head (and, in mode bf16, every linear): cuBLAS picks another kernel for another number of rows. Both sides call
+  vLLM's batch-invariant persistent GEMM (`linear_batch_invariant`, what vLLM's lm_head runs in that mode);
+- log-softmax: vLLM 0.26's model runner (V2, the default for dense models; pinned by `VLLM_USE_V2_MODEL_RUNNER=1`)
+  computes a sampled token's raw logprob with its own Triton kernel on the BF16 logits (`compute_token_logprobs`,
+  one program per row); the actor calls that very function (`exact_logprobs`). The batch-invariant `log_softmax` of
+  the V1 runner reads FP32 logits and differs from it in the last bit of about 2% of the logprobs (H100).
+
+Everything here imports vLLM lazily: build the actor after `rollout.vllm_engine.pin_environment` (vLLM reads its
+environment once, at import).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_jetrl.actor.fp8_layers import _column_parallel_input, rope_cos_sin, rope_key
+from megatron_jetrl.actor.fused import fused_rope
+from megatron_jetrl.models.arch import ModelArch
+
+FA_VERSION = 3
+"""The FlashAttention build vLLM 0.26 runs on Hopper (`vllm.vllm_flash_attn`, fa_version 3)."""
+_GRAD_ROWS = 2048
+"""Rows of FP32 softmax materialized at once by `exact_logprobs`' backward (152K vocabulary: 1.2 GB)."""
+
+
+def _batch_invariant():
+    from vllm.model_executor.layers import batch_invariant
+
+    return batch_invariant
+
+
+class _FA3(torch.autograd.Function):
+    """Causal attention `[b, s, heads, d]` (k/v with fewer heads: GQA): forward FA3 over each row as one sequence,
+    backward torch's flash attention (recomputed from q, k, v)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        b, s, heads, d = q.shape
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_func(q.reshape(b * s, heads, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
+                                     max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu, softmax_scale=scale,
+                                     causal=True, fa_version=FA_VERSION, num_splits=1)
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return out.view(b, s, heads, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # [b, heads, s, d]
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=ctx.scale, enable_gqa=True)
+            dq, dk, dv = torch.autograd.grad(out, (qt, kt, vt), grad.transpose(1, 2))
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+
+
+def fa3_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`[b, s, heads, d]` causal attention with vLLM's FA3 kernel, one KV split (differentiable)."""
+    return _FA3.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+
+class FA3Attention(torch.nn.Module):
+    """Core attention of the local spec under `precision.exact_logprobs`: the trainer's RoPE (the one vLLM runs through
+    `rollout.glue`), then vLLM's FA3 with vLLM's softmax scale 1/sqrt(head_dim). Right-padded rows: each row is one
+    causal sequence of the micro-batch's length, so a token never sees the padding after it. Megatron layout in and
+    out, as `SDPAttention`."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
+                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch):
+        super().__init__()
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"FA3Attention is causal only, got attn_mask_type={attn_mask_type}")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
+            raise ValueError("FA3Attention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
+        self.scale = arch.head_dim ** -0.5  # vLLM's Qwen2/Qwen3/Llama attention: self.scaling = head_dim ** -0.5
+        if softmax_scale not in (None, self.scale):
+            raise ValueError(f"FA3Attention scales by 1/sqrt(head_dim) as vLLM does; softmax_scale={softmax_scale} is not supported")
+        self.head_dim = arch.head_dim
+        self.rope_kwargs = rope_key(arch)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if attention_mask is not None or packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("FA3Attention takes unpacked causal sequences without an explicit mask or bias")
+        s, b = query.shape[:2]
+        cos, sin = rope_cos_sin(self.head_dim, self.rope_kwargs, s, query.device)
+        query, key = fused_rope(query, cos, sin), fused_rope(key, cos, sin)
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads or groups, d]
+        return fa3_causal_attention(q, k, v, self.scale).transpose(0, 1).reshape(s, b, -1)
+
+
+class _Linear(torch.autograd.Function):
+    """`x @ w.T` with vLLM's batch-invariant GEMM forward; plain torch GEMMs backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        return _batch_invariant().linear_batch_invariant(x2, weight).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = (g2.t() @ x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's unquantized linear in batch-invariant mode: the persistent GEMM, then `+ bias` in the output dtype."""
+    y = _Linear.apply(x, weight)
+    return y if bias is None else y + bias
+
+
+class RolloutColumnParallelLinear(ColumnParallelLinear):
+    """megatron `ColumnParallelLinear` (TP semantics unchanged) whose GEMM is vLLM's batch-invariant one: the lm_head,
+    and mode bf16's column-parallel linears."""
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
+        return rollout_linear(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
+
+
+class RolloutRowParallelLinear(RowParallelLinear):
+    """megatron `RowParallelLinear` (megatron all-reduces the output) with vLLM's batch-invariant GEMM."""
+
+    def _forward_impl(self, input, weight, bias, **_):
+        return rollout_linear(input, weight, bias)
+
+
+def use_rollout_output_layer(model) -> None:
+    """Give this stage's GPTModel output layer (if it has one) vLLM's batch-invariant GEMM; weights untouched."""
+    layer = getattr(model, "output_layer", None)
+    if layer is not None:
+        if type(layer) is not ColumnParallelLinear:
+            raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
+        layer.__class__ = RolloutColumnParallelLinear
+
+
+class _ExactLogprobs(torch.autograd.Function):
+    """log p(target) over the first `vocab_size` columns of full-vocabulary BF16 logits `[N, V]`: forward vLLM's own
+    kernel for a sampled token's raw logprob (`compute_token_logprobs`: max, then sum of exp, then x - max - log(sum),
+    one program per row, on the BF16 logits as vLLM's sampler holds them), backward softmax - onehot."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_size: int):
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        out = compute_token_logprobs(logits[:, :vocab_size], targets[:, None])[:, 0]
+        ctx.save_for_backward(logits, targets)
+        ctx.vocab_size = vocab_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets = ctx.saved_tensors
+        v = ctx.vocab_size
+        d = torch.zeros_like(logits)
+        for r in range(0, logits.shape[0], _GRAD_ROWS):
+            g = grad[r : r + _GRAD_ROWS, None]
+            rows = -torch.softmax(logits[r : r + _GRAD_ROWS, :v].float(), dim=-1) * g
+            rows.scatter_add_(-1, targets[r : r + _GRAD_ROWS, None], g)
+            d[r : r + _GRAD_ROWS, :v] = rows.to(d.dtype)
+        return d, None, None
+
+
+def exact_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """`logits[..., V/tp]` (this TP rank's vocabulary shard), `targets[...]` -> FP32 log p(targets), differentiable,
+    with vLLM's arithmetic: the shards gathered (vLLM gathers its lm_head's output too), the padding columns dropped,
+    then vLLM's sampled-token logprob kernel. vLLM reports logprobs at temperature 1 (`logprobs_mode=raw_logprobs`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    if temperature != 1.0:
+        raise ValueError(f"exact_logprobs computes vLLM's raw logprobs (temperature 1), got temperature={temperature}")
+    split = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
+    full = gather_from_tensor_model_parallel_region(logits) if split else logits
+    if full.shape[-1] < vocab_size:
+        raise ValueError(f"logits have {full.shape[-1]} vocabulary columns, fewer than vocab_size={vocab_size}")
+    flat = full.reshape(-1, full.shape[-1])
+    return _ExactLogprobs.apply(flat, targets.reshape(-1), vocab_size).view(targets.shape)
