@@ -111,3 +111,19 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
         got = {k: r[f"mismatch/{k}"] for k in ("mean_abs_diff", "max_abs_diff", "k3_kl", "ratio_min", "ratio_max", "tis_weight_mean")}
         assert got == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0, "ratio_min": 1.0, "ratio_max": 1.0,
                        "tis_weight_mean": 1.0}, (r["step"], got)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer TP 2, rollout TP 2)")
+def test_grpo_at_tp2_has_mismatch_exactly_zero(tmp_path):
+    """Trainer TP 2 and rollout TP 2: both sides add two BF16 partial outputs per row-parallel linear (an order-free
+    sum) with vLLM's batch-invariant NCCL settings."""
+    cmd = ["bash", "launch/train_grpo.sh", *QWEN3, "parallel.tp=2", "rollout.tp=2", "rollout.engine=vllm",
+           "precision.exact_logprobs=true", "rollout.max_new_tokens=128", "run.steps=3", "run.checkpoint=false",
+           "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=tp2"]
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/tokens"] > 0 and r["mismatch/max_abs_diff"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r["step"]
