@@ -549,7 +549,7 @@ def division_steps(dtype, eps: float) -> int:
     return 1 if dtype == torch.bfloat16 else 2
 
 
-# Launch settings, chosen by the sweep in tools/bench_fp8.py on the H200 (see BENCHMARKS.md).
+# Launch settings, chosen by the sweep in tools/bench/bench_fp8.py on the H200 (see BENCHMARKS.md).
 QUANT_CFG = {
     # mode "cuda": fp8/cuda_tiles.py's kernel (rows only) for 2-D BF16 input whose layout allows its 16-byte accesses;
     # else, in mode "triton" and with the SwiGLU prologue, the Triton kernel with these launch settings (SwiGLU in a
@@ -810,7 +810,7 @@ def triton_cdiv(a, b):
 # GEMM
 # ----------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench_fp8.py
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench/bench_fp8.py
 GEMM_CONFIG = {
     "tile": (128, 128, 8, 8, 4, True),  # 807 TFLOP/s on the 8B gate_up at M=8192 (sweep, 2026-11-22)
     "rows": (128, 128, 8, 8, 4, True),  # WGrad (per-element sa*sb): 451-488 TFLOP/s on an H200 at T = 8192 (session 29)

@@ -21,7 +21,7 @@ process, a small kernel is launched both ways over every specialization kind abo
 only if it writes the same bytes as Triton's (as `fp8.backends.self_test` checks a GEMM backend before first use;
 launches made before the probe could run -- inside a CUDA graph capture or under torch's sync debug mode, since the
 probe syncs -- take Triton's path). `MEGATRON_JETRL_TRITON_LAUNCH=triton` in the environment turns the direct launch off
-for the process (an escape hatch, and the A/B of tools/bench_host.py); `direct`, the default, leaves it to the probe.
+for the process (an escape hatch, and the A/B of tools/bench/bench_host.py); `direct`, the default, leaves it to the probe.
 """
 
 from __future__ import annotations

@@ -264,11 +264,11 @@ def test_config_refuses_vllm_settings_that_cannot_run():
 
 
 def load_bench_vllm():
-    """tools/bench_vllm.py as a module (it is a script, not a package module)."""
+    """tools/bench/bench_vllm.py as a module (it is a script, not a package module)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
