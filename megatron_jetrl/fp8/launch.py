@@ -2,7 +2,7 @@
 
 `kernel[grid](*args, **kw)` through `JITFunction.run` binds the arguments, specializes each one, formats the options
 into the cache key, builds launch metadata and calls the (empty) launch-hook chains on every call: the host needs
-~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md, session 14).
+~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md).
 The FP8 linear and megatron's glue issue about 17 such launches per layer fwd+bwd, and at 4096-token micro-batches
 the GPU then waits on the host.
 

@@ -265,7 +265,7 @@ class RolloutConfig:
     keep it equal to parallel.tp (the trainer prints a note otherwise): an engine with another split sums the
     row-parallel linears' outputs in another order, the next FP8 quantization amplifies that, and the mismatch rises
     about fourfold (trainer TP 2 on 4 H100s: mean |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1;
-    BENCHMARKS.md, session 26)."""
+    BENCHMARKS.md)."""
     kv_cache_fraction: float = 0.5
     """vLLM only: the most of the GPU memory free at engine start (after the actor is built and the engine's weights
     are counted) that the KV cache may take. Below that it gets what a step can use: the engine's share of the
@@ -291,8 +291,8 @@ class RolloutConfig:
     """vLLM only, with the trainer's glue, an FP8 rollout and FP32 scales: the decoder layers' RMSNorm and SiLU-and-mul
     kernels also write the FP8 bytes and scales of their output, which the FP8 linear after them then reads instead of
     quantizing again (three launches fewer per layer and decode step; the same bytes, checked at start-up:
-    `rollout/vllm_glue.py`). Decode at Qwen3-8B shapes, batch 128: 1.05x faster than without it (H200, session 23),
-    1.22-1.23x vLLM BF16 with it (H100, sessions 24-25; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
+    `rollout/vllm_glue.py`). Decode at Qwen3-8B shapes, batch 128: 1.05x faster than without it (H200),
+    1.22-1.23x vLLM BF16 with it (H100; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
     the same bytes."""
 
     def __post_init__(self):

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 # bound = (max |d logprob|, mean |d logprob|, relative loss difference, relative grad-norm difference), each
-# about 2.5x the worst of 2 seeds x 2 families measured on 2 H200s (2026-11-22; logprobs ~ -10.6 to -11.7):
+# about 2.5x the worst of 2 seeds x 2 families measured on 2 H200s (logprobs ~ -10.6 to -11.7):
 #   bf16:           max 0.058, mean 0.0127, loss 4.3e-5, grad norm 8.3e-4
 #   jetrl/cublaslt: max 0.38 (after 2 steps), mean 0.071, loss 2.6e-4, grad norm 5.3e-3 (emulated and Triton alike)
 #   +bug:           max 1.85-4.8, mean 0.45-1.04, loss 5.5e-4-4.3e-3, grad norm 0.039-0.15

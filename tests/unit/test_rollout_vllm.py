@@ -375,7 +375,7 @@ def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
 def test_bench_counts_deep_gemm_kernels_where_vllm_keeps_them(monkeypatch, tmp_path):
     """bench_vllm.deep_gemm_cache_dir follows vLLM 0.26 (vllm/utils/deep_gemm.py): DG_JIT_CACHE_DIR if set, else
     $VLLM_CACHE_ROOT/deep_gemm, whose root defaults to $XDG_CACHE_HOME/vllm or ~/.cache/vllm (not DeepGEMM's own
-    ~/.deep_gemm, which the bench used to count: 0 kernels, cold or warm)."""
+    ~/.deep_gemm, where it finds 0 kernels, cold or warm)."""
     from pathlib import Path
 
     bench = load_bench_vllm()

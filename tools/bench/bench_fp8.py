@@ -296,7 +296,7 @@ def gemm_section(res, backends, models=tuple(MODELS), ms_list=MS):
     res["gemm"] = rows
 
 
-# ---- the FP8 linear against BF16, TE and the DeepGEMM GEMM ceiling (issue 14) --------------------------
+# ---- the FP8 linear against BF16, TE and the DeepGEMM GEMM ceiling -----------------------------------
 
 LINEAR_TARGETS = {"sum": 1.5, "each": 1.3, "layer": 1.35}
 

@@ -27,7 +27,7 @@ puts each variant in its own column):
 * unfused-quant (jetrl only): the shipped engine with vLLM's own quantizer kernel before each FP8 linear, instead of
   the norms and SiLU writing the FP8 input (`rollout.vllm_fused_quant=false`; same bytes, still checked at start-up);
 * vllm-glue: vLLM's own RMSNorm and RoPE (`rollout.glue: vllm`) in its compiled engine (torch.compile, the
-  byte-changing fusion passes off; the start-up check still runs): the shipped engine before session 17;
+  byte-changing fusion passes off; the start-up check still runs): what the trainer's glue costs against it;
 * fused (jetrl only): vLLM's default compilation with its own glue, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
   their own scale floor and no BF16 rounding before the quantizer. The bytes are no longer the trainer's, so the
   start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a

@@ -112,7 +112,7 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
 
 
 GOAL = 1.3
-"""Issue 13's decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
+"""The decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
 FP8_PEAK_TFLOPS = 1979.0
 """Dense E4M3 tensor-core peak of the H100 and H200 SXM: the ceiling's FLOP floor unless --fp8-tflops says otherwise."""
 

@@ -1,4 +1,4 @@
-"""Where vLLM's FP8 forward leaves the native engine's, linear by linear (issue 13: the train/rollout mismatch).
+"""Where vLLM's FP8 forward leaves the native engine's, linear by linear: where the train/rollout mismatch starts.
 
     python3 tools/gpu/diag_vllm_layers.py [--hidden 2048 --heads 16 --layers 28 ...] [--attention FLASH_ATTN|TRITON_ATTN]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 training speed on the GPU machine (issue 14): kits, GPU tests and the FP8 benchmarks, from the repo root.
+# FP8 training speed on the GPU machine: kits, GPU tests and the FP8 benchmarks, from the repo root.
 #
 #   bash tools/gpu/gpu_fp8.sh STAGE...      STAGE: setup | tests | bench | jit-save     e.g. bash tools/gpu/gpu_fp8.sh setup tests bench
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Short GRPO runs on one GPU, one per precision mode, with per-phase times (issue #7; BENCHMARKS.md
+# Short GRPO runs on one GPU, one per precision mode, with per-phase times (BENCHMARKS.md
 # "GRPO on one H200: jetrl vs bf16").
 #
 #   bash tools/gpu/gpu_grpo_run.sh [section.key=value ...]        # extra overrides go to every run

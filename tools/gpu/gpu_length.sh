@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 on the GPU machine: train/rollout mismatch against rollout length, one SFT checkpoint, three precision modes
+# The length-mismatch experiment on the GPU machine: train/rollout mismatch against rollout length, one SFT checkpoint, three precision modes
 # (configs/length_mismatch.yaml says what the experiment is). From the repo root, after the vLLM kit's two calls:
 #
 #   bash tools/gpu/gpu_length.sh STAGE...      STAGE: sft | sft-more | modes | floor | plot     e.g. bash tools/gpu/gpu_length.sh sft modes plot

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU runs on one GPU host (issue 18): 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them (4 with
+# Multi-GPU runs on one GPU host: 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them (4 with
 # ARGS=parallel.dp=2: trainer TP 2 x DP 2; the vllm stage then runs world size / rollout TP engines).
 # (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
 # launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Transformer Engine on the GPU machine (issue 15): install the kit, run tests/gpu/test_te.py, compare the TE spec with
+# Transformer Engine on the GPU machine: install the kit, run tests/gpu/test_te.py, compare the TE spec with
 # the local spec in short GRPO runs, and (stages vllm, grpo) with vLLM as the rollout engine. One GPU (stage tp: two);
 # .kits/te (shared/kits/te) and .whl/ (megatron-core, math-verify wheels) travel with the call:
 #
