@@ -301,3 +301,5 @@ def test_te_compare_table(tmp_path):
     te_row = next(line for line in out.stdout.splitlines() if line.startswith("| jetrl | te |"))
     assert "| 3 | 0.5 | 0.1 | 1.5 | 0.1 | 0.9 |" in te_row and te_row.endswith("| 1.50x |")
     assert run(tmp_path / "none", tmp_path / "none2").returncode == 2
+    out = run("--help")
+    assert out.returncode == 0 and "tools/bench/te_compare.py OUT/train_local OUT/train_te" in out.stdout, out.stderr
