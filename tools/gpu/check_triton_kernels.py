@@ -139,6 +139,9 @@ def sass_per_element(swiglu: bool, div: int) -> tuple[float, collections.Counter
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip())
+        return 0
     try:
         import triton
     except ImportError:
