@@ -1,5 +1,5 @@
 """The GRPO config's types: `ConfigError`, one frozen dataclass per section and `JetRLConfig`, each checking its own
-values and how they fit together. `rl/config.py` fills them from YAML and overrides and re-exports every name here;
+values and how they fit together. `rl/config.py` fills them from YAML and overrides and re-exports the classes;
 `rl/preflight.py` and `rl/run_state.py` read them from here, so that the config CLI (rl/config.py) can call the
 preflight without an import circle.
 """
@@ -15,6 +15,7 @@ from megatron_jetrl.actor.train_step import OptimConfig
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.loss import PolicyLossConfig
+
 
 class ConfigError(ValueError):
     """A configuration problem, found before the run starts."""
