@@ -41,6 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
+from megatron_jetrl.actor.gpt import rope_kwargs, unwrap  # noqa: F401 (unwrap: imported from here by the actor modules)
 from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, finite, fp8_linear
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
@@ -103,16 +104,14 @@ class BatchInvariantAttention(torch.nn.Module):
 
 @lru_cache(maxsize=8)
 def _rotary(head_dim: int, rope: tuple, device: torch.device):
-    """megatron's `RotaryEmbedding` for `rope` (`provider.rope_kwargs` items), one per model shape and device."""
+    """megatron's `RotaryEmbedding` for `rope` (`gpt.rope_kwargs` items), one per model shape and device."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     return RotaryEmbedding(kv_channels=head_dim, use_cpu_initialization=device.type == "cpu", **dict(rope))
 
 
 def rope_key(arch: ModelArch) -> tuple:
-    """`rope_cos_sin`'s `rope` argument for an arch: GPTModel's RoPE arguments (`provider.rope_kwargs`), sorted."""
-    from megatron_jetrl.actor.provider import rope_kwargs
-
+    """`rope_cos_sin`'s `rope` argument for an arch: GPTModel's RoPE arguments (`gpt.rope_kwargs`), sorted."""
     return tuple(sorted((k, v) for k, v in rope_kwargs(arch).items() if k != "position_embedding_type"))
 
 
@@ -338,13 +337,6 @@ def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, bat
 
     layer = native_layer_spec(flow, arch, batch_invariant, fused, core, bf16_linears)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
-
-
-def unwrap(model):
-    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def name_fp8_layers(model) -> None:

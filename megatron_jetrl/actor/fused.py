@@ -12,7 +12,7 @@ The formulas are the ones the eager path runs, so CPU numerics are untouched: CP
 eagerly. On CUDA the kernels keep the formulas' own roundings and differ from eager only where a sum runs in another
 order or a multiply-add is contracted: a last bit in a small fraction of the elements (tests/gpu/test_fused.py).
 RMSNorm rounds the normalized row to BF16 before the weight multiplies it, as HF does; torch's `F.rms_norm` and vLLM
-0.26's kernel round once, at the end, and differ from it in about a quarter of the elements (tools/diag_vllm_layers.py,
+0.26's kernel round once, at the end, and differ from it in about a quarter of the elements (tools/gpu/diag_vllm_layers.py,
 BENCHMARKS.md). RoPE computes in FP32 and rounds once, on CUDA and CPU alike.
 
 `on_cuda_compiled` (Inductor, for `actor.logprobs`' row functions, called once per micro-batch, not per layer) raises

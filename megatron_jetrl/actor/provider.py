@@ -16,12 +16,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from megatron_jetrl.actor.gpt import LLAMA3_ROPE_DEFAULTS, rope_kwargs, unwrap  # noqa: F401 (re-exported: provider API)
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.mapping import padded_vocab_size
-
-LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,6 @@ class ActorOptions:
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError("rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
                              "attention, lm_head and log-softmax by vLLM's kernels)")
-
-
-def rope_kwargs(arch: ModelArch) -> dict:
-    """GPTModel RoPE arguments; llama3 rope_scaling only with megatron's fixed low/high/original factors."""
-    kwargs = {"position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_base": arch.rope_theta}
-    scaling = arch.rope_scaling
-    if not scaling:
-        return kwargs
-    kind = scaling.get("rope_type", scaling.get("type"))
-    odd = {k: scaling.get(k) for k, v in LLAMA3_ROPE_DEFAULTS.items() if float(scaling.get(k, v)) != v}
-    if kind != "llama3" or odd:
-        raise ValueError(f"rope_scaling {scaling} is not supported: megatron-core 0.16 implements llama3 scaling with {LLAMA3_ROPE_DEFAULTS} only")
-    return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 
 def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int, options: ActorOptions = ActorOptions()):
@@ -178,7 +164,6 @@ def copy_weights(src, dst, arch: ModelArch, *, src_spec: str, dst_spec: str) -> 
     destination names. E.g. a TE-spec actor starts from the weights the local spec draws for the same seed."""
     from megatron.core import parallel_state as ps
 
-    from megatron_jetrl.actor.fp8_layers import unwrap
     from megatron_jetrl.models.mapping import model_entries
 
     spec_name = {"native": "local"}

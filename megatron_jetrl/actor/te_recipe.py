@@ -61,7 +61,7 @@ def te_linears(model) -> dict[str, torch.nn.Module]:
     """Every TE module of the model (under any wrappers) that holds a 2-D `weight`: {module name: module}."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    from megatron_jetrl.actor.fp8_layers import unwrap
+    from megatron_jetrl.actor.gpt import unwrap
 
     return {name: m for name, m in unwrap(model).named_modules()
             if isinstance(m, TransformerEngineBaseModule) and isinstance(getattr(m, "weight", None), torch.Tensor)

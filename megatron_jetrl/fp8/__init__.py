@@ -36,7 +36,7 @@ ones, and tests/gpu checks that against the IEEE division for every 24-bit signi
 This is vLLM's activation quantizer, read in `csrc/quantization/w8a8/fp8/per_token_group_quant.cu`
 (vllm-project/vllm commit 0f5257e2, 2026-11) and its Triton fallback `_per_token_group_quant_fp8` in
 `vllm/model_executor/layers/quantization/utils/fp8_utils.py`; the pinned vLLM 0.26.0's CUDA op
-`per_token_group_fp8_quant` gave our bytes exactly on an H200 (fp32 and ue8m0, 2026-11-23). Two notes
+`per_token_group_fp8_quant` gave our bytes exactly on an H200 (fp32 and ue8m0). Two notes
 from reading it: the CUDA UE8M0 branch clamps `s` below at 1e-10 before rounding (only groups with
 amax < 4.5e-8 notice), which we follow; its newest register kernel computes the power of two by bit
 manipulation, which is the exact definition above (the Triton fallback's `exp2(ceil(log2(s)))` can

@@ -25,7 +25,7 @@ row and column passes on each, so d[gate | up] is never stored in BF16 (`kernels
 With BLOCK128, a tile's amax is reduced over all 256 threads and both passes use that one scale (the 128x128
 weight groups; the transposed copy is W^T's).
 
-The kernel is bound by the instructions it issues as much as by memory (BENCHMARKS.md, session 20: SASS counts
+The kernel is bound by the instructions it issues as much as by memory (BENCHMARKS.md: SASS counts
 and the structures tried), so its hot path is kept short without changing a byte: the scale's division by 448 and
 the group reciprocal run as the branch-free fast paths of __fdiv_rn / __frcp_rn; BF16 input divides with one
 Markstein correction (checked exhaustively, `divide`); and the per-group fallbacks (NaN, inf, out-of-range scales)
@@ -430,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_tile(
 // values q * s rounded to FP32, as dequantize_blockwise). One tile per CTA, numbered token tile fastest, so that
 // neighbouring CTAs write neighbouring 128-byte pieces of the transposed rows; each thread issues all 8 of its row loads
 // (and scale loads) before it converts any. Measured on an H200 against a persistent CTA with cp.async double
-// buffering, one with register prefetch and one holding packed BF16 words: none was faster (BENCHMARKS.md, session 20).
+// buffering, one with register prefetch and one holding packed BF16 words: none was faster (BENCHMARKS.md).
 extern "C" __global__ void __launch_bounds__(256, 3) quant_tile(
     const unsigned char* __restrict__ x, const float* __restrict__ xs,
     unsigned char* __restrict__ q, float* __restrict__ s,

@@ -549,11 +549,11 @@ def division_steps(dtype, eps: float) -> int:
     return 1 if dtype == torch.bfloat16 else 2
 
 
-# Launch settings, chosen by the sweep in tools/bench_fp8.py on the H200 (see BENCHMARKS.md).
+# Launch settings, chosen by the sweep in tools/bench/bench_fp8.py on the H200 (see BENCHMARKS.md).
 QUANT_CFG = {
     # mode "cuda": fp8/cuda_tiles.py's kernel (rows only) for 2-D BF16 input whose layout allows its 16-byte accesses;
     # else, in mode "triton" and with the SwiGLU prologue, the Triton kernel with these launch settings (SwiGLU in a
-    # CUDA tile kernel measured slower: 61% of the copy rate against Triton's 67%, H200, session 20)
+    # CUDA tile kernel measured slower: 61% of the copy rate against Triton's 67%, H200)
     "1x128": dict(mode="cuda", block_m=16, groups=1, num_warps=4),
     # mode "cuda": fp8/cuda_tiles.py's kernel with one scale per tile (BLOCK128) where the layout allows; "triton" else
     "128x128": dict(mode="cuda"),
@@ -567,7 +567,7 @@ QUANT_CFG = {
     # device against "split" at first use); "split" = swiglu_backward, then quantize_dual. Split ships: on an H200
     # the one kernel is bit-exact but takes 1402 us against 773 for the two (16384 tokens, I = 8192; layer 1.29x vs 1.42x);
     # on an H100 3.5 ms against 2.6 (32768 tokens, I = 12288). A CTA per d[gate] or d[up] tile (2.3 ms) and both divisions
-    # through RN(1/e) gave the layer nothing either (session 26, BENCHMARKS.md): the two streaming kernels stay.
+    # through RN(1/e) gave the layer nothing either (BENCHMARKS.md): the two streaming kernels stay.
     "swiglu_bwd": dict(mode="split"),
 }
 
@@ -810,13 +810,13 @@ def triton_cdiv(a, b):
 # GEMM
 # ----------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench_fp8.py
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, use_tma); chosen by the sweep in tools/bench/bench_fp8.py
 GEMM_CONFIG = {
-    "tile": (128, 128, 8, 8, 4, True),  # 807 TFLOP/s on the 8B gate_up at M=8192 (sweep, 2026-11-22)
-    "rows": (128, 128, 8, 8, 4, True),  # WGrad (per-element sa*sb): 451-488 TFLOP/s on an H200 at T = 8192 (session 29)
+    "tile": (128, 128, 8, 8, 4, True),  # 807 TFLOP/s on the 8B gate_up at M=8192 (the sweep, H200)
+    "rows": (128, 128, 8, 8, 4, True),  # WGrad (per-element sa*sb): 451-488 TFLOP/s on an H200 at T = 8192
 }
 """Triton is the portable fallback: on Hopper DeepGEMM's WGrad runs at 864-941 TFLOP/s on the same shapes. Also timed
-there (session 29, docs/gpu_fp8/h200_s29/): the one-block lookahead (7th field) 441-466 TFLOP/s, warp specialization
+there (H200, BENCHMARKS.md): the one-block lookahead (7th field) 441-466 TFLOP/s, warp specialization
 (8th field) 481-538, 64x256 and 256x128 tiles 197-407; none is the default."""
 
 

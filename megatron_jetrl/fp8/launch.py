@@ -2,7 +2,7 @@
 
 `kernel[grid](*args, **kw)` through `JITFunction.run` binds the arguments, specializes each one, formats the options
 into the cache key, builds launch metadata and calls the (empty) launch-hook chains on every call: the host needs
-~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md, session 14).
+~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md).
 The FP8 linear and megatron's glue issue about 17 such launches per layer fwd+bwd, and at 4096-token micro-batches
 the GPU then waits on the host.
 
@@ -21,7 +21,7 @@ process, a small kernel is launched both ways over every specialization kind abo
 only if it writes the same bytes as Triton's (as `fp8.backends.self_test` checks a GEMM backend before first use;
 launches made before the probe could run -- inside a CUDA graph capture or under torch's sync debug mode, since the
 probe syncs -- take Triton's path). `MEGATRON_JETRL_TRITON_LAUNCH=triton` in the environment turns the direct launch off
-for the process (an escape hatch, and the A/B of tools/bench_host.py); `direct`, the default, leaves it to the probe.
+for the process (an escape hatch, and the A/B of tools/bench/bench_host.py); `direct`, the default, leaves it to the probe.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ So with `ue8m0` the TE actor and a vLLM/native rollout run the same forward byte
 the *weights* still agree exactly -- the export ships the bytes and `scale_inv` TE trained with
 (`actor.te_recipe.te_fp8_weights`, and `te_quantize` in the converter), which the rollout dequantizes unchanged --
 but the rollout re-quantizes activations with `x / s`, so a small fraction of activation elements differ by one
-E4M3 step from TE's. That is measured and reported (tools/gpu_te.sh), not hidden; use `ue8m0` (or the local spec)
+E4M3 step from TE's. That is measured and reported (tools/gpu/gpu_te.sh), not hidden; use `ue8m0` (or the local spec)
 for a bit-identical activation flow.
 
 TE tensor layouts (`Float8BlockwiseQTensor`, GEMM-ready, TE 2.20.2 `Float8BlockQuantizer.get_scale_shape`): data

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

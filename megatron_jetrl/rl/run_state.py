@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
 
 STATE_FILE = "trainer_state.json"
 APPLIED_ON_RESUME = frozenset({

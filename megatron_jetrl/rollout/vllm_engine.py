@@ -464,7 +464,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
                  eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
                  verify_numerics: bool = True, glue: str = "auto", fused_quant: bool = True, **llm_extra):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
-        own (fused) numerics (tools/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
+        own (fused) numerics (tools/bench/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
         `glue` (`resolve_glue`): with the trainer's, vLLM runs the trainer's RMSNorm and RoPE (`rollout.vllm_glue`)
         and the engine refuses to start unless layer 0's modules then return the trainer's bytes. `fused_quant`
         (with the trainer's glue, FP8 rollout, FP32 scales; `rollout.vllm_fused_quant`): the norms and SiLU also write

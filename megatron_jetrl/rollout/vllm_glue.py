@@ -1,6 +1,6 @@
 """The trainer's RMSNorm and RoPE inside vLLM 0.26, through vLLM's own out-of-tree op registry.
 
-Why: measured on an H100 (`tools/diag_vllm_layers.py`, BENCHMARKS.md "Train/rollout mismatch at hidden 2048"), vLLM's
+Why: measured on an H100 (`tools/gpu/diag_vllm_layers.py`, BENCHMARKS.md "Train/rollout mismatch at hidden 2048"), vLLM's
 layer-0 modules differ from the trainer's functions on one input each:
 - RMSNorm: 25% of outputs. vLLM rounds once, at the end; the trainer (the HF formula) rounds the normalized row to BF16
   before the weight multiplies it. vLLM's reference for the residual-fused variant (`vllm/ir/ops/layernorm.py`)
@@ -17,7 +17,7 @@ default): the kernels sit behind autograd Functions that Dynamo does not trace.
 
 `VllmEngine(glue="trainer")` (`rollout.glue: auto` or `trainer`) registers them and `probe` checks at start-up that the model's
 layer-0 modules now return the trainer's bytes. `norm` and `rope` are tested on the CPU against the trainer's
-functions (tests/unit/test_rollout_vllm_glue.py); `tools/diag_vllm_layers.py --glue trainer` measures the effect.
+functions (tests/unit/test_rollout_vllm_glue.py); `tools/gpu/diag_vllm_layers.py --glue trainer` measures the effect.
 
 Fused activation quantization (`rollout.vllm_fused_quant`, on by default; FP8 engines with FP32 scales, `configure`):
 vLLM's FP8 linear quantizes its BF16 input in a kernel of its own (`QuantFP8`, 1x128 groups, our bytes), a launch per
@@ -48,7 +48,7 @@ _stash: tuple | None = None
 def configure(quant_eps: float | None, hidden_size: int | None = None) -> None:
     """Fuse the FP8 activation quantization (eps of the flow's quantizer) into the RMSNorms of width `hidden_size` and
     SiluAndMul of the engine built next, or not (None). Read when vLLM constructs the modules. Widths below 256 are
-    not fused: there the norm's program holds 32 rows and tools/check_triton_kernels.py finds that the fused kernel
+    not fused: there the norm's program holds 32 rows and tools/gpu/check_triton_kernels.py finds that the fused kernel
     does not compile the norm as the plain one does."""
     if hidden_size is not None and (hidden_size < 256 or hidden_size % 128):
         quant_eps = None
@@ -212,7 +212,7 @@ def registered() -> bool:  # pragma: no cover - needs vLLM
     return getattr(op_registry_oot.get("RMSNorm"), "__name__", None) == "TrainerRMSNorm"
 
 
-def register() -> None:  # pragma: no cover - needs vLLM (tools/diag_vllm_layers.py --glue trainer)
+def register() -> None:  # pragma: no cover - needs vLLM (tools/gpu/diag_vllm_layers.py --glue trainer)
     """Register the trainer's RMSNorm, RotaryEmbedding and SiluAndMul, and the QuantFP8 that takes a stash, in vLLM's
     out-of-tree registry. Call it once, after the environment is pinned and before any engine is built; the fusion
     itself follows `configure` per engine (off: the last two behave as vLLM's own)."""

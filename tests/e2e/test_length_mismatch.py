@@ -1,4 +1,4 @@
-"""Issue 17 scaled down to the CPU: train/rollout mismatch per response-length bucket, jetrl vs the foil.
+"""The length-mismatch experiment (configs/length_mismatch.yaml) scaled down to the CPU: train/rollout mismatch per response-length bucket, jetrl vs the foil.
 
 Both modes run `configs/length_mismatch_cpu.yaml` through the README's launcher from the same seed: a 1-layer
 model warm-started for a few SFT steps on the multiplication-trace task, so its responses end anywhere from a
@@ -8,7 +8,7 @@ Direction, not numbers: jetrl's engine and actor are bit-identical on the CPU (R
 (>= 32 tokens) carry a larger mismatch than short ones (< 16): the sequence-level log importance ratio
 |log pi_train(y)/pi_rollout(y)| accumulates along the response (> 2x), the largest token |logp diff| is larger,
 and so is the per-token mean |logp diff| (no factor: at this scale it grows little). Margins seen with seeds
-7 (this config), 1234, 99 and 2024 (session 18's request seeds): sequence log ratio 5.4-9.3x, max 5.7-14x, per-token
+7 (this config), 1234, 99 and 2024: sequence log ratio 5.4-9.3x, max 5.7-14x, per-token
 mean 1.5-2.2x; seed 1234 sampled only 5 short responses in its 3 steps, one fewer than the pooling asks for. Any
 single step is noisier (a bucket of 2 responses), hence the pooling.
 """

@@ -1,6 +1,6 @@
 """TP1 vs TP2 of the megatron-core actor on 2 GPUs (NCCL, BF16 params): logprobs and optimizer steps.
 
-Runs `torchrun --nproc-per-node=2 tools/gpu_actor_tp.py --backends cublaslt` (Qwen3- and Qwen2-style models,
+Runs `torchrun --nproc-per-node=2 tools/gpu/gpu_actor_tp.py --backends cublaslt` (Qwen3- and Qwen2-style models,
 hidden 1024, 4 layers, vocab 32011, batch 4 x 512 tokens; bf16 and jetrl on cuBLASLt; plus the `+bug`
 calibration variants) and checks the TP2-vs-TP1 differences against bounds measured on 2 H200s
 (BENCHMARKS.md, "Actor TP1 vs TP2 on 2 H200"). Needs 2 GPUs and megatron-core importable (on the H200
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 # bound = (max |d logprob|, mean |d logprob|, relative loss difference, relative grad-norm difference), each
-# about 2.5x the worst of 2 seeds x 2 families measured on 2 H200s (2026-11-22; logprobs ~ -10.6 to -11.7):
+# about 2.5x the worst of 2 seeds x 2 families measured on 2 H200s (logprobs ~ -10.6 to -11.7):
 #   bf16:           max 0.058, mean 0.0127, loss 4.3e-5, grad norm 8.3e-4
 #   jetrl/cublaslt: max 0.38 (after 2 steps), mean 0.071, loss 2.6e-4, grad norm 5.3e-3 (emulated and Triton alike)
 #   +bug:           max 1.85-4.8, mean 0.45-1.04, loss 5.5e-4-4.3e-3, grad norm 0.039-0.15
@@ -63,7 +63,7 @@ def rows(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29531",
-           str(REPO / "tools" / "gpu_actor_tp.py"), "--backends", "cublaslt", "--json", str(out)]
+           str(REPO / "tools" / "gpu" / "gpu_actor_tp.py"), "--backends", "cublaslt", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout[-3000:])

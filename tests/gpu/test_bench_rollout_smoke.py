@@ -1,4 +1,4 @@
-"""GPU smoke run of tools/bench_rollout.py: the tiny model on CUDA, FP8 (jetrl) and BF16 engines both generate.
+"""GPU smoke run of tools/bench/bench_rollout.py: the tiny model on CUDA, FP8 (jetrl) and BF16 engines both generate.
 
 Batch 2 (auto falls back to Triton when cuBLASLt would get M=2) and batch 16 (the fastest backend the
 GPU has, cuBLASLt on the H200); every row must come back with max_new_tokens in-vocab tokens and finite
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "tools", "bench_rollout.py"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "tools", "bench", "bench_rollout.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

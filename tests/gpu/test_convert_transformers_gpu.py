@@ -13,7 +13,7 @@ import torch
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 # transformers >= 5 runs FineGrainedFP8 through hub-fetched kernels (`kernels` 0.16.x downloads them at
-# load): on a GPU host without network this test cannot run (seen on the H200 here, 2026-11-22).
+# load): on a GPU host without network this test cannot run (seen on an H200 without network).
 pytest.importorskip("kernels", reason="transformers' FP8 kernels come from the `kernels` package (hub download)")
 
 from megatron_jetrl.convert import convert  # noqa: E402

@@ -29,7 +29,7 @@ SHAPE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num
 
 @pytest.fixture(scope="module")
 def engines():
-    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "tools", "bench_rollout.py"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "tools", "bench", "bench_rollout.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     arch = ModelArch.from_hf_config(bench.hf_config(SHAPE, 3))

@@ -2,7 +2,7 @@
 jetrl on the default backend. Its checkpoint round trip restores every optimizer tensor bit for bit and leaves
 each parameter its own Adam step counter (megatron-core 0.16.1 with torch's Adam, as here without apex/TE, shares
 one step tensor between all parameters on load: `actor.checkpoint` works around it; without that the counters
-read 22 instead of 4 after one step, seen on an H200 on 2026-11-22, where this test passed). Needs megatron-core
+read 22 instead of 4 after one step, seen on an H200, where this test passed). Needs megatron-core
 importable (the cp312 wheel, see tests/gpu/test_actor_tp_gpu.py); skipped otherwise."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
     if all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner):
         # torch's Adam keeps a step counter per parameter, the one megatron-core 0.16.1 shares on load. With Transformer
         # Engine importable megatron picks TE's FusedAdam, which counts per parameter group, and this fault cannot occur
-        # (seen on an H100 with the TE kit, 2026-11-25: no per-parameter "step" at all)
+        # (seen on an H100 with TE installed: no per-parameter "step" at all)
         assert all(g["fused"] for o in inner for g in o.param_groups)  # actor.train_step.use_fused_adam, after load too
         counters = [st["step"] for o in inner for st in o.state.values() if "step" in st]
         assert counters and all(float(c) == 4 for c in counters), sorted({float(c) for c in counters})
@@ -109,7 +109,7 @@ def test_fused_adam_is_the_foreach_update(one_rank):
     mains = {}
     for fused in (True, False):
         model, ddp, optimizer, _ = _actor(True, init, fused=fused)
-        if not _torch_adams(optimizer):  # seen on an H200 with the TE kit carried (session 20)
+        if not _torch_adams(optimizer):  # seen on an H200 with TE installed
             pytest.skip("megatron-core picked Transformer Engine's FusedAdam (TE importable): a fused kernel already, "
                         "with no torch Adam for optim.fused to switch")
         assert adam_is_fused(optimizer) is fused

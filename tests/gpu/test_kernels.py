@@ -1,4 +1,4 @@
-"""GPU checks of the FP8 kernels and GEMM backends (skipped without CUDA; run tools/run_gpu_tests.sh on the H200).
+"""GPU checks of the FP8 kernels and GEMM backends (skipped without CUDA; run tools/gpu/run_gpu_tests.sh on the H200).
 
 Quantizers: bytes and scales identical to the reference quantizer (itself checked on CUDA against its CPU
 bytes) on fresh random and adversarial inputs, partial blocks, bf16/fp16/fp32. GEMM backends: against the
@@ -643,7 +643,7 @@ def test_auto_is_deepgemm_on_hopper_when_it_imports():
     from megatron_jetrl.fp8.gemm import resolve_backend
 
     if not hopper_with_deepgemm():
-        pytest.skip("DeepGEMM does not import here (unpack .kits/deep_gemm, see tools/gpu_fp8.sh)")
+        pytest.skip("DeepGEMM does not import here (unpack .kits/deep_gemm, see tools/gpu/gpu_fp8.sh)")
     assert available_backends(DEV)[0] == "deepgemm"
     assert resolve_backend("auto", torch.device(DEV), 4096) == "deepgemm"
     assert resolve_backend("auto", torch.device(DEV), 777) != "deepgemm"  # N % 8: passed on, not refused

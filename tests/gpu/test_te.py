@@ -1,5 +1,5 @@
 """Transformer Engine 2.20.2 on the GPU: the recipe TE really runs, its bytes against `quantize_blockwise` (thus vLLM),
-a TE-spec train step against the local spec, and the export of TE's own bytes (tools/gpu_te.sh runs this file).
+a TE-spec train step against the local spec, and the export of TE's own bytes (tools/gpu/gpu_te.sh runs this file).
 
 Skipped without CUDA or without TE (install it from the kit: `fp8.te.INSTALL_LINE`). Byte conformance prints one
 line per tensor kind and scale mode (`CONFORMANCE kind mode: identical bytes ..., identical scales ...`) and asserts

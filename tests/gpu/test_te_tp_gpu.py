@@ -1,4 +1,4 @@
-"""The TE layer spec at TP2 on 2 GPUs (tools/gpu_te.sh tp): `torchrun --nproc-per-node=2 tests/gpu/te_tp_run.py`.
+"""The TE layer spec at TP2 on 2 GPUs (tools/gpu/gpu_te.sh tp): `torchrun --nproc-per-node=2 tests/gpu/te_tp_run.py`.
 
 Per scale mode of jetrl (fp32, ue8m0), on one TP2 group, test_te.py's model and data:
 * TE spec vs local spec from the same init, one train step each: logprobs before and after, loss and grad norm

@@ -1,4 +1,4 @@
-"""A TE-trained actor's FP8 bytes in vLLM 0.26.0, on the GPU (tools/gpu_te.sh vllm: the vLLM kit unpacked, TE installed).
+"""A TE-trained actor's FP8 bytes in vLLM 0.26.0, on the GPU (tools/gpu/gpu_te.sh vllm: the vLLM kit unpacked, TE installed).
 
 The TE-spec actor of test_te.py (gpu_helpers.ARCH: qwen2-shaped, hidden 512, 2 layers, every GEMM dim a multiple of
 128) in `jetrl`, for each scale mode (fp32, ue8m0):

@@ -1,4 +1,4 @@
-"""vLLM 0.26.0 as the rollout engine, on the GPU (run with the kit: shared/kits/README.md; tools/gpu_vllm.sh).
+"""vLLM 0.26.0 as the rollout engine, on the GPU (run with the kit: shared/kits/README.md; tools/gpu/gpu_vllm.sh).
 
 One colocated engine in this process (external launcher on a one-rank NCCL group, as the trainer runs it), a
 random Qwen3-shaped model (4 layers, hidden 1024). Checked:

@@ -1,5 +1,5 @@
 """A short GRPO run with vLLM on the GPU (kit: shared/kits/README.md): two steps of configs/gpu_1p5b.yaml in jetrl with
-rollout.engine=vllm (eager), the same command `tools/gpu_vllm.sh grpo` runs for BENCHMARKS.md. Asserts the run
+rollout.engine=vllm (eager), the same command `tools/gpu/gpu_vllm.sh grpo` runs for BENCHMARKS.md. Asserts the run
 finished, synced the whole model every step, measured a mismatch at the FP8 floor's scale (0.135 measured on
 an H100; the bound leaves room for another GPU), reported the sync's parts, and that the engine's sleep released only
 its weights (1.8 GB) and the KV cache a step can use (129 x 1024 tokens x 28 KiB = 3.6 GiB), not half the GPU."""

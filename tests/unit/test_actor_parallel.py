@@ -20,7 +20,7 @@ Bounds (measured on this machine, 2026-11):
 * PP2: the stage hand-off is a lossless fp32 send/recv, so logprobs are bit-equal; the grad norm is summed per
   stage then across stages (1-ulp), so losses after a clipped step match to 1e-6 relative in bf16. In jetrl that
   1-ulp clip coefficient can move a BF16 weight by one ulp across an E4M3 rounding boundary, as TP2's sums do: on
-  an AMD EPYC with AVX-512 BF16 (2026-11-25) the loss after two updates moved by 1.0e-3 relative. Asserted: the
+  an AMD EPYC with AVX-512 BF16 the loss after two updates moved by 1.0e-3 relative. Asserted: the
   first loss (no update yet) to 1e-5, the later ones to TP2's jetrl bound.
 * DP2: same micro-batches, a 2-term all-reduce of grads pre-scaled by 1/2 (exact): grad norms bit-equal.
 """

@@ -1,4 +1,4 @@
-"""tools/bench_host.py --against: a directory that is not a checkout is refused before any process starts."""
+"""tools/bench/bench_host.py --against: a directory that is not a checkout is refused before any process starts."""
 
 import importlib.util
 import pathlib
@@ -7,7 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _bench_host():
-    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "tools" / "bench_host.py")
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "tools" / "bench" / "bench_host.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""The FP8 benchmark tools (tools/bench_fp8.py, tools/bench_actor.py, tools/gpu_fp8.sh) parse their arguments and refuse
+"""The FP8 benchmark tools (tools/bench/bench_fp8.py, tools/bench/bench_actor.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
 cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here times anything."""
 
 from __future__ import annotations
@@ -29,32 +29,32 @@ def one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
 
 
 def test_bench_fp8_help_names_every_section():
-    r = run(sys.executable, "tools/bench_fp8.py", "--help")
+    r = run(sys.executable, "tools/bench/bench_fp8.py", "--help")
     assert r.returncode == 0, r.stderr
     for section in ("ceilings", "quant", "gemm", "linear", "layer", "profile", "--json", "--sections"):
         assert section in r.stdout
 
 
 def test_bench_fp8_refuses_an_unknown_section():
-    one_line(run(sys.executable, "tools/bench_fp8.py", "--sections", "linear", "bogus"), 2, "unknown section", "bogus")
-    one_line(run(sys.executable, "tools/bench_fp8.py", "--linear-m", "100"), 2, "--linear-m")
+    one_line(run(sys.executable, "tools/bench/bench_fp8.py", "--sections", "linear", "bogus"), 2, "unknown section", "bogus")
+    one_line(run(sys.executable, "tools/bench/bench_fp8.py", "--linear-m", "100"), 2, "--linear-m")
 
 
 @no_cuda
 @pytest.mark.parametrize("sections", [["linear", "layer", "profile"], ["quant,gemm"]])
 def test_bench_fp8_without_cuda_exits_2_in_one_line(tmp_path, sections):
-    r = run(sys.executable, REPO / "tools/bench_fp8.py", "--sections", *sections, "--json", tmp_path / "b.json", cwd=tmp_path)
+    r = run(sys.executable, REPO / "tools/bench/bench_fp8.py", "--sections", *sections, "--json", tmp_path / "b.json", cwd=tmp_path)
     one_line(r, 2, "error: ", "needs a CUDA GPU")
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.json").exists()
 
 
 def test_bench_actor_help_and_bad_arguments():
-    r = run(sys.executable, "tools/bench_actor.py", "--help")
+    r = run(sys.executable, "tools/bench/bench_actor.py", "--help")
     assert r.returncode == 0 and "--layers" in r.stdout and "--modes" in r.stdout and "--layer" in r.stdout, r.stderr
-    one_line(run(sys.executable, "tools/bench_actor.py", "--layers", "0"), 2, "--layers")
-    one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "fp4"), 2, "no precision mode preset", "fp4", "jetrl")
-    one_line(run(sys.executable, "tools/bench_actor.py", "--modes", "jetrl+backend"), 2, "section.key=value")
-    one_line(run(sys.executable, "tools/bench_actor.py", "--layer", "--variants", "bf16", "--profile", "jetrl"), 2,
+    one_line(run(sys.executable, "tools/bench/bench_actor.py", "--layers", "0"), 2, "--layers")
+    one_line(run(sys.executable, "tools/bench/bench_actor.py", "--modes", "fp4"), 2, "no precision mode preset", "fp4", "jetrl")
+    one_line(run(sys.executable, "tools/bench/bench_actor.py", "--modes", "jetrl+backend"), 2, "section.key=value")
+    one_line(run(sys.executable, "tools/bench/bench_actor.py", "--layer", "--variants", "bf16", "--profile", "jetrl"), 2,
              "--profile", "jetrl")
 
 
@@ -63,7 +63,7 @@ def test_bench_actor_profile_variants():
     jetrl where they run."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_actor", REPO / "tools/bench_actor.py")
+    spec = importlib.util.spec_from_file_location("bench_actor", REPO / "tools/bench/bench_actor.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     variants = ["bf16", "jetrl", "jetrl/cublaslt"]
@@ -75,17 +75,17 @@ def test_bench_actor_profile_variants():
 
 @no_cuda
 def test_bench_actor_without_cuda_exits_2_in_one_line(tmp_path):
-    r = run(sys.executable, REPO / "tools/bench_actor.py", "--json", tmp_path / "a.json", cwd=tmp_path)
+    r = run(sys.executable, REPO / "tools/bench/bench_actor.py", "--json", tmp_path / "a.json", cwd=tmp_path)
     one_line(r, 2, "error: ", "needs a CUDA GPU", "--tiny")
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "a.json").exists()
 
 
 def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():
-    r = run("bash", "tools/gpu_fp8.sh")
+    r = run("bash", "tools/gpu/gpu_fp8.sh")
     assert r.returncode == 2 and "usage" in r.stdout
-    r = run("bash", "tools/gpu_fp8.sh", "setup", "benchmark")
+    r = run("bash", "tools/gpu/gpu_fp8.sh", "setup", "benchmark")
     assert r.returncode == 2 and "unknown stage benchmark" in r.stdout
-    header = (REPO / "tools/gpu_fp8.sh").read_text()
+    header = (REPO / "tools/gpu/gpu_fp8.sh").read_text()
     carry = json.loads(re.search(r"^#\s+(\[\"\.kits.*\])$", header, re.M).group(1))
     assert carry == [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
 
@@ -95,7 +95,7 @@ def test_profile_timeline_measures_idle_between_kernels():
     that ended it, everything per pass."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench_fp8.py")
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench/bench_fp8.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ms = 1_000_000  # ns
@@ -118,7 +118,7 @@ def test_linear_floor_adds_the_recipes_quantization_bytes_at_the_copy_rate(capsy
     for M = N = K = 256 and one 128-multiple-free shape."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench_fp8.py")
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools/bench/bench_fp8.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     # [256, 256]: row scales 256 * 2 and token-group scales 256 * 2, 4 B each
@@ -140,17 +140,17 @@ def test_linear_floor_adds_the_recipes_quantization_bytes_at_the_copy_rate(capsy
 
 @no_cuda
 def test_bench_host_without_cuda_exits_2_in_one_line():
-    one_line(run(sys.executable, "tools/bench_host.py"), 2, "bench_host.py: needs a CUDA GPU")
-    r = run(sys.executable, "tools/bench_host.py", "--help")
+    one_line(run(sys.executable, "tools/bench/bench_host.py"), 2, "bench_host.py: needs a CUDA GPU")
+    r = run(sys.executable, "tools/bench/bench_host.py", "--help")
     assert r.returncode == 0 and "--profile" in r.stdout, r.stderr
 
 
 def test_jit_cache_carries_deep_gemm_kernels_from_one_home_to_another(tmp_path):
-    """tools/jit_cache.sh: `save` packs vLLM's and the trainer's DeepGEMM caches (relative to $HOME), `load` unpacks
+    """tools/gpu/jit_cache.sh: `save` packs vLLM's and the trainer's DeepGEMM caches (relative to $HOME), `load` unpacks
     them into a fresh $HOME without overwriting what is there, and without a tarball does nothing."""
     import os
 
-    script = REPO / "tools" / "jit_cache.sh"
+    script = REPO / "tools" / "gpu" / "jit_cache.sh"
     old, new = tmp_path / "old", tmp_path / "new"
     for rel in (".cache/vllm/deep_gemm/cache/kernel.a", ".deep_gemm/cache/kernel.b"):
         (old / rel).mkdir(parents=True)

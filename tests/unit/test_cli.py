@@ -48,9 +48,9 @@ def test_run_gpu_tests_says_it_needs_a_gpu(tmp_path, python):
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} {'-S' if python == 'no torch' else ''} \"$@\"\n")
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    r = subprocess.run(["bash", str(REPO / "tools/run_gpu_tests.sh")], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["bash", str(REPO / "tools/gpu/run_gpu_tests.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "No module named" not in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().startswith("tools/run_gpu_tests.sh needs a CUDA GPU"), r.stderr
+    assert r.stderr.strip().startswith("tools/gpu/run_gpu_tests.sh needs a CUDA GPU"), r.stderr
 
 
 def imports(path: Path) -> set[str]:

@@ -10,10 +10,18 @@ plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)
 
 
-def test_plot_from_the_shipped_gpu_runs_and_refusals(tmp_path, capsys):
-    d = ROOT / "docs" / "gpu_vllm"
+def metrics(path: Path, mean_abs: float) -> Path:
+    """A GRPO run's metrics.jsonl, four steps, with the mismatch keys the trainer logs (and a few it logs beside them)."""
+    rows = [{"step": i, "mode": "jetrl", "reward/mean": 0.0, "mismatch/tokens": 8192, "mismatch/mean_abs_diff": mean_abs * (1 + i / 10),
+             "mismatch/k3_kl": mean_abs / 10, "mismatch/max_abs_diff": mean_abs * 6} for i in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_plot_from_gpu_shaped_runs_and_refusals(tmp_path, capsys):
+    jetrl, bf16 = metrics(tmp_path / "jetrl.jsonl", 0.13), metrics(tmp_path / "bf16.jsonl", 0.04)
     out = tmp_path / "m.png"
-    assert plot.main([f"jetrl={d / 'vllm_gpu_jetrl.metrics.jsonl'}", "--floor", f"bf16={d / 'vllm_gpu_bf16.metrics.jsonl'}", "-o", str(out)]) == 0
+    assert plot.main([f"jetrl={jetrl}", "--floor", f"bf16={bf16}", "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "cut.jsonl").write_text(json.dumps({"step": 0})[:7])
     (tmp_path / "plain.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 1.0}) + "\n")

@@ -1,4 +1,4 @@
-"""tools/rollout_report.py: the native engine's and vLLM's decode rates in one table, refused when settings differ."""
+"""tools/bench/rollout_report.py: the native engine's and vLLM's decode rates in one table, refused when settings differ."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("rollout_report", REPO / "tools" / "rollout_report.py")
+spec = importlib.util.spec_from_file_location("rollout_report", REPO / "tools" / "bench" / "rollout_report.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 
@@ -43,7 +43,7 @@ def test_rows_per_batch_with_ratios(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("prompt", "does not cover the vLLM runs' setting (layers 36, prompt 256, new tokens 512): run tools/bench_rollout.py with"),
+    ("prompt", "does not cover the vLLM runs' setting (layers 36, prompt 256, new tokens 512): run tools/bench/bench_rollout.py with"),
     ("new", "the vLLM runs differ in"),
     ("twice", "a second vLLM jetrl run"),
     ("not json", "cannot read a benchmark JSON"),

@@ -264,11 +264,11 @@ def test_config_refuses_vllm_settings_that_cannot_run():
 
 
 def load_bench_vllm():
-    """tools/bench_vllm.py as a module (it is a script, not a package module)."""
+    """tools/bench/bench_vllm.py as a module (it is a script, not a package module)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench_vllm.py")
+    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -375,7 +375,7 @@ def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
 def test_bench_counts_deep_gemm_kernels_where_vllm_keeps_them(monkeypatch, tmp_path):
     """bench_vllm.deep_gemm_cache_dir follows vLLM 0.26 (vllm/utils/deep_gemm.py): DG_JIT_CACHE_DIR if set, else
     $VLLM_CACHE_ROOT/deep_gemm, whose root defaults to $XDG_CACHE_HOME/vllm or ~/.cache/vllm (not DeepGEMM's own
-    ~/.deep_gemm, which the bench used to count: 0 kernels, cold or warm)."""
+    ~/.deep_gemm, where it finds 0 kernels, cold or warm)."""
     from pathlib import Path
 
     bench = load_bench_vllm()

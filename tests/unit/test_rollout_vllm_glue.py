@@ -1,5 +1,5 @@
 """`rollout.vllm_glue` on the CPU: vLLM's RMSNorm and rotary calling conventions, computed with the trainer's
-functions bit for bit. The registration into vLLM runs on the GPU (`tools/diag_vllm_layers.py --glue trainer`)."""
+functions bit for bit. The registration into vLLM runs on the GPU (`tools/gpu/diag_vllm_layers.py --glue trainer`)."""
 
 from __future__ import annotations
 

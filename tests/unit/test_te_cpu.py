@@ -284,7 +284,7 @@ def test_converter_uses_te_numerics_for_te_checkpoints():
 
 
 def test_te_compare_table(tmp_path):
-    """tools/te_compare.py: one row per mode and spec, step-0 numbers, step-time ratio; exit 2 without metrics."""
+    """tools/bench/te_compare.py: one row per mode and spec, step-0 numbers, step-time ratio; exit 2 without metrics."""
     import json
     import subprocess
     import sys
@@ -295,9 +295,11 @@ def test_te_compare_table(tmp_path):
         rows = [{"loss/total": 0.5 + i, "mismatch/mean_abs_diff": 0.1, "mismatch/max_abs_diff": 0.9, **{f"time/{p}": step
                  for p in ("rollout", "eval", "update", "sync", "step")}} for i in range(3)]
         (d / "gpu_jetrl.metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
-    run = lambda *a: subprocess.run([sys.executable, "tools/te_compare.py", *map(str, a)], capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "tools/bench/te_compare.py", *map(str, a)], capture_output=True, text=True)  # noqa: E731
     out = run(tmp_path / "local", tmp_path / "te")
     assert out.returncode == 0, out.stderr
     te_row = next(line for line in out.stdout.splitlines() if line.startswith("| jetrl | te |"))
     assert "| 3 | 0.5 | 0.1 | 1.5 | 0.1 | 0.9 |" in te_row and te_row.endswith("| 1.50x |")
     assert run(tmp_path / "none", tmp_path / "none2").returncode == 2
+    out = run("--help")
+    assert out.returncode == 0 and "tools/bench/te_compare.py OUT/train_local OUT/train_te" in out.stdout, out.stderr

@@ -1,5 +1,5 @@
 """The Triton kernels of vLLM's fused activation quantization compile for sm_90 with the GPU machine's Triton 3.6.0
-(its wheel, no GPU: tools/check_triton_kernels.py), and the RMSNorm kernel with the quantizer fused compiles the norm
+(its wheel, no GPU: tools/gpu/check_triton_kernels.py), and the RMSNorm kernel with the quantizer fused compiles the norm
 itself to the plain kernel's ops and layouts, so y keeps its bits (a first version did not, at widths below 4096: the
 GPU found it, and this check flags that version too). Their numerics are checked on the GPU (tests/gpu/test_fused.py,
 tests/gpu/test_kernels.py, tests/gpu/test_vllm.py)."""
@@ -34,7 +34,7 @@ def _triton_site() -> Path:
 def test_fused_quantization_kernels_compile_and_leave_the_norm_as_it_was():
     site = _triton_site()
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_triton_kernels.py")], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("ok  rms_fwd") == 10 and done.stdout.count("ok  quant_1x128") == 8
@@ -49,7 +49,7 @@ def test_sass_counts_the_quantizers_instructions_per_element():
     against 52.8 with SwiGLU (Triton 3.6.0)."""
     site = _triton_site()
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_triton_kernels.py"), "--sass"], env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py"), "--sass"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     counts = {(name, int(div)): float(n) for name, div, n in

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Run every GPU test in one go on a CUDA machine (the H200): bash tools/run_gpu_tests.sh [pytest args...]
+# Run every GPU test in one go on a CUDA machine (the H200): bash tools/gpu/run_gpu_tests.sh [pytest args...]
 # (paths under tests/ in the args run those tests only, e.g. tests/gpu/test_kernels.py -k cuda_tile)
 # From the repository root, with the machine's own python3 (torch + Triton); no install needed.
 # Exit status: pytest's; 2 when this machine has no CUDA GPU (or python3 lacks torch/Triton), said in one line.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python3 - <<'PY' || exit 2
 import importlib.util, sys
 missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"tools/run_gpu_tests.sh needs a CUDA GPU and python3 with torch + Triton; this python3 ({sys.executable}) "
+    sys.exit(f"tools/gpu/run_gpu_tests.sh needs a CUDA GPU and python3 with torch + Triton; this python3 ({sys.executable}) "
              f"has no {' and no '.join(missing)}: run it on the GPU machine (CPU tests: bash tools/test.sh)")
 import torch, triton
 if not torch.cuda.is_available():
-    sys.exit("tools/run_gpu_tests.sh needs a CUDA GPU and none is visible here (check CUDA_VISIBLE_DEVICES and the driver); "
+    sys.exit("tools/gpu/run_gpu_tests.sh needs a CUDA GPU and none is visible here (check CUDA_VISIBLE_DEVICES and the driver); "
              "CPU tests: bash tools/test.sh")
 print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, cc {torch.cuda.get_device_capability()}")
 PY

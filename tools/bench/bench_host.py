@@ -1,7 +1,7 @@
 """Host time of the FP8 linear and of each of its pieces, on the GPU (where the GPU never holds the host up).
 
-    python3 tools/bench_host.py [--m 256] [--iters 300] [--rounds 5] [--profile]
-    python3 tools/bench_host.py --against DIR [--rounds 5]     # A/B: this tree against another checkout
+    python3 tools/bench/bench_host.py [--m 256] [--iters 300] [--rounds 5] [--profile]
+    python3 tools/bench/bench_host.py --against DIR [--rounds 5]     # A/B: this tree against another checkout
 
 With a small M (default 256 tokens; N = K = 4096, the Qwen3-8B `o` projection) every kernel is shorter than the host
 work that issues it, so the time per call of a loop without syncs is the host's: Python, torch's dispatcher and
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
 def against(args) -> int:
     """`--against DIR`: the linear rows of this tree and of DIR, a fresh process each, alternating for --rounds rounds."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     trees = {"this tree": here, f"against {args.against}": os.path.abspath(args.against)}
     if not os.path.isfile(os.path.join(trees[f"against {args.against}"], "megatron_jetrl", "__init__.py")):
         print(f"bench_host.py --against: {args.against} holds no megatron_jetrl package; give the root of another checkout "

@@ -1,8 +1,8 @@
-"""Compare GRPO runs of the local spec and the TE spec (tools/gpu_te.sh train): one markdown table.
+"""Compare GRPO runs of the local spec and the TE spec (tools/gpu/gpu_te.sh train): one markdown table.
 
-    python tools/te_compare.py OUT/train_local OUT/train_te
+    python tools/bench/te_compare.py OUT/train_local OUT/train_te
 
-Each directory is a `tools/gpu_grpo_run.sh` output (`gpu_<mode>.metrics.jsonl` per precision mode). Both specs start
+Each directory is a `tools/gpu/gpu_grpo_run.sh` output (`gpu_<mode>.metrics.jsonl` per precision mode). Both specs start
 from the same weights (the TE actor copies the local spec's init, `rl.session.build_model_same_init`) and see the same
 prompts and sampling seeds, so step 0's loss and mismatch compare like for like; later steps drift apart as soon as a
 sampled token differs. Times are means over steps 1.. (step 0 pays warm-up); `te/local` is the step-time ratio.
@@ -58,6 +58,9 @@ def table(local: dict[str, list[dict]], te: dict[str, list[dict]]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 17 on the GPU machine: train/rollout mismatch against rollout length, one SFT checkpoint, three precision modes
+# The length-mismatch experiment on the GPU machine: train/rollout mismatch against rollout length, one SFT checkpoint, three precision modes
 # (configs/length_mismatch.yaml says what the experiment is). From the repo root, after the vLLM kit's two calls:
 #
-#   bash tools/gpu_length.sh STAGE...      STAGE: sft | sft-more | modes | floor | plot     e.g. bash tools/gpu_length.sh sft modes plot
+#   bash tools/gpu/gpu_length.sh STAGE...      STAGE: sft | sft-more | modes | floor | plot     e.g. bash tools/gpu/gpu_length.sh sft modes plot
 #
 #   sft    the warm-start once, in bf16 (warmup.steps SFT steps, then one GRPO step at lr 1e-30 with the native engine,
 #          so the export is the SFT policy) -> $WORK/len_sft/export. Skipped when that export exists (a warm machine
@@ -10,7 +10,7 @@
 #   sft-more  SFT_STEPS (default: the config's warmup.steps) more SFT steps from that export, on new examples (seed + round),
 #          into a new export that replaces it (~0.75 s per step on an H200): a longer warm-start over several calls of one
 #          warm machine, until the policy answers.
-#   modes  GRPO from that export in each mode of $MODES, rollout.engine=vllm, same seed, tools/gpu_grpo_run.sh per
+#   modes  GRPO from that export in each mode of $MODES, rollout.engine=vllm, same seed, tools/gpu/gpu_grpo_run.sh per
 #          mode; the modes are dealt round-robin to the GPUs (CUDA_VISIBLE_DEVICES) and the GPUs run side by side
 #          -> $OUT/<gpu>/gpu_<mode>.metrics.jsonl and each GPU's table.md.
 #   floor  the FP8 floor: jetrl from the same export with rollout.engine=native (the same FP8 flow in a second program:
@@ -24,7 +24,7 @@
 # every run, e.g. "data.multiplier_max=120 rollout.max_new_tokens=1536" for shorter traces; in the SFT stages they come
 # before the stage's own settings, so an optim.lr meant for GRPO leaves the SFT export step at its vanishing lr).
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_length}
 WORK=${WORK:-/dev/shm/jetrl_length}
@@ -33,7 +33,7 @@ MODES=${MODES:-jetrl bf16-train-fp8-rollout bf16}
 STEPS=${STEPS:-6}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu_length.sh STAGE... (sft | sft-more | modes | floor | plot)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_length.sh STAGE... (sft | sft-more | modes | floor | plot)"; exit 2; }
 [ -f /tmp/vllm-site/env.sh ] && source /tmp/vllm-site/env.sh
 if ! "$PY" -c "import megatron.core, math_verify" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/*.whl || exit 3
@@ -44,10 +44,10 @@ gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "${gpus:-0}" -ge 1 ] || gpus=1
 
 need_sft() { [ -f "$sft_dir/export/config.json" ] || { echo "no SFT export in $sft_dir: run the sft stage first"; exit 3; }; }
-grpo_from_sft() {  # GPU OUTDIR PORT_BASE [override...]: tools/gpu_grpo_run.sh for $MODES (and $SUFFIX) from the SFT export
+grpo_from_sft() {  # GPU OUTDIR PORT_BASE [override...]: tools/gpu/gpu_grpo_run.sh for $MODES (and $SUFFIX) from the SFT export
   local gpu=$1 out=$2 port=$3; shift 3
   CUDA_VISIBLE_DEVICES=$gpu OUT=$out WORK=$WORK/$(basename "$out") PORT_BASE=$port CONFIG=$CONFIG RUN_TIMEOUT=${RUN_TIMEOUT:-420} \
-    PYTHON=$PY bash tools/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 "run.steps=$STEPS" run.checkpoint=false \
+    PYTHON=$PY bash tools/gpu/gpu_grpo_run.sh "model.path=$sft_dir/export" warmup.steps=0 "run.steps=$STEPS" run.checkpoint=false \
     ${ARGS:-} "$@" >/dev/null 2>&1
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode-shaped GEMMs on one GPU: the linears of a Qwen3-8B decode step at M = 64 / 128 rows.
 
-    PYTHONPATH=. python3 tools/bench_decode_gemm.py [--layers 36] [--rows 64 128]
+    PYTHONPATH=. python3 tools/bench/bench_decode_gemm.py [--layers 36] [--rows 64 128]
 
 Per variant, every linear of `--layers` layers (q, k, v, o, gate, up, down; distinct weights, so nothing
 stays in L2) is captured in one CUDA graph and replayed; the table gives ms per replay and the weight bytes
@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_jetrl.fp8 import kernels  # noqa: E402
 from megatron_jetrl.fp8.gemm import blockwise_gemm, gemm_emulated  # noqa: E402

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Per-step weight sync cost, trainer -> native rollout engine, for an 8B-shaped model (one GPU; two for TP2).
 
-    PYTHONPATH=. python3 tools/bench_sync.py [--layers 36] [--repeats 3] [--json PATH]         # 1 GPU: TP1 only
-    PYTHONPATH=. torchrun --nproc-per-node=2 tools/bench_sync.py [...]                         # + TP2 gather over NCCL
-    PYTHONPATH=. python3 tools/bench_sync.py --tiny                                            # CPU smoke run
+    PYTHONPATH=. python3 tools/bench/bench_sync.py [--layers 36] [--repeats 3] [--json PATH]         # 1 GPU: TP1 only
+    PYTHONPATH=. torchrun --nproc-per-node=2 tools/bench/bench_sync.py [...]                         # + TP2 gather over NCCL
+    PYTHONPATH=. python3 tools/bench/bench_sync.py --tiny                                            # CPU smoke run
 
 Model: random BF16 weights with Qwen3-8B shapes (hidden 4096, intermediate 12288, 32 heads, 8 KV heads,
 head_dim 128, vocab 151936, untied lm_head), `--layers` of them (36 = the real model; with fewer, the
@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.models import ModelArch, model_entries  # noqa: E402
@@ -231,7 +231,7 @@ def bench_actor_stream(a, arch: ModelArch, device, rank: int, log) -> list[dict]
             flow = PrecisionFlow(mode, check_finite="off") if mode != "bf16" else PrecisionFlow("bf16")
             t_build, model = timed(device, lambda: build_model(arch, flow, ActorOptions(params_dtype=dtype)))
             if device.type == "cuda":
-                model.cuda(device)  # the native RMSNorm weights are made on the CPU (see tools/gpu_actor_tp.py)
+                model.cuda(device)  # the native RMSNorm weights are made on the CPU (see tools/gpu/gpu_actor_tp.py)
             mods = [m for m in unwrap(model).modules() if isinstance(m, _FP8Weight)]
             engine = NativeEngine(arch, flow, device=device, batch_invariant=False) if rank == 0 else None
             samples = []

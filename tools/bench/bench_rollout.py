@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Decode throughput of the native rollout engine on one GPU: FP8 (jetrl) against BF16.
 
-    PYTHONPATH=. python3 tools/bench_rollout.py [--layers 36] [--batches 64 128] [--new-tokens 1024 2048 4096]
-                                               [--budget-s 400] [--json PATH] [--quick]
-    PYTHONPATH=. python3 tools/bench_rollout.py --device cpu --tiny        # CPU smoke run
+    PYTHONPATH=. python3 tools/bench/bench_rollout.py [--layers 36] [--batches 64 128] [--new-tokens 1024 2048 4096]
+                                                     [--budget-s 400] [--json PATH] [--quick]
+    PYTHONPATH=. python3 tools/bench/bench_rollout.py --device cpu --tiny        # CPU smoke run
 
 Model: random weights with Qwen3-8B shapes (hidden 4096, intermediate 12288, 32 heads, 8 KV heads,
 head_dim 128, vocab 151936, untied lm_head), `--layers` of them. The weights are drawn as BF16 directly
@@ -48,7 +48,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.fp8.gemm import resolve_backend  # noqa: E402

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Step time of the megatron-core actor, FP8 (`jetrl`) against BF16: a whole training step, or one layer.
 
-    PYTHONPATH=/tmp/mcore:. python3 tools/bench_actor.py [--layers auto] [--json PATH]    # whole step, one GPU
-    PYTHONPATH=/tmp/mcore:. python3 tools/bench_actor.py --layer [--shapes 4096x2 8192x1]  # one layer
-    PYTHONPATH=. python3 tools/bench_actor.py --tiny [--layer]                            # CPU smoke run
+    PYTHONPATH=/tmp/mcore:. python3 tools/bench/bench_actor.py [--layers auto] [--json PATH]    # whole step, one GPU
+    PYTHONPATH=/tmp/mcore:. python3 tools/bench/bench_actor.py --layer [--shapes 4096x2 8192x1]  # one layer
+    PYTHONPATH=. python3 tools/bench/bench_actor.py --tiny [--layer]                            # CPU smoke run
 
 Whole step (default). What the trainer runs for one GRPO update on one GPU: `actor.provider.build_model` (GPTModel,
 native spec, BF16 params) with Qwen3-8B-shaped layers (hidden 4096, intermediate 12288, 32/8 heads x 128, QK-norm,
@@ -63,7 +63,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936, num_hidden_layers=1, max_position_embeddings=40960, rope_theta=1_000_000.0,
@@ -82,7 +82,7 @@ VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlo
     "jetrl/swiglu-split": ("jetrl", {}),  # ... = "split"
     "jetrl/emulated": ("jetrl", dict(backend="emulated", check_finite="off")),
 }
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PRESET = os.path.join(REPO, "configs", "models", "qwen3-8b-base.yaml")
 
 
@@ -734,8 +734,8 @@ def main(argv=None):
     if not a.layer:
         parse_modes(a.modes)  # unknown modes and malformed overrides: exit 2 before anything is built
     if not torch.cuda.is_available() and not a.tiny:
-        print("error: tools/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
-              "(bash tools/gpu_fp8.sh bench), or --tiny for a CPU smoke run", file=sys.stderr)
+        print("error: tools/bench/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
+              "(bash tools/gpu/gpu_fp8.sh bench), or --tiny for a CPU smoke run", file=sys.stderr)
         return 2
     if a.layer:
         layer_main(a)

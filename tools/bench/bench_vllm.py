@@ -1,7 +1,7 @@
 """vLLM 0.26.0 as the rollout engine on one GPU: engine start, on-device weight sync, decode tokens/s.
 
-    python tools/bench_vllm.py --mode jetrl [--layers 36] [--batches 64 128 256] [--prompt 256] [--new 512] --json out.json
-    python tools/bench_vllm.py --mode bf16 ...         # the same engine in BF16 (vLLM's own BF16 kernels)
+    python tools/bench/bench_vllm.py --mode jetrl [--layers 36] [--batches 64 128 256] [--prompt 256] [--new 512] --json out.json
+    python tools/bench/bench_vllm.py --mode bf16 ...         # the same engine in BF16 (vLLM's own BF16 kernels)
 
 One engine per process (vLLM's external launcher on a one-rank NCCL group, as the trainer runs it), built by
 `megatron_jetrl.rollout.vllm_engine.VllmEngine` with the shipped settings: the trainer's numerics pinned and checked
@@ -16,10 +16,10 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
   JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens;
 * profile (--profile-batch B ...): one decode step's kernel time by category at each batch B, measured at the timed
   runs' mean KV-cache length, and the bytes of the layers' linear weights (`linear_GB`). From a jetrl and a bf16 run
-  tools/rollout_report.py computes what FP8 weights can buy at that setting (its ceiling table).
-Needs the vLLM kit (shared/kits/README.md); tools/gpu_vllm.sh runs both modes and prints the table.
+  tools/bench/rollout_report.py computes what FP8 weights can buy at that setting (its ceiling table).
+Needs the vLLM kit (shared/kits/README.md); tools/gpu/gpu_vllm.sh runs both modes and prints the table.
 
-`--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/rollout_report.py
+`--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/bench/rollout_report.py
 puts each variant in its own column):
 * shipped: the engine as the trainer builds it (numerics pinned and checked; `rollout.glue: auto`, i.e. the trainer's
   RMSNorm and RoPE, full CUDA graphs of decode steps, no torch.compile; in jetrl the norms and SiLU write the FP8
@@ -27,7 +27,7 @@ puts each variant in its own column):
 * unfused-quant (jetrl only): the shipped engine with vLLM's own quantizer kernel before each FP8 linear, instead of
   the norms and SiLU writing the FP8 input (`rollout.vllm_fused_quant=false`; same bytes, still checked at start-up);
 * vllm-glue: vLLM's own RMSNorm and RoPE (`rollout.glue: vllm`) in its compiled engine (torch.compile, the
-  byte-changing fusion passes off; the start-up check still runs): the shipped engine before session 17;
+  byte-changing fusion passes off; the start-up check still runs): what the trainer's glue costs against it;
 * fused (jetrl only): vLLM's default compilation with its own glue, whose passes fuse RMSNorm+quant and SiLU-mul+quant into kernels with
   their own scale floor and no BF16 rounding before the quantizer. The bytes are no longer the trainer's, so the
   start-up check is skipped (`VllmEngine(verify_numerics=False)`): an upper bound for adopting those numerics, not a
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.models import ModelArch  # noqa: E402

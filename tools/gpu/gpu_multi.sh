@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Multi-GPU runs on one GPU host (issue 18): 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them (4 with
+# Multi-GPU runs on one GPU host: 2 GPUs through torchrun, as `launch/train_grpo.sh` starts them (4 with
 # ARGS=parallel.dp=2: trainer TP 2 x DP 2; the vllm stage then runs world size / rollout TP engines).
 # (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
 # launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)
 #
-#   bash tools/gpu_multi.sh STAGE...      STAGE: setup | tests | sweep | vllm     e.g. bash tools/gpu_multi.sh setup sweep
+#   bash tools/gpu/gpu_multi.sh STAGE...      STAGE: setup | tests | sweep | vllm     e.g. bash tools/gpu/gpu_multi.sh setup sweep
 #
 #   setup  .whl/*.whl (megatron-core, math-verify) -> /tmp/mcore; DeepGEMM -> /tmp/dg, from .kits/deep_gemm when carried,
 #          else the copy the vLLM kit bundles (/tmp/vllm-site/vllm/third_party/deep_gemm, the same files).
-#   tests  GPU 0: tools/run_gpu_tests.sh -k "$TESTS_K" (the FP8 kernels, DeepGEMM, the FP8 linear); then
+#   tests  GPU 0: tools/gpu/run_gpu_tests.sh -k "$TESTS_K" (the FP8 kernels, DeepGEMM, the FP8 linear); then
 #          tests/gpu/test_actor_tp_gpu.py (megatron TP 2 on both GPUs against TP 1).
 #   sweep  launch/tp_sweep.sh --tp "$SWEEP_TP" --modes "$SWEEP_MODES" at configs/gpu_8b_shapes.yaml (Qwen3-8B layer
 #          shapes, 8 layers) with the native engine -> $OUT/sweep_report.{md,csv} (the paper's Table 4 with our numbers).
@@ -25,14 +25,14 @@
 # a stage gets what is left), TESTS_K, ARGS (extra overrides for every GRPO run).
 # vLLM stages need the vLLM kit unpacked first (shared/kits/README.md: two calls) and source /tmp/vllm-site/env.sh.
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_multi}
 WORK=${WORK:-/dev/shm/jetrl_multi}
 STEPS=${STEPS:-4}
 CONFIG=configs/gpu_8b_shapes.yaml
 mkdir -p "$OUT" "$WORK"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu_multi.sh STAGE... (setup | tests | sweep | vllm)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_multi.sh STAGE... (setup | tests | sweep | vllm)"; exit 2; }
 for stage in "$@"; do
   case $stage in setup|tests|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | sweep | vllm)"; exit 2 ;; esac
 done
@@ -86,7 +86,7 @@ for stage in "$@"; do
   case $stage in
     setup) setup 2>&1 | tee "$OUT/setup.log" ;;
     tests)
-      CUDA_VISIBLE_DEVICES=0 with_dg timeout "$(left 300)" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" \
+      CUDA_VISIBLE_DEVICES=0 with_dg timeout "$(left 300)" bash tools/gpu/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm}" \
         2>&1 | tee "$OUT/tests_gpu0.log" | grep -E "passed|failed|Error|FAILED" | tail -15
       with_dg timeout "$(left 240)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_actor_tp_gpu.py 2>&1 \
         | tee "$OUT/tests_tp2.log" | grep -E "passed|failed|Error|FAILED|skipped" | tail -15 ;;

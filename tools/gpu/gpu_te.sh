@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Transformer Engine on the GPU machine (issue 15): install the kit, run tests/gpu/test_te.py, compare the TE spec with
+# Transformer Engine on the GPU machine: install the kit, run tests/gpu/test_te.py, compare the TE spec with
 # the local spec in short GRPO runs, and (stages vllm, grpo) with vLLM as the rollout engine. One GPU (stage tp: two);
 # .kits/te (shared/kits/te) and .whl/ (megatron-core, math-verify wheels) travel with the call:
 #
-#   bash tools/gpu_te.sh STAGE...      STAGE: install | tests | train | vllm | tp | grpo
+#   bash tools/gpu/gpu_te.sh STAGE...      STAGE: install | tests | train | vllm | tp | grpo
 #
 #   install  the TE kit's one-call install (`fp8.te.INSTALL_LINE`: build.sh installs the prebuilt extension into
 #            /tmp/te-site and ends with CHECK OK) and .whl/*.whl into /tmp/mcore; skipped when both are importable
 #   tests    pytest -s tests/gpu/test_te.py -> $OUT/tests.log; its CONFORMANCE / TRAINSTEP / EXPORT lines -> $OUT/te_numbers.txt
-#   train    tools/gpu_grpo_run.sh once per spec (local, te), modes $MODES, same seed -> $OUT/train_{local,te}/, then
-#            tools/te_compare.py -> $OUT/train_table.md (loss, mismatch vs the native rollout, step and phase times)
+#   train    tools/gpu/gpu_grpo_run.sh once per spec (local, te), modes $MODES, same seed -> $OUT/train_{local,te}/, then
+#            tools/bench/te_compare.py -> $OUT/train_table.md (loss, mismatch vs the native rollout, step and phase times)
 #   vllm     pytest -s tests/gpu/test_te_vllm.py (TE's FP8 bytes in vLLM: the converted checkpoint loaded with real
 #            weights and the live sync, per scale mode in its own process; greedy generation) -> $OUT/vllm.log, its
 #            TEVLLM lines -> $OUT/te_vllm_numbers.txt. Needs the vLLM kit unpacked first (shared/kits/README.md:
 #            /tmp/vllm-site/env.sh is sourced when it exists) and TE installed (stage install)
 #   tp       pytest -s tests/gpu/test_te_tp_gpu.py (2 GPUs: torchrun tests/gpu/te_tp_run.py, TE vs local spec at TP2 and the
 #            TP2 TE export vs TE's full TP1 tensors) -> $OUT/tp.log, its TETP lines -> $OUT/te_tp_numbers.txt
-#   grpo     tools/gpu_grpo_run.sh with model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 on
+#   grpo     tools/gpu/gpu_grpo_run.sh with model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 on
 #            configs/gpu_1p5b.yaml, modes $MODES (default here "jetrl bf16-train-fp8-rollout") -> $OUT/grpo/
 #            (needs the vLLM kit too)
 #
@@ -25,7 +25,7 @@
 # six runs fit in ~4 minutes; 1p5b: configs/gpu_1p5b.yaml's Qwen2.5-1.5B shapes, 4 steps, ~10 minutes), RUN_TIMEOUT
 # (per GRPO run, default 110 s small / 200 s 1p5b; grpo: 280 s, so two modes fit one 10-minute call), TRAIN_ARGS (extra overrides for every train and grpo run).
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_te}
 mkdir -p "$OUT"
@@ -82,10 +82,10 @@ for stage in "$@"; do
       fi
       for spec in local te; do
         OUT=$OUT/train_$spec MODES="$modes" RUN_TIMEOUT=$timeout_s PYTHON=python3 \
-          bash tools/gpu_grpo_run.sh "model.spec=$spec" "precision.scale_mode=${SCALE:-fp32}" "${model[@]}" ${TRAIN_ARGS:-} >/dev/null 2>&1
+          bash tools/gpu/gpu_grpo_run.sh "model.spec=$spec" "precision.scale_mode=${SCALE:-fp32}" "${model[@]}" ${TRAIN_ARGS:-} >/dev/null 2>&1
         echo "-- spec $spec:"; grep -E "^== .*exit|Error|error" "$OUT/train_$spec/run.log" | tail -8
       done
-      python3 tools/te_compare.py "$OUT/train_local" "$OUT/train_te" | tee "$OUT/train_table.md" ;;
+      python3 tools/bench/te_compare.py "$OUT/train_local" "$OUT/train_te" | tee "$OUT/train_table.md" ;;
     vllm)
       env_te; env_vllm
       gpu_pytest tests/gpu/test_te_vllm.py vllm.log "TEVLLM .*" te_vllm_numbers.txt ;;
@@ -95,7 +95,7 @@ for stage in "$@"; do
     grpo)
       env_te; env_vllm
       OUT=$OUT/grpo CONFIG=configs/gpu_1p5b.yaml MODES="${MODES:-jetrl bf16-train-fp8-rollout}" RUN_TIMEOUT=${RUN_TIMEOUT:-280} PYTHON=python3 \
-        bash tools/gpu_grpo_run.sh model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 ${TRAIN_ARGS:-} >/dev/null 2>&1
+        bash tools/gpu/gpu_grpo_run.sh model.spec=te rollout.engine=vllm rollout.enforce_eager=true run.steps=3 ${TRAIN_ARGS:-} >/dev/null 2>&1
       grep -E "^== .*exit|Error|error" "$OUT/grpo/run.log" | tail -12; cat "$OUT/grpo/table.md" ;;
     *) echo "unknown stage $stage (install | tests | train | vllm | tp | grpo)"; exit 2 ;;
   esac

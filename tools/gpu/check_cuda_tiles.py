@@ -7,7 +7,7 @@ of the GPU machine's CUDA 13.0 (no GPU, no driver; requirements.txt installs the
 runs this):
 
     pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88
-    python tools/check_cuda_tiles.py            # exit 1 on a compile error
+    python tools/gpu/check_cuda_tiles.py            # exit 1 on a compile error
 
 A `--nvrtc` / `--ptxas` path overrides where they are looked up.
 """
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.fp8 import cuda_tiles  # noqa: E402
 

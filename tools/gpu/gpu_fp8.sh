@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# FP8 training speed on the GPU machine (issue 14): kits, GPU tests and the FP8 benchmarks, from the repo root.
+# FP8 training speed on the GPU machine: kits, GPU tests and the FP8 benchmarks, from the repo root.
 #
-#   bash tools/gpu_fp8.sh STAGE...      STAGE: setup | tests | bench | jit-save     e.g. bash tools/gpu_fp8.sh setup tests bench
+#   bash tools/gpu/gpu_fp8.sh STAGE...      STAGE: setup | tests | bench | jit-save     e.g. bash tools/gpu/gpu_fp8.sh setup tests bench
 #
 # carry (device tool), ~37 MiB with the repo (< 64 MiB):
 #   [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
@@ -12,11 +12,11 @@
 #   setup  DeepGEMM 2.5.0 (vLLM 0.26's bundle) -> /tmp/dg; Transformer Engine 2.20.2 (if .kits/te is here) ->
 #          /tmp/te-site through .kits/te/bin/build.sh (prebuilt extension, sm90 core, ends with check.sh);
 #          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a warm machine already has.        ~1-2 min
-#          Also loads carried DeepGEMM kernels (.cache/jit/deep_gemm_jit.tgz, tools/jit_cache.sh)
-#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/jit_cache.sh)
-#   tests  tools/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
-#   bench  tools/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
-#          tools/bench_actor.py (whole actor step, jetrl vs bf16) -> $OUT/bench_actor.{json,log}      ~3-5 min
+#          Also loads carried DeepGEMM kernels (.cache/jit/deep_gemm_jit.tgz, tools/gpu/jit_cache.sh)
+#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
+#   tests  tools/gpu/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
+#   bench  tools/bench/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
+#          tools/bench/bench_actor.py (whole actor step, jetrl vs bf16) -> $OUT/bench_actor.{json,log}      ~3-5 min
 #          DeepGEMM JIT-compiles each new GEMM shape (seconds each); every variant runs (and is checked)
 #          once before it is timed, so compiles stay out of the timings.
 # The whole run is meant to fit one 10-minute device call on an H200: each stage runs under `timeout`, and all of
@@ -25,11 +25,11 @@
 # Env: OUT (default out/gpu_fp8), TOTAL_TIMEOUT, SETUP_TIMEOUT (240), TESTS_TIMEOUT (150), BENCH_FP8_TIMEOUT (300),
 #      BENCH_ACTOR_TIMEOUT (240), TESTS_K, FP8_ARGS (extra bench_fp8.py args), ACTOR_ARGS (extra bench_actor.py args).
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_fp8}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu_fp8.sh STAGE... (setup | tests | bench)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_fp8.sh STAGE... (setup | tests | bench)"; exit 2; }
 for stage in "$@"; do
   case $stage in setup|tests|bench|jit-save) ;; *) echo "unknown stage $stage (setup | tests | bench | jit-save)"; exit 2 ;; esac
 done
@@ -50,7 +50,7 @@ environment() {  # the paths setup fills; TE's env.sh only once TE is installed
 
 setup() {
   local t
-  bash tools/jit_cache.sh load
+  bash tools/gpu/jit_cache.sh load
   if [ -f .kits/deep_gemm/deep_gemm.tar.xz ]; then
     if [ -f /tmp/dg/deep_gemm/__init__.py ]; then echo "DeepGEMM: already in /tmp/dg"
     else mkdir -p /tmp/dg && tar -xJf .kits/deep_gemm/deep_gemm.tar.xz -C /tmp/dg && echo "DeepGEMM: unpacked into /tmp/dg"; fi
@@ -117,23 +117,23 @@ for stage in "$@"; do
     tests)
       t=$(budget "${TESTS_TIMEOUT:-150}")
       [ "$t" -ge 30 ] || { echo "tests: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1; continue; }
-      timeout "$t" bash tools/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm or launch}" 2>&1 | tee "$OUT/tests.log" | show | tail -n 40
+      timeout "$t" bash tools/gpu/run_gpu_tests.sh -k "${TESTS_K:-kernels or fp8 or deepgemm or launch}" 2>&1 | tee "$OUT/tests.log" | show | tail -n 40
       failed tests "${PIPESTATUS[0]}" "$t" ;;
     bench)
       t=$(budget "${BENCH_FP8_TIMEOUT:-300}")
       [ "$t" -ge 60 ] || { echo "bench: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1; continue; }
-      timeout "$t" python3 tools/bench_fp8.py --sections ceilings quant linear layer profile --json "$OUT/bench_fp8.json" ${FP8_ARGS:-} 2>&1 \
+      timeout "$t" python3 tools/bench/bench_fp8.py --sections ceilings quant linear layer profile --json "$OUT/bench_fp8.json" ${FP8_ARGS:-} 2>&1 \
         | tee "$OUT/bench_fp8.log" | show
       failed bench_fp8 "${PIPESTATUS[0]}" "$t"
       t=$(budget "${BENCH_ACTOR_TIMEOUT:-240}")
       if [ "$t" -lt 60 ]; then
         echo "bench_actor: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1
       else
-        timeout "$t" python3 tools/bench_actor.py --json "$OUT/bench_actor.json" ${ACTOR_ARGS:-} 2>&1 | tee "$OUT/bench_actor.log" | show
+        timeout "$t" python3 tools/bench/bench_actor.py --json "$OUT/bench_actor.json" ${ACTOR_ARGS:-} 2>&1 | tee "$OUT/bench_actor.log" | show
         failed bench_actor "${PIPESTATUS[0]}" "$t"
       fi
       recap ;;
-    jit-save) bash tools/jit_cache.sh save "$OUT" || rc=1 ;;
+    jit-save) bash tools/gpu/jit_cache.sh save "$OUT" || rc=1 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
 done

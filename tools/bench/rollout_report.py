@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """One decode table at Qwen3-8B shapes: the native engine beside vLLM, FP8 (jetrl numerics) against BF16 in each.
 
-    python tools/rollout_report.py [--native bench_rollout.json] --vllm bench_jetrl.json bench_bf16.json [-o report.md]
+    python tools/bench/rollout_report.py [--native bench_rollout.json] --vllm bench_jetrl.json bench_bf16.json [-o report.md]
 
-Inputs: the JSON of `tools/bench_rollout.py` (native engine, both precisions; optional) and of `tools/bench_vllm.py
+Inputs: the JSON of `tools/bench/bench_rollout.py` (native engine, both precisions; optional) and of `tools/bench/bench_vllm.py
 --mode jetrl` and `--mode bf16` (one engine each). Only settings that match are compared: the same layers, prompt length and new tokens;
 a row per batch size that the vLLM runs have. Throughput is generated tokens per second of the whole generate() call,
 prefill included, as vLLM's benchmark times it: for the native engine b * n / (prefill_s + decode_s) of its end-to-end
@@ -53,7 +53,7 @@ def vllm_runs(paths: list[str]) -> dict[str, dict]:
     for path in paths:
         r = load(path)
         if r.get("mode") not in ("jetrl", "bf16") or "decode" not in r:
-            raise ValueError(f"{path}: not a tools/bench_vllm.py result (needs 'mode' jetrl|bf16 and 'decode')")
+            raise ValueError(f"{path}: not a tools/bench/bench_vllm.py result (needs 'mode' jetrl|bf16 and 'decode')")
         if run_key(r) in runs:
             raise ValueError(f"{path}: a second vLLM {run_key(r)} run; give one per mode and variant")
         runs[run_key(r)] = r
@@ -74,11 +74,11 @@ def native_rate(native: dict, precision: str, batch: int, new: int) -> float | N
 def check_native(native: dict, layers, prompt, new) -> None:
     missing = [k for k in ("model", "prompt", "new_tokens", "results", "device") if k not in native]
     if missing:
-        raise ValueError(f"the native JSON lacks {missing}: give the output of tools/bench_rollout.py --json")
+        raise ValueError(f"the native JSON lacks {missing}: give the output of tools/bench/bench_rollout.py --json")
     if (native["model"]["layers"], native["prompt"]) != (layers, prompt) or new not in native["new_tokens"]:
         raise ValueError(f"the native run (layers {native['model']['layers']}, prompt {native['prompt']}, new tokens "
                          f"{native['new_tokens']}) does not cover the vLLM runs' setting (layers {layers}, prompt {prompt}, "
-                         f"new tokens {new}): run tools/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
+                         f"new tokens {new}): run tools/bench/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
 
 
 def table(native: dict | None, runs: dict[str, dict]) -> str:
@@ -112,7 +112,7 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
 
 
 GOAL = 1.3
-"""Issue 13's decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
+"""The decode goal (FP8 / BF16): the ceiling table gives the FP8 GEMM time it would need."""
 FP8_PEAK_TFLOPS = 1979.0
 """Dense E4M3 tensor-core peak of the H100 and H200 SXM: the ceiling's FLOP floor unless --fp8-tflops says otherwise."""
 
@@ -125,7 +125,7 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
     pf, pb = f8.get("decode_profiles") or {}, b16.get("decode_profiles") or {}
     batches = sorted(set(pf) & set(pb), key=int)
     if batches and ("linear_GB" not in f8 or "copy_GBps" not in f8 or "linear_GB" not in b16):
-        raise ValueError("a run lacks linear_GB / copy_GBps: rerun tools/bench_vllm.py (this version) in both modes")
+        raise ValueError("a run lacks linear_GB / copy_GBps: rerun tools/bench/bench_vllm.py (this version) in both modes")
     lines = []
     for b in batches:
         F, B = pf[b], pb[b]
@@ -161,8 +161,8 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--native", help="tools/bench_rollout.py JSON (its columns read n/a without it)")
-    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench_vllm.py JSON, one per mode and --variant")
+    ap.add_argument("--native", help="tools/bench/bench_rollout.py JSON (its columns read n/a without it)")
+    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench/bench_vllm.py JSON, one per mode and --variant")
     ap.add_argument("--fp8-tflops", type=float, default=FP8_PEAK_TFLOPS,
                     help="the FP8 tensor-core peak for the ceiling's FLOP floor (default 1979: H100/H200 SXM, dense)")
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """TP1 vs TP2 of the megatron-core actor: logprobs and optimizer steps, on 2 GPUs (or 2 gloo CPU ranks).
 
-    torchrun --nproc-per-node=2 tools/gpu_actor_tp.py [--json PATH]          # 2 GPUs, NCCL, BF16 params
-    torchrun --nproc-per-node=2 tools/gpu_actor_tp.py --tiny                 # CPU dry run (gloo, FP32 params)
+    torchrun --nproc-per-node=2 tools/gpu/gpu_actor_tp.py [--json PATH]          # 2 GPUs, NCCL, BF16 params
+    torchrun --nproc-per-node=2 tools/gpu/gpu_actor_tp.py --tiny                 # CPU dry run (gloo, FP32 params)
 
 What it does, in one torchrun of 2 processes:
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 FAMILIES = ("qwen3", "qwen2")
 

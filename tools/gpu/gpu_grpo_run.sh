@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Short GRPO runs on one GPU, one per precision mode, with per-phase times (issue #7; BENCHMARKS.md
+# Short GRPO runs on one GPU, one per precision mode, with per-phase times (BENCHMARKS.md
 # "GRPO on one H200: jetrl vs bf16").
 #
-#   bash tools/gpu_grpo_run.sh [section.key=value ...]        # extra overrides go to every run
+#   bash tools/gpu/gpu_grpo_run.sh [section.key=value ...]        # extra overrides go to every run
 #
 # Each mode runs `python -m megatron_jetrl.rl.train $CONFIG precision.mode=<mode> run.name=gpu_<mode>` under
 # `timeout` (world size 1: the trainer sets up its own process group), with nvidia-smi sampling GPU memory.
@@ -24,14 +24,14 @@
 #                let two instances run side by side on two GPUs
 #
 # CPU dry run (tiny shapes):
-#   OUT=/tmp/o PYTHON=/work/venv/bin/python bash tools/gpu_grpo_run.sh run.device=cpu run.steps=2 \
+#   OUT=/tmp/o PYTHON=/work/venv/bin/python bash tools/gpu/gpu_grpo_run.sh run.device=cpu run.steps=2 \
 #     'model.hf_config={model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2,
 #      num_attention_heads: 2, num_key_value_heads: 2, head_dim: 128, vocab_size: 512, tie_word_embeddings: true,
 #      max_position_embeddings: 128, eos_token_id: 2}' rollout.n=2 rollout.max_new_tokens=4 grpo.prompts_per_step=4 \
 #     grpo.micro_batch_size=4 warmup.steps=2
 set -uo pipefail
 
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_grpo}
 CONFIG=${CONFIG:-configs/gpu_1p5b.yaml}

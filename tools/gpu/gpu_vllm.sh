@@ -2,28 +2,28 @@
 # vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
 # and math-verify wheels, installed once into /tmp/mcore):
 #
-#   bash tools/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | jit-save
+#   bash tools/gpu/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | jit-save
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
 #           others, PYTEST_K=... selects (-k). JETRL_VLLM_TEST_ENGINE='{"enforce_eager": false}' runs test_vllm.py's engine
 #           with full decode CUDA graphs (and the default glue, the trainer's)
-#   bench   tools/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
+#   bench   tools/bench/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
 #           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:vllm-glue jetrl:cutlass-gemm bf16:triton-attn",
 #           bench_vllm.py --variant: what vLLM's fused quant kernels or another attention backend would buy) ->
 #           bench_MODE_VARIANT.json. Split the runs over calls as the 10-minute limit needs; the same OUT collects them
-#   decode  tools/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,
+#   decode  tools/bench/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,
 #           512 new tokens, batches 64 128 256 unless BENCH_ARGS changed them: pass the same as NATIVE_ARGS), then
-#           tools/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
+#           tools/bench/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
 #           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
-#   report  tools/rollout_report.py over $OUT/bench_*.json alone (no native run) -> $OUT/vllm_report.md: the decode
+#   report  tools/bench/rollout_report.py over $OUT/bench_*.json alone (no native run) -> $OUT/vllm_report.md: the decode
 #           rates and, for batches both shipped runs profiled (BENCH_ARGS="--profile-batch 128 256"), the FP8 ceiling
-#   grpo    tools/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
+#   grpo    tools/gpu/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
 #   native  the same runs with the native engine (the FP8 floor: two programs, one flow) -> $OUT/native/
-#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/jit_cache.sh: keep it as
+#   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh: keep it as
 #           .cache/jit/deep_gemm_jit.tgz and carry ".cache/jit": this script loads it first, so a fresh machine's FP8
 #           engine starts warm)
-#   diag    tools/diag_vllm_layers.py (8 layers, hidden 2048) with vLLM's own glue, then with the trainer's
+#   diag    tools/gpu/diag_vllm_layers.py (8 layers, hidden 2048) with vLLM's own glue, then with the trainer's
 #           (--glue trainer: rollout/vllm_glue.py) -> $OUT/diag_{vllm,trainer}.log; each run gets DIAG_TIMEOUT s
 #           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
@@ -32,9 +32,9 @@
 # (`git rm -r -q --cached docs && echo /docs/ >> .git/info/exclude`, undone by `git reset -q -- docs` and removing the
 # line). Later calls on the warm machine carry [".whl", ".kits/vllm/unpack.sh", ".kits/vllm/SHA256SUMS"] (+ ".cache/jit"):
 # this script checks the unpack is complete, installs .whl/ into /tmp/mcore and loads the carried DeepGEMM kernels.
-#   e.g.  OUT=$OUT RUNS="jetrl bf16" bash tools/gpu_vllm.sh tests bench jit-save
+#   e.g.  OUT=$OUT RUNS="jetrl bf16" bash tools/gpu/gpu_vllm.sh tests bench jit-save
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_vllm}
 mkdir -p "$OUT"
@@ -49,7 +49,7 @@ if ! PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatro
 fi
 PYTEST_ARGS=(); [ -n "${PYTEST_K:-}" ] && PYTEST_ARGS=(-k "$PYTEST_K")
 export PYTHONPATH=/tmp/mcore:$repo:$PYTHONPATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-bash tools/jit_cache.sh load
+bash tools/gpu/jit_cache.sh load
 
 for stage in "$@"; do
   t0=$(date +%s)
@@ -61,25 +61,25 @@ for stage in "$@"; do
       for run in ${RUNS:-jetrl bf16}; do
         mode=${run%%:*}; variant=${run#*:}; [ "$variant" = "$run" ] && variant=shipped
         name=$mode; [ "$variant" = shipped ] || name=${mode}_$variant
-        python3 tools/bench_vllm.py --mode "$mode" --variant "$variant" --json "$OUT/bench_$name.json" ${BENCH_ARGS:-} 2>&1 \
+        python3 tools/bench/bench_vllm.py --mode "$mode" --variant "$variant" --json "$OUT/bench_$name.json" ${BENCH_ARGS:-} 2>&1 \
           | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/bench_$name.log" | grep -E "^\[|Error|error" ;
       done ;;
     decode)
-      python3 tools/bench_rollout.py --layers 36 --prompt 256 --new-tokens 512 --batches 64 128 256 ${NATIVE_ARGS:-} \
+      python3 tools/bench/bench_rollout.py --layers 36 --prompt 256 --new-tokens 512 --batches 64 128 256 ${NATIVE_ARGS:-} \
         --json "$OUT/bench_rollout.json" 2>&1 | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/bench_rollout.log" | tail -12
-      python3 tools/rollout_report.py --native "$OUT/bench_rollout.json" --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) \
+      python3 tools/bench/rollout_report.py --native "$OUT/bench_rollout.json" --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) \
         -o "$OUT/rollout_report.md" ;;
-    report) python3 tools/rollout_report.py --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) -o "$OUT/vllm_report.md" ;;
-    grpo) OUT=$OUT/vllm RUN_TIMEOUT=${RUN_TIMEOUT:-240} bash tools/gpu_grpo_run.sh rollout.engine=vllm ${GRPO_ARGS:-} >/dev/null 2>&1
+    report) python3 tools/bench/rollout_report.py --vllm $(ls "$OUT"/bench_{jetrl,bf16}*.json) -o "$OUT/vllm_report.md" ;;
+    grpo) OUT=$OUT/vllm RUN_TIMEOUT=${RUN_TIMEOUT:-240} bash tools/gpu/gpu_grpo_run.sh rollout.engine=vllm ${GRPO_ARGS:-} >/dev/null 2>&1
           tail -20 "$OUT/vllm/run.log"; cat "$OUT/vllm/table.md" ;;
-    native) OUT=$OUT/native bash tools/gpu_grpo_run.sh ${GRPO_ARGS:-} >/dev/null 2>&1; cat "$OUT/native/table.md" ;;
+    native) OUT=$OUT/native bash tools/gpu/gpu_grpo_run.sh ${GRPO_ARGS:-} >/dev/null 2>&1; cat "$OUT/native/table.md" ;;
     diag)
       for glue in vllm trainer; do
-        timeout "${DIAG_TIMEOUT:-220}" python3 tools/diag_vllm_layers.py --layers 8 --show 2 --glue "$glue" ${DIAG_ARGS:-} \
+        timeout "${DIAG_TIMEOUT:-220}" python3 tools/gpu/diag_vllm_layers.py --layers 8 --show 2 --glue "$glue" ${DIAG_ARGS:-} \
           > "$OUT/diag_$glue.log" 2>&1
         echo "glue $glue: exit $?"; grep -E "^\||prompt logprobs|Error" "$OUT/diag_$glue.log" | grep -v INFO
       done ;;
-    jit-save) bash tools/jit_cache.sh save "$OUT" ;;
+    jit-save) bash tools/gpu/jit_cache.sh save "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"

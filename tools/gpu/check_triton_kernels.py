@@ -11,11 +11,11 @@ version, which reshaped y in registers to quantize it, differed from the plain k
 on an H200). It needs Triton 3.6.0, the GPU machine's (its wheel carries ptxas; no GPU, no driver):
 
     pip download --no-deps triton==3.6.0 -d .cache/wheels   # tools/test.sh does this
-    python tools/check_triton_kernels.py                      # with triton importable; exit 1 on a failure
+    python tools/gpu/check_triton_kernels.py                      # with triton importable; exit 1 on a failure
 
 tests/unit/test_triton_kernels_source.py runs it with the wheel unpacked beside the CPU environment (torch stays CPU).
 
-    python tools/check_triton_kernels.py --sass               # instructions per element of the 1x128 quantizer
+    python tools/gpu/check_triton_kernels.py --sass               # instructions per element of the 1x128 quantizer
 
 `--sass` prints, for the Triton 1x128 quantizer with and without the SwiGLU prologue at its shipped launch settings,
 each with the per-element IEEE division (DIV=0) and with the per-group reciprocal BF16 input takes (DIV=1,
@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TRITON = "3.6.0"
 NORM_SHAPES = ((4096, 1, 8), (2048, 2, 8), (1024, 4, 4), (512, 8, 4), (256, 16, 4))
@@ -139,6 +139,9 @@ def sass_per_element(swiglu: bool, div: int) -> tuple[float, collections.Counter
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip())
+        return 0
     try:
         import triton
     except ImportError:

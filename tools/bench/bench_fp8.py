@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FP8 benchmarks on one CUDA GPU, in one go: ceilings, quantizers, GEMMs, FP8 linear, one decoder layer, profile.
 
-    PYTHONPATH=. python3 tools/bench_fp8.py [--json bench_fp8.json] [--sweep] [--sections linear layer profile ...]
+    PYTHONPATH=. python3 tools/bench/bench_fp8.py [--json bench_fp8.json] [--sweep] [--sections linear layer profile ...]
 
 Sections (each runs on its own; default: ceilings quant gemm linear layer):
   ceilings  device copy GB/s (read + write) and BF16 GEMM TFLOP/s
@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, blockwise_gemm, quantize_blockwise  # noqa: E402
 from megatron_jetrl.fp8 import kernels as K  # noqa: E402
@@ -296,7 +296,7 @@ def gemm_section(res, backends, models=tuple(MODELS), ms_list=MS):
     res["gemm"] = rows
 
 
-# ---- the FP8 linear against BF16, TE and the DeepGEMM GEMM ceiling (issue 14) --------------------------
+# ---- the FP8 linear against BF16, TE and the DeepGEMM GEMM ceiling -----------------------------------
 
 LINEAR_TARGETS = {"sum": 1.5, "each": 1.3, "layer": 1.35}
 
@@ -951,13 +951,13 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("error: tools/bench_fp8.py needs a CUDA GPU (sm90 for DeepGEMM/cuBLASLt) and none is visible here; "
-              "run it on the GPU machine (bash tools/gpu_fp8.sh bench)", file=sys.stderr)
+        print("error: tools/bench/bench_fp8.py needs a CUDA GPU (sm90 for DeepGEMM/cuBLASLt) and none is visible here; "
+              "run it on the GPU machine (bash tools/gpu/gpu_fp8.sh bench)", file=sys.stderr)
         return 2
     try:
         import triton
     except ImportError:
-        print("error: tools/bench_fp8.py needs Triton (triton.testing.do_bench)", file=sys.stderr)
+        print("error: tools/bench/bench_fp8.py needs Triton (triton.testing.do_bench)", file=sys.stderr)
         return 2
     sections = args.sections
     torch.backends.cuda.matmul.allow_tf32 = False

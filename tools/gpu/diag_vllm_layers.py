@@ -1,6 +1,6 @@
-"""Where vLLM's FP8 forward leaves the native engine's, linear by linear (issue 13: the train/rollout mismatch).
+"""Where vLLM's FP8 forward leaves the native engine's, linear by linear: where the train/rollout mismatch starts.
 
-    python3 tools/diag_vllm_layers.py [--hidden 2048 --heads 16 --layers 28 ...] [--attention FLASH_ATTN|TRITON_ATTN]
+    python3 tools/gpu/diag_vllm_layers.py [--hidden 2048 --heads 16 --layers 28 ...] [--attention FLASH_ATTN|TRITON_ATTN]
 
 Both engines get the trainer's FP8 bytes of one random model (the GPU tests' random init) and score one sequence
 in one prefill (vLLM: `prompt_logprobs`; native: `score`). A forward pre-hook on each vLLM linear and a wrapper on
@@ -17,7 +17,7 @@ torch `forward_native` methods) on one input each against the trainer's function
 through vLLM's own out-of-tree op registry, by the trainer's functions (`rollout/vllm_glue.py`), so that what still
 differs is attention and GEMM accumulation order (this tool's engines are eager).
 
-Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu_vllm.sh says how), run from the repo root.
+Needs a CUDA GPU and vLLM 0.26.0 (the kit: tools/gpu/gpu_vllm.sh says how), run from the repo root.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINEARS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
 
 

@@ -1,12 +1,12 @@
 """SASS instruction counts of `fp8/cuda_tiles.py`'s quant_tile per variant, and the time a GPU needs just to issue them.
 
 quant_tile is fully unrolled; on a [T, N] input its issue-bound time is tiles x 8 warps x count / (SMs x 4
-schedulers x max SM clock). Set beside the memory-bound time (bytes at the device copy rate, tools/bench_fp8.py) it
+schedulers x max SM clock). Set beside the memory-bound time (bytes at the device copy rate, tools/bench/bench_fp8.py) it
 says which bound a variant is up against. Since the kernel carries a checked and a branch-free copy of its passes
 (`fast_group`), the static count includes both: it bounds what a warp issues from above, and the time from above.
 Needs the CUDA toolkit's nvcc and cuobjdump and a GPU (for the SM count and clock): run on the GPU machine.
 
-    python3 tools/sass_cuda_tiles.py [--tokens 16384 --features 8192] [--source path/to/old_cuda_tiles.py] [--dump DIR]
+    python3 tools/gpu/sass_cuda_tiles.py [--tokens 16384 --features 8192] [--source path/to/old_cuda_tiles.py] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 VARIANTS = {  # name: (FP8_IN, ROWS, COLS, UE8M0, BLOCK128)
     "dual": (0, 1, 1, 0, 0), "1x128 rows": (0, 1, 0, 0, 0), "128x1^T cols": (0, 0, 1, 0, 0),

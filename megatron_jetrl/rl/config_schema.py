@@ -1,0 +1,440 @@
+"""The GRPO config's types: `ConfigError`, one frozen dataclass per section and `JetRLConfig`, each checking its own
+values and how they fit together. `rl/config.py` fills them from YAML and overrides and re-exports the classes;
+`rl/preflight.py` and `rl/run_state.py` read them from here, so that the config CLI (rl/config.py) can call the
+preflight without an import circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_jetrl.actor.train_step import OptimConfig
+from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.rl.loss import PolicyLossConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, found before the run starts."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the run is called, where it writes, how long it runs and how it survives faults."""
+
+    name: str = "tiny"
+    """Run name; also the default output directory `runs/<name>`."""
+    out_dir: str = ""
+    """Output directory (metrics.jsonl, tb/, checkpoints/, export/, summary.json); empty: `runs/<name>`."""
+    seed: int = 1234
+    """Seed of everything random: init, data order, sampling (rollout seeds derive from seed and step)."""
+    steps: int = 20
+    """GRPO steps."""
+    save_every: int = 10
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    checkpoint: bool = True
+    """False: write no checkpoint at all -- for timing runs and sweeps at large shapes, where one checkpoint with
+    optimizer state is ~16 bytes per parameter. A stopped run then cannot resume (it starts over), and run.export,
+    which converts the final checkpoint, must be false."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept in `checkpoints/`: after each save the oldest beyond this many are deleted (the
+    newest complete one is always kept); 0: keep every one."""
+    resume: str = "auto"
+    """`auto`: continue from the newest complete checkpoint in out_dir if there is one; `never`: refuse to
+    start when out_dir already holds checkpoints (pick another name or delete them)."""
+    export: bool = True
+    """Write the final policy as an HF FP8 (or BF16) checkpoint to `<out_dir>/export` (the converter's format)."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
+    timeout_s: float = 300.0
+    """Collective timeout: if a rank dies, the others fail within this many seconds with the lost rank named."""
+    on_nonfinite: str = "stop"
+    """NaN/Inf in rewards, loss or gradients: `stop` the run, or `skip` the update (the step is logged as skipped)."""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
+        _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        _check(self.checkpoint or not self.export, "run.checkpoint=false writes no checkpoint, but run.export=true "
+               "converts the final one: set run.export=false too (or keep run.checkpoint=true)")
+        _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
+        _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
+        _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        _check(0 < self.timeout_s < 1e7, f"run.timeout_s must be positive, got {self.timeout_s:g} (seconds, below 1e7)")
+        _check(0 <= self.seed < 2**63, f"run.seed must be in [0, 2**63), got {self.seed}")
+        _check(self.on_nonfinite in ("stop", "skip"), f"run.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+               f"run.name must be a plain directory name (not empty, '.', '..', no '/'), got {self.name!r}")
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.out_dir or f"runs/{self.name}")
+
+    def device_type(self) -> str:
+        """'cuda' or 'cpu': where this machine runs the config. A fact of the machine, not of the config (presets
+        say `cuda` and are checked anywhere), so load_config does not call it; the launchers' `--get` and the
+        trainer do, before any work."""
+        import torch
+
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("run.device='cuda' but no CUDA device is visible on this machine: run on a GPU node "
+                              "(check CUDA_VISIBLE_DEVICES and the driver) or set run.device=cpu")
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: architecture, initial weights and tokenizer."""
+
+    hf_config: dict = field(default_factory=dict)
+    """HF config.json fields of the architecture, inline (the tiny default, and the presets so that their TP
+    alignment is checked without the weights). With `path` too, they must agree with its config.json."""
+    path: str = ""
+    """Local HF model directory (config.json, safetensors, tokenizer): the initial weights. Empty: random init."""
+    tokenizer: str = "sentencepiece"
+    """`sentencepiece`: the embedded tokenizer, trained on the synthetic corpus at first run (tiny default);
+    `hf`: the tokenizer in `path`."""
+    batch_invariant: bool | None = None
+    """true / false / null (auto: true for CPU runs): the actor and the native engine run `models.batch_invariant_ops`, which
+    makes their logprobs equal bit for bit in `jetrl`/`bf16` on the emulated FP8 backend (slow; a reference)."""
+    fused: bool = True
+    """Local spec on CUDA: RMSNorm and RoPE as one Triton kernel per op and direction and megatron's fused
+    SwiGLU for BF16 MLPs (`actor.fused`); false: eager torch ops (several kernels each; what megatron runs without
+    apex or TE). The CPU always runs eagerly."""
+    spec: str = "local"
+    """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
+    bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE
+    attention), FP8 through TE's own kernels with the recipe the precision flow derives (`actor.te_recipe`): CUDA and
+    TE 2.20.2 needed; in `jetrl` with `scale_mode: fp32` a small fraction of activation elements differ by one E4M3 step
+    from the rollout's (weights are shipped as TE trained them), with `ue8m0` the bytes agree (`fp8/te.py`);
+    `precision.backend` then applies to the native rollout engine only. Checkpoints
+    of the two specs name the norms differently: resume with the spec you trained with."""
+
+    def __post_init__(self):
+        _check(bool(self.hf_config) or bool(self.path),
+               "model: give model.hf_config (an inline architecture: random init) and/or model.path (a local HF directory)")
+        _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
+        _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
+        _check(self.spec in ("local", "te"), f"model.spec must be 'local' or 'te', got {self.spec!r}")
+        if self.spec == "te":
+            from megatron_jetrl.fp8.te import INSTALL_HINT, te_installed
+
+            _check(te_installed(), f"model.spec=te: {INSTALL_HINT}")
+            _check(not self.batch_invariant, "model.spec=te runs Transformer Engine's own norm, attention and GEMM kernels, "
+                                             "not models.batch_invariant_ops: set model.batch_invariant=false (or null), or "
+                                             "model.spec=local")
+
+    def architecture(self) -> dict:
+        """The HF config dict: inline, else `path`'s config.json."""
+        return dict(self.hf_config) if self.hf_config else self.path_config()
+
+    def path_config(self) -> dict:
+        config = Path(self.path) / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"model.path={self.path!r} has no config.json: point it at a local HF model directory")
+        return json.loads(config.read_text())
+
+    def check_path_matches(self) -> None:
+        """With both hf_config and path: every inline field must equal the checkpoint's."""
+        if not (self.hf_config and self.path):
+            return
+        disk = self.path_config()
+        odd = {k: (v, disk.get(k)) for k, v in self.hf_config.items() if disk.get(k) != v}
+        if odd:
+            raise ConfigError(f"model.hf_config disagrees with {self.path}/config.json on " + ", ".join(
+                f"{k} (config {a!r}, checkpoint {b!r})" for k, (a, b) in sorted(odd.items())) + ": fix the preset or the path")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallelism of the actor; the run needs tp * pp * dp processes."""
+
+    tp: int = 1
+    """Tensor parallel size (every split dimension must stay a multiple of 128 for FP8)."""
+    pp: int = 1
+    """Pipeline parallel size. The GRPO loop's live weight sync gathers over TP only: 1."""
+    dp: int = 1
+    """Data parallel size."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.pp == 1, f"parallel.pp={self.pp}: the GRPO loop's live weight sync gathers over TP only; run it at "
+                             "pp=1 (the actor itself trains at PP>1: see megatron_jetrl.actor)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the prompts come from and how answers are checked."""
+
+    source: str = "arithmetic"
+    """`arithmetic` (generated in-process, the embedded default), `multiplication_trace` (generated in-process: long
+    worked answers, `rl.data.MultiplicationTraceTask`), `gsm8k`, `math` or `deepmath`."""
+    path: str = ""
+    """Local jsonl/parquet file or directory of the dataset (not used by the generated sources)."""
+    template: str = "arithmetic"
+    """Prompt template (`rl.data.PROMPT_TEMPLATES`)."""
+    reward_style: str = "number"
+    """Answer extraction: `number` (arithmetic), `final` (multiplication_trace: the number after the last `=`),
+    `gsm8k` (after `####`) or `boxed` (`\\boxed{}`)."""
+    operand_max: int = 99
+    """Generated sources: arithmetic operands are drawn from [0, operand_max], the multiplication_trace multiplicand
+    from [1, operand_max]."""
+    multiplier_min: int = 1
+    """multiplication_trace only: the smallest multiplier = the fewest lines of a worked answer."""
+    multiplier_max: int = 8
+    """multiplication_trace only: the largest multiplier. A worked answer has b lines of ~2 + 2 * digits tokens each,
+    b drawn from [multiplier_min, multiplier_max] (`multiplier_sampling`): this is the knob of the response length."""
+    multiplier_sampling: str = "uniform"
+    """multiplication_trace only: `uniform` draws b uniformly; `log` draws log(b) uniformly, so every octave of lengths
+    (5-10, 10-20, ... lines) gets the same share: short answers a small model gets right beside long ones."""
+
+    GENERATED = ("arithmetic", "multiplication_trace")
+
+    def __post_init__(self):
+        sources = (*self.GENERATED, "gsm8k", "math", "deepmath")
+        _check(self.source in sources, f"data.source must be one of {sources}, got {self.source!r}")
+        _check(self.source in self.GENERATED or bool(self.path), f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)")
+        _check(self.operand_max >= 1, f"data.operand_max must be >= 1, got {self.operand_max}")
+        _check(self.reward_style in ("number", "final", "gsm8k", "boxed"),
+               f"data.reward_style must be 'number', 'final', 'gsm8k' or 'boxed', got {self.reward_style!r}")
+        _check(1 <= self.multiplier_min <= self.multiplier_max,
+               f"data.multiplier_min={self.multiplier_min} and data.multiplier_max={self.multiplier_max} must satisfy "
+               "1 <= multiplier_min <= multiplier_max")
+        _check(self.multiplier_sampling in ("uniform", "log"),
+               f"data.multiplier_sampling must be 'uniform' or 'log', got {self.multiplier_sampling!r}")
+        _check(self.source != "multiplication_trace" or self.reward_style == "final",
+               f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
+               f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)")
+        _check(self.source != "multiplication_trace" or not self.path,
+               f"data.source=multiplication_trace is generated in-process: drop data.path ({self.path!r})")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout pool and its sampling."""
+
+    engine: str = "native"
+    """`native` (pure torch, CPU and GPU) or `vllm` (GPU clusters; vLLM must be installed)."""
+    num_engines: int = 1
+    """Engines in the data-parallel pool (on global rank 0's host)."""
+    n: int = 4
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature. Logprobs are always reported at temperature 1 (the policy's own)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1: off)."""
+    max_new_tokens: int = 8
+    """Response length limit."""
+    bucket_mb: int = 256
+    """Weight sync bucket size (MiB)."""
+    tp: int = 1
+    """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
+    the world / tp engines share each step's prompts). Independent of parallel.tp, but when training in FP8 (jetrl)
+    keep it equal to parallel.tp (the trainer prints a note otherwise): an engine with another split sums the
+    row-parallel linears' outputs in another order, the next FP8 quantization amplifies that, and the mismatch rises
+    about fourfold (trainer TP 2 on 4 H100s: mean |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1;
+    BENCHMARKS.md)."""
+    kv_cache_fraction: float = 0.5
+    """vLLM only: the most of the GPU memory free at engine start (after the actor is built and the engine's weights
+    are counted) that the KV cache may take. Below that it gets what a step can use: the engine's share of the
+    step's sequences at max_model_len each (`rollout.colocated.kv_cache_need`). The cache is dropped while the actor
+    trains and mapped again for rollout, at a cost that grows with its size."""
+    kv_cache_gb: float = 0.0
+    """vLLM only: KV cache size in GiB per engine rank; 0 sizes it as kv_cache_fraction says."""
+    max_model_len: int = 0
+    """vLLM only: longest prompt + response; 0 means 1024 prompt tokens + max_new_tokens (capped by the model's
+    max_position_embeddings)."""
+    enforce_eager: bool = False
+    """vLLM only: no CUDA graphs / torch.compile (start-up in seconds, decode several times slower)."""
+    glue: str = "auto"
+    """vLLM only: whose RMSNorm and RoPE vLLM runs. `trainer`: the actor's functions, registered in vLLM's op registry
+    (`rollout/vllm_glue.py`) and checked at start-up; with enforce_eager false it runs full decode CUDA graphs without
+    torch.compile. `vllm`: its own kernels, which round differently from the trainer's in about a fifth of their
+    outputs, inside its compiled engine (measured at hidden 2048: jetrl's mismatch 0.161 with vLLM's, 0.044 with the
+    trainer's, eager or graphs; vLLM's decodes 6% faster at batch 128, BENCHMARKS.md). `auto`: trainer, except vllm
+    with model.spec=te, whose norms are Transformer Engine's, and for a scaled RoPE (llama3), whose vLLM class the
+    glue does not replace."""
+
+    vllm_fused_quant: bool = True
+    """vLLM only, with the trainer's glue, an FP8 rollout and FP32 scales: the decoder layers' RMSNorm and SiLU-and-mul
+    kernels also write the FP8 bytes and scales of their output, which the FP8 linear after them then reads instead of
+    quantizing again (three launches fewer per layer and decode step; the same bytes, checked at start-up:
+    `rollout/vllm_glue.py`). Decode at Qwen3-8B shapes, batch 128: 1.05x faster than without it (H200),
+    1.22-1.23x vLLM BF16 with it (H100; BENCHMARKS.md). `false` lets vLLM's own quantizer kernel run, with
+    the same bytes."""
+
+    def __post_init__(self):
+        _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
+        _check(self.num_engines >= 1 and self.n >= 1, "rollout.num_engines and rollout.n must be >= 1")
+        _check(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt (group-normalized advantages)")
+        _check(0 < self.temperature < 1e3, f"rollout.temperature must be a finite number > 0 for GRPO sampling, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
+        _check(self.tp >= 1, f"rollout.tp must be >= 1, got {self.tp}")
+        _check(0 < self.kv_cache_fraction < 1, f"rollout.kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        _check(self.kv_cache_gb >= 0, f"rollout.kv_cache_gb must be >= 0 (0: use kv_cache_fraction), got {self.kv_cache_gb}")
+        _check(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
+               f"rollout.max_model_len={self.max_model_len} must exceed rollout.max_new_tokens={self.max_new_tokens} (0: automatic)")
+        _check(self.glue in ("auto", "vllm", "trainer"), f"rollout.glue must be 'auto', 'vllm' or 'trainer', got {self.glue!r}")
+        _check(self.engine == "vllm" or self.tp == 1, f"rollout.tp={self.tp} is for rollout.engine=vllm (the native engine is not tensor parallel)")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Batch shape of one GRPO step."""
+
+    prompts_per_step: int = 16
+    """Prompts per step; the batch is prompts_per_step * rollout.n sequences (the paper: 256 sequences)."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    updates_per_step: int = 1
+    """Optimizer steps per GRPO step (1: on-policy; more: PPO-style reuse of the batch, in equal chunks)."""
+    advantage_scale: str = "std"
+    """`std` (GRPO: divide by the group std) or `none` (Dr. GRPO)."""
+
+    def __post_init__(self):
+        _check(self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.updates_per_step >= 1,
+               "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1")
+        _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-start on the synthetic task before GRPO (the tiny default cannot download a model)."""
+
+    steps: int = 0
+    """SFT optimizer steps (0: none)."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    batch_size: int = 32
+    """SFT sequences per step (split over data-parallel ranks)."""
+
+    def __post_init__(self):
+        _check(self.steps >= 0 and self.lr > 0 and self.batch_size >= 1, "warmup.steps >= 0, warmup.lr > 0, warmup.batch_size >= 1")
+
+
+@dataclass(frozen=True)
+class JetRLConfig:
+    """One GRPO run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(hf_config={"model_type": "qwen2"}))
+    precision: PrecisionFlow = field(default_factory=PrecisionFlow)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+    def __post_init__(self):
+        sequences = self.grpo.prompts_per_step * self.rollout.n
+        per_rank = self.parallel.dp * self.grpo.micro_batch_size * self.grpo.updates_per_step
+        _check(sequences % per_rank == 0,
+               f"grpo.prompts_per_step * rollout.n = {sequences} sequences do not split into parallel.dp={self.parallel.dp} "
+               f"x grpo.updates_per_step={self.grpo.updates_per_step} x grpo.micro_batch_size={self.grpo.micro_batch_size}: "
+               f"pick sizes whose product divides {sequences}")
+        _check(self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
+               f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}")
+        fp8 = self.precision.mode != "bf16"
+        _check(not (self.model.batch_invariant and fp8 and self.precision.backend not in ("auto", "emulated")),
+               f"model.batch_invariant=true needs the emulated FP8 GEMM (exact block products), got precision.backend="
+               f"{self.precision.backend!r}: set precision.backend=emulated or model.batch_invariant=false")
+        _check(self.rollout.engine != "vllm" or self.parallel.world_size % self.rollout.tp == 0,
+               f"rollout.tp={self.rollout.tp} must divide the number of ranks parallel.tp * pp * dp = {self.parallel.world_size} "
+               "(each rank runs one TP rank of one vLLM engine)")
+        _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
+               "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
+        if self.model.spec == "te":
+            _check(self.rollout.glue != "trainer",
+                   "rollout.glue=trainer runs the local spec's RMSNorm and RoPE inside vLLM, but model.spec=te trains with "
+                   "Transformer Engine's: use rollout.glue=auto (vLLM's, with this spec) or vllm")
+            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0,
+                   f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
+                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size to a multiple of 8 "
+                   f"(got {self.grpo.micro_batch_size})")
+            _check(not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
+                   f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
+                   f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "
+                   "FP8 GEMMs: set warmup.batch_size accordingly")
+            _check(self.run.device != "cpu", "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
+                                             "run.device=cpu: set run.device=cuda (or auto) or model.spec=local")
+            _check(self.precision.eps == PrecisionFlow().eps,
+                   f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
+                   f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
+                   "precision.eps at its default or use model.spec=local")
+        if self.precision.exact_logprobs:
+            self._check_exact_logprobs()
+        if self.model.hf_config:
+            self.arch()  # architecture problems surface here, before anything is built
+
+    def _check_exact_logprobs(self) -> None:
+        """`precision.exact_logprobs` holds only where both sides can run the same kernels (its docstring)."""
+        fix = "set precision.exact_logprobs=false"
+        _check(self.rollout.engine == "vllm",
+               f"precision.exact_logprobs pairs the actor with vLLM's kernels and needs rollout.engine=vllm, got "
+               f"{self.rollout.engine!r} ({fix}; the native engine is exact with model.batch_invariant=true)")
+        _check(self.model.spec == "local", f"precision.exact_logprobs needs model.spec=local (Transformer Engine's layers "
+                                           f"run TE's attention and norms, not vLLM's), got {self.model.spec!r}: {fix}")
+        _check(not self.model.batch_invariant, "precision.exact_logprobs runs vLLM's kernels in the actor and "
+                                               "model.batch_invariant=true the native engine's: set model.batch_invariant=false")
+        _check(self.rollout.glue != "vllm", "precision.exact_logprobs needs the trainer's RMSNorm and RoPE inside vLLM "
+                                            "(vLLM's own round differently): set rollout.glue=auto or trainer")
+        scaled = (self.model.hf_config or {}).get("rope_scaling")
+        _check(not scaled, f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
+                           f"which the trainer's glue does not replace: {fix}")
+        _check(self.rollout.tp == self.parallel.tp,
+               f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
+               f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}")
+
+    def arch(self) -> ModelArch:
+        """The model architecture, with the FP8 block alignment at this TP checked."""
+        try:
+            arch = ModelArch.from_hf_config(self.model.architecture())
+        except KeyError as e:
+            raise ConfigError(f"model.hf_config lacks {e.args[0]!r} (an HF config.json field)") from None
+        except (ValueError, TypeError, ZeroDivisionError) as e:
+            raise ConfigError(f"model.hf_config is not a usable architecture: {e}") from None
+        if self.precision.train_fp8 or self.precision.rollout_fp8:
+            try:
+                arch.check_fp8_tp(self.parallel.tp)
+            except ValueError as e:
+                raise ConfigError(f"parallel.tp={self.parallel.tp}: {e}") from None
+        elif arch.num_kv_heads % self.parallel.tp:
+            raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+        return arch
+
+    def notices(self) -> list[str]:
+        """Valid settings a user should know cost something (the trainer prints them at start, rank 0)."""
+        out = []
+        if self.rollout.engine == "vllm" and self.precision.train_fp8 and self.rollout.tp != self.parallel.tp:
+            out.append(f"rollout.tp={self.rollout.tp} differs from parallel.tp={self.parallel.tp}: the engines add the row-parallel "
+                       "linears' partial outputs in another order than the trainer, and FP8 re-quantization amplifies it "
+                       "(trainer TP 2: mismatch 0.137 with TP-1 engines against 0.032 with TP-2 ones, BENCHMARKS.md); "
+                       f"set rollout.tp={self.parallel.tp} for the lowest mismatch")
+        return out
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            out[f.name] = {g.name: _plain(getattr(section, g.name)) for g in dataclasses.fields(section) if g.init}
+        return out
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
