@@ -6,8 +6,9 @@ softmax - onehot. Then GRPO with vLLM at two model shapes (Qwen2-style: QKV bias
 norm) and two step kinds (a few decoded tokens after the prompt; hundreds): every sampled token's logprob equals the
 actor's bit for bit at every step, so the mismatch's mean, max and k3 KL are exactly 0 and every TIS weight exactly 1.
 
-Run it in a process of its own (vLLM's batch-invariant mode is read once, at import):
-`python -m pytest -q tests/gpu/test_exact_logprobs.py`.
+The GRPO runs start their own processes, where the trainer pins vLLM's environment before vLLM is imported (on one
+H100 the file takes about 9 minutes): `python -m pytest -q tests/gpu/test_exact_logprobs.py`, or
+`TESTS=tests/gpu/test_exact_logprobs.py bash tools/gpu/gpu_vllm.sh tests` after the vLLM kit.
 """
 
 import importlib.util
