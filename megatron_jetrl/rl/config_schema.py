@@ -236,7 +236,8 @@ class RolloutConfig:
     """Weight sync bucket size (MiB)."""
     tp: int = 1
     """vLLM only: tensor-parallel size of each engine (consecutive ranks; every rank runs one engine's TP rank and
-    the world / tp engines share each step's prompts). Independent of parallel.tp, but when training in FP8 (jetrl)
+    the world / tp engines share each step's prompts; in an FP8 rollout it must split the KV heads and keep the 128-blocks
+    whole, as parallel.tp must). Independent of parallel.tp, but when training in FP8 (jetrl)
     keep it equal to parallel.tp (the trainer prints a note otherwise): an engine with another split sums the
     row-parallel linears' outputs in another order, the next FP8 quantization amplifies that, and the mismatch rises
     about fourfold (trainer TP 2 on 4 H100s: mean |dlogp| 0.032 at rollout TP 2, 0.137 at rollout TP 1;
@@ -411,6 +412,11 @@ class JetRLConfig:
                 raise ConfigError(f"parallel.tp={self.parallel.tp}: {e}") from None
         elif arch.num_kv_heads % self.parallel.tp:
             raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+        if self.rollout.engine == "vllm" and self.precision.rollout_fp8 and self.rollout.tp != self.parallel.tp:
+            try:  # the engines load the same FP8 blocks split rollout.tp ways (the converter's --rollout-tp check)
+                arch.check_fp8_tp(self.rollout.tp)
+            except ValueError as e:
+                raise ConfigError(f"rollout.tp={self.rollout.tp}: {e}") from None
         return arch
 
     def notices(self) -> list[str]:

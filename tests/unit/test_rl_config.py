@@ -4,6 +4,7 @@ is valid -- FP8/TP alignment of the real architectures checked without their wei
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,53 @@ def test_a_rollout_split_other_than_the_trainers_is_noted_in_jetrl_only():
     assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=2"]).notices() == []
     assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=1", "precision.mode=bf16"]).notices() == []
     assert load_config().notices() == []
+
+
+EIGHT_B = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "modes/jetrl.yaml"]
+TWO_NODES = ["parallel.tp=8", "parallel.dp=2", "rollout.engine=vllm", "rollout.tp=8"]  # 2 nodes x 8 GPUs
+
+
+def test_qwen3_8b_on_two_nodes_of_eight_gpus_validates():
+    """TP 8 x DP 2 = 16 ranks: 8 KV heads one per rank, every FP8 split dimension whole 128-blocks, the step's 64 x 4
+    sequences in DP 2 x micro-batches of 4, two TP-8 vLLM engines of 8 consecutive ranks each."""
+    cfg = load_config(EIGHT_B, TWO_NODES)
+    assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.world_size) == (8, 2, 16)
+    assert (cfg.rollout.engine, cfg.rollout.tp, cfg.precision.mode) == ("vllm", 8, "jetrl")
+    arch = cfg.arch()
+    assert arch.num_kv_heads // cfg.parallel.tp == 1
+    assert [(size // parts) % 128 for _, size, parts in arch.split_dims(8)] == [0] * 5
+    assert cfg.notices() == []  # rollout split = trainer split
+    assert cfg.grpo.prompts_per_step * cfg.rollout.n % (cfg.parallel.dp * cfg.grpo.micro_batch_size) == 0
+    from megatron_jetrl.rollout.colocated import rollout_groups
+
+    assert rollout_groups(cfg.parallel.world_size, cfg.rollout.tp) == 2
+
+
+def _refusal(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(EIGHT_B, [*TWO_NODES, *overrides])
+    return str(e.value)
+
+
+def test_wrong_two_node_layouts_are_refused_with_their_reason():
+    # TP 16 splits 8 KV heads: the model's own check (ModelArch.check_fp8_tp), prefixed with the key
+    arch = load_config(EIGHT_B, TWO_NODES).arch()
+    with pytest.raises(ValueError) as model_says:
+        arch.check_fp8_tp(16)
+    assert _refusal("parallel.tp=16", "parallel.dp=1", "rollout.tp=16") == f"parallel.tp=16: {model_says.value}"
+    assert "TP=16 does not divide num_key_value_heads=8" in str(model_says.value)
+    # an intermediate size of 97 blocks: whole at TP 1, 12.125 blocks per shard at TP 8 (BF16 has no blocks: fine)
+    odd = ["model.hf_config.intermediate_size=12416"]
+    assert re.search(r"(?s)^parallel.tp=8: qwen3 model cannot run FP8 128x128 blocks at TP=8.*intermediate_size\): "
+                     r"12416 / 8 = 1552 is not a multiple of 128 \(TP sizes that work for it: \[1\]\)$", _refusal(*odd))
+    assert load_config(EIGHT_B, [*TWO_NODES, *odd, "precision.mode=bf16"]).arch().intermediate_size == 12416
+    # the engines' own split must hold FP8 blocks too: a TP-16 engine over 8 KV heads, whatever the trainer's TP
+    assert _refusal("rollout.tp=16") == f"rollout.tp=16: {model_says.value}"
+    # rollout.tp must divide the 16 ranks
+    assert _refusal("rollout.tp=3") == ("rollout.tp=3 must divide the number of ranks parallel.tp * pp * dp = 16 "
+                                        "(each rank runs one TP rank of one vLLM engine)")
+    # 64 prompts x 4 samples = 256 sequences do not split over DP 2 x micro-batches of 3
+    assert _refusal("grpo.micro_batch_size=3") == (
+        "grpo.prompts_per_step * rollout.n = 256 sequences do not split into parallel.dp=2 x grpo.updates_per_step=1 x "
+        "grpo.micro_batch_size=3: pick sizes whose product divides 256")
+    assert "do not split into parallel.dp=2" in _refusal("grpo.prompts_per_step=65")
