@@ -1,7 +1,8 @@
 """launch/train_grpo.sh, launch/tp_sweep.sh and the SLURM scripts, run against tests/unit/stub_train.py.
 
 The stub joins torch.distributed with gloo, so the torchrun rendezvous is real; it records each rank's argv and
-environment in <out_dir>/stub_rank<R>.json. The SLURM path itself runs in .ci/slurm.sh (a real cluster).
+environment in <out_dir>/stub_rank<R>.json. The SLURM path itself runs in .ci/slurm.sh (a real cluster); here
+the batch script's dry run (JETRL_DRY_RUN=1) resolves a faked 2-node x 8-GPU allocation against the real config.
 """
 
 from __future__ import annotations
@@ -200,3 +201,64 @@ def test_tp_sweep_runs_skips_and_reports(tmp_path):
             JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
     assert r.returncode == 1 and "no run was started" in r.stderr
     assert "invalid" in (out / "sweep_report.md").read_text()
+
+
+SBATCH = REPO / "launch/slurm/train_grpo.sbatch"
+
+
+def fake_slurm(tmp_path: Path, **extra) -> dict:
+    """A 2-node x 8-GPU allocation as the batch script sees it: SLURM's variables, an `scontrol` that expands the node
+    list and an `srun` that records that it was called (a dry run must not call it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$*" = "show hostnames gpu-[01-02]" ] || exit 1\n'
+                                      'printf "gpu-01\\ngpu-02\\n"\n')
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" > {tmp_path / "srun_called"}\nexit 99\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    e = {k: v for k, v in env().items() if not k.startswith(("SLURM_", "JETRL_"))}
+    e.update(PATH=f"{bin_dir}:{e['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-[01-02]", SLURM_NNODES="2",
+             SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="32", SLURM_SUBMIT_DIR=str(REPO),
+             JETRL_TRAIN_MODULE="megatron_jetrl.rl.train", JETRL_DRY_RUN="1")
+    e.update(extra)
+    return e
+
+
+def test_sbatch_dry_run_resolves_nodes_ranks_rendezvous_and_command_for_two_nodes(tmp_path):
+    """The real config module checks the layout (tiny model at TP 2 x DP 8 = 16 ranks, on this CPU machine); the
+    script then prints each node's place in the job and the srun/torchrun command, and starts nothing."""
+    args = [str(REPO / "configs/tiny.yaml"), "parallel.tp=2", "parallel.dp=8", "grpo.micro_batch_size=8",
+            f"run.out_dir={tmp_path / 'run'}"]
+    r = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=fake_slurm(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line.removeprefix("train_grpo.sbatch: dry run: ") for line in r.stdout.splitlines() if "dry run:" in line]
+    port = 29500 + 4242
+    assert lines[:2] == [f"node gpu-01 node_rank=0 nproc_per_node=8 ranks=0-7 rdzv=gpu-01:{port} world_size=16",
+                         f"node gpu-02 node_rank=1 nproc_per_node=8 ranks=8-15 rdzv=gpu-01:{port} world_size=16"]
+    cmd = lines[2].removeprefix("command: ")
+    assert cmd.startswith(f"srun --nodes=2 --ntasks-per-node=1 --ntasks=2 --cpus-per-task=32 --kill-on-bad-exit=1 "
+                          f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d "
+                          f"--rdzv-endpoint=gpu-01:{port} --rdzv-id=jetrl-4242 --no-python bash {REPO}/launch/train_grpo.sh ")
+    assert subprocess.run(["bash", "-c", f"printf '%s\\n' {cmd.split('train_grpo.sh ', 1)[1]}"], capture_output=True,
+                          text=True).stdout.splitlines() == args  # the arguments, verbatim after shell quoting
+    assert lines[3].startswith("nothing started") and len(lines) == 4
+    assert "job 4242, 2 node(s) x 8 process(es) (GPUs per node) = 16" in r.stdout
+    assert not (tmp_path / "srun_called").exists() and not (REPO / "runs/.exit/4242").exists()
+
+
+def test_sbatch_dry_run_keeps_the_world_size_check(tmp_path):
+    # DP 1: the config needs 2 ranks where the allocation starts 16
+    r = subprocess.run(["bash", str(SBATCH), str(REPO / "configs/tiny.yaml"), "parallel.tp=2", "parallel.dp=1",
+                        f"run.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=fake_slurm(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "dry run" not in r.stdout, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "train_grpo.sbatch: error: the job would start 16 processes (2 node(s) x 8 from GPUs per node) but the config "
+        "needs 2 (parallel.world_size = tp*pp*dp); change the allocation (--nodes, --gpus-per-node, JETRL_NPROC_PER_NODE) "
+        "or the parallel sizes (or set JETRL_NO_WORLD_CHECK=1)")
+    r = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env=fake_slurm(tmp_path, JETRL_DRY_RUN="yes"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == ("train_grpo.sbatch: error: JETRL_DRY_RUN must be 1 (print the plan, "
+                                                      "start nothing) or 0, got 'yes'")
+    assert not (tmp_path / "srun_called").exists()
