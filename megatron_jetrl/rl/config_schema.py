@@ -32,7 +32,8 @@ class RunConfig:
     seed: int = 1234
     """Seed of everything random: init, data order, sampling (rollout seeds derive from seed and step)."""
     steps: int = 20
-    """GRPO steps."""
+    """GRPO steps. 0: the warm-start alone (warmup.steps SFT steps), saved and, with run.export, exported: the one
+    policy that several GRPO runs start from (`model.path=<out_dir>/export warmup.steps=0`)."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     checkpoint: bool = True
@@ -53,12 +54,17 @@ class RunConfig:
     """Collective timeout: if a rank dies, the others fail within this many seconds with the lost rank named."""
     on_nonfinite: str = "stop"
     """NaN/Inf in rewards, loss or gradients: `stop` the run, or `skip` the update (the step is logged as skipped)."""
+    eval_every: int = 0
+    """Score the policy on the held-out problems (data.heldout) every this many steps and at the last step: greedy
+    answers, `heldout/accuracy` (and per response-length bucket), `heldout/response_length` in the row of the step whose
+    rollout that policy samples, timed apart (`time/heldout`, not in time/step); 0: never."""
 
     def __post_init__(self):
-        _check(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
+        _check(self.steps >= 0, f"run.steps must be >= 0 (0: the warm-start alone), got {self.steps}")
         _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
         _check(self.checkpoint or not self.export, "run.checkpoint=false writes no checkpoint, but run.export=true "
                "converts the final one: set run.export=false too (or keep run.checkpoint=true)")
+        _check(self.eval_every >= 0, f"run.eval_every must be >= 0 (0: no held-out evaluation), got {self.eval_every}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
@@ -195,6 +201,11 @@ class DataConfig:
     """multiplication_trace only: `uniform` draws b uniformly; `log` draws log(b) uniformly, so every octave of lengths
     (5-10, 10-20, ... lines) gets the same share: short answers a small model gets right beside long ones."""
 
+    heldout: int = 0
+    """Problems held out of training (GRPO prompts and the warm-start's SFT pairs), scored every run.eval_every steps:
+    of a generated task, this many distinct questions drawn with a fixed seed (`rl.data.HELDOUT_SEED`: the same set for
+    every run.seed); of a dataset, the distinct questions with the smallest SHA-256 (`rl.data.split_heldout`). 0: none."""
+
     GENERATED = ("arithmetic", "multiplication_trace")
 
     def __post_init__(self):
@@ -212,6 +223,7 @@ class DataConfig:
         _check(self.source != "multiplication_trace" or self.reward_style == "final",
                f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
                f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)")
+        _check(self.heldout >= 0, f"data.heldout must be >= 0 (0: no held-out problems), got {self.heldout}")
         _check(self.source != "multiplication_trace" or not self.path,
                f"data.source=multiplication_trace is generated in-process: drop data.path ({self.path!r})")
 
@@ -373,6 +385,9 @@ class JetRLConfig:
                    f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
                    f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
                    "precision.eps at its default or use model.spec=local")
+        _check(not self.run.eval_every or self.data.heldout > 0,
+               f"run.eval_every={self.run.eval_every} scores the policy on held-out problems, but data.heldout=0 holds none "
+               "out: set data.heldout (e.g. 128) or run.eval_every=0")
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.model.hf_config:

@@ -208,22 +208,24 @@ class ArithmeticTask:
         result = a + b if op == "+" else a - b if op == "-" else a * b
         return f"{a}{op}{b}=", str(result)
 
-    def problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` problems drawn with `random.Random(seed)` (the same for the same task, n and seed)."""
-        rng = random.Random(seed)
-        problems = []
-        for i in range(n):
-            question, answer = self._draw(rng)
-            problems.append(Problem(f"arithmetic/{seed}/{i}", question, answer, "arithmetic"))
-        return problems
+    @property
+    def num_questions(self) -> int:
+        """How many distinct questions the task can draw."""
+        m = self.high - self.low + 1
+        return sum(m * (m + 1) // 2 if op == "-" and not self.allow_negative else m * m for op in set(self.ops))
+
+    def problems(self, n: int, seed: int, *, exclude: frozenset[str] = frozenset(), distinct: bool = False) -> list[Problem]:
+        """`n` problems drawn with `random.Random(seed)` (the same for the same task, n, seed and exclusions), none
+        whose question is in `exclude`, each question once when `distinct` (`draw_problems`)."""
+        return draw_problems(lambda rng: self._draw(rng), n, seed, "arithmetic", self.num_questions, exclude, distinct)
 
     def sft_corpus(self, n: int, seed: int) -> list[str]:
         """`n` full strings question+answer (`"37+45=82"`): tokenizer training text."""
         return [p.question + p.answer for p in self.problems(n, seed)]
 
-    def sft_pairs(self, n: int, seed: int) -> list[tuple[str, str]]:
+    def sft_pairs(self, n: int, seed: int, *, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
         """`n` (question, answer) pairs (`("37+45=", "82")`): the supervised warm-start's sequences."""
-        return [(p.question, p.answer) for p in self.problems(n, seed)]
+        return [(p.question, p.answer) for p in self.problems(n, seed, exclude=exclude)]
 
 
 @dataclass(frozen=True)
@@ -260,19 +262,68 @@ class MultiplicationTraceTask:
         """The worked answer of `a*b=`: one line `k*a=<k*a>` per k = 1..b, comma-separated."""
         return ",".join(f"{k}*{a}={k * a}" for k in range(1, b + 1))
 
-    def problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` problems drawn with `random.Random(seed)`; the gold answer is the product only."""
-        rng = random.Random(seed)
-        problems = []
-        for i in range(n):
-            a = rng.randint(1, self.operand_max)
-            b = self.multiplier(rng)
-            problems.append(Problem(f"multiplication_trace/{seed}/{i}", f"{a}*{b}=", str(a * b), "multiplication_trace"))
-        return problems
+    @property
+    def num_questions(self) -> int:
+        """How many distinct questions the task can draw."""
+        return self.operand_max * (self.multiplier_max - self.multiplier_min + 1)
 
-    def sft_pairs(self, n: int, seed: int) -> list[tuple[str, str]]:
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        a = rng.randint(1, self.operand_max)
+        b = self.multiplier(rng)
+        return f"{a}*{b}=", str(a * b)
+
+    def problems(self, n: int, seed: int, *, exclude: frozenset[str] = frozenset(), distinct: bool = False) -> list[Problem]:
+        """`n` problems drawn with `random.Random(seed)`, none in `exclude`, each once when `distinct`
+        (`draw_problems`); the gold answer is the product only."""
+        return draw_problems(self._draw, n, seed, "multiplication_trace", self.num_questions, exclude, distinct)
+
+    def sft_pairs(self, n: int, seed: int, *, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
         """`n` (question, worked answer) pairs: the supervised warm-start teaches the trace format."""
-        return [(p.question, self.trace(*map(int, p.question[:-1].split("*")))) for p in self.problems(n, seed)]
+        return [(p.question, self.trace(*map(int, p.question[:-1].split("*"))))
+                for p in self.problems(n, seed, exclude=exclude)]
+
+
+def draw_problems(draw, n: int, seed: int, source: str, num_questions: int, exclude: frozenset[str] = frozenset(),
+                  distinct: bool = False) -> list[Problem]:
+    """`n` problems from `draw(rng)` -> (question, answer) with `random.Random(seed)`, ids `<source>/<seed>/<i>`. A
+    question in `exclude` (a held-out set) is drawn again, and so is a repeat when `distinct`; without either the
+    draws are the task's plain stream. Asking for more than the task has left (`num_questions` minus the exclusions,
+    when distinct) is refused before drawing."""
+    left = num_questions - len(exclude)
+    if left <= 0 or distinct and n > left:
+        raise ValueError(f"{source}: {n} {'distinct ' if distinct else ''}problems asked, but the task has "
+                         f"{num_questions} distinct questions and {len(exclude)} are excluded: ask for fewer (data.heldout) "
+                         "or widen the task (data.operand_max, data.multiplier_max)")
+    rng, seen, problems = random.Random(seed), set(exclude), []
+    while len(problems) < n:
+        question, answer = draw(rng)
+        if question in seen:
+            continue
+        if distinct:
+            seen.add(question)
+        problems.append(Problem(f"{source}/{seed}/{len(problems)}", question, answer, source))
+    return problems
+
+
+HELDOUT_SEED = 999_331
+"""The generated tasks' held-out problems are drawn with this seed, not run.seed: every run of one data config (any
+seed, the SFT run and the GRPO runs after it) scores the same held-out questions."""
+
+
+def split_heldout(problems: Sequence[Problem], n: int) -> tuple[list[Problem], list[Problem]]:
+    """(training, held-out) of loaded problems: the held-out set is the `n` distinct questions whose SHA-256 is
+    smallest (one problem each; independent of file order and seed), and training keeps every problem whose
+    question is not one of them."""
+    questions = sorted({p.question for p in problems}, key=lambda q: hashlib.sha256(q.encode()).digest())
+    if n >= len(questions):
+        raise ValueError(f"data.heldout={n} leaves nothing to train on: the dataset has {len(questions)} distinct "
+                         "questions; hold out fewer")
+    held = set(questions[:n])
+    first = {}
+    for p in problems:
+        if p.question in held:
+            first.setdefault(p.question, p)
+    return [p for p in problems if p.question not in held], sorted(first.values(), key=lambda p: p.id)
 
 
 def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic: int = 4096,

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,7 +28,8 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
-from megatron_jetrl.rl.data import ArithmeticTask, MultiplicationTraceTask, PromptSampler, load_problems
+from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, load_problems,
+                                   split_heldout)
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint
 from megatron_jetrl.rollout.native import expected_tensors
 
@@ -57,6 +58,7 @@ class Session:
     optimizer: object
     reference: object | None  # frozen GPTModel (KL term), None when loss.kl_coef == 0
     pool: object | None  # RolloutPool on global rank 0 (None elsewhere), or a ColocatedPool on every rank
+    heldout: list[Problem] = field(default_factory=list)  # data.heldout problems, never trained on
 
     @property
     def is_main(self) -> bool:
@@ -165,10 +167,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":
         flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
     tokenizer = _tokenizer(cfg, arch)
-    if cfg.data.source in cfg.data.GENERATED:
-        problems = generated_task(cfg).problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed)
-    else:
-        problems = load_problems(cfg.data.source, cfg.data.path)
+    problems, heldout = problem_sets(cfg)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
@@ -182,7 +181,24 @@ def build_session(cfg: JetRLConfig) -> Session:
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     native = cfg.rollout.engine == "native" and dist.get_rank() == 0
     pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
-    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool)
+    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool, heldout)
+
+
+def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
+    """(GRPO problems, held-out problems): data.heldout questions set apart, never trained on (its docstring)."""
+    d = cfg.data
+    try:
+        if d.source not in d.GENERATED:
+            return split_heldout(load_problems(d.source, d.path), d.heldout) if d.heldout else (load_problems(d.source, d.path), [])
+        task = generated_task(cfg)
+        heldout = task.problems(d.heldout, seed=HELDOUT_SEED, distinct=True) if d.heldout else []
+        return task.problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed, exclude=questions(heldout)), heldout
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def questions(problems: list[Problem]) -> frozenset[str]:
+    return frozenset(p.question for p in problems)
 
 
 def build_model_same_init(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if state is None:
         warm_start(s)
         sess.freeze_reference(s)
+    if cfg.run.steps == 0:  # the warm-start alone: its checkpoint and export are what GRPO runs start from
+        return finish(s, sess.save(s, 0, warmup_done=True) if cfg.run.checkpoint and state is None else None)
     if cfg.rollout.engine == "vllm":
         sess.start_vllm_pool(s)
     sync(s)  # the engines serve the current policy
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     last_saved = None
     for step in range(start, cfg.run.steps):
         t = Phases()
+        held = heldout_metrics(s, step)  # the policy this step samples, on problems it never trains on
         with t("rollout"):
             batch = rollout(s, step)
         mine = my_rows(batch, s.device)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             update = update_policy(s, step, batch, mine, old, ref, first)
         with t("sync"):
             stats = sync(s)
-        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s)}
+        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held}
         row["time/step"] = sum(v for k, v in t.items())
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
         writer.write(row)
@@ -94,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             last_saved = sess.save(s, step + 1, warmup_done=True)
     bar.close()
     writer.close()
+    return finish(s, last_saved)
+
+
+def finish(s, last_saved) -> int:
+    """The export (run.export) of the newest checkpoint, summary.json and the summary table."""
+    cfg = s.cfg
     if cfg.run.export:
         sess.export(s, last_saved or sess.latest_checkpoint(cfg))
     if s.is_main:
@@ -125,6 +135,27 @@ def rollout(s, step: int) -> RolloutBatch:
         advantages = group_advantages(torch.tensor(rewards), cfg.rollout.n, scale=cfg.grpo.advantage_scale)
         batch = assemble(prompts, outputs, rewards, advantages, s.tokenizer.pad_id)
     return broadcast_batch(batch)
+
+
+def heldout_metrics(s, step: int) -> dict:
+    """Greedy accuracy on the held-out problems every run.eval_every steps and at the last step (on rank 0; every
+    rank of a colocated pool generates its share): overall, per response-length bucket, response length; {} else."""
+    cfg = s.cfg
+    if not cfg.run.eval_every or step % cfg.run.eval_every and step != cfg.run.steps - 1:
+        return {}
+    start = time.perf_counter()
+    if s.pool is not None:
+        prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in s.heldout]
+        outputs = s.pool.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens))
+    if not s.is_main:
+        return {}
+    answers = [o.completions[0] for o in outputs]
+    rewards = torch.tensor(compute_rewards([c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for c in answers],
+                                           [p.answer for p in s.heldout], cfg.data.reward_style))
+    lengths = torch.tensor([len(c.token_ids) for c in answers])
+    return {"heldout/accuracy": float(rewards.double().mean()), "heldout/response_length": float(lengths.double().mean()),
+            "heldout/truncated_frac": sum(c.finish_reason == "length" for c in answers) / len(answers),
+            **length_means(rewards, lengths, "heldout/accuracy/"), "time/heldout": time.perf_counter() - start}
 
 
 def my_rows(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

@@ -11,13 +11,14 @@ from megatron_jetrl.rl.metrics import progress
 
 
 def warm_start(s) -> None:
-    """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal)."""
+    """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal), never on a
+    held-out question (data.heldout)."""
     w = s.cfg.warmup
     if w.steps == 0:
         return
     from megatron.core import parallel_state as ps
 
-    pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1)
+    pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1, exclude=sess.questions(s.heldout))
     tok = s.tokenizer
     seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -9,7 +9,8 @@ mask. With `d = train - rollout` (log of the importance ratio r = pi_train / pi_
     exp_abs_diff       mean exp(|d|)             (1 when identical)
     abs_diff_gt1_frac  fraction of tokens with |d| > 1 (the rollout's probability off by more than a factor e)
     ratio_mean/min/max r statistics; ratio_clip_frac = fraction of tokens with r > tis_cap (truncated
-                       importance sampling weights min(r, cap)); tis_weight_mean = mean min(r, cap)
+                       importance sampling weights min(r, cap)); tis_weight_mean / tis_weight_std = mean / standard
+                       deviation (over tokens) of min(r, cap): 1 / 0 when identical
 
 All means are over tokens. `by_position` buckets the same statistics by the token's index in its
 response (0-based), with bucket edges `position_edges` (the last bucket is open-ended). `by_length` buckets
@@ -74,6 +75,7 @@ def _stats(d: torch.Tensor, cap: float) -> dict[str, float]:
         "ratio_max": float(r.max()),
         "ratio_clip_frac": float((r > cap).double().mean()),
         "tis_weight_mean": float(r.clamp(max=cap).mean()),
+        "tis_weight_std": float(r.clamp(max=cap).std(unbiased=False)),
     }
 
 

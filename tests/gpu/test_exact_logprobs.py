@@ -109,9 +109,10 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["mismatch/tokens"] > 0
-        got = {k: r[f"mismatch/{k}"] for k in ("mean_abs_diff", "max_abs_diff", "k3_kl", "ratio_min", "ratio_max", "tis_weight_mean")}
+        got = {k: r[f"mismatch/{k}"] for k in ("mean_abs_diff", "max_abs_diff", "k3_kl", "ratio_min", "ratio_max", "tis_weight_mean",
+                                                   "tis_weight_std")}
         assert got == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0, "ratio_min": 1.0, "ratio_max": 1.0,
-                       "tis_weight_mean": 1.0}, (r["step"], got)
+                       "tis_weight_mean": 1.0, "tis_weight_std": 0.0}, (r["step"], got)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer TP 2, rollout TP 2)")

@@ -84,6 +84,12 @@ CASES = {
                                      r"data.multiplier_min=5 and data.multiplier_max=4 must satisfy 1 <= multiplier_min <= multiplier_max"),
     "unknown multiplier sampling": (["data.multiplier_sampling=linear"],
                                     r"data.multiplier_sampling must be 'uniform' or 'log', got 'linear'"),
+    "negative steps": (["run.steps=-1"], r"run.steps must be >= 0 \(0: the warm-start alone\), got -1"),
+    "negative held-out": (["data.heldout=-4"], r"data.heldout must be >= 0 \(0: no held-out problems\), got -4"),
+    "negative eval interval": (["run.eval_every=-1"], r"run.eval_every must be >= 0 \(0: no held-out evaluation\), got -1"),
+    "evaluation without held-out problems": (["run.eval_every=10"],
+                                             r"run.eval_every=10 scores the policy on held-out problems, but data.heldout=0 "
+                                             r"holds none out: set data.heldout \(e.g. 128\) or run.eval_every=0"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),
@@ -102,6 +108,19 @@ def test_the_same_settings_fit_where_they_should():
     load_config(None, [ODD_MLP, "parallel.tp=2", "precision.mode=bf16"])  # BF16 has no blocks to straddle
     load_config(None, ["precision.mode=jetrl", "precision.scale_mode=ue8m0"])
     load_config(None, ["grpo.micro_batch_size=8", "parallel.dp=2", "warmup.batch_size=32"])
+    load_config(None, ["run.steps=0", "run.eval_every=5", "data.heldout=16"])
+
+
+def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():
+    """data.heldout is checked against the task's distinct questions when the problems are built (session)."""
+    from megatron_jetrl.rl.session import problem_sets
+
+    cfg = load_config(None, ["data.source=multiplication_trace", "data.reward_style=final", "data.operand_max=3",
+                             "data.multiplier_max=4", "data.heldout=13"])
+    with pytest.raises(ConfigError, match=r"13 distinct problems asked, but the task has 12 distinct questions"):
+        problem_sets(cfg)
+    train, held = problem_sets(load_config(None, ["data.heldout=40"]))
+    assert len(held) == 40 and len(train) == 4096 and not {p.question for p in held} & {p.question for p in train}
 
 
 def test_config_file_problems(tmp_path):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_jetrl.rl.data import (
     PROMPT_TEMPLATES, TEMPLATE_ANSWER_STYLE, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
-    load_deepmath, load_gsm8k, load_math, load_problems,
+    load_deepmath, load_gsm8k, load_math, load_problems, split_heldout,
 )
 from megatron_jetrl.rl.rewards import compute_rewards
 
@@ -282,3 +282,68 @@ def test_sampler_refuses_a_foreign_state():
         PromptSampler(problems, 9)
     with pytest.raises(ValueError, match="at least one problem"):
         PromptSampler([], 1)
+
+
+TASKS = st.one_of(
+    st.builds(ArithmeticTask, low=st.integers(0, 3), high=st.integers(4, 12), ops=st.sampled_from(["+", "-", "*", "+-*"])),
+    st.builds(MultiplicationTraceTask, operand_max=st.integers(2, 12), multiplier_min=st.integers(1, 3),
+              multiplier_max=st.integers(3, 9), multiplier_sampling=st.sampled_from(["uniform", "log"])),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(task=TASKS, seed=st.integers(0, 2**31), data=st.data())
+def test_heldout_questions_never_reach_training_and_draws_are_deterministic(task, seed, data):
+    every = {p.question for p in task.problems(4000, seed=1)}
+    assert len(every) <= task.num_questions
+    held = task.problems(data.draw(st.integers(1, task.num_questions - 1)), seed=seed, distinct=True)
+    assert len({p.question for p in held}) == len(held)  # distinct
+    exclude = frozenset(p.question for p in held)
+    train = task.problems(200, seed=seed + 1, exclude=exclude)
+    assert len(train) == 200 and not exclude & {p.question for p in train}
+    assert train == task.problems(200, seed=seed + 1, exclude=exclude)
+    assert all(q not in exclude for q, _ in task.sft_pairs(50, seed=seed, exclude=exclude))
+    assert all(p.answer == str(eval(p.question[:-1])) for p in train)  # still correct answers
+
+
+def test_num_questions_counts_every_distinct_question():
+    for task in (ArithmeticTask(low=0, high=6), ArithmeticTask(low=2, high=5, ops="-"), ArithmeticTask(high=4, ops="-", allow_negative=True),
+                 MultiplicationTraceTask(operand_max=7, multiplier_min=2, multiplier_max=6)):
+        assert len({p.question for p in task.problems(20000, seed=0)}) == task.num_questions
+        assert len(task.problems(task.num_questions, seed=3, distinct=True)) == task.num_questions
+
+
+def test_no_exclusions_keep_the_plain_stream():
+    task = MultiplicationTraceTask(operand_max=9, multiplier_max=20, multiplier_sampling="log")
+    plain = task.problems(50, seed=4)
+    assert plain == task.problems(50, seed=4, exclude=frozenset())
+    assert [p.id for p in plain] == [f"multiplication_trace/4/{i}" for i in range(50)]
+
+
+def test_asking_more_than_the_task_has_is_refused():
+    task = MultiplicationTraceTask(operand_max=3, multiplier_max=2)
+    with pytest.raises(ValueError, match=r"7 distinct problems asked, but the task has 6 distinct questions and 0 are excluded"):
+        task.problems(7, seed=0, distinct=True)
+    every = frozenset(p.question for p in task.problems(6, seed=0, distinct=True))
+    with pytest.raises(ValueError, match=r"6 are excluded: ask for fewer \(data.heldout\)"):
+        task.problems(1, seed=0, exclude=every)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=2, max_size=60), st.randoms(use_true_random=False), st.data())
+def test_split_heldout_is_disjoint_and_independent_of_order(values, rnd, data):
+    problems = [Problem(f"x/f#{i}", f"q{v}", str(v), "gsm8k") for i, v in enumerate(values)]
+    distinct = len(set(values))
+    if distinct < 2:
+        with pytest.raises(ValueError, match="leaves nothing to train on"):
+            split_heldout(problems, 1)
+        return
+    n = data.draw(st.integers(1, distinct - 1))
+    train, held = split_heldout(problems, n)
+    assert len(held) == n and len({p.question for p in held}) == n
+    assert not {p.question for p in held} & {p.question for p in train}
+    assert len(train) + sum(values.count(int(p.question[1:])) for p in held) == len(problems)
+    shuffled = problems[:]
+    rnd.shuffle(shuffled)
+    train2, held2 = split_heldout(shuffled, n)
+    assert {p.question for p in held2} == {p.question for p in held} and sorted(p.id for p in train2) == sorted(p.id for p in train)

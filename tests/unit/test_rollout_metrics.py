@@ -13,7 +13,7 @@ def test_identical_logprobs_sit_at_zero():
     m = mismatch_metrics(lp, lp)
     assert m["tokens"] == 4
     assert m["mean_abs_diff"] == 0 and m["k3_kl"] == 0 and m["exp_abs_diff"] == 1
-    assert m["ratio_mean"] == 1 and m["ratio_clip_frac"] == 0 and m["tis_weight_mean"] == 1
+    assert m["ratio_mean"] == 1 and m["ratio_clip_frac"] == 0 and m["tis_weight_mean"] == 1 and m["tis_weight_std"] == 0
 
 
 def test_hand_computed_values():
@@ -30,6 +30,9 @@ def test_hand_computed_values():
     assert (m["ratio_min"], m["ratio_max"]) == (pytest.approx(1 / e), pytest.approx(e))
     assert m["ratio_clip_frac"] == pytest.approx(1 / 3)  # e > 2
     assert m["tis_weight_mean"] == pytest.approx((2 + 1 + 1 / e) / 3)
+    w = [2.0, 1.0, 1 / e]  # min(r, cap): the TIS weights' spread, population standard deviation over tokens
+    mean = sum(w) / 3
+    assert m["tis_weight_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in w) / 3), rel=1e-12)
 
 
 def test_padded_tensors_with_mask_and_position_buckets():
