@@ -88,8 +88,11 @@ def plot(runs: list[tuple[str, list[dict]]], output: str, smooth: int) -> None:
     fig.suptitle("GRPO from one warm-start: precision modes side by side", fontsize=12)
     fig.tight_layout()
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=90)
+    fig.savefig(output, dpi=80)
     plt.close(fig)
+    from PIL import Image  # matplotlib's own dependency: a 64-colour palette keeps the PNG small for docs/
+
+    Image.open(output).convert("RGB").quantize(colors=64).save(output, optimize=True)
 
 
 def summary(rows: list[dict], smooth: int) -> dict[str, float | int | None]:

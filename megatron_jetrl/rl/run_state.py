@@ -49,9 +49,10 @@ class PreviousRun:
 
     def complete_message(self, cfg: JetRLConfig) -> str:
         d = self.directory
+        results = ", ".join(str(p) for p in (d / "summary.json", d / "metrics.jsonl", d / "export") if p.exists())
         return (f"{d} is already complete at step {self.step} (run.steps={cfg.run.steps}); nothing to train. Results: "
-                f"{d / 'summary.json'}, {d / 'metrics.jsonl'}, {d / 'export'}. To train further, raise run.steps "
-                f"(e.g. run.steps={self.step + cfg.run.steps}: it resumes at step {self.step}); for a new run, set another "
+                f"{results}. To train further, raise run.steps "
+                f"(e.g. run.steps={self.step + max(cfg.run.steps, 1)}: it resumes at step {self.step}); for a new run, set another "
                 f"run.name (e.g. run.name={d.name}-2)")
 
     def resume_message(self, cfg: JetRLConfig) -> str:
