@@ -206,6 +206,7 @@ class _FP8Weight:
         self.flow = flow
         self.fp8_site = type(self).__name__  # the module's name once `name_fp8_layers` has run (non-finite reports)
         self._fp8_cache: tuple[tuple, QuantizedWeight] | None = None
+        self.keep_weight_t = True  # DGrad's W^T bytes kept per weight version, or made per backward (`name_fp8_layers`)
 
     def forget_fp8(self) -> None:
         """Drop the cached FP8 weight: the next forward (or `fp8_weights`) re-quantizes the current weight."""
@@ -218,7 +219,8 @@ class _FP8Weight:
         w = self.weight
         key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
         if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=True))
+            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=self.keep_weight_t,
+                                                             keep_t=self.keep_weight_t))
         return self._fp8_cache[1]
 
     def _fp8_gemm(self, x, weight, bias):
@@ -339,11 +341,13 @@ def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, bat
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 
-def name_fp8_layers(model) -> None:
-    """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports."""
+def name_fp8_layers(model, weight_t: str = "step") -> None:
+    """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports, and where its
+    DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward)."""
     for name, m in unwrap(model).named_modules():
         if isinstance(m, _FP8Weight):
             m.fp8_site = name
+            m.keep_weight_t = weight_t == "step"
 
 
 def requantize_weights(model) -> None:

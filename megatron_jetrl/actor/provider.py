@@ -45,6 +45,9 @@ class ActorOptions:
     """Native spec only: norms, RoPE + attention, SwiGLU, lm_head and log-softmax from `models.batch_invariant_ops` (the native
     engine's functions). With BF16 params and the emulated FP8 backend the actor's logprobs then equal the
     engine's bit for bit (TP1). A slow reference path: meant for CPU runs and tests."""
+    fp8_weight_t: str = "step"
+    """FP8 linears of the local spec: DGrad's W^T bytes kept from the first backward to the next optimizer step
+    (`step`), or made in each backward and freed (`backward`: less memory, a transpose per micro-batch)."""
     rollout_kernels: bool = False
     """Local spec on CUDA, with a vLLM rollout (`precision.exact_logprobs`): attention, the lm_head (and BF16 linears) and
     the log-softmax run the vLLM engine's kernels (`actor.rollout_kernels`), so the actor's logprobs are the engine's
@@ -57,6 +60,8 @@ class ActorOptions:
             raise ValueError(f"spec must be 'local' or 'te', got {self.spec!r}")
         if self.batch_invariant and self.spec != "local":
             raise ValueError("batch_invariant=True needs spec='local' (TE layers run TE's own kernels)")
+        if self.fp8_weight_t not in ("step", "backward"):
+            raise ValueError(f"fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError("rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
                              "attention, lm_head and log-softmax by vLLM's kernels)")
@@ -145,7 +150,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     )
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer
 
-    name_fp8_layers(model)
+    name_fp8_layers(model, options.fp8_weight_t)
     if options.batch_invariant:
         use_batch_invariant_output_layer(model)
     if options.rollout_kernels:

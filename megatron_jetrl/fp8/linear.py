@@ -31,11 +31,14 @@ class QuantizedWeight:
     q: torch.Tensor
     s: torch.Tensor
     _t: tuple | None = field(default=None, compare=False, repr=False)
+    keep_t: bool = field(default=True, compare=False, repr=False)
+    """Whether `transposed()` keeps the W^T bytes it makes (False: made anew at each call and left to the caller)."""
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False) -> "QuantizedWeight":
+    def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False,
+                 keep_t: bool = True) -> "QuantizedWeight":
         """Quantize `weight` once (per optimizer step). `transposed=True` also makes DGrad's W^T bytes now, in the
-        same pass on CUDA. Non-finite weights: recorded under `check_finite="step"` inside a step's watch, else
+        same pass on CUDA; `keep_t=False` makes them at each DGrad instead and keeps none (less memory held). Non-finite weights: recorded under `check_finite="step"` inside a step's watch, else
         refused on the spot (outside a step a weight is quantized for export or sync, never per token)."""
         w = weight.detach()
         check = flow.check_finite
@@ -48,16 +51,20 @@ class QuantizedWeight:
             q, s = _quantize(w, WEIGHT, flow, sync)
             t = (q.t().contiguous(), s.t().contiguous()) if transposed else None
         _record(flow, f"{site}: weight", s)
-        return cls(q, s, t)
+        return cls(q, s, t if keep_t else None, keep_t)
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^T's bytes [K, N] (contiguous, K-major for DGrad) and scales: made once per weight, then cached.
+        """W^T's bytes [K, N] (contiguous, K-major for DGrad) and scales: made once per weight and cached, or (`keep_t`
+        False) made at each call.
 
         A 128x128 tile has one scale, so these are exactly the bytes and scales of quantizing W^T.
         """
-        if self._t is None:
-            object.__setattr__(self, "_t", (self.q.t().contiguous(), self.s.t().contiguous()))
-        return self._t
+        if self._t is not None:
+            return self._t
+        t = (self.q.t().contiguous(), self.s.t().contiguous())
+        if self.keep_t:
+            object.__setattr__(self, "_t", t)
+        return t
 
 
 def _fast(x: torch.Tensor) -> bool:

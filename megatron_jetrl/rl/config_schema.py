@@ -54,6 +54,11 @@ class RunConfig:
     """Collective timeout: if a rank dies, the others fail within this many seconds with the lost rank named."""
     on_nonfinite: str = "stop"
     """NaN/Inf in rewards, loss or gradients: `stop` the run, or `skip` the update (the step is logged as skipped)."""
+    jit_cache_dir: str = ""
+    """Where the GPU kernels compiled on first use are kept (DeepGEMM's as `<dir>/deep_gemm`, Triton's as `<dir>/triton`),
+    for the trainer and the vLLM engines alike: compiled once per machine, or once per cluster on shared storage, and
+    reused by every later run; `python -m megatron_jetrl.rl.jit_cache CONFIG` fills it ahead of a run (`rl.jit_cache`).
+    Empty: DG_JIT_CACHE_DIR if set, else vLLM's ~/.cache/vllm/deep_gemm, and Triton's default."""
     eval_every: int = 0
     """Score the policy on the held-out problems (data.heldout) every this many steps and at the last step: greedy
     answers, `heldout/accuracy` (and per response-length bucket), `heldout/response_length` in the row of the step whose
@@ -109,6 +114,11 @@ class ModelConfig:
     """Local spec on CUDA: RMSNorm and RoPE as one Triton kernel per op and direction and megatron's fused
     SwiGLU for BF16 MLPs (`actor.fused`); false: eager torch ops (several kernels each; what megatron runs without
     apex or TE). The CPU always runs eagerly."""
+    fp8_weight_t: str = "step"
+    """Local spec, FP8 training: where DGrad's transposed weight bytes W^T live. `step`: made at the first backward
+    after each optimizer step and kept until the next (fastest; one more FP8 copy of every weight held through the
+    step, rollout included); `backward`: made in each linear's backward and freed after its DGrad (a transpose per
+    micro-batch; the actor holds one FP8 weight copy, not two). The bytes are the same."""
     spec: str = "local"
     """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
     bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE
@@ -124,6 +134,7 @@ class ModelConfig:
         _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
         _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
         _check(self.spec in ("local", "te"), f"model.spec must be 'local' or 'te', got {self.spec!r}")
+        _check(self.fp8_weight_t in ("step", "backward"), f"model.fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
         if self.spec == "te":
             from megatron_jetrl.fp8.te import INSTALL_HINT, te_installed
 

@@ -24,7 +24,7 @@ from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
 STATE_FILE = "trainer_state.json"
 APPLIED_ON_RESUME = frozenset({
     "run.steps", "run.save_every", "run.checkpoint", "run.keep_checkpoints", "run.export", "run.device", "run.timeout_s",
-    "run.on_nonfinite", "run.eval_every",
+    "run.on_nonfinite", "run.eval_every", "run.jit_cache_dir",
     "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
     "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.max_model_len", "rollout.enforce_eager",
     "grpo.micro_batch_size",

@@ -30,6 +30,7 @@ from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, load_problems,
                                    split_heldout)
+from megatron_jetrl.rl.jit_cache import pin_cache_dirs
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint
 from megatron_jetrl.rollout.native import expected_tensors
 
@@ -83,6 +84,7 @@ def init_distributed(cfg: JetRLConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
+    pin_cache_dirs(cfg.run.jit_cache_dir)  # before DeepGEMM or Triton is imported: one cache for trainer and engines
     if cfg.rollout.engine == "vllm":
         pin_vllm_environment(cfg.precision)
     init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.run.seed, timeout_minutes=cfg.run.timeout_s / 60)
@@ -171,7 +173,8 @@ def build_session(cfg: JetRLConfig) -> Session:
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
-                           batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs)
+                           batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs,
+                           fp8_weight_t=cfg.model.fp8_weight_t)
     model = build_model_same_init(arch, flow, options) if cfg.model.spec == "te" and not cfg.model.path else build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)

@@ -26,6 +26,7 @@ from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
 from megatron_jetrl.rl.data import format_prompt
+from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.loss import check_mask, policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.rewards import compute_rewards
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         sess.init_distributed(cfg)
         faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase
+        if cfg.run.device_type() == "cuda" and int(os.environ["RANK"]) == 0:
+            CompileProgress(cache_dirs(cfg.run.jit_cache_dir)).start()  # a cold machine compiles kernels: say so
         s = sess.build_session(cfg)
         state = sess.resume(s)
         if s.is_main:  # only now: a refused run leaves its directory as it was

@@ -81,6 +81,39 @@ def test_native_fp8_linears_run_the_core_fp8_linear():
     assert col.quantized_weight() is not before
 
 
+def test_weight_transpose_per_backward_gives_the_same_gradients_and_keeps_no_copy():
+    """model.fp8_weight_t=backward: DGrad's W^T bytes are made in each backward and dropped; the gradients are those of
+    the kept W^T (step) bit for bit, over two micro-batches of one weight version."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_jetrl.actor.fp8_layers import FP8ColumnParallelLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=2, use_cpu_initialization=True)
+    grads = {}
+    for weight_t in ("step", "backward"):
+        torch.manual_seed(3)
+        col = FP8ColumnParallelLinear(256, 384, config=config, init_method=lambda w: torch.nn.init.normal_(w, std=0.05),
+                                      bias=False, gather_output=False, flow=JETRL)
+        col.keep_weight_t = weight_t == "step"
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(32, 2, 256, generator=g, requires_grad=True) for _ in range(2)]
+        for x in xs:
+            col(x)[0].square().sum().backward()
+        cached = col.quantized_weight()
+        assert (cached._t is not None) == (weight_t == "step")
+        assert torch.equal(cached.transposed()[0].view(torch.uint8), cached.q.t().contiguous().view(torch.uint8))
+        assert (cached._t is not None) == (weight_t == "step")  # asking again keeps nothing either
+        grads[weight_t] = [col.weight.grad, *(x.grad for x in xs)]
+    assert all(torch.equal(a, b) for a, b in zip(grads["step"], grads["backward"]))
+    from megatron_jetrl.actor.fp8_layers import _FP8Weight
+    from megatron_jetrl.actor.provider import ActorOptions, build_model
+
+    for weight_t in ("step", "backward"):  # the option reaches every FP8 linear of a built actor
+        model = build_model(ModelArch.from_hf_config(CONFIGS["qwen3"]), JETRL, ActorOptions(fp8_weight_t=weight_t))
+        keeps = {m.keep_weight_t for m in model.modules() if isinstance(m, _FP8Weight)}
+        assert keeps == {weight_t == "step"}
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_mlp_hands_fc1_its_fp8_gradient_from_fc2(monkeypatch, bias):
     """FP8GatedMLP (SwiGLU) forward and backward are the core FP8 linears' bit for bit. Bias-free, fc2's backward

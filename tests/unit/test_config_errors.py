@@ -90,6 +90,7 @@ CASES = {
     "evaluation without held-out problems": (["run.eval_every=10"],
                                              r"run.eval_every=10 scores the policy on held-out problems, but data.heldout=0 "
                                              r"holds none out: set data.heldout \(e.g. 128\) or run.eval_every=0"),
+    "unknown weight-transpose policy": (["model.fp8_weight_t=never"], r"model.fp8_weight_t must be 'step' or 'backward', got 'never'"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),

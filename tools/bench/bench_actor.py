@@ -388,7 +388,8 @@ class StepRun:
         cuda = device.type == "cuda"
         optim = cfg.optim if cuda else dataclasses.replace(cfg.optim, bf16=False, distributed=False)  # CPU: FP32 params
         self.options = ActorOptions(params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
-                                    max_sequence_length=max(self.arch.max_position_embeddings, 1), fused=cfg.model.fused)
+                                    max_sequence_length=max(self.arch.max_position_embeddings, 1), fused=cfg.model.fused,
+                                    fp8_weight_t=cfg.model.fp8_weight_t)
         self.optim = optim
         torch.manual_seed(1234)
         model = build_model(self.arch, self.flow, self.options)
