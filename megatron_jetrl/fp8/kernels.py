@@ -480,7 +480,18 @@ def _k():
         tl.store(d_ptrs, d_gate.to(g.dtype), mask=mask)
         tl.store(d_ptrs + I, d_up, mask=mask)
 
+    @triton.jit
+    def _transpose_bytes(src_ptr, dst_ptr, N, K, stride_s, stride_d, BLOCK: tl.constexpr):
+        # one program: a BLOCK x BLOCK tile of src [N, K] -> dst [K, N] (E4M3 bytes as uint8: no value is touched)
+        offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs_k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        tile = tl.load(src_ptr + offs_n[:, None].to(tl.int64) * stride_s + offs_k[None, :],
+                       mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        tl.store(dst_ptr + offs_k[:, None].to(tl.int64) * stride_d + offs_n[None, :], tl.trans(tile),
+                 mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
+
     kernels = {
+        "transpose_bytes": _transpose_bytes,
         "swiglu_bwd": _swiglu_bwd,
         "quant_1x128": _quant_1x128,
         "quant_dual": _quant_dual,
@@ -754,6 +765,22 @@ def _check_fused_swiglu(device, scale_mode: str, eps: float, rows: bool, cols: b
         raise RuntimeError(f"the fused SwiGLU-backward quantizer (fp8/cuda_tiles.py swiglu_bwd_tile) differs from "
                            f"swiglu_backward + quantize_dual on {device} ({scale_mode} scales) in its {', '.join(bad)}; "
                            "set megatron_jetrl.fp8.kernels.QUANT_CFG['swiglu_bwd']['mode'] = 'split' and report it")
+
+
+def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
+    """`q.t().contiguous()` of a 2-D E4M3 (or uint8) tensor in one Triton pass (torch's copy of a one-byte transpose
+    runs at a fraction of the memory rate): DGrad's W^T bytes when they are made per backward."""
+    if q.dim() != 2 or q.element_size() != 1:
+        raise ValueError(f"transpose_bytes takes a 2-D one-byte tensor, got {q.dtype} of shape {tuple(q.shape)}")
+    src = q.view(torch.uint8)
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    n, k = src.shape
+    out = torch.empty(k, n, dtype=torch.uint8, device=q.device)
+    if n and k:
+        block = 64
+        _k()["transpose_bytes"][(-(-n // block), -(-k // block))](src, out, n, k, src.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out.view(q.dtype)
 
 
 def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transposed=False, mode=None):

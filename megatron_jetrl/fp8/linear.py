@@ -61,7 +61,7 @@ class QuantizedWeight:
         """
         if self._t is not None:
             return self._t
-        t = (self.q.t().contiguous(), self.s.t().contiguous())
+        t = (kernels.transpose_bytes(self.q) if _fast(self.q) else self.q.t().contiguous(), self.s.t().contiguous())
         if self.keep_t:
             object.__setattr__(self, "_t", t)
         return t

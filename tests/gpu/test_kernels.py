@@ -758,3 +758,32 @@ def test_swiglu_backward_kernel_equals_autograd(dtype, m, i):
     got = kernels().swiglu_backward(gate_up, dy)
     bad = int((~((got == want) | (got.isnan() & want.isnan()))).sum())
     assert bad == 0, f"{bad} of {want.numel()} elements differ from autograd's"
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (4096, 12288), (24576, 4096), (1000, 257), (1, 129), (0, 128)])
+def test_transpose_bytes_equals_torch_transpose(shape):
+    """DGrad's W^T made per backward (model.fp8_weight_t=backward): every byte where torch's transpose puts it."""
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=gen(7)).view(torch.float8_e4m3fn)
+    got = kernels().transpose_bytes(q)
+    assert got.dtype == q.dtype and got.shape == (shape[1], shape[0]) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), q.view(torch.uint8).t().contiguous())
+    wide = torch.randint(0, 256, (shape[0], shape[1] + 64), dtype=torch.uint8, device=DEV, generator=gen(8))
+    sliced = wide[:, 32:32 + shape[1]]  # a row stride wider than the row
+    assert torch.equal(kernels().transpose_bytes(sliced), sliced.t().contiguous())
+
+
+def test_weight_transpose_per_backward_gives_the_kept_gradients_on_cuda():
+    from megatron_jetrl.fp8 import QuantizedWeight, fp8_linear
+
+    flow = PrecisionFlow(mode="jetrl")
+    w = (torch.randn(384, 512, device=DEV, generator=gen(9)) * 0.05).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(256, 512, device=DEV, generator=gen(10)).to(torch.bfloat16)
+    grads = []
+    for keep in (True, False):
+        wq = QuantizedWeight.quantize(w, flow, transposed=keep, keep_t=keep)
+        xi = x.clone().requires_grad_()
+        fp8_linear(xi, w, flow=flow, weight_q=wq).square().sum().backward()
+        grads.append((xi.grad, w.grad.clone()))
+        w.grad = None
+        assert (wq._t is None) == (not keep)
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
