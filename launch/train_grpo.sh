@@ -180,8 +180,10 @@ main() {
         if [ -s "$f" ]; then why="; $(head -n 1 "$f")"; break; fi
       done
     fi
+    where=""  # the failing rank's last position, from its heartbeat (a killed rank says nothing itself)
+    if [ -n "$rank" ] && [ -s "$JETRL_EXIT_DIR/rank$rank.where" ]; then where=" $(head -n 1 "$JETRL_EXIT_DIR/rank$rank.where")"; fi
     if [ -n "$rank" ]; then
-      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc): rank $rank failed first (exit code $code$signal)$why" >&2
+      echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc): rank $rank failed first (exit code $code$signal)$where$why" >&2
     else
       echo "train_grpo.sh: the run failed with exit code $code (torchrun: $rc); no rank recorded an exit code (torchrun's report above says why)" >&2
     fi

@@ -98,3 +98,16 @@ def destroy_parallel() -> None:
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
         dist.destroy_process_group()
     _OWNS_PROCESS_GROUP = False
+
+
+def from_last_stage(value):
+    """`value` as the last stage of this rank's pipeline holds it, on every stage of it (itself at PP 1)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    group = ps.get_pipeline_model_parallel_group()
+    box = [value]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group, device=device)
+    return box[0]

@@ -6,8 +6,10 @@ params -- are all-gathered over the TP group (FP8 as a `uint8` view: gloo
 refuses float8) and handed to `models.export.hf_tensors`, the one stream the converter writes from too.
 `to="rank0"`: only global rank 0 (where native engines live) receives pairs, the other ranks of data-parallel
 replica 0 take part in the gathers. `to="all"`: every rank receives the whole model (each replica's TP group
-gathers its own copy), for colocated engines on every rank. Every rank must run `actor_weight_stream` to the
-end (the gathers are collectives, in the mapping table's order); `drain()` does that where nothing is consumed.
+gathers its own copy), for colocated engines on every rank. Under pipeline parallelism each stage converts its own
+layers (`models.model_entries` of that stage) and broadcasts them over its pipeline group, stage after stage, so every
+rank sees the PP 1 stream: the same names, order and bytes. Every rank must run `actor_weight_stream` to the end (the
+gathers are collectives, in the mapping table's order); `drain()` does that where nothing is consumed.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
     collective, see above."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("the live weight stream gathers over TP only; with PP > 1 save a checkpoint and "
-                                  "convert it (tools/convert_checkpoint.py), or run the GRPO loop at PP=1")
     if to not in ("rank0", "all"):
         raise ValueError(f"to must be 'rank0' or 'all', got {to!r}")
     if to == "rank0" and ps.get_data_parallel_rank() != 0:
@@ -67,11 +66,42 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
         w = quantized[name]
         return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
 
-    pairs = hf_tensors(arch, flow, model_entries(arch, spec=spec), fetch, fetch_fp8)
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    mine = hf_tensors(arch, flow, model_entries(arch, pp_rank=stage, pp_size=pp, spec=spec), fetch, fetch_fp8)
+    pairs = mine if pp == 1 else _across_stages(mine, stage, pp)
     if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
         drain(pairs)
+
+
+def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's pairs on every rank of this pipeline group, stage by stage: the PP 1 stream's order (embedding,
+    layers, final norm, lm_head). The stage that holds a tensor broadcasts its (name, shape, dtype), then its bytes
+    (FP8 as `uint8`: gloo refuses float8); the end of a stage is a None header."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    for source in range(pp):
+        sending = source == stage
+        it = iter(mine) if sending else None
+        while True:
+            pair = next(it, None) if sending else None
+            header = [None if pair is None else (pair[0], tuple(pair[1].shape), str(pair[1].dtype).removeprefix("torch."))]
+            dist.broadcast_object_list(header, src=ranks[source], group=group, device=device)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            dtype = getattr(torch, dtype)
+            if sending:
+                wire = pair[1].detach().contiguous()
+            else:
+                wire = torch.empty(shape, dtype=dtype, device=device)
+            wire = wire.view(torch.uint8) if dtype == torch.float8_e4m3fn else wire
+            dist.broadcast(wire, src=ranks[source], group=group)
+            yield name, wire.view(dtype)
 
 
 def model_spec(model) -> str:

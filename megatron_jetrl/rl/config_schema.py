@@ -178,8 +178,6 @@ class ParallelConfig:
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        _check(self.pp == 1, f"parallel.pp={self.pp}: the GRPO loop's live weight sync gathers over TP only; run it at "
-                             "pp=1 (the actor itself trains at PP>1: see megatron_jetrl.actor)")
 
     @property
     def world_size(self) -> int:
@@ -402,7 +400,10 @@ class JetRLConfig:
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.model.hf_config:
-            self.arch()  # architecture problems surface here, before anything is built
+            arch = self.arch()  # architecture problems surface here, before anything is built
+            _check(arch.num_layers % self.parallel.pp == 0,
+                   f"parallel.pp={self.parallel.pp} does not divide the model's {arch.num_layers} layers (each pipeline stage "
+                   f"holds as many): use a pp among {[p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]}")
 
     def _check_exact_logprobs(self) -> None:
         """`precision.exact_logprobs` holds only where both sides can run the same kernels (its docstring)."""
@@ -419,6 +420,8 @@ class JetRLConfig:
         scaled = (self.model.hf_config or {}).get("rope_scaling")
         _check(not scaled, f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
                            f"which the trainer's glue does not replace: {fix}")
+        _check(self.parallel.pp == 1, f"precision.exact_logprobs runs at parallel.pp=1 (got {self.parallel.pp}): {fix} "
+                                      "or train without pipeline stages")
         _check(self.rollout.tp == self.parallel.tp,
                f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
                f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}")

@@ -126,11 +126,13 @@ def _start_heartbeat(interval: float) -> None:
     stop = threading.Event()
 
     def beat():
+        where = None
         while not stop.is_set():
             try:
                 store.add(_key("beat", rank), 1)
             except Exception:  # noqa: BLE001 - the store went away (end of run, or its host died)
                 return
+            where = _record_position(where)
             stop.wait(interval)
 
     thread = threading.Thread(target=beat, name="jetrl-heartbeat", daemon=True)
@@ -149,10 +151,45 @@ def _start_heartbeat(interval: float) -> None:
 # ---- the report -------------------------------------------------------------------------------------------
 
 
+def _record_position(last: str | None) -> str | None:
+    """Write where the main thread is (`_position`) to $JETRL_EXIT_DIR/rank<R>.where when it moved: a rank killed
+    without a word (SIGKILL, OOM killer) is named by the launcher with its last step, phase and pipeline stage."""
+    directory = os.environ.get("JETRL_EXIT_DIR")
+    main = sys._current_frames().get(threading.main_thread().ident)
+    if not directory or main is None:
+        return last
+    frames = []
+    while main is not None:
+        frames.append(main)
+        main = main.f_back
+    step, phase = _walk(reversed(frames))
+    now = _position(_rank(), step, phase)
+    if now != last and now:
+        try:
+            path = Path(directory, f"rank{_rank()}.where")
+            path.with_suffix(".tmp").write_text(now + "\n")
+            os.replace(path.with_suffix(".tmp"), path)
+        except OSError:
+            pass
+    return now
+
+
+def _position(rank: int, step: int | None, phase: str | None) -> str:
+    """`at step S (phase), pipeline stage X of P` (the parts that are known)."""
+    here = f"at step {step}" + (f" ({phase})" if phase else "") if step is not None else (f"in {phase}" if phase else "")
+    parts = [here, _stage(rank).strip(" ()")]
+    return ", ".join(p.strip() for p in parts if p.strip())
+
+
 def _where(tb) -> tuple[int | None, str | None]:
     """(GRPO step, phase function) of the trainer frame the exception went through."""
+    return _walk(frame for frame, _ in traceback.walk_tb(tb))
+
+
+def _walk(frames) -> tuple[int | None, str | None]:
+    """(GRPO step, phase function) along `frames`, outermost first: the trainer's main loop and the frame it called."""
     step, phase, in_main = None, None, False
-    for frame, _ in traceback.walk_tb(tb):
+    for frame in frames:
         code = frame.f_code
         if in_main and phase is None and code.co_filename not in WRAPPER_FILES:  # not the wrappers of armed faults
             phase = code.co_name
@@ -202,13 +239,21 @@ def _chain(exc):
     return seen
 
 
+def _stage(rank: int) -> str:
+    """` (pipeline stage S of P)` for a run with pipeline stages (megatron's default rank order: TP, then DP, then PP)."""
+    cfg = _WATCH.get("cfg")
+    if cfg is None or cfg.parallel.pp == 1:
+        return ""
+    return f" (pipeline stage {rank // (cfg.parallel.tp * cfg.parallel.dp)} of {cfg.parallel.pp})"
+
+
 def report(exc: BaseException, tb=None) -> str:
     """Print (and return) the one-line account of why this rank stops."""
     cfg = _WATCH.get("cfg")
     step, phase = _where(tb if tb is not None else exc.__traceback__)
     me = _rank()
     first_line = (str(exc).strip().splitlines() or [""])[0]
-    line = f"rank {me} failed" + (f" at step {step}" if step is not None else "") + (f" ({phase})" if phase else "")
+    line = f"rank {me}{_stage(me)} failed" + (f" at step {step}" if step is not None else "") + (f" ({phase})" if phase else "")
     line += f": {type(exc).__name__}: {first_line[:400]}"
     if _world() > 1 and not isinstance(exc, KeyboardInterrupt):
         try:
@@ -219,7 +264,7 @@ def report(exc: BaseException, tb=None) -> str:
             pass
         lost, failed, note = lost_ranks()
         if lost:
-            line += f"; lost rank(s) {lost} (no heartbeat for {3 * _WATCH.get('interval', 1.0):.1f} s: killed, crashed or frozen)"
+            line += f"; lost rank(s) [{', '.join(f'{r}{_stage(r)}' for r in lost)}] (no heartbeat for {3 * _WATCH.get('interval', 1.0):.1f} s: killed, crashed or frozen)"
         if failed:
             line += "; " + "; ".join(f"rank {r} reported: {m}" for r, m in sorted(failed.items()))
         if note:

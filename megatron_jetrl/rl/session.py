@@ -1,7 +1,7 @@
 """What a GRPO run is made of, built from its config: the process group, tokenizer, problems, the actor
 (megatron-core, optimizer), the frozen reference, the rollout pool, and the run directory's checkpoints.
 
-Rank layout: the actor spans all ranks (TP x DP; PP = 1 in the loop). Native engines live on global rank 0,
+Rank layout: the actor spans all ranks (TP x PP x DP). Native engines live on global rank 0,
 which samples the whole batch; vLLM engines run on every rank (`rollout.colocated`: each group of rollout.tp
 ranks samples its share and every rank receives all outputs). Checkpoints: `checkpoints/step_XXXXXX/` = the actor's sharded checkpoint with optimizer
 state (`actor.checkpoint`), the reference under `ref/`, and `trainer_state.json` (step, prompt sampler,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
+from megatron_jetrl.actor.parallel import from_last_stage
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
 from megatron_jetrl.rl import faults, preflight
@@ -197,7 +198,9 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
         return policy_loss(logprobs, extras["old"], extras["adv"], extras["mask"], cfg=cfg.loss,
                            ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"], checked=True)
 
-    extras = {"old": old, "adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
+    extras = {"adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
+    if old is not None:  # None on a pipeline stage without the output layer, which computes no loss
+        extras["old"] = old
     if ref is not None:
         extras["ref"] = ref
     if first is not None:
@@ -209,6 +212,7 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
         result = train_step(s.model, s.optimizer, mine.tokens[rows], loss_fn, vocab_size=s.arch.vocab_size,
                             micro_batch_size=cfg.grpo.micro_batch_size, extras={k: v[rows] for k, v in extras.items()},
                             on_nonfinite="skip")
+        result = from_last_stage(result)  # the loss terms exist on the last pipeline stage only
         if "skipped" in result:
             nonfinite(s, step, result["skipped"])
         results.append(result)
@@ -253,10 +257,11 @@ def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, 
     from megatron.core import parallel_state as ps
 
     mask = mine.mask.bool().cpu()
-    ours = ([lp[m].tolist() for lp, m in zip(old.cpu(), mask)], [lp[m].tolist() for lp, m in zip(mine.rollout_logprobs.cpu(), mask)])
+    ours = None if old is None else (  # old: on the last pipeline stage only
+        [lp[m].tolist() for lp, m in zip(old.cpu(), mask)], [lp[m].tolist() for lp, m in zip(mine.rollout_logprobs.cpu(), mask)])
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ours))
-    shares = [rows for tp_rank, _, rows in sorted(shares, key=lambda x: x[1]) if tp_rank == 0]  # one copy per DP rank
+    shares = [rows for tp_rank, _, rows in sorted(shares, key=lambda x: x[1]) if tp_rank == 0 and rows is not None]  # one per DP rank
     train = [row for trained, _ in shares for row in trained]
     roll = [row for _, rolled in shares for row in rolled]
     out = {

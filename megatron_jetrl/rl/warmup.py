@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.actor.parallel import from_last_stage
 from megatron_jetrl.actor.train_step import train_step
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.metrics import progress
@@ -35,7 +36,7 @@ def warm_start(s) -> None:
         out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
                          micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
                          on_nonfinite="raise")
-        bar.update(1, loss=f"{out.get('loss', float('nan')):.3f}")
+        bar.update(1, loss=f"{from_last_stage(out).get('loss', float('nan')):.3f}")
     bar.close()
     for g, lr in zip(groups, lrs):
         g["lr"] = lr

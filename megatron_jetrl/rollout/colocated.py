@@ -10,6 +10,12 @@ completions a single engine would sample for the same seeds. An engine that rais
 all-gather: every rank raises at once, naming the rank and the error (an engine whose TP peers hang inside vLLM's own
 collectives is left to the run's collective timeout and failure report).
 
+Pipeline stages (parallel.pp > 1): every engine still holds the whole model at rollout.tp. The actor's stages split
+the layers to fit what training holds (activations, gradients, optimizer state); an engine holds weights and KV cache
+only, and a vLLM pipeline would put a stage-to-stage hop and a bubble into every decoded token. The weight stream
+broadcasts each stage's converted layers over its pipeline group (`actor.weight_stream`), so the engine of a rank of
+stage 0 receives the layers that stage 1 trains, in the PP 1 order and bytes.
+
 Memory: the engine sleeps at level 2 while the actor trains (`sleep`: weights and KV cache discarded) and
 `sync` wakes the weights, writes the trainer's bytes on the device, then wakes the KV cache. Mapping and unmapping
 that memory costs time in proportion to its size, every step, so the KV cache is what the step can use and no more:

@@ -189,10 +189,20 @@ def reference(trainer, tmp_path_factory) -> Path:
     return out
 
 
-def assert_resumes_exactly(trainer, out: Path, reference: Path, from_step: int) -> None:
+@pytest.fixture(scope="module")
+def reference_pp(trainer, tmp_path_factory) -> Path:
+    """The same run with two pipeline stages (PP 2) instead of TP 2."""
+    out = tmp_path_factory.mktemp("ref_pp") / "ref_pp"
+    rc, output = launch(trainer, out, "parallel.pp=2", warmup=5)
+    assert rc == 0, output[-4000:]
+    assert sorted(metrics(out)) == [0, 1]
+    return out
+
+
+def assert_resumes_exactly(trainer, out: Path, reference: Path, from_step: int, *overrides, tp=2) -> None:
     """Resume `out` with the reference's arguments: it continues from `from_step` and every metrics line equals
     the uninterrupted run's (wall-clock keys aside)."""
-    rc, output = launch(trainer, out, tp=2, warmup=5)
+    rc, output = launch(trainer, out, *overrides, tp=tp, warmup=5)
     assert rc == 0, output[-4000:]
     assert f"GRPO jetrl: 1/{2 - from_step} steps" in output  # it continued; it did not start over
     ours, theirs = metrics(out), metrics(reference)
@@ -228,6 +238,31 @@ def test_kill9_of_one_rank_mid_step_under_torchrun_then_exact_resume(trainer, re
     assert_intact(latest(out))
     assert sorted(metrics(out)) == [0]
     assert_resumes_exactly(trainer, out, reference, from_step=1)
+
+
+@pytest.mark.slow
+def test_kill9_of_a_pipeline_stage_names_rank_stage_and_step_then_exact_resume(trainer, reference_pp, tmp_path):
+    """PP 2: rank 1 holds the second pipeline stage (the layers after the first half, the loss). Killed mid-step, the
+    survivor's line names itself and the lost rank with their stages and the step; the run resumes from its last
+    checkpoint and ends where the uninterrupted PP 2 run does."""
+    out = tmp_path / "killed_pp"
+    proc = start(trainer, out, "parallel.pp=2", warmup=5)
+    wait_for(out / "checkpoints" / "step_000001" / "trainer_state.json", [proc])
+    pids = rank_pids(out)
+    assert sorted(pids) == [0, 1], pids
+    environ = dict(x.split(b"=", 1) for x in Path(f"/proc/{pids[1]}/environ").read_bytes().split(b"\0") if b"=" in x)
+    where = Path(environ[b"JETRL_EXIT_DIR"].decode(), "rank1.where")  # the heartbeat's record of rank 1's position
+    end = time.monotonic() + 60
+    while not (where.exists() and where.read_text().startswith("at step 1 ")):
+        assert time.monotonic() < end and proc.poll() is None, "rank 1 never reported being in step 1"
+        time.sleep(0.05)
+    os.kill(pids[1], signal.SIGKILL)
+    rc, output = finish(proc, timeout=120)
+    assert rc == 137, output[-3000:]
+    assert re.search(r"train_grpo.sh: the run failed with exit code 137 \(torchrun: 1\): rank 1 failed first \(exit code 137, "
+                     r"SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2", output), output[-3000:]
+    assert latest(out).name == "step_000001" and sorted(metrics(out)) == [0]
+    assert_resumes_exactly(trainer, out, reference_pp, 1, "parallel.pp=2", tp=1)
 
 
 @pytest.mark.slow

@@ -65,7 +65,8 @@ CASES = {
                                        r"(?s)parallel.tp=2: qwen2 model cannot run FP8 128x128 blocks at TP=2.*"
                                        r"intermediate_size\): 384 / 2 = 192 is not a multiple of 128 \(TP sizes that work for it: \[1\]\)"),
     "TP does not divide the KV heads": (["parallel.tp=4"], r"parallel.tp=4: TP=4 does not divide num_key_value_heads=2"),
-    "pipeline parallel in the loop": (["parallel.pp=2"], r"parallel.pp=2: .* run it at pp=1"),
+    "pipeline stages that do not divide the layers": (["parallel.pp=3"],
+                                                      r"parallel.pp=3 does not divide the model's 2 layers \(each pipeline stage holds as many\): use a pp among \[1, 2\]"),
     # ---- batch sizes that do not divide
     "micro-batch does not divide": (["grpo.micro_batch_size=7"],
                                     r"prompts_per_step \* rollout.n = 64 sequences do not split into parallel.dp=1 x "

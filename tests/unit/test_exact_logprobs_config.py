@@ -34,6 +34,7 @@ def test_a_config_that_can_hold_it_loads():
 
 
 @pytest.mark.parametrize("overrides,reason", [
+    ([*ON, "parallel.pp=2"], r"precision.exact_logprobs runs at parallel.pp=1 \(got 2\)"),
     (["precision.exact_logprobs=true"], "needs rollout.engine=vllm"),
     ([*ON, "rollout.glue=vllm"], "trainer's RMSNorm and RoPE"),
     ([*ON, "model.batch_invariant=true", "precision.backend=emulated"], "model.batch_invariant=false"),
