@@ -39,6 +39,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 PREFIX = "jetrl/faults"
+POSITION_TICKS = 4
+"""The main thread's position is recorded this many times per heartbeat (`_record_position`)."""
 WRAPPER_FILES = {__file__}
 """Source files whose frames are wrappers, not trainer phases (rl/fault_injection.py adds itself)."""
 
@@ -126,14 +128,16 @@ def _start_heartbeat(interval: float) -> None:
     stop = threading.Event()
 
     def beat():
-        where = None
+        where, ticks = None, 0
         while not stop.is_set():
-            try:
-                store.add(_key("beat", rank), 1)
-            except Exception:  # noqa: BLE001 - the store went away (end of run, or its host died)
-                return
+            if ticks % POSITION_TICKS == 0:
+                try:
+                    store.add(_key("beat", rank), 1)
+                except Exception:  # noqa: BLE001 - the store went away (end of run, or its host died)
+                    return
             where = _record_position(where)
-            stop.wait(interval)
+            ticks += 1
+            stop.wait(interval / POSITION_TICKS)
 
     thread = threading.Thread(target=beat, name="jetrl-heartbeat", daemon=True)
     thread.start()

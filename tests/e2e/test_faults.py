@@ -193,24 +193,24 @@ def reference(trainer, tmp_path_factory) -> Path:
 def reference_pp(trainer, tmp_path_factory) -> Path:
     """The same run with two pipeline stages (PP 2) instead of TP 2."""
     out = tmp_path_factory.mktemp("ref_pp") / "ref_pp"
-    rc, output = launch(trainer, out, "parallel.pp=2", warmup=5)
+    rc, output = launch(trainer, out, "parallel.pp=2", warmup=5, steps=3)
     assert rc == 0, output[-4000:]
-    assert sorted(metrics(out)) == [0, 1]
+    assert sorted(metrics(out)) == [0, 1, 2]
     return out
 
 
-def assert_resumes_exactly(trainer, out: Path, reference: Path, from_step: int, *overrides, tp=2) -> None:
+def assert_resumes_exactly(trainer, out: Path, reference: Path, from_step: int, *overrides, tp=2, steps=2) -> None:
     """Resume `out` with the reference's arguments: it continues from `from_step` and every metrics line equals
     the uninterrupted run's (wall-clock keys aside)."""
-    rc, output = launch(trainer, out, *overrides, tp=tp, warmup=5)
+    rc, output = launch(trainer, out, *overrides, tp=tp, warmup=5, steps=steps)
     assert rc == 0, output[-4000:]
-    assert f"GRPO jetrl: 1/{2 - from_step} steps" in output  # it continued; it did not start over
+    assert f"GRPO jetrl: 1/{steps - from_step} steps" in output  # it continued; it did not start over
     ours, theirs = metrics(out), metrics(reference)
-    assert sorted(ours) == sorted(theirs) == [0, 1]
-    for step in (0, 1):  # the steps before the fault and the ones after the resume
+    assert sorted(ours) == sorted(theirs) == list(range(steps))
+    for step in range(steps):  # the steps before the fault and the ones after the resume
         assert comparable(ours[step]) == comparable(theirs[step]), step
     assert_intact(latest(out))
-    assert latest(out).name == "step_000002" and not list((out / "checkpoints").glob("*.partial"))
+    assert latest(out).name == f"step_{steps:06d}" and not list((out / "checkpoints").glob("*.partial"))
 
 
 # ---- multi-process: a rank dies or freezes ----------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_kill9_of_a_pipeline_stage_names_rank_stage_and_step_then_exact_resume(t
     survivor's line names itself and the lost rank with their stages and the step; the run resumes from its last
     checkpoint and ends where the uninterrupted PP 2 run does."""
     out = tmp_path / "killed_pp"
-    proc = start(trainer, out, "parallel.pp=2", warmup=5)
+    proc = start(trainer, out, "parallel.pp=2", warmup=5, steps=3)
     wait_for(out / "checkpoints" / "step_000001" / "trainer_state.json", [proc])
     pids = rank_pids(out)
     assert sorted(pids) == [0, 1], pids
@@ -262,7 +262,7 @@ def test_kill9_of_a_pipeline_stage_names_rank_stage_and_step_then_exact_resume(t
     assert re.search(r"train_grpo.sh: the run failed with exit code 137 \(torchrun: 1\): rank 1 failed first \(exit code 137, "
                      r"SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2", output), output[-3000:]
     assert latest(out).name == "step_000001" and sorted(metrics(out)) == [0]
-    assert_resumes_exactly(trainer, out, reference_pp, 1, "parallel.pp=2", tp=1)
+    assert_resumes_exactly(trainer, out, reference_pp, 1, "parallel.pp=2", tp=1, steps=3)
 
 
 @pytest.mark.slow
