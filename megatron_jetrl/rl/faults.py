@@ -274,6 +274,9 @@ def report(exc: BaseException, tb=None) -> str:
         if note:
             line += f"; {note}"
     chain = _chain(exc)
+    if any(type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e) for e in chain):
+        line += ("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction or "
+                 "rollout.kv_cache_gb (the engine), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
     codes = {e.errno for e in chain if isinstance(e, OSError)}
     full = bool(codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}) or any("No space left on device" in str(e) for e in chain)
     if phase in ("save", "export") or codes or full:

@@ -10,6 +10,8 @@ torchrun) and by the trainer (`rl/train.py`, before the process group).
 * the inputs: a `model.path` that is missing, has no config.json, is of a family megatron-jetrl does not
   support, has no safetensors weights, or lacks the tokenizer `model.tokenizer=hf` reads; a `data.path`
   that is missing or holds no jsonl/parquet file;
+* the GPU's memory: an actor whose state alone (weights, gradients, optimizer, reference, FP8 copies) would not fit
+  (`check_memory`);
 * the run directory (`run_state.previous_run`): a checkpoint of another model/precision, `run.resume=never`,
   or a changed hyper-parameter of a run that would resume.
 
@@ -37,7 +39,47 @@ def check(cfg: JetRLConfig):
     check_backend(cfg, device)
     check_model_path(cfg)
     check_data(cfg)
+    if device == "cuda":
+        import torch
+
+        check_memory(cfg, torch.cuda.get_device_properties(0).total_memory)
     return previous_run(cfg)
+
+
+def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
+    """Bytes per GPU of what the actor keeps through a step, before activations, on its largest pipeline stage:
+    parameters (BF16, or FP32 without optim.bf16), FP32 gradients (`main_grad`), the optimizer's FP32 main params
+    and Adam moments (1/DP of them under optim.distributed), the frozen reference (loss.kl_coef > 0), and in jetrl
+    the FP8 weight copies (W, and W^T under model.fp8_weight_t=step). The colocated engine sleeps meanwhile."""
+    arch, p = cfg.arch(), cfg.parallel
+    heads = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    linear = arch.hidden_size * heads + arch.num_heads * arch.head_dim * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size
+    per_layer = linear + heads + 2 * arch.hidden_size + 2 * arch.head_dim  # + biases, norms (upper bounds)
+    from megatron_jetrl.models.mapping import padded_vocab_size
+
+    embeddings = padded_vocab_size(arch.vocab_size, p.tp) * arch.hidden_size * (2 if p.pp == 1 and not arch.tie_word_embeddings else 1)
+    params = (per_layer * (arch.num_layers // p.pp) + embeddings + arch.hidden_size) / p.tp
+    fp8_linear = linear * (arch.num_layers // p.pp) / p.tp if cfg.precision.train_fp8 else 0
+    weight = 2 if cfg.optim.bf16 else 4
+    state = (4 + 8 if cfg.optim.bf16 else 8) / (p.dp if cfg.optim.distributed else 1)
+    return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),
+            "reference": int(params * weight) if cfg.loss.kl_coef > 0 else 0,
+            "FP8 weights": int(fp8_linear * (2 if cfg.model.fp8_weight_t == "step" else 1))}
+
+
+def check_memory(cfg: JetRLConfig, gpu_bytes: int, share: float = 0.9) -> None:
+    """Refuse a layout whose actor state alone (`actor_state_bytes`) passes `share` of a GPU: it could only run out
+    of memory once built, after minutes of start-up."""
+    parts = actor_state_bytes(cfg)
+    need = sum(parts.values())
+    if need <= share * gpu_bytes:
+        return
+    p = cfg.parallel
+    said = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v)
+    raise ConfigError(f"the actor's state alone needs {need / 2**30:.1f} GiB per GPU ({said}) at parallel.tp={p.tp} pp={p.pp} "
+                      f"dp={p.dp}, more than {share:.0%} of this GPU's {gpu_bytes / 2**30:.1f} GiB, before any activation: raise "
+                      "parallel.tp or parallel.pp, or shard the optimizer state over data-parallel ranks (optim.distributed=true "
+                      "with parallel.dp > 1)")
 
 
 def check_gpus(device: str) -> None:

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def start_vllm_pool(s: "Session") -> None:
     """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
     directory, with the KV cache its share of a step can use (at most a fraction of the memory free now); the sync
     that follows writes the actor's bytes."""
-    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need
+    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_fits, kv_cache_need
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
 
     r = s.cfg.rollout
@@ -147,6 +148,12 @@ def start_vllm_pool(s: "Session") -> None:
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
     kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction,
                                                       kv_cache_need(s.arch, seqs, max_len, r.tp))
+    try:
+        note = kv_cache_fits(kv, s.arch, seqs, max_len, r.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if note and s.is_main:
+        print(f"note: {note}", file=sys.stderr)
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=(free - (256 << 20)) / total,
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,

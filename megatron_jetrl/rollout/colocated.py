@@ -77,6 +77,23 @@ def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: in
     return int(left * fraction) if need is None else min(int(left * fraction), need)
 
 
+def kv_cache_fits(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> str | None:
+    """None when an engine's KV cache holds its `seqs` sequences of `max_len` tokens at once; a note when it holds at
+    least one (vLLM queues the rest: a step takes more passes); ValueError, naming the settings, when not even one."""
+    per_seq = -(-max_len // KV_ALIGN) * KV_ALIGN * kv_bytes_per_token(arch, tp)
+    held = kv_bytes // per_seq
+    if held < 1:
+        raise ValueError(f"the rollout engine's KV cache of {kv_bytes / 2**30:.2f} GiB per rank cannot hold one sequence of "
+                         f"rollout.max_model_len={max_len} tokens ({per_seq / 2**30:.2f} GiB at rollout.tp={tp}): raise "
+                         "rollout.kv_cache_gb or rollout.kv_cache_fraction, lower rollout.max_new_tokens (or rollout.max_model_len), "
+                         "or raise rollout.tp")
+    if held < seqs:
+        return (f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {held} of the {seqs} sequences it "
+                f"samples a step at their full {max_len} tokens: vLLM queues the rest, so long steps take more passes "
+                "(raise rollout.kv_cache_gb or rollout.kv_cache_fraction for one pass)")
+    return None
+
+
 class ColocatedPool:
     """`RolloutEngine`-shaped pool over this rank's engine; every method is collective over the world."""
 

@@ -498,3 +498,16 @@ def test_megatron_patches_refuse_another_release(monkeypatch):
     for name in ("megatron_core_0_16_1_grad_clip_scale", "megatron_core_0_16_1_wgrad_fusion"):
         with pytest.raises(RuntimeError, match=rf"patches/{name}\.py targets megatron-core==0\.16\.1, found 0\.17\.0: pin"):
             load_patch(name).apply()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_memory_preflight_counts_the_actors_parameters(family):
+    """rl/preflight.actor_state_bytes counts what megatron builds (norms and biases as upper bounds): within 0.2%."""
+    from megatron_jetrl.actor.provider import build_model
+    from megatron_jetrl.rl.config import load_config
+    from megatron_jetrl.rl.preflight import actor_state_bytes
+
+    built = sum(p.numel() for p in build_model(ModelArch.from_hf_config(CONFIGS[family]), JETRL).parameters())
+    hf = ", ".join(f"{k}: {v}" for k, v in CONFIGS[family].items())
+    counted = actor_state_bytes(load_config(None, [f"model.hf_config={{{hf}}}"]))["gradients"] / 4
+    assert built <= counted <= 1.002 * built, (built, counted)

@@ -131,3 +131,73 @@ def test_more_cuda_ranks_on_a_node_than_gpus(gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     refused("parallel.tp=2", match=r"2 processes on this node but 1 visible GPU\(s\): each CUDA rank needs its own")
+
+
+# ---- memory: an actor whose state alone cannot fit ----------------------------------------------------------
+
+GIB = 2**30
+
+
+def qwen3_8b(*overrides: str):
+    """The Qwen3-8B preset (the layout check runs on any machine)."""
+    return load_config([str(REPO / "configs/models/qwen3-8b-base.yaml")], list(overrides))
+
+
+def test_qwen3_8b_on_one_80gib_gpu_is_refused_with_the_breakdown_and_the_fix():
+    cfg = qwen3_8b("parallel.tp=1", "rollout.tp=1")
+    parts = preflight.actor_state_bytes(cfg)
+    params = parts["gradients"] / 4  # FP32 main_grad: 4 bytes a parameter
+    assert 8.19e9 < params < 8.20e9  # Qwen3-8B: 8.19B parameters with its untied lm_head
+    assert parts["parameters"] == 2 * params and parts["optimizer"] == 12 * params and parts["reference"] == 2 * params
+    assert parts["FP8 weights"] == pytest.approx(2 * 36 * 193e6, rel=0.02)  # W and W^T of every FP8 linear, one byte each
+    with pytest.raises(ConfigError, match=r"the actor's state alone needs 165\.\d GiB per GPU \(parameters 15\.3, gradients 30\.5, "
+                                          r"optimizer 91\.5, reference 15\.3, FP8 weights 12\.\d\) at parallel.tp=1 pp=1 dp=1, more "
+                                          r"than 90% of this GPU's 80\.0 GiB, before any activation: raise parallel.tp or "
+                                          r"parallel.pp, or shard the optimizer state"):
+        preflight.check_memory(cfg, 80 * GIB)
+
+
+@pytest.mark.parametrize("layout,gib", [([], 41.4), (["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"], 41.4),
+                                        (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"], 59.9)])
+def test_the_four_gpu_layouts_of_qwen3_8b_fit_an_80gib_gpu(layout, gib):
+    """The preset (TP 4), TP 2 x PP 2, and TP 2 x DP 2 with the optimizer state sharded (the preset's optim.distributed)."""
+    cfg = qwen3_8b(*layout)
+    assert cfg.parallel.world_size == 4
+    preflight.check_memory(cfg, 80 * GIB)
+    assert sum(preflight.actor_state_bytes(cfg).values()) / GIB == pytest.approx(gib, abs=0.05)
+
+
+def test_what_the_estimate_counts_follows_the_settings():
+    base = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2"))
+    lean = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2", "model.fp8_weight_t=backward", "loss.kl_coef=0"))
+    assert lean["FP8 weights"] * 2 == base["FP8 weights"] and lean["reference"] == 0
+    assert preflight.actor_state_bytes(qwen3_8b("precision.mode=bf16"))["FP8 weights"] == 0
+    sharded = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"))
+    assert sharded["optimizer"] * 2 == base["optimizer"] and sharded["parameters"] == base["parameters"]
+
+
+def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_noted():
+    from megatron_jetrl.models.arch import ModelArch
+    from megatron_jetrl.rollout.colocated import kv_bytes_per_token, kv_cache_fits
+
+    arch = ModelArch.from_hf_config(qwen3_8b().model.architecture())
+    per_token = kv_bytes_per_token(arch, 1)
+    assert per_token == 36 * 2 * 8 * 128 * 2  # K and V, BF16, every layer
+    assert kv_cache_fits(64 * 1536 * per_token, arch, 64, 1536) is None
+    note = kv_cache_fits(10 * 1536 * per_token, arch, 64, 1536)
+    assert note.startswith("the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step")
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of rollout.max_model_len=5120 tokens \(0.70 GiB at "
+                                         r"rollout.tp=1\): raise rollout.kv_cache_gb"):
+        kv_cache_fits(4096 * per_token, arch, 64, 5120)
+
+
+def test_an_out_of_memory_failure_names_what_to_lower():
+    from megatron_jetrl.rl import faults
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    line = faults.report(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert "OutOfMemoryError: CUDA out of memory" in line
+    assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction or "
+                         "rollout.kv_cache_gb (the engine), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")

@@ -33,8 +33,8 @@ def test_every_preset_in_every_mode_is_valid(model, mode):
 
 
 def test_files_then_overrides_compose_in_order():
-    files, overrides = split_args([str(MODELS[0]), str(MODES[0]), "parallel.tp=1", "run.name=x=y"])
-    assert files == [str(MODELS[0]), str(MODES[0])] and overrides == ["parallel.tp=1", "run.name=x=y"]
+    files, overrides = split_args([str(MODELS[0]), str(MODES[0]), "parallel.tp=1", "rollout.tp=1", "run.name=x=y"])
+    assert files == [str(MODELS[0]), str(MODES[0])] and overrides == ["parallel.tp=1", "rollout.tp=1", "run.name=x=y"]
     cfg = load_config(files, overrides)
     assert cfg.parallel.tp == 1 and cfg.run.name == "x=y" and cfg.precision.mode == MODES[0].stem
 
