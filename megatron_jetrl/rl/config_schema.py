@@ -456,6 +456,12 @@ class JetRLConfig:
                        "linears' partial outputs in another order than the trainer, and FP8 re-quantization amplifies it "
                        "(trainer TP 2: mismatch 0.137 with TP-1 engines against 0.032 with TP-2 ones, BENCHMARKS.md); "
                        f"set rollout.tp={self.parallel.tp} for the lowest mismatch")
+        hidden = (self.model.hf_config or {}).get("hidden_size")
+        if self.rollout.engine == "vllm" and self.precision.rollout_fp8 and hidden and hidden < SMALL_FP8_HIDDEN:
+            out.append(f"hidden_size={hidden}: at this width the FP8 GEMMs are too small to pay for their quantization, and "
+                       "vLLM's FP8 decode adds host work per step: the GRPO step measured slower than bf16's (0.75x at hidden "
+                       "2560, 0.93x at 768; BENCHMARKS.md); the same flow in the native engine ran 1.26x at 2560 "
+                       "(rollout.engine=native: one engine on rank 0)" + (", which fits a one-rank run" if self.parallel.world_size == 1 else ""))
         return out
 
     def to_dict(self) -> dict:
@@ -464,6 +470,10 @@ class JetRLConfig:
             section = getattr(self, f.name)
             out[f.name] = {g.name: _plain(getattr(section, g.name)) for g in dataclasses.fields(section) if g.init}
         return out
+
+
+SMALL_FP8_HIDDEN = 4096
+"""Below this hidden size, FP8 with vLLM rollouts has measured slower than BF16 (`JetRLConfig.notices`)."""
 
 
 def _check(ok: bool, message: str) -> None:

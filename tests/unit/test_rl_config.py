@@ -126,3 +126,13 @@ def test_wrong_two_node_layouts_are_refused_with_their_reason():
         "grpo.prompts_per_step * rollout.n = 256 sequences do not split into parallel.dp=2 x grpo.updates_per_step=1 x "
         "grpo.micro_batch_size=3: pick sizes whose product divides 256")
     assert "do not split into parallel.dp=2" in _refusal("grpo.prompts_per_step=65")
+
+
+def test_fp8_with_vllm_below_the_width_where_it_pays_is_noted_with_the_faster_engine():
+    small = ["rollout.engine=vllm"]
+    notes = load_config(CONFIGS / "learning_curves.yaml", []).notices()
+    assert len(notes) == 1 and notes[0].startswith("hidden_size=768: at this width the FP8 GEMMs are too small")
+    assert notes[0].endswith("(rollout.engine=native: one engine on rank 0), which fits a one-rank run")
+    assert load_config(CONFIGS / "learning_curves.yaml", ["precision.mode=bf16"]).notices() == []
+    assert load_config(CONFIGS / "learning_curves.yaml", ["rollout.engine=native", "run.device=auto"]).notices() == []
+    assert load_config(CONFIGS / "gpu_8b_shapes.yaml", small).notices() == []  # hidden 4096: FP8 pays
