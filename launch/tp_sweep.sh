@@ -4,7 +4,7 @@
 #   bash launch/tp_sweep.sh [--tp "1 2 4 8"] [--modes "bf16 bf16-train-fp8-rollout jetrl"] [--steps 4]
 #                           [--out runs] [--max-procs N] [--] [CONFIG.yaml] [section.key=value ...]
 #
-# Each run is `launch/train_grpo.sh [CONFIG] run.steps=STEPS [overrides...] parallel.tp=TP rollout.tp=TP precision.mode=MODE
+# Each run is `launch/train_grpo.sh [CONFIG] run.steps=STEPS [overrides...] parallel.tp=TP [rollout.tp=TP with vLLM engines] precision.mode=MODE
 # run.name=sweep_tp<TP>_<MODE> run.out_dir=<OUT>/sweep_tp<TP>_<MODE>` (your overrides may change run.steps; the
 # sweep owns both TPs -- trainer and engines split alike -- and the mode, name and out_dir). A run directory left by an earlier sweep is deleted first, so no run
 # resumes from or mixes with old metrics. Each run's log: <OUT>/sweep_tp<TP>_<MODE>.log; its exit code and status:
@@ -120,6 +120,11 @@ json.dump({"status": status, "tp": int(tp), "mode": mode, "rc": None if rc == ""
            "log": log, "seconds": int(seconds)}, open(d + "/sweep_status.json", "w"))' "$@"
 }
 
+# vLLM engines split as the trainer does (rollout.tp = parallel.tp); the native engine is not tensor parallel
+engine=$("${config_cmd[@]}" "${config[@]}" "${overrides[@]}" --get rollout.engine 2>/dev/null | tail -n 1 | tr -d '[:space:]') || engine=""
+engine_tp=()
+[ "$engine" = vllm ] && engine_tp=("rollout.tp=TP")
+
 run_pid=""
 trap '[ -z "$run_pid" ] || kill -TERM "$run_pid" 2>/dev/null; echo "tp_sweep.sh: interrupted" >&2; exit 143' TERM INT HUP
 dirs=()
@@ -134,7 +139,7 @@ for tp in "${tp_list[@]}"; do
     log=$out/$name.log
     dirs+=("$dir")
     rm -rf "$dir"
-    args=("${config[@]}" "run.steps=$steps" "${overrides[@]}" "parallel.tp=$tp" "rollout.tp=$tp" "precision.mode=$mode" "run.name=$name" "run.out_dir=$dir")
+    args=("${config[@]}" "run.steps=$steps" "${overrides[@]}" "parallel.tp=$tp" "${engine_tp[@]/TP/$tp}" "precision.mode=$mode" "run.name=$name" "run.out_dir=$dir")
     world_rc=0
     world=$("${config_cmd[@]}" "${args[@]}" --get parallel.world_size 2>"$log") || world_rc=$?
     world=$(printf '%s' "$world" | tail -n 1 | tr -d '[:space:]')

@@ -183,7 +183,7 @@ def test_tp_sweep_runs_skips_and_reports(tmp_path):
     assert float(rows[2]["speedup_step"]) > 1.0  # the stub's FP8 steps are faster
     seen = ranks(out / "sweep_tp2_jetrl")[0]
     assert seen["argv"][:2] == ["run.steps=3", "stub.export=false"]  # user overrides after the sweep's step count
-    assert seen["argv"][-5:] == ["parallel.tp=2", "rollout.tp=2", "precision.mode=jetrl", "run.name=sweep_tp2_jetrl",
+    assert seen["argv"][-4:] == ["parallel.tp=2", "precision.mode=jetrl", "run.name=sweep_tp2_jetrl",
                                  f"run.out_dir={out / 'sweep_tp2_jetrl'}"]
     assert (out / "sweep_report.md").read_text().startswith("| TP | mode | rollout | status |")
     assert (out / "sweep_tp1_bf16.log").is_file()
