@@ -1,5 +1,11 @@
-"""GRPO with colocated vLLM on 4 GPUs of one host (skipped below 4): trainer TP 4 with rollout TP 4, and TP 2 x PP 2
-with rollout TP 2, two steps each in jetrl at Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers).
+"""GRPO on 4 GPUs of one host (skipped below 4).
+
+* Colocated vLLM: trainer TP 4 with rollout TP 4, and TP 2 x PP 2 with rollout TP 2, two steps each in jetrl at
+  Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers).
+* Pipeline exactness: TP 2 x PP 2 against TP 2 alone on the same rollouts (rank 0's native engine samples the same
+  tokens for both), and the FP8 export of the same initial weights from both layouts.
+* A rank of the second pipeline stage killed mid-step: the launcher's line names rank, stage and step, and the run
+  resumes from its last checkpoint to the uninterrupted run's metrics.
 
 Every rank's engine compares its weights with the bytes it was sent after every sync, the first included
 (rollout/vllm_engine.py), and refuses to go on otherwise: a run that ends is a run whose every rank received the
@@ -8,11 +14,14 @@ the second stage's layers over the pipeline broadcast (actor/weight_stream.py). 
 FP8 floor's scale, the sync against the model's size.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +50,86 @@ def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
         assert all(r[f"sync/{part}_s"] >= 0 for part in ("stream", "validate", "copy"))
         assert 0 < r["mismatch/mean_abs_diff"] < 0.3 and r["mismatch/tokens"] > 0
         assert r["tp"] * r["pp"] == 4 and r["rollout_tp"] == r["tp"]
+
+
+def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict]]:
+    """`launch/train_grpo.sh ARGS run.out_dir=out`: exit code, output and metrics rows."""
+    cmd = ["bash", "launch/train_grpo.sh", *args, f"run.out_dir={out}", f"run.name={out.name}"]
+    full = dict(os.environ, PYTHON=sys.executable, NCCL_NVLS_ENABLE="0", **(env or {}),
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    return done.returncode, done.stdout + done.stderr, [json.loads(line) for line in lines]
+
+
+def numerics(row: dict) -> dict:
+    """A metrics line without its wall-clock, throughput and layout keys."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))
+            and k not in ("tp", "pp", "dp", "rollout_tp")}
+
+
+NATIVE_8B = ["configs/gpu_8b_shapes.yaml", "rollout.engine=native", "run.steps=2", "rollout.max_new_tokens=128",
+             "grpo.prompts_per_step=16", "grpo.micro_batch_size=16"]
+
+
+def test_pp2_trains_the_first_step_as_pp1_on_the_same_rollouts(tmp_path):
+    """TP 2 x PP 2 against TP 2 (2 of the GPUs), jetrl: rank 0's native engine samples the same tokens for both, each
+    stage runs the same TP 2 layers on the same micro-batches, and the last stage computes the loss in the same order,
+    so the first step's loss, KL, clip fraction, reward and mismatch are equal bit for bit. The second step starts
+    from weights updated with a gradient norm summed over the stages (two partial sums instead of one), so it is
+    compared within float rounding."""
+    runs = {}
+    for name, layout in (("pp1", ["parallel.tp=2"]), ("pp2", ["parallel.tp=2", "parallel.pp=2"])):
+        rc, output, rows = launch(tmp_path / name, *NATIVE_8B, *layout)
+        assert rc == 0, output[-4000:]
+        runs[name] = rows
+    first = numerics(runs["pp1"][0])
+    assert numerics(runs["pp2"][0]) == first
+    for key, value in numerics(runs["pp1"][1]).items():
+        if isinstance(value, float) and key.startswith("loss/"):
+            assert abs(runs["pp2"][1][key] - value) <= 1e-5 * max(1.0, abs(value)), (key, runs["pp2"][1][key], value)
+
+
+def export_digests(out: Path) -> dict[str, str]:
+    export = out / "export"
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(export.iterdir()) if p.is_file()}
+
+
+SMALL = ["configs/learning_curves.yaml", "model.hf_config.tie_word_embeddings=false", "warmup.steps=0", "data.heldout=0",
+         "run.eval_every=0"]
+
+
+def test_pp2_exports_the_bytes_pp1_exports(tmp_path):
+    """The initial weights (same seed; run.steps=0 saves and exports them) through the FP8 converter from TP 2 and
+    from TP 2 x PP 2: every file of the export is the same bytes."""
+    digests = {}
+    for name, layout in (("pp1", ["parallel.tp=2"]), ("pp2", ["parallel.tp=2", "parallel.pp=2"])):
+        rc, output, _ = launch(tmp_path / name, *SMALL, *layout, "precision.mode=jetrl", "run.steps=0", "run.checkpoint=true",
+                               "run.export=true")
+        assert rc == 0, output[-4000:]
+        digests[name] = export_digests(tmp_path / name)
+    assert any(name.endswith(".safetensors") for name in digests["pp1"]), digests["pp1"]
+    assert digests["pp2"] == digests["pp1"]
+
+
+def test_kill9_of_a_second_stage_rank_names_it_and_the_run_resumes_exactly(tmp_path):
+    """TP 2 x PP 2 with colocated vLLM (bf16, eager): rank 2 (stage 1) is killed before the update of step 1; the
+    launcher's last line names it with its step, phase and stage; launched again, the run resumes from checkpoint
+    step 1 and its metrics equal an uninterrupted run's at every step."""
+    args = [*SMALL, "parallel.tp=2", "parallel.pp=2", "rollout.tp=2", "rollout.engine=vllm", "rollout.enforce_eager=true",
+            "precision.mode=bf16", "rollout.max_new_tokens=64", "grpo.prompts_per_step=8", "run.steps=3",
+            "run.save_every=1", "run.checkpoint=true", "run.export=false"]
+    faulty = {"JETRL_TRAIN_MODULE": "megatron_jetrl.rl.fault_injection", "JETRL_CONFIG_MODULE": "megatron_jetrl.rl.config"}
+    rc, output, reference = launch(tmp_path / "reference", *args, env=faulty)
+    assert rc == 0, output[-4000:]
+    out = tmp_path / "killed"
+    rc, output, rows = launch(out, *args, env={**faulty, "JETRL_FAULT": "kill@update:step=1:rank=2"})
+    assert rc == 137, output[-4000:]
+    assert re.search(r"rank 2 failed first \(exit code 137, SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2",
+                     output), output[-3000:]
+    assert [r["step"] for r in rows] == [0]
+    rc, output, rows = launch(out, *args, env=faulty)
+    assert rc == 0, output[-4000:]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for ours, theirs in zip(rows, reference):
+        assert numerics(ours) == numerics(theirs), ours["step"]

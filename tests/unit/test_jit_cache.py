@@ -94,3 +94,75 @@ def test_the_launcher_can_ask_the_warm_command_for_the_world_size():
     done = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml", "parallel.tp=2",
                            "--get", "parallel.world_size"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "2"
+
+
+# ---- rl/warm_gemms.py: which GEMMs are compiled ahead ---------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from megatron_jetrl.rl import warm_gemms  # noqa: E402
+from megatron_jetrl.rl.config import split_args  # noqa: E402
+
+E2E = [str(REPO / "configs/models/qwen3-8b-base.yaml"), str(REPO / "configs/e2e_8b.yaml")]
+
+
+@given(max_m=st.integers(1, 40000), n=st.integers(1, 30000), sms=st.integers(1, 200))
+@settings(max_examples=200, deadline=None)
+def test_m_values_hold_every_boundary_of_the_heuristic(max_m, n, sms):
+    ms = warm_gemms.m_values(max_m, n, sms)
+    assert ms == sorted(set(ms)) and all(1 <= m <= max_m for m in ms)
+    assert {m for m in (1, 2, 4, 8, 16, 64) if m <= max_m} <= set(ms)
+    assert set(range(64, max_m + 1, 64)) <= set(ms)  # every block_m boundary
+    for block_n in (16, 128, 256):
+        if block_n <= n:
+            waves = {w * sms * 128 // -(-n // block_n) for w in range(1, 11)}
+            assert {m for m in waves if 1 <= m <= max_m} <= set(ms)
+
+
+def gpu_config(monkeypatch, *overrides):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a config for a GPU run, resolved on this CPU box
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    return load_config(*split_args([*E2E, *overrides]))
+
+
+@pytest.mark.parametrize("layout, train_tp, rollout_tp", [(["parallel.tp=4", "rollout.tp=4"], 4, 4),
+                                                          (["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"], 2, 2),
+                                                          (["parallel.tp=4", "rollout.engine=native", "rollout.tp=1"], 4, 1)])
+def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, train_tp, rollout_tp):
+    cfg = gpu_config(monkeypatch, "precision.mode=jetrl", *layout)
+    items = warm_gemms.work_items(cfg, num_sms=132, procs=48)
+    arch = cfg.arch()
+    max_len = min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
+    train_m = cfg.grpo.micro_batch_size * max_len
+    for tp in {train_tp, rollout_tp}:
+        for _, n, k in warm_gemms.linear_shapes(arch, tp):
+            fwd = sorted(m for it in items if it[:2] == (n, k) and not it[3] for m in it[2])
+            bwd = sorted(m for it in items if it[:2] == (n, k) and it[3] for m in it[2])
+            assert len(fwd) == len(set(fwd)) and len(bwd) == len(set(bwd))  # no M twice
+            assert set(fwd) | set(bwd) >= set(warm_gemms.m_values(max(warm_gemms.PREFILL_TOKENS, train_m), n, 132))
+            if tp == train_tp:  # the trainer's backward: DGrad's output is K wide, so K's boundaries too
+                assert set(bwd) >= {m for m in warm_gemms.m_values(train_m, k, 132) if m >= 128}
+            elif (n, k) not in {(n2, k2) for _, n2, k2 in warm_gemms.linear_shapes(arch, train_tp)}:
+                assert not bwd  # the engine's own shapes: forward only
+    assert 40 <= len(items) <= 60  # pieces for 48 processes
+
+
+def test_shapes_per_rank_are_the_fused_linears_split_by_tp(monkeypatch):
+    arch = gpu_config(monkeypatch).arch()
+    assert warm_gemms.linear_shapes(arch, 4) == [("linear_qkv", 1536, 4096), ("linear_proj", 4096, 1024),
+                                                 ("linear_fc1", 6144, 4096), ("linear_fc2", 4096, 3072)]
+
+
+def test_bf16_compiles_nothing_and_the_foil_only_the_engines_forward(monkeypatch):
+    assert warm_gemms.work_items(gpu_config(monkeypatch, "precision.mode=bf16"), 132, 8) == []
+    foil = warm_gemms.work_items(gpu_config(monkeypatch, "precision.mode=bf16-train-fp8-rollout"), 132, 8)
+    assert foil and not any(backward for *_, backward in foil)
+
+
+def test_warm_gemms_on_a_cpu_box_says_nothing_is_compiled():
+    done = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_gemms", *E2E], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "no CUDA GPU here: nothing is JIT-compiled" in done.stdout, done.stderr

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Qwen3-8B end to end on one node of 4 GPUs (configs/models/qwen3-8b-base.yaml + configs/e2e_8b.yaml): the precision
+# modes side by side in one layout, the pipeline layouts, and the 4-GPU tests.
+#
+#   bash tools/gpu/gpu_e2e.sh STAGE...     STAGE: setup | warm | e2e | pp | tests | jit-save
+#
+#   setup     .whl/*.whl -> /tmp/mcore when megatron-core is missing; the vLLM kit must be unpacked (shared/kits/README.md)
+#   warm      python -m megatron_jetrl.rl.warm_gemms for the TP 4 and TP 2 layouts (the FP8 kernels of every later run)
+#   e2e       one GRPO run per mode in $MODES at $LAYOUT (default "parallel.tp=4 rollout.tp=4"), responses of $LEN tokens
+#   pp        the same at TP 2 x PP 2 (rollout TP 2; two engines, each holding the whole model), modes $PP_MODES
+#   tests     tests/gpu/test_grpo_4gpu.py (sync bytes at TP 4 and TP 2 x PP 2, PP exactness, a killed stage)
+#   jit-save  the DeepGEMM cache -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
+# Per run: <name>.log and <name>.metrics.jsonl in $OUT, and <name>.mem: every GPU's used memory (MiB) sampled each
+# second by nvidia-smi, whose per-GPU maximum the report prints. Then tools/sweep_report.py over the runs of the
+# stage -> $OUT/<stage>_report.{md,csv}.
+#
+# Environment: OUT (default out/gpu_e2e), WORK (run directories, default /dev/shm/jetrl_e2e), STEPS (default 3),
+# LEN (1024), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
+# ARGS (extra overrides for every run).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+OUT=${OUT:-$repo/out/gpu_e2e}
+WORK=${WORK:-/dev/shm/jetrl_e2e}
+LEN=${LEN:-1024}
+CONFIGS=(configs/models/qwen3-8b-base.yaml configs/e2e_8b.yaml)
+mkdir -p "$OUT" "$WORK"
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_e2e.sh STAGE... (setup | warm | e2e | pp | tests | jit-save)"; exit 2; }
+export PYTHONPATH=/tmp/mcore:$repo${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 PYTHONUNBUFFERED=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+length_args() {  # responses of $1 tokens: micro-batches of about 8K tokens
+  local mbs=$(( 8192 / ($1 + 16) )); [ "$mbs" -lt 1 ] && mbs=1
+  echo "rollout.max_new_tokens=$1 grpo.micro_batch_size=$mbs"
+}
+
+run() {  # NAME OVERRIDES...: one GRPO run with GPU memory sampled; metrics, log and memory samples -> $OUT
+  local name=$1 dir=$WORK/$1 smi rc t0; shift
+  rm -rf "$dir"; t0=$(date +%s)
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 >"$OUT/$name.mem" 2>/dev/null & smi=$!
+  timeout -k 20 "${RUN_TIMEOUT:-900}" bash launch/train_grpo.sh "${CONFIGS[@]}" "$@" "run.name=$name" "run.out_dir=$dir" \
+    ${ARGS:-} >"$OUT/$name.log" 2>&1
+  rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  echo "{\"rc\": $rc}" >"$dir/sweep_status.json" 2>/dev/null
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; peak MiB per GPU: $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' "$OUT/$name.mem")"
+  [ "$rc" = 0 ] || grep -v -E "UserWarning|warnings.warn" "$OUT/$name.log" | tail -12
+}
+
+modes() {  # STAGE LAYOUT_TAG MODES OVERRIDES...
+  local stage=$1 tag=$2 mode dirs=(); shift 2
+  local list=$1; shift
+  for mode in $list; do
+    run "${stage}_${tag}_${LEN}_$mode" "precision.mode=$mode" "run.steps=${STEPS:-3}" $(length_args "$LEN") "$@"
+    dirs+=("$WORK/${stage}_${tag}_${LEN}_$mode")
+  done
+  python3 tools/sweep_report.py "${dirs[@]}" -o "$OUT/${stage}_${tag}_${LEN}_report"
+}
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== stage $stage $(date -u +%TZ)"
+  case $stage in
+    setup)
+      python3 -c "import megatron.core, math_verify" 2>/dev/null \
+        || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/*.whl
+      python3 -c "import vllm" 2>/dev/null || { echo "vLLM is not importable: unpack the kit, source /tmp/vllm-site/env.sh"; exit 3; }
+      nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader ;;
+    warm)
+      for layout in "parallel.tp=4 rollout.tp=4" "parallel.tp=2 parallel.pp=2 rollout.tp=2"; do
+        python3 -m megatron_jetrl.rl.warm_gemms "${CONFIGS[@]}" precision.mode=jetrl $layout $(length_args "$LEN") 2>&1 \
+          | grep -v -E "UserWarning|warnings.warn" | tail -4
+      done
+      python3 -m megatron_jetrl.rl.warm_gemms configs/gpu_8b_shapes.yaml rollout.engine=native parallel.tp=2 \
+        grpo.micro_batch_size=16 2>&1 | grep -v -E "UserWarning|warnings.warn" | tail -2 ;;  # the tests' native engine
+    e2e) modes e2e "$(echo "${LAYOUT:-parallel.tp=4 rollout.tp=4}" | tr -dc 'a-z0-9' | sed 's/paralleltp/tp/; s/rollouttp/rtp/')" \
+           "${MODES:-bf16 jetrl bf16-train-fp8-rollout}" ${LAYOUT:-parallel.tp=4 rollout.tp=4} ;;
+    pp) modes pp tp2pp2 "${PP_MODES:-bf16 jetrl}" parallel.tp=2 parallel.pp=2 rollout.tp=2 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_grpo_4gpu.py --basetemp="$WORK/pytest" 2>&1 \
+             | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/tests_4gpu.log" | tail -40 ;;
+    jit-save) bash tools/gpu/jit_cache.sh save "$OUT" ;;
+    *) echo "unknown stage $stage (setup | warm | e2e | pp | tests | jit-save)"; exit 2 ;;
+  esac
+  echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
+done
