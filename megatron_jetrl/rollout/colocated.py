@@ -146,6 +146,8 @@ class ColocatedPool:
             self.engine.wake(["weights"])
         done = self.engine.update_weights(weights, phases=parts)
         with parts("wake_kv"):
+            if self.short_of_memory():  # the stream's buffers may have taken the spare: hand cached blocks back again
+                torch.cuda.empty_cache()
             self.engine.wake(["kv_cache"])
         self.last_sync = SyncStats(tensors=done["tensors"], bytes=done["bytes"], buckets=1,
                                    seconds=time.perf_counter() - start, parts=dict(parts))
