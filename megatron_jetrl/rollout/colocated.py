@@ -146,7 +146,7 @@ class ColocatedPool:
             self.engine.wake(["weights"])
         done = self.engine.update_weights(weights, phases=parts)
         with parts("wake_kv"):
-            if self.short_of_memory():  # the stream's buffers may have taken the spare: hand cached blocks back again
+            if self.wake_bytes is not None and self.short_of_memory():  # the stream's buffers took the spare: again
                 torch.cuda.empty_cache()
             self.engine.wake(["kv_cache"])
         self.last_sync = SyncStats(tensors=done["tensors"], bytes=done["bytes"], buckets=1,
