@@ -100,6 +100,18 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     return ddp, optimizer
 
 
+def unallocated_state_bytes(optimizer) -> int:
+    """Bytes that Adam's two moments will take on this rank when the first step allocates them (0 once they exist; this
+    rank's ZeRO-1 shard under the distributed optimizer): memory free now that will not be free later, which a
+    colocated engine sizing its KV cache at start-up must leave to the trainer."""
+    total = 0
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", o)
+        for group in getattr(inner, "param_groups", []):
+            total += sum(2 * p.numel() * p.element_size() for p in group["params"] if not inner.state.get(p))
+    return total
+
+
 def _torch_adams(optimizer) -> list:
     """The torch Adam/AdamW inside megatron's (chained) optimizer whose params all live on CUDA in FP32."""
     found = []

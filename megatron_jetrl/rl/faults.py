@@ -274,9 +274,10 @@ def report(exc: BaseException, tb=None) -> str:
         if note:
             line += f"; {note}"
     chain = _chain(exc)
-    if any(type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e) for e in chain):
-        line += ("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction or "
-                 "rollout.kv_cache_gb (the engine), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
+    if any(type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower() for e in chain):  # torch's, vLLM's cumem
+        line += ("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
+                 "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), or spread the actor wider "
+                 "(parallel.tp, parallel.pp, optim.distributed)")
     codes = {e.errno for e in chain if isinstance(e, OSError)}
     full = bool(codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}) or any("No space left on device" in str(e) for e in chain)
     if phase in ("save", "export") or codes or full:

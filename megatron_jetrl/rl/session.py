@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_jetrl.actor.provider import ActorOptions, build_model
-from megatron_jetrl.actor.train_step import wrap_for_training
+from megatron_jetrl.actor.train_step import unallocated_state_bytes, wrap_for_training
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
@@ -142,11 +142,12 @@ def start_vllm_pool(s: "Session") -> None:
         write_model_dir(model_dir, s.cfg.model.architecture(), s.flow)
     dist.barrier()
     free, total = torch.cuda.mem_get_info()
+    later = free - unallocated_state_bytes(s.optimizer)  # Adam's moments arrive with the first update: not the KV cache's
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
     max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
     groups = dist.get_world_size() // r.tp
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
-    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(free, weights, r.kv_cache_fraction,
+    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(later, weights, r.kv_cache_fraction,
                                                       kv_cache_need(s.arch, seqs, max_len, r.tp))
     try:
         note = kv_cache_fits(kv, s.arch, seqs, max_len, r.tp)

@@ -2,8 +2,8 @@
 
 * Colocated vLLM: trainer TP 4 with rollout TP 4, and TP 2 x PP 2 with rollout TP 2, two steps each in jetrl at
   Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers).
-* Pipeline exactness: TP 2 x PP 2 against TP 2 alone on the same rollouts (rank 0's native engine samples the same
-  tokens for both), and the FP8 export of the same initial weights from both layouts.
+* Pipeline exactness, both layouts starting from one export: TP 2 x PP 2 against TP 2 alone on the same rollouts
+  (rank 0's native engine samples the same tokens for both), and the FP8 export of the same weights from both.
 * A rank of the second pipeline stage killed mid-step: the launcher's line names rank, stage and step, and the run
   resumes from its last checkpoint to the uninterrupted run's metrics.
 
@@ -68,23 +68,38 @@ def numerics(row: dict) -> dict:
             and k not in ("tp", "pp", "dp", "rollout_tp")}
 
 
-NATIVE_8B = ["configs/gpu_8b_shapes.yaml", "rollout.engine=native", "run.steps=2", "rollout.max_new_tokens=128",
-             "grpo.prompts_per_step=16", "grpo.micro_batch_size=16"]
+SMALL = ["configs/learning_curves.yaml", "model.hf_config.tie_word_embeddings=false", "warmup.steps=0", "data.heldout=0",
+         "run.eval_every=0"]
+"""An 85M-parameter Qwen2-shaped model (12 layers, untied: a tied embedding's two copies differ in a last bit at PP > 1)."""
 
 
-def test_pp2_trains_the_first_step_as_pp1_on_the_same_rollouts(tmp_path):
-    """TP 2 x PP 2 against TP 2 (2 of the GPUs), jetrl: rank 0's native engine samples the same tokens for both, each
-    stage runs the same TP 2 layers on the same micro-batches, and the last stage computes the loss in the same order,
-    so the first step's loss, KL, clip fraction, reward and mismatch are equal bit for bit. The second step starts
-    from weights updated with a gradient norm summed over the stages (two partial sums instead of one), so it is
-    compared within float rounding."""
+@pytest.fixture(scope="module")
+def start_weights(tmp_path_factory) -> Path:
+    """One FP8 export of a random init (run.steps=0: the warm-start alone, saved and exported): random init draws
+    per rank, so runs of two layouts start from the same weights only through a checkpoint, as users' runs do."""
+    out = tmp_path_factory.mktemp("start") / "init"
+    rc, output, _ = launch(out, *SMALL, "parallel.tp=2", "precision.mode=jetrl", "run.steps=0", "run.checkpoint=true",
+                           "run.export=true")
+    assert rc == 0, output[-4000:]
+    return out / "export"
+
+
+LAYOUTS = (("pp1", ["parallel.tp=2"]), ("pp2", ["parallel.tp=2", "parallel.pp=2"]))
+
+
+def test_pp2_trains_the_first_step_as_pp1_on_the_same_rollouts(tmp_path, start_weights):
+    """TP 2 x PP 2 against TP 2 (2 of the GPUs), jetrl, from the same weights: rank 0's native engine samples the same
+    tokens for both, each stage runs the same TP 2 layers on the same micro-batches, and the last stage computes the
+    loss in the same order, so the first step's loss, reward and mismatch are equal bit for bit. The second step
+    starts from weights updated with a gradient norm summed over the stages (two partial sums instead of one), so its
+    losses are compared within float rounding."""
     runs = {}
-    for name, layout in (("pp1", ["parallel.tp=2"]), ("pp2", ["parallel.tp=2", "parallel.pp=2"])):
-        rc, output, rows = launch(tmp_path / name, *NATIVE_8B, *layout)
+    for name, layout in LAYOUTS:
+        rc, output, rows = launch(tmp_path / name, *SMALL, *layout, f"model.path={start_weights}", "rollout.engine=native",
+                                  "precision.mode=jetrl", "run.steps=2", "rollout.max_new_tokens=128", "grpo.prompts_per_step=8")
         assert rc == 0, output[-4000:]
         runs[name] = rows
-    first = numerics(runs["pp1"][0])
-    assert numerics(runs["pp2"][0]) == first
+    assert numerics(runs["pp2"][0]) == numerics(runs["pp1"][0])
     for key, value in numerics(runs["pp1"][1]).items():
         if isinstance(value, float) and key.startswith("loss/"):
             assert abs(runs["pp2"][1][key] - value) <= 1e-5 * max(1.0, abs(value)), (key, runs["pp2"][1][key], value)
@@ -95,17 +110,13 @@ def export_digests(out: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(export.iterdir()) if p.is_file()}
 
 
-SMALL = ["configs/learning_curves.yaml", "model.hf_config.tie_word_embeddings=false", "warmup.steps=0", "data.heldout=0",
-         "run.eval_every=0"]
-
-
-def test_pp2_exports_the_bytes_pp1_exports(tmp_path):
-    """The initial weights (same seed; run.steps=0 saves and exports them) through the FP8 converter from TP 2 and
-    from TP 2 x PP 2: every file of the export is the same bytes."""
+def test_pp2_exports_the_bytes_pp1_exports(tmp_path, start_weights):
+    """The same weights (imported from one export) saved and exported through the FP8 converter from TP 2 and from
+    TP 2 x PP 2: every file of the two exports is the same bytes."""
     digests = {}
-    for name, layout in (("pp1", ["parallel.tp=2"]), ("pp2", ["parallel.tp=2", "parallel.pp=2"])):
-        rc, output, _ = launch(tmp_path / name, *SMALL, *layout, "precision.mode=jetrl", "run.steps=0", "run.checkpoint=true",
-                               "run.export=true")
+    for name, layout in LAYOUTS:
+        rc, output, _ = launch(tmp_path / name, *SMALL, *layout, f"model.path={start_weights}", "precision.mode=jetrl",
+                               "run.steps=0", "run.checkpoint=true", "run.export=true")
         assert rc == 0, output[-4000:]
         digests[name] = export_digests(tmp_path / name)
     assert any(name.endswith(".safetensors") for name in digests["pp1"]), digests["pp1"]

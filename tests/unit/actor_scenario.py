@@ -74,12 +74,13 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
     from megatron_jetrl.actor.fp8_layers import fp8_weights
     from megatron_jetrl.actor.logprobs import compute_logprobs
     from megatron_jetrl.actor.provider import build_model
-    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, unallocated_state_bytes, wrap_for_training
     from megatron_jetrl.fp8 import QuantizedWeight
 
     model, arch, flow = _build("qwen3", mode, ckpt_root, sequence_parallel)
     optim = OptimConfig(lr=LR, clip_grad=1.0, distributed=distributed)
     ddp, optimizer = wrap_for_training(model, optim)
+    unallocated = unallocated_state_bytes(optimizer)
     tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -96,7 +97,8 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
             for n in after
         ))
     result = {"steps": steps, "fp8_requantized": fresh_fp8, "fp8_names": sorted(fp8_weights(model)),
-              "adam_state_numel": _adam_state_numel(optimizer), "param_numel": sum(p.numel() for p in model.parameters())}
+              "adam_state_numel": _adam_state_numel(optimizer), "param_numel": sum(p.numel() for p in model.parameters()),
+              "unallocated_bytes": [unallocated, unallocated_state_bytes(optimizer)]}
     result["logprobs"] = compute_logprobs(ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
     if save_dir is not None:
         save_checkpoint(ddp, save_dir, hf_config=CONFIGS["qwen3"], flow=flow, iteration=STEPS, optimizer=optimizer)

@@ -188,6 +188,8 @@ def test_distributed_optimizer_matches_the_replicated_one(results, distributed, 
         assert [s["grad_norm"] for s in t["steps"]] == pytest.approx([s["grad_norm"] for s in want["steps"]], rel=10 * rel)
         assert all(t["fp8_requantized"]) if mode == "jetrl" else True
         assert want["adam_state_numel"] == want["param_numel"]  # replicated: all of it on each rank
+        for run in (t, want):  # before the first step: both FP32 moments of this rank's share, still unallocated; after: none
+            assert run["unallocated_bytes"] == [2 * 4 * run["adam_state_numel"], 0]
         assert t["adam_state_numel"] <= 0.55 * t["param_numel"]  # distributed: its half (+ bucket padding)
         assert t["resumed_iteration"] == sc.STEPS and torch.equal(t["resumed_logprobs"], t["logprobs"])
         assert t["resumed_next_losses"] == t["next_losses"]  # the 2nd step used the sharded state: it came back exactly

@@ -191,13 +191,18 @@ def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_noted
         kv_cache_fits(4096 * per_token, arch, 64, 5120)
 
 
-def test_an_out_of_memory_failure_names_what_to_lower():
+@pytest.mark.parametrize("error", [
+    "CUDA out of memory. Tried to allocate 2.00 GiB",  # torch's caching allocator (torch.OutOfMemoryError)
+    "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",  # vLLM waking its KV cache (a RuntimeError)
+])
+def test_an_out_of_memory_failure_names_what_to_lower(error):
     from megatron_jetrl.rl import faults
 
     class OutOfMemoryError(RuntimeError):
         pass
 
-    line = faults.report(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert "OutOfMemoryError: CUDA out of memory" in line
-    assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction or "
-                         "rollout.kv_cache_gb (the engine), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
+    line = faults.report(OutOfMemoryError(error) if "Tried" in error else RuntimeError(error))
+    assert error in line
+    assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
+                         "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), or spread the actor wider "
+                         "(parallel.tp, parallel.pp, optim.distributed)")
