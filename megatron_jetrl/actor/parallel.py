@@ -100,6 +100,11 @@ def destroy_parallel() -> None:
     _OWNS_PROCESS_GROUP = False
 
 
+def group_device(group) -> torch.device:
+    """Where a collective over `group` takes its tensors: this rank's GPU under NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def from_last_stage(value):
     """`value` as the last stage of this rank's pipeline holds it, on every stage of it (itself at PP 1)."""
     from megatron.core import parallel_state as ps
@@ -108,6 +113,5 @@ def from_last_stage(value):
         return value
     group = ps.get_pipeline_model_parallel_group()
     box = [value]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group, device=device)
+    dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group, device=group_device(group))
     return box[0]

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.actor.fp8_layers import fp8_weights, unwrap
+from megatron_jetrl.actor.parallel import group_device
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
 from megatron_jetrl.models import ModelArch, hf_tensors, model_entries
+from megatron_jetrl.models.export import stream_layout
 
 
 def _tp_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -68,40 +70,42 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     mine = hf_tensors(arch, flow, model_entries(arch, pp_rank=stage, pp_size=pp, spec=spec), fetch, fetch_fp8)
-    pairs = mine if pp == 1 else _across_stages(mine, stage, pp)
+    pairs = mine if pp == 1 else _across_stages(mine, stage, pp, [
+        stream_layout(arch, flow, model_entries(arch, pp_rank=source, pp_size=pp, spec=spec)) for source in range(pp)])
     if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
         drain(pairs)
 
 
-def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int,
+                   layouts: list[list[tuple[str, tuple[int, ...], torch.dtype]]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's pairs on every rank of this pipeline group, stage by stage: the PP 1 stream's order (embedding,
-    layers, final norm, lm_head). The stage that holds a tensor broadcasts its (name, shape, dtype), then its bytes
-    (FP8 as `uint8`: gloo refuses float8); the end of a stage is a None header."""
+    layers, final norm, lm_head). Each rank knows every stage's names, shapes and dtypes from the mapping table
+    (`layouts`, per stage), so only bytes travel: one broadcast per tensor from the stage that holds it (FP8 as
+    `uint8`: gloo refuses float8). The sender checks its own pairs against the layout first."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    for source in range(pp):
+    device = group_device(group)
+    for source, layout in enumerate(layouts):
         sending = source == stage
         it = iter(mine) if sending else None
-        while True:
-            pair = next(it, None) if sending else None
-            header = [None if pair is None else (pair[0], tuple(pair[1].shape), str(pair[1].dtype).removeprefix("torch."))]
-            dist.broadcast_object_list(header, src=ranks[source], group=group, device=device)
-            if header[0] is None:
-                break
-            name, shape, dtype = header[0]
-            dtype = getattr(torch, dtype)
+        for name, shape, dtype in layout:
             if sending:
-                wire = pair[1].detach().contiguous()
+                got, tensor = next(it, (None, None))
+                if (got, tuple(tensor.shape) if tensor is not None else None, getattr(tensor, "dtype", None)) != (name, shape, dtype):
+                    raise RuntimeError(f"pipeline stage {stage} streams {got!r} {getattr(tensor, 'shape', None)} "
+                                       f"{getattr(tensor, 'dtype', None)} where the mapping table has {name!r} {shape} {dtype}")
+                wire = tensor.detach().contiguous()
             else:
                 wire = torch.empty(shape, dtype=dtype, device=device)
-            wire = wire.view(torch.uint8) if dtype == torch.float8_e4m3fn else wire
-            dist.broadcast(wire, src=ranks[source], group=group)
-            yield name, wire.view(dtype)
+            bytes_ = wire.view(torch.uint8) if dtype == torch.float8_e4m3fn else wire
+            dist.broadcast(bytes_, src=ranks[source], group=group)
+            yield name, wire
+        if sending and next(it, None) is not None:
+            raise RuntimeError(f"pipeline stage {stage} streams more tensors than the mapping table gives it")
 
 
 def model_spec(model) -> str:

@@ -6,28 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.models.export import hf_shape, stream_layout
 from megatron_jetrl.models.mapping import Entry, from_hf, model_entries, rank_slice
 
 BLOCK = 128
-
-
-def hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
-    """Shape of HF tensor `name` of this architecture."""
-    h, hd = arch.hidden_size, arch.head_dim
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return (hd,)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-        return (h,)
-    if "embed_tokens" in name or name.startswith("lm_head"):
-        return (arch.vocab_size, h)
-    rows = {"q_proj": arch.num_heads * hd, "k_proj": arch.num_kv_heads * hd, "v_proj": arch.num_kv_heads * hd,
-            "o_proj": h, "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": h}
-    cols = {"o_proj": arch.num_heads * hd, "down_proj": arch.intermediate_size}
-    for key, r in rows.items():
-        if f".{key}." in name:
-            return (r,) if name.endswith(".bias") else (r, cols.get(key, h))
-    raise KeyError(f"no known HF shape for {name!r}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,16 +20,8 @@ def cdiv(a: int, b: int) -> int:
 
 def expected_hf_tensors(arch: ModelArch, fp8: bool) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor of the HF checkpoint (FP8 block format when `fp8`)."""
-    out = {}
-    for entry in model_entries(arch):
-        for name in entry.hf:
-            shape = hf_shape(arch, name)
-            if fp8 and entry.fp8:
-                out[name] = (torch.float8_e4m3fn, shape)
-                out[name.removesuffix("weight") + "weight_scale_inv"] = (torch.float32, (cdiv(shape[0], BLOCK), cdiv(shape[1], BLOCK)))
-            else:
-                out[name] = (torch.bfloat16, shape)
-    return out
+    flow = PrecisionFlow(mode="jetrl" if fp8 else "bf16")
+    return {name: (dtype, shape) for name, shape, dtype in stream_layout(arch, flow, model_entries(arch))}
 
 
 def local_shapes(arch: ModelArch, entry: Entry, tp: int) -> list[tuple[int, ...]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, scale_shape
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.mapping import Entry, gather_ranks, to_hf
 
@@ -21,6 +21,40 @@ RankFP8 = Callable[[str], list[QuantizedWeight]]
 def quantize_ranks(fetch: RankTensors, flow: PrecisionFlow) -> RankFP8:
     """FP8 weights for each TP rank's shard, quantized as the trainer's forward quantizes them."""
     return lambda name: [QuantizedWeight.quantize(t, flow) for t in fetch(name)]
+
+
+def hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
+    """Shape of HF tensor `name` of this architecture."""
+    h, hd = arch.hidden_size, arch.head_dim
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (hd,)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return (h,)
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return (arch.vocab_size, h)
+    rows = {"q_proj": arch.num_heads * hd, "k_proj": arch.num_kv_heads * hd, "v_proj": arch.num_kv_heads * hd,
+            "o_proj": h, "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": h}
+    cols = {"o_proj": arch.num_heads * hd, "down_proj": arch.intermediate_size}
+    for key, r in rows.items():
+        if f".{key}." in name:
+            return (r,) if name.endswith(".bias") else (r, cols.get(key, h))
+    raise KeyError(f"no known HF shape for {name!r}")
+
+
+def stream_layout(arch: ModelArch, flow: PrecisionFlow, entries: list[Entry], *,
+                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every pair `hf_tensors` yields for `entries`, in its order, without a tensor: what an
+    engine expects of a whole stream, and what a receiver allocates before a pipeline stage's bytes arrive."""
+    out = []
+    for entry in entries:
+        for name in entry.hf:
+            shape = hf_shape(arch, name)
+            if entry.fp8 and flow.rollout_fp8:
+                out += [(name, shape, torch.float8_e4m3fn),
+                        (name.removesuffix("weight") + "weight_scale_inv", scale_shape(shape, (128, 128)), torch.float32)]
+            else:
+                out.append((name, shape, dtype))
+    return out
 
 
 def _gather(entry: Entry, arch: ModelArch, per_rank: list[torch.Tensor], unit: int, hf_rows: int | None):

@@ -29,6 +29,7 @@ from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forwa
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
 from megatron_jetrl.models import batch_invariant_ops as ops
+from megatron_jetrl.models.export import stream_layout
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.decode_graphs import DecodeGraphs
 from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator
@@ -41,39 +42,9 @@ class WeightUpdateError(ValueError):
     """A weight batch was refused; nothing of it was applied."""
 
 
-def _hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
-    h, hd = arch.hidden_size, arch.head_dim
-    q_rows, kv_rows = arch.num_heads * hd, arch.num_kv_heads * hd
-    if "embed_tokens" in name or name.startswith("lm_head"):
-        return (arch.vocab_size, h)
-    if "q_norm" in name or "k_norm" in name:
-        return (hd,)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-        return (h,)
-    bias = name.endswith(".bias")
-    table = {
-        "q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
-        "gate_proj": (arch.intermediate_size, h), "up_proj": (arch.intermediate_size, h),
-        "down_proj": (h, arch.intermediate_size),
-    }
-    for key, shape in table.items():
-        if f".{key}." in name:
-            return shape[:1] if bias else shape
-    raise KeyError(f"no shape rule for HF tensor {name!r}")
-
-
 def expected_tensors(arch: ModelArch, flow: PrecisionFlow) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every HF tensor the engine holds: name -> (shape, dtype), from the one mapping table."""
-    specs = {}
-    for entry in model_entries(arch):
-        for name in entry.hf:
-            shape = _hf_shape(arch, name)
-            if entry.fp8 and flow.rollout_fp8:
-                specs[name] = (shape, E4M3)
-                specs[name.removesuffix(".weight") + SCALE_SUFFIX] = (scale_shape(shape, (128, 128)), torch.float32)
-            else:
-                specs[name] = (shape, torch.bfloat16)
-    return specs
+    return {name: (shape, dtype) for name, shape, dtype in stream_layout(arch, flow, model_entries(arch))}
 
 
 def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -124,3 +124,29 @@ def test_fp8_export_is_the_trainer_bytes_and_tp_invariant(family, scale_mode, se
         name = scale_name.removesuffix("_scale_inv")
         q, s = quantize_blockwise(hf[name], (128, 128), scale_mode)
         assert torch.equal(one[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(one[scale_name], s)
+
+
+@pytest.mark.parametrize("model_type, tied", [("qwen2", True), ("qwen3", False), ("llama", False)])
+@pytest.mark.parametrize("mode", ["bf16", "jetrl"])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_stream_layout_is_what_each_stage_streams(model_type, tied, mode, tp, pp):
+    """What a pipeline stage's receivers allocate (`stream_layout`, from the mapping table alone) is, name by name and
+    in order, what that stage's `hf_tensors` yields: names, shapes and dtypes (FP8 bytes and their scale grids)."""
+    from megatron_jetrl.convert.synthetic import random_hf_state, tiny_config
+    from megatron_jetrl.models.export import stream_layout
+
+    arch = ModelArch.from_hf_config(tiny_config(model_type, num_hidden_layers=4, tie_word_embeddings=tied))
+    flow = PrecisionFlow(mode=mode)
+    state = random_hf_state(arch, seed=3)
+    padded = padded_vocab_size(arch.vocab_size, tp)
+    for stage in range(pp):
+        entries = model_entries(arch, pp_rank=stage, pp_size=pp)
+        by_name = {e.megatron: e for e in entries}
+
+        def fetch(name):
+            entry = by_name[name]
+            return [from_hf(entry, arch, {n: rank_slice(entry, state[n], r, tp, padded) for n in entry.hf}) for r in range(tp)]
+
+        streamed = [(name, tuple(t.shape), t.dtype) for name, t in hf_tensors(arch, flow, entries, fetch)]
+        assert streamed == stream_layout(arch, flow, entries)
+        assert any(dtype == torch.float8_e4m3fn for *_, dtype in streamed) == (mode == "jetrl")
