@@ -169,7 +169,7 @@ ENGINE_START_SPARE = 2 << 30
 
 def build_session(cfg: JetRLConfig) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
-    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.hf_import import init_hf_weights, load_hf_weights
 
     device = resolve_device(cfg)
     check_output_space(cfg)
@@ -188,9 +188,11 @@ def build_session(cfg: JetRLConfig) -> Session:
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
                            batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs,
                            fp8_weight_t=cfg.model.fp8_weight_t)
-    model = build_model_same_init(arch, flow, options) if cfg.model.spec == "te" and not cfg.model.path else build_model(arch, flow, options)
+    model = build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)
+    else:  # the same weights for this seed at every TP, PP and spec
+        init_hf_weights(model, arch, cfg.run.seed, spec=cfg.model.spec)
     reference = None
     if cfg.loss.kl_coef > 0:
         reference = build_model(arch, flow, options).eval().requires_grad_(False)
@@ -215,21 +217,6 @@ def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
 
 def questions(problems: list[Problem]) -> frozenset[str]:
     return frozenset(p.question for p in problems)
-
-
-def build_model_same_init(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions):
-    """A TE-spec actor that starts from the weights the local spec draws for this seed (megatron initializes TE and
-    local layers in another order): a local model is built first -- the RNG state a local-spec run builds its actor
-    from -- and copied over through the mapping table, so the two specs train from the same init."""
-    from dataclasses import replace
-
-    from megatron_jetrl.actor.provider import copy_weights
-
-    local = build_model(arch, flow, replace(options, spec="local"))
-    model = build_model(arch, flow, options)
-    copy_weights(local, model, arch, src_spec="local", dst_spec=options.spec)
-    del local
-    return model
 
 
 def freeze_reference(s: Session) -> None:

@@ -70,3 +70,13 @@ def test_a_pp2_checkpoint_of_the_same_weights_exports_the_same_bytes(tmp_path):
     assert weights(tmp_path / "pp1") == weights(tmp_path / "pp2")
     stages = {p.name for p in (tmp_path / "pp2" / "checkpoints" / "step_000000").iterdir()}
     assert stages != {p.name for p in (tmp_path / "pp1" / "checkpoints" / "step_000000").iterdir()}, stages
+
+
+def test_the_random_init_is_the_same_at_every_layout(tmp_path):
+    """No model.path: the initial weights are drawn per HF tensor from (run.seed, name) (`actor.hf_import.init_hf_weights`),
+    so TP 1, TP 2 and PP 2 start from the same bytes, and another seed from other ones."""
+    init = ["run.steps=0", "warmup.steps=0", "precision.mode=jetrl"]
+    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("pp2", ["parallel.pp=2"]), ("seed", ["run.seed=7"])):
+        launch(tmp_path / name, *init, *layout)
+    assert weights(tmp_path / "tp1") == weights(tmp_path / "tp2") == weights(tmp_path / "pp2")
+    assert weights(tmp_path / "seed") != weights(tmp_path / "tp1")

@@ -31,7 +31,7 @@ def build(spec: str, flow: PrecisionFlow, config: dict = ARCH):
 
 
 def pair(flow: PrecisionFlow, config: dict = ARCH):
-    """A local-spec and a TE-spec model with the same weights (`rl.session.build_model_same_init`'s recipe)."""
+    """A local-spec and a TE-spec model with the same weights (copied through the mapping table)."""
     from megatron_jetrl.actor.provider import copy_weights
 
     local, te = build("local", flow, config), build("te", flow, config)

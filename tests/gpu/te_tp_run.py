@@ -6,8 +6,8 @@
 Needs 2 GPUs, Transformer Engine (after `source .kits/te/bin/env.sh`) and megatron-core. One TP2 group
 (`actor.parallel.init_parallel(tp=2)`); per scale mode of `jetrl`:
 
-* a local-spec and a TE-spec model with the same weights (`provider.copy_weights`, the recipe of
-  `rl.session.build_model_same_init`): test_te.py's model and tokens (tests/gpu/gpu_helpers.py: qwen2-shaped,
+* a local-spec and a TE-spec model with the same weights (`provider.copy_weights`; a run's random init is the same
+  in both specs, `actor.hf_import.init_hf_weights`): test_te.py's model and tokens (tests/gpu/gpu_helpers.py: qwen2-shaped,
   hidden 512, 2 layers; every TP2 shard a multiple of 128);
 * test_te.py's TRAINSTEP check at TP2: logprobs before, one train step each (same tokens, advantages, loss, lr),
   logprobs after; mean/max |d logprob| TE vs local, relative loss and grad-norm differences;

@@ -3,7 +3,7 @@
     python tools/bench/te_compare.py OUT/train_local OUT/train_te
 
 Each directory is a `tools/gpu/gpu_grpo_run.sh` output (`gpu_<mode>.metrics.jsonl` per precision mode). Both specs start
-from the same weights (the TE actor copies the local spec's init, `rl.session.build_model_same_init`) and see the same
+from the same weights (a random init is drawn per HF tensor, the same in both specs: `actor.hf_import.init_hf_weights`) and see the same
 prompts and sampling seeds, so step 0's loss and mismatch compare like for like; later steps drift apart as soon as a
 sampled token differs. Times are means over steps 1.. (step 0 pays warm-up); `te/local` is the step-time ratio.
 Exit 2 when a directory holds no metrics.
