@@ -42,7 +42,7 @@ def weights(out: Path) -> bytes:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    launch(root / "sft", UNTIED, "run.steps=0", "warmup.steps=4", "precision.mode=bf16")
+    launch(root / "sft", UNTIED, "run.steps=0", "warmup.steps=12", "precision.mode=bf16")  # rewards that differ within groups
     start = f"model.path={root / 'sft' / 'export'}"
     return {pp: (root / f"pp{pp}", launch(root / f"pp{pp}", UNTIED, start, *GRPO, f"parallel.pp={pp}")) for pp in (1, 2)}
 

@@ -135,7 +135,7 @@ def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, tra
     cfg = gpu_config(monkeypatch, "precision.mode=jetrl", *layout)
     items = warm_gemms.work_items(cfg, num_sms=132, procs=48)
     arch = cfg.arch()
-    max_len = min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
+    max_len = cfg.rollout.max_model_len or min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
     train_m = cfg.grpo.micro_batch_size * max_len
     for tp in {train_tp, rollout_tp}:
         for _, n, k in warm_gemms.linear_shapes(arch, tp):
