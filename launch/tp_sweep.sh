@@ -8,7 +8,7 @@
 # run.name=sweep_tp<TP>_<MODE> run.out_dir=<OUT>/sweep_tp<TP>_<MODE>` (your overrides may change run.steps; the
 # sweep owns both TPs -- trainer and engines split alike -- and the mode, name and out_dir). A run directory left by an earlier sweep is deleted first, so no run
 # resumes from or mixes with old metrics. Each run's log: <OUT>/sweep_tp<TP>_<MODE>.log; its exit code and status:
-# <run dir>/sweep_status.json.
+# <run dir>/sweep_status.json; on a GPU node, every GPU's used memory sampled each second: <run dir>/gpu_memory.csv.
 #
 # Before each run the config module resolves it (`--get parallel.world_size`). A (TP, mode) the config refuses
 # (e.g. a TP that does not divide the model's KV heads) is not run and appears in the report as "invalid" with
@@ -160,6 +160,11 @@ for tp in "${tp_list[@]}"; do
     echo "tp_sweep.sh: $name: $world process(es), log $log"
     start=$(date +%s)
     rc=0
+    smi_pid=""
+    if command -v nvidia-smi >/dev/null 2>&1; then  # every GPU's used memory each second: the report's peak column
+      nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 >"$out/$name.gpu_memory.csv" 2>/dev/null &
+      smi_pid=$!
+    fi
     "${launch[@]}" "${args[@]}" >"$log" 2>&1 &  # background: a signal to the sweep is passed on at once (trap below)
     run_pid=$!
     wait "$run_pid" || rc=$?
@@ -168,6 +173,10 @@ for tp in "${tp_list[@]}"; do
       wait "$run_pid" || rc=$?
     done
     run_pid=""
+    if [ -n "$smi_pid" ]; then
+      kill "$smi_pid" 2>/dev/null || true; wait "$smi_pid" 2>/dev/null || true
+      mkdir -p "$dir" && mv "$out/$name.gpu_memory.csv" "$dir/gpu_memory.csv"
+    fi
     seconds=$(($(date +%s) - start))
     ran=$((ran + 1))
     if [ "$rc" -eq 0 ]; then

@@ -63,6 +63,7 @@ class RunRow:
     baseline: str = ""  # why there is no speedup, when there is none
     rollout: str = ""  # the rollout engine and its TP ("vllm tp2"), when the metrics say; "" for older runs
     mismatch: dict = field(default_factory=dict)  # "mean" / "k3" (medians over the timed steps), "max" (over all steps)
+    peak_gib: float | None = None  # the most GPU memory any GPU held, from gpu_memory.csv (nvidia-smi samples), if present
 
     @property
     def status_text(self) -> str:
@@ -155,7 +156,22 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     maxes = [r["mismatch/max_abs_diff"] for r in rows if isinstance(r.get("mismatch/max_abs_diff"), (int, float))]
     row.mismatch = {"mean": _median(timed, "mismatch/mean_abs_diff"), "k3": _median(timed, "mismatch/k3_kl"),
                     "max": max(maxes) if maxes else None}
+    row.peak_gib = _peak_gib(d / GPU_MEMORY)
     return row
+
+
+GPU_MEMORY = "gpu_memory.csv"
+"""Beside a run's metrics: `nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1` while it ran
+(tools/gpu/gpu_e2e.sh writes it): every GPU's used MiB, sampled each second."""
+
+
+def _peak_gib(path: Path) -> float | None:
+    """The largest sample of `path` (lines "index, MiB") in GiB; None without the file or a readable sample."""
+    try:
+        samples = [float(line.split(",")[1]) for line in path.read_text().splitlines() if line.count(",") == 1]
+    except (OSError, ValueError):
+        return None
+    return max(samples) / 1024 if samples else None
 
 
 def _mode_key(mode: str | None) -> tuple:
@@ -189,13 +205,14 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 HEADER = ["TP", "mode", "rollout", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
-          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp"]
+          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp", "peak GPU GiB"]
 CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2): time per "
            "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
            f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
            f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
            f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
-           "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps.")
+           "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps. "
+           f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one.")
 
 
 def to_markdown(rows: list[RunRow]) -> str:
@@ -215,6 +232,7 @@ def to_markdown(rows: list[RunRow]) -> str:
             _cell(r.rollout_tokens_per_s, ".1f") if has_times else "-",
             *speed,
             *(_cell(r.mismatch.get(k), ".4g") if has_times else "-" for k in ("mean", "k3", "max")),
+            _cell(r.peak_gib, ".1f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + CAPTION + "\n"
@@ -225,7 +243,7 @@ def to_csv(rows: list[RunRow]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["tp", "mode", "rollout", "status", "reason", "directory", "steps_total", "steps_timed",
                 *(f"time_{p}" for p in PHASES), "tokens_per_s", "rollout_tokens_per_s",
-                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs"])
+                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs", "peak_gpu_gib"])
 
     def num(v):
         return "" if v is None else repr(float(v))
@@ -235,7 +253,7 @@ def to_csv(rows: list[RunRow]) -> str:
                     r.steps_total, r.steps_timed, *(num(r.times.get(p)) for p in PHASES), num(r.tokens_per_s),
                     num(r.rollout_tokens_per_s),
                     *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES),
-                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max"))])
+                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max")), num(r.peak_gib)])
     return buf.getvalue()
 
 

@@ -262,3 +262,22 @@ def test_sbatch_dry_run_keeps_the_world_size_check(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == ("train_grpo.sbatch: error: JETRL_DRY_RUN must be 1 (print the plan, "
                                                       "start nothing) or 0, got 'yes'")
     assert not (tmp_path / "srun_called").exists()
+
+
+def test_tp_sweep_samples_gpu_memory_into_each_run_and_the_report(tmp_path):
+    """On a GPU node (here an `nvidia-smi` stand-in on PATH that prints its samples until it is stopped) each run's
+    directory gets gpu_memory.csv, and the report's peak GPU memory column is its largest sample."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\n[ \"$1\" = -L ] && { echo 'GPU 0: fake'; echo 'GPU 1: fake'; exit 0; }\n"
+                   "echo '0, 1024'; echo '1, 63488'\nwhile :; do echo '0, 2048'; sleep 0.05; done\n")
+    smi.chmod(0o755)
+    out = tmp_path / "sweep"
+    r = run(["bash", SWEEP, "--tp", "1", "--modes", "bf16", "--out", out, "stub.export=false", "stub.tensorboard=false"],
+            cwd=tmp_path, JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    samples = (out / "sweep_tp1_bf16" / "gpu_memory.csv").read_text().splitlines()
+    assert samples[:2] == ["0, 1024", "1, 63488"] and not (out / "sweep_tp1_bf16.gpu_memory.csv").exists()
+    row = next(csv.DictReader(open(out / "sweep_report.csv")))
+    assert float(row["peak_gpu_gib"]) == 62.0

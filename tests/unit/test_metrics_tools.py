@@ -253,6 +253,7 @@ def sweep(tmp_path):
     # TP2 with vLLM (rollout TP2): its own bf16 baseline, not the native engine's
     make_run(d / "multi_tp2_rtp2_bf16", 2, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5)], rollout=("vllm", 2), mismatch=[0.02, 0.02])
     make_run(d / "multi_tp2_rtp2_jetrl", 2, "jetrl", [warm, phases(1.0, 0.5, 0.5, 0.5)], rollout=("vllm", 2), mismatch=[0.2, 0.1])
+    (d / "multi_tp2_rtp2_jetrl" / "gpu_memory.csv").write_text("0, 4\n1, 4\n0, 62976\n1, 60093\n0, 27049\n")  # nvidia-smi
     make_run(d / "sweep_tp1_bf16-train-fp8-rollout", 1, "bf16-train-fp8-rollout", [warm],
              status={"status": "failed", "tp": 1, "mode": "bf16-train-fp8-rollout", "rc": 3}, summary=False)
     # TP2: no bf16 run at all (its directory was never written) -> n/a speedups
@@ -270,18 +271,18 @@ def sweep(tmp_path):
 
 
 EXPECTED_TABLE = """\
-| TP | mode | rollout | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup | mean abs dlogp | k3 KL | max abs dlogp |
-|---:|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 1 | bf16 | native tp1 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | - | - | - |
-| 1 | bf16-train-fp8-rollout | native tp1 | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - | - | - | - |
-| 1 | jetrl | native tp1 | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x | 0.125 | 0.0125 | 5 |
-| 2 | bf16 | - | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
-| 2 | bf16-train-fp8-rollout | native tp1 | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - | - | - | - |
-| 2 | jetrl | native tp1 | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a | - | - | - |
-| 2 | bf16 | vllm tp2 | ok | 1 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | 0.02 | 0.002 | 0.2 |
-| 2 | jetrl | vllm tp2 | ok | 1 | 1.000 | 0.500 | 0.500 | 0.500 | 2.500 | 40.0 | 100.0 | 2.00x | 2.00x | 1.60x | 0.1 | 0.01 | 2 |
-| 4 | jetrl | - | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
-| 8 | jetrl | - | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| TP | mode | rollout | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup | mean abs dlogp | k3 KL | max abs dlogp | peak GPU GiB |
+|---:|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1 | bf16 | native tp1 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | - | - | - | - |
+| 1 | bf16-train-fp8-rollout | native tp1 | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - | - | - | - | - |
+| 1 | jetrl | native tp1 | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x | 0.125 | 0.0125 | 5 | - |
+| 2 | bf16 | - | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 2 | bf16-train-fp8-rollout | native tp1 | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - | - | - | - | - |
+| 2 | jetrl | native tp1 | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a | - | - | - | - |
+| 2 | bf16 | vllm tp2 | ok | 1 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | 0.02 | 0.002 | 0.2 | - |
+| 2 | jetrl | vllm tp2 | ok | 1 | 1.000 | 0.500 | 0.500 | 0.500 | 2.500 | 40.0 | 100.0 | 2.00x | 2.00x | 1.60x | 0.1 | 0.01 | 2 | 61.5 |
+| 4 | jetrl | - | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 8 | jetrl | - | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
 """
 
 
@@ -308,6 +309,7 @@ def test_sweep_report_table(sweep, capsys):
     vllm = rows[7]  # baseline: the vLLM-TP2 bf16 run, not the native one
     assert vllm["rollout"] == "vllm tp2" and float(vllm["speedup_step"]) == 1.6 and float(vllm["mismatch_mean_abs"]) == 0.1
     assert float(vllm["mismatch_max_abs"]) == 2.0 and float(jet1["mismatch_k3"]) == 0.0125
+    assert float(vllm["peak_gpu_gib"]) == 61.5 and jet1["peak_gpu_gib"] == ""
     assert sweep_report.main(dirs + ["--strict", "-o", str(d / "again")]) == 1
     assert (d / "again.md").read_text() == md
 

@@ -11,8 +11,8 @@
 #   tests     tests/gpu/test_grpo_4gpu.py (sync bytes at TP 4 and TP 2 x PP 2, PP exactness, a killed stage)
 #   jit-save  the DeepGEMM cache -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
 # Per run: <name>.log and <name>.metrics.jsonl in $OUT, and <name>.mem: every GPU's used memory (MiB) sampled each
-# second by nvidia-smi, whose per-GPU maximum the report prints. Then tools/sweep_report.py over the runs of the
-# stage -> $OUT/<stage>_report.{md,csv}.
+# second by nvidia-smi (also the run directory's gpu_memory.csv). Then tools/sweep_report.py over the runs of the
+# stage -> $OUT/<stage>_<layout>_<len>_report.{md,csv}: per-phase medians, speedups over bf16, mismatch, peak GPU memory.
 #
 # Environment: OUT (default out/gpu_e2e), WORK (run directories, default /dev/shm/jetrl_e2e), STEPS (default 3),
 # LEN (1024), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
@@ -43,7 +43,8 @@ run() {  # NAME OVERRIDES...: one GRPO run with GPU memory sampled; metrics, log
   rc=$?
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
-  echo "{\"rc\": $rc}" >"$dir/sweep_status.json" 2>/dev/null
+  [ -d "$dir" ] && cp "$OUT/$name.mem" "$dir/gpu_memory.csv"  # the report's peak GPU memory column
+  [ -d "$dir" ] && echo "{\"rc\": $rc}" >"$dir/sweep_status.json"
   echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; peak MiB per GPU: $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' "$OUT/$name.mem")"
   [ "$rc" = 0 ] || grep -v -E "UserWarning|warnings.warn" "$OUT/$name.log" | tail -12
 }
