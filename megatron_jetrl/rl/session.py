@@ -129,6 +129,11 @@ def _native_pool(cfg: JetRLConfig, arch: ModelArch, flow: PrecisionFlow, device,
     return RolloutPool(engines, bucket_bytes=cfg.rollout.bucket_mb << 20)
 
 
+ENGINE_START_SPARE = 2 << 30
+"""Free memory vLLM's start-up check may find missing against the measurement before it (its own NCCL communicators:
+0.2-0.3 GiB at rollout TP 2 measured): the KV cache is sized explicitly, so the utilization only passes that check."""
+
+
 def start_vllm_pool(s: "Session") -> None:
     """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
     directory, with the KV cache its share of a step can use (at most a fraction of the memory free now); the sync
@@ -160,11 +165,6 @@ def start_vllm_pool(s: "Session") -> None:
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
                         glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
-
-
-ENGINE_START_SPARE = 2 << 30
-"""Free memory vLLM's start-up check may find missing against the measurement before it (its own NCCL communicators:
-0.2-0.3 GiB at rollout TP 2 measured): the KV cache is sized explicitly, so the utilization only passes that check."""
 
 
 def build_session(cfg: JetRLConfig) -> Session:
