@@ -5,7 +5,7 @@ train/rollout mismatch.
 For each run directory (metrics.jsonl from megatron_jetrl.rl.metrics, plus summary.json and the sweep's
 sweep_status.json when present) one row: TP, precision mode, status, the median time of each phase (rollout,
 eval, update, sync and the whole step) over the timed steps (the first step is skipped as warm-up when a run
-has at least 2), median tokens/s of the whole step and of the rollout phase, and the speedup of the run over
+has at least 2, and a step profiled with run.profile_step when others remain), median tokens/s of the whole step and of the rollout phase, and the speedup of the run over
 the bf16 run at the same TP (> 1 = faster): for the rollout, in rollout tokens/s as the paper's Table 4 (FP8
 rollout speedup over BF16 per model and TP); for the update and the whole step, bf16 time / run time.
 Rollout tokens/s of a step = throughput/tokens_per_s x time/step / time/rollout (the step's response tokens
@@ -146,6 +146,7 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
         row.status, row.reason = "failed", ("summary.json unreadable (truncated or corrupt)" if damaged
                                             else "no summary.json (run did not finish)")
     timed = rows[warmup:] if len(rows) > warmup else rows
+    timed = [r for r in timed if not r.get("profiled")] or timed  # a profiled step (run.profile_step) runs slower
     row.steps_timed = len(timed)
     row.times = {p: _median(timed, f"time/{p}") for p in PHASES}
     row.tokens_per_s = _median(timed, "throughput/tokens_per_s")
@@ -206,7 +207,8 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
 
 HEADER = ["TP", "mode", "rollout", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
           *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp", "peak GPU GiB"]
-CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2): time per "
+CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2, a profiled step "
+           "when others remain): time per "
            "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
            f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
            f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "

@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A configuration problem, found before the run starts."""
 
 
+PROFILED_PHASES = ("rollout", "eval", "update", "sync")
+"""The GRPO loop's timed phases (`time/<phase>` in metrics.jsonl), which `run.profile_phases` may name."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What the run is called, where it writes, how long it runs and how it survives faults."""
@@ -63,6 +67,17 @@ class RunConfig:
     """Score the policy on the held-out problems (data.heldout) every this many steps and at the last step: greedy
     answers, `heldout/accuracy` (and per response-length bucket), `heldout/response_length` in the row of the step whose
     rollout that policy samples, timed apart (`time/heldout`, not in time/step); 0: never."""
+    profile_step: int = -1
+    """Profile this step's phases (`run.profile_phases`) with torch.profiler on every rank: per phase the GPU's busy and
+    idle time, the idle time by gap length, the kernels it waited for, kernel time by category (FP8 and BF16 GEMMs,
+    quantizers, attention, NCCL, ...) and the host's launches -> `<out_dir>/profile_step<N>_rank<R>.json`, and a table
+    from rank 0 (`rl.profiling`). The profiled step runs slower: its metrics row says `profiled: 1` and the sweep
+    report leaves it out. -1: no profile."""
+    profile_phases: str = "eval,update"
+    """The phases `run.profile_step` profiles, comma-separated, of rollout, eval, update and sync."""
+
+    def profiled_phases(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.profile_phases.split(",") if p.strip())
 
     def __post_init__(self):
         _check(self.steps >= 0, f"run.steps must be >= 0 (0: the warm-start alone), got {self.steps}")
@@ -70,6 +85,11 @@ class RunConfig:
         _check(self.checkpoint or not self.export, "run.checkpoint=false writes no checkpoint, but run.export=true "
                "converts the final one: set run.export=false too (or keep run.checkpoint=true)")
         _check(self.eval_every >= 0, f"run.eval_every must be >= 0 (0: no held-out evaluation), got {self.eval_every}")
+        _check(self.profile_step == -1 or 0 <= self.profile_step < self.steps,
+               f"run.profile_step={self.profile_step} is not a step of this run (0 .. run.steps - 1 = {self.steps - 1}); -1: no profile")
+        phases = self.profiled_phases()
+        _check(bool(phases) and set(phases) <= set(PROFILED_PHASES),
+               f"run.profile_phases must name one or more of {', '.join(PROFILED_PHASES)} (comma-separated), got {self.profile_phases!r}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

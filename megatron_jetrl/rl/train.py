@@ -30,6 +30,7 @@ from megatron_jetrl.rl.data import format_prompt
 from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.loss import check_mask, policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
+from megatron_jetrl.rl.profiling import StepProfiler
 from megatron_jetrl.rl.rewards import compute_rewards
 from megatron_jetrl.rl.rollout_batch import RolloutBatch, assemble, broadcast_batch, check_outputs
 from megatron_jetrl.rl.warmup import warm_start
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = progress(cfg.run.steps - start, f"GRPO {cfg.precision.mode}", enabled=s.is_main)
     last_saved = None
     for step in range(start, cfg.run.steps):
-        t = Phases()
+        profiler = step_profiler(s, step)
+        t = Phases(profiler=profiler)
         held = heldout_metrics(s, step)  # the policy this step samples, on problems it never trains on
         with t("rollout"):
             batch = rollout(s, step)
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held}
         row["time/step"] = sum(v for k, v in t.items())
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
+        if profiler is not None:
+            row["profiled"] = 1
+            report_profile(s, profiler)
         writer.write(row)
         bar.update(1, reward=f"{row['reward/mean']:.3f}", mismatch=f"{row.get('mismatch/mean_abs_diff', 0):.2g}")
         if cfg.run.checkpoint and (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps):
@@ -218,6 +223,19 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
         results.append(result)
     skipped = [r["skipped"] for r in results if "skipped" in r]
     return results[-1] | {"skipped_updates": sum(not r["ok"] for r in results), "skipped": "; ".join(skipped) or None}
+
+
+def step_profiler(s, step: int) -> StepProfiler | None:
+    """The profiler of step `step` when it is `run.profile_step` (every rank profiles its own phases)."""
+    if step != s.cfg.run.profile_step:
+        return None
+    return StepProfiler(step, s.cfg.run.profiled_phases(), s.cfg.run.directory, dist.get_rank(), s.device)
+
+
+def report_profile(s, profiler: StepProfiler) -> None:
+    path = profiler.write()
+    if s.is_main:
+        print(f"profile of step {profiler.step} (rank 0; every rank's JSON beside {path}):\n{profiler.table()}", file=sys.stderr)
 
 
 def nonfinite(s, step: int, where: str) -> None:

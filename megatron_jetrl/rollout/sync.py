@@ -108,16 +108,18 @@ class Phases(dict):
     """Wall time per named phase (seconds, summed over repeats), the GPU's share included: a phase ends with a device
     sync once CUDA is in use. The host issues kernels ahead of the GPU, so without it a phase's queued GPU work was
     billed to the next phase's first sync (in GRPO, the eval forward's to the update, whose reward check syncs first).
-    Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts."""
+    Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts.
+    A `profiler` (`rl.profiling.StepProfiler`) profiles the phases it wants."""
 
-    def __init__(self, prefix: str = "time/", suffix: str = ""):
+    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None):
         super().__init__()
-        self.prefix, self.suffix = prefix, suffix
+        self.prefix, self.suffix, self.profiler = prefix, suffix, profiler
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
-        yield
+        with self.profiler.phase(name) if self.profiler is not None and self.profiler.wants(name) else contextlib.nullcontext():
+            yield
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         key = f"{self.prefix}{name}{self.suffix}"

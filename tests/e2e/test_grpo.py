@@ -48,8 +48,16 @@ def test_each_mode_runs_and_reports_its_mismatch(tmp_path, mode):
 
 
 def test_tp2_run_with_two_processes(tmp_path):
-    rows, out = launch(tmp_path, "e2e-tp2", "parallel.tp=2")
+    """Also profiles step 1 (`run.profile_step`): every rank writes its phases, and only that row says `profiled`."""
+    rows, out = launch(tmp_path, "e2e-tp2", "parallel.tp=2", "run.profile_step=1", "run.profile_phases=rollout,eval,update,sync")
     assert [r["tp"] for r in rows] == [2, 2, 2]
+    assert [r.get("profiled", 0) for r in rows] == [0, 1, 0]
+    for rank in (0, 1):
+        profile = json.loads((out / f"profile_step1_rank{rank}.json").read_text())
+        assert profile["rank"] == rank and list(profile["phases"]) == ["rollout", "eval", "update", "sync"]
+        for phase in profile["phases"].values():  # a CPU run: aten ops' own time, inside the phase's wall time
+            assert 0 < phase["kernel_ms"] <= phase["wall_ms"] * 1.05 and sum(phase["categories"].values()) == pytest.approx(phase["kernel_ms"])
+    assert not (out / "profile_step0_rank0.json").exists()
     # TP2 all-reduces BF16 partial sums (test_actor_engine_bitwise.py): close to the engine, not its bits
     assert all(0 < r["mismatch/mean_abs_diff"] < 0.05 for r in rows)
     meta = json.loads((out / "checkpoints" / "step_000003" / "meta.json").read_text())

@@ -215,9 +215,9 @@ def test_progress_lines_off_a_terminal_bar_on_one():
 
 
 def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None, summary=True, tokens=100.0,
-             rollout=("native", 1), mismatch=None):
+             rollout=("native", 1), mismatch=None, profiled=None):
     """A run dir as the trainer + tp_sweep.sh leave it; times: per step {phase: seconds}; tokens: per step;
-    mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it)."""
+    mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it); profiled: the step run.profile_step named."""
     directory.mkdir(parents=True)
     if times is not None:
         with open(directory / "metrics.jsonl", "w") as f:
@@ -228,6 +228,8 @@ def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None
                     r |= {"mismatch/mean_abs_diff": mismatch[i], "mismatch/k3_kl": mismatch[i] / 10,
                           "mismatch/max_abs_diff": mismatch[i] * 10}
                 r["throughput/tokens_per_s"] = tokens / t["step"]
+                if i == profiled:
+                    r["profiled"] = 1
                 f.write(json.dumps(r) + "\n")
     if summary:
         (directory / "summary.json").write_text("{}")
@@ -319,6 +321,16 @@ def test_sweep_report_warmup_option(sweep):
     rows = {(r.tp, r.mode): r for r in sweep_report.build_rows(dirs, warmup=0)}
     assert rows[(1, "bf16")].times["rollout"] == pytest.approx(2.1)  # median of 9, 2, 2.2, 1.8
     assert rows[(1, "bf16")].steps_timed == 4
+
+
+def test_sweep_report_leaves_a_profiled_step_out(tmp_path):
+    """A step profiled with run.profile_step runs slower: it leaves the medians unless it is the only timed step."""
+    warm, slow = phases(9.0, 9.0, 9.0, 9.0), phases(5.0, 5.0, 5.0, 5.0)
+    make_run(tmp_path / "a", 1, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5), slow, phases(2.0, 0.5, 1.0, 0.5)], profiled=2)
+    make_run(tmp_path / "b", 1, "jetrl", [warm, slow], profiled=1)
+    rows = {r.mode: r for r in sweep_report.build_rows([str(tmp_path / "a"), str(tmp_path / "b")])}
+    assert rows["bf16"].steps_timed == 2 and rows["bf16"].times["rollout"] == 2.0
+    assert rows["jetrl"].steps_timed == 1 and rows["jetrl"].times["rollout"] == 5.0
 
 
 # ---------------------------------------------------------------- plots

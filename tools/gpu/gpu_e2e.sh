@@ -16,7 +16,9 @@
 #
 # Environment: OUT (default out/gpu_e2e), WORK (run directories, default /dev/shm/jetrl_e2e), STEPS (default 3),
 # LEN (1024), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
-# ARGS (extra overrides for every run).
+# ARGS (extra overrides for every run). Where the time of each phase goes: STEPS=4 ARGS="run.profile_step=3" profiles
+# the last step's eval and update on every rank (rl.profiling; <name>_profile_step3_rank<R>.json in $OUT; the report's
+# medians leave that step out).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
@@ -43,6 +45,7 @@ run() {  # NAME OVERRIDES...: one GRPO run with GPU memory sampled; metrics, log
   rc=$?
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  for f in "$dir"/profile_step*_rank*.json; do [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"; done
   [ -d "$dir" ] && cp "$OUT/$name.mem" "$dir/gpu_memory.csv"  # the report's peak GPU memory column
   [ -d "$dir" ] && echo "{\"rc\": $rc}" >"$dir/sweep_status.json"
   echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; peak MiB per GPU: $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' "$OUT/$name.mem")"

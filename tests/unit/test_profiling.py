@@ -1,0 +1,114 @@
+"""rl.profiling: the per-phase profile of one GRPO step (run.profile_step), on synthetic kernel timelines and a real
+CPU profile; the config's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_jetrl.rl.config import ConfigError, load_config
+from megatron_jetrl.rl.profiling import CATEGORIES, GAP_BINS_US, StepProfiler, category, gap_labels, kernel_timeline, summarize
+from megatron_jetrl.rollout.sync import Phases
+
+US = 1000  # ns
+
+
+def test_kernel_timeline_merges_overlaps_and_bins_the_gaps():
+    # two streams overlap (compute and NCCL), then gaps of 2 us, 10 us and 500 us before three kernels
+    ivs = [(0, 100 * US, "gemm"), (50 * US, 150 * US, "ncclKernel"), (152 * US, 160 * US, "quant"),
+           (170 * US, 180 * US, "quant"), (680 * US, 700 * US, "flash_fwd")]
+    tl = kernel_timeline(ivs[::-1])  # any order
+    assert tl["busy_ms"] == pytest.approx((150 + 8 + 10 + 20) / 1e3)
+    assert tl["span_ms"] == pytest.approx(0.7)
+    assert tl["idle_ms_by_gap_us"] == pytest.approx({"0-4": 0.002, "4-20": 0.010, "20-200": 0.0, ">200": 0.5})
+    assert tl["late"] == pytest.approx({"quant": 0.012, "flash_fwd": 0.5})
+    assert kernel_timeline([]) == {"busy_ms": 0, "span_ms": 0, "idle_ms_by_gap_us": dict.fromkeys(gap_labels(), 0.0), "late": {}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 10**5), st.sampled_from("abc")), min_size=1, max_size=40))
+def test_busy_plus_idle_is_the_span(raw):
+    ivs = [(s, s + d, n) for s, d, n in raw]
+    tl = kernel_timeline(ivs)
+    covered = set()
+    for s, e, _ in ivs:  # the union of the intervals, counted in whole nanoseconds
+        covered.update(range(s, e))
+    assert tl["busy_ms"] == pytest.approx(len(covered) / 1e6)
+    assert tl["busy_ms"] + sum(tl["idle_ms_by_gap_us"].values()) == pytest.approx(tl["span_ms"])
+    assert sum(tl["late"].values()) == pytest.approx(sum(tl["idle_ms_by_gap_us"].values()))
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u, 128u>", "GEMM FP8"),
+    ("_gemm_tma", "GEMM FP8"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "GEMM BF16"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM BF16"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication (NCCL)"),
+    ("_quant_dual", "quantize"), ("_quant_1x128", "quantize"), ("per_token_group_quant_8bit_kernel", "quantize"),
+    ("swiglu_bwd_tile_kernel", "quantize"), ("_swiglu_bwd", "logprobs, norms, glue (Triton, Inductor)"),
+    ("flash_fwd_splitkv_kernel", "attention"), ("pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel", "attention"),
+    ("triton_red_fused__to_copy_amax_0", "logprobs, norms, glue (Triton, Inductor)"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdam>", "optimizer"),
+    ("_transpose_bytes", "copy/fill/layout"), ("Memcpy DtoD (Device -> Device)", "copy/fill/layout"),
+    ("void at::native::vectorized_elementwise_kernel<4, add>", "elementwise/reduce"),
+    ("some_unknown_kernel", "other"),
+])
+def test_kernel_categories(kernel, expected):
+    assert category(kernel) == expected
+    assert expected == "other" or expected in dict(CATEGORIES)
+
+
+def test_summarize_a_gpu_phase():
+    events = [("kernel", "deep_gemm::sm90_fp8_gemm_1d2d", 0, 400 * US), ("launch", "cudaLaunchKernel", 0, 5 * US),
+              ("kernel", "_quant_1x128", 450 * US, 500 * US), ("launch", "cudaLaunchKernel", 10 * US, 15 * US),
+              ("kernel", "ncclDevKernel_AllReduce", 900 * US, 1000 * US)]
+    p = summarize(events, wall_s=1.2e-3, cuda=True)
+    assert p["wall_ms"] == pytest.approx(1.2) and p["kernel_ms"] == pytest.approx(0.55) and p["launches"] == 2
+    assert p["busy_ms"] == pytest.approx(0.55) and p["idle_ms"] == pytest.approx(0.65)
+    assert p["categories"] == pytest.approx({"GEMM FP8": 0.4, "communication (NCCL)": 0.1, "quantize": 0.05})
+    assert list(p["categories"]) == ["GEMM FP8", "communication (NCCL)", "quantize"]  # largest first
+    assert p["late"][0][0] == "ncclDevKernel_AllReduce" and p["late"][0][1] == pytest.approx(0.4)
+    assert p["top"][0] == ["deep_gemm::sm90_fp8_gemm_1d2d", pytest.approx(0.4)]
+
+
+def test_a_cpu_phase_is_profiled_through_phases(tmp_path):
+    """`Phases(profiler=...)` profiles the phases the profiler wants and times every phase as before."""
+    prof = StepProfiler(3, ("update",), tmp_path, rank=0, device=torch.device("cpu"))
+    t = Phases(profiler=prof)
+    x = torch.randn(256, 256)
+    with t("eval"):
+        x @ x
+    with t("update"):
+        for _ in range(4):
+            x = torch.tanh(x @ x)
+    assert set(t) == {"time/eval", "time/update"} and list(prof.results) == ["update"]
+    p = prof.results["update"]
+    assert "aten::mm" in dict(p["top"]) and p["categories"]["GEMM BF16"] > 0  # aten::mm, by name
+    assert 0 < p["kernel_ms"] <= p["wall_ms"] * 1.05 and "busy_ms" not in p
+    saved = json.loads(prof.write().read_text())
+    assert saved["step"] == 3 and saved["rank"] == 0 and list(saved["phases"]) == ["update"]
+    assert (tmp_path / "profile_step3_rank0.json").exists()
+    assert prof.table().splitlines()[2].startswith("| update |")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["run.steps=3", "run.profile_step=3"], "run.profile_step=3 is not a step of this run (0 .. run.steps - 1 = 2)"),
+    (["run.steps=3", "run.profile_step=-2"], "run.profile_step=-2 is not a step"),
+    (["run.steps=0", "run.profile_step=0"], "run.profile_step=0 is not a step"),
+    (["run.profile_step=1", "run.profile_phases=update,backward"], "run.profile_phases must name one or more of rollout, eval, update, sync"),
+    (["run.profile_phases=' ,'"], "run.profile_phases must name one or more"),
+])
+def test_profile_settings_are_refused_with_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        load_config("configs/tiny.yaml", overrides=overrides)
+
+
+def test_profile_phases_parse():
+    cfg = load_config("configs/tiny.yaml", overrides=["run.steps=4", "run.profile_step=2", "run.profile_phases=rollout, sync"])
+    assert cfg.run.profile_step == 2 and cfg.run.profiled_phases() == ("rollout", "sync")
+    assert load_config("configs/tiny.yaml").run.profile_step == -1
+    assert GAP_BINS_US == (4, 20, 200)
