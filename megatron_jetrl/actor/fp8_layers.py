@@ -217,10 +217,10 @@ class _FP8Weight:
         invalidate it (version counter); megatron's mixed-precision optimizer writes the new BF16 weights
         through `param.data`, which the counter does not see, so `train_step` calls `requantize_weights`."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
+        key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.requires_grad)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=self.keep_weight_t,
-                                                             keep_t=self.keep_weight_t))
+            keep_t = self.keep_weight_t and w.requires_grad  # a frozen weight (the KL reference) has no DGrad: no W^T bytes
+            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=keep_t, keep_t=keep_t))
         return self._fp8_cache[1]
 
     def _fp8_gemm(self, x, weight, bias):

@@ -231,6 +231,26 @@ def test_fp8_weights_are_the_rollout_bytes(checkpoints):
         assert torch.equal(exported[name.replace("weight", "weight_scale_inv")], want.s), name
 
 
+def test_a_frozen_reference_keeps_no_transposed_weight_bytes(checkpoints):
+    """The KL reference (requires_grad False) runs no backward: its FP8 linears hold W's bytes, never DGrad's W^T, and
+    compute the policy's logits bit for bit; a weight that starts needing a gradient makes its W^T again."""
+    from megatron_jetrl.actor.fp8_layers import _FP8Weight, fp8_weights
+
+    root, _ = checkpoints
+    policy, _ = _imported("qwen3", JETRL, root)
+    reference, _ = _imported("qwen3", JETRL, root)
+    reference.requires_grad_(False)
+    tokens = tokens_for(CONFIGS["qwen3"], batch=2)
+    assert torch.equal(_logits(policy, tokens), _logits(reference, tokens))
+    mine, frozen = fp8_weights(policy), fp8_weights(reference)
+    assert all(w._t is not None for w in mine.values()) and all(w._t is None for w in frozen.values())
+    assert all(torch.equal(mine[n].q.view(torch.uint8), frozen[n].q.view(torch.uint8)) and torch.equal(mine[n].s, frozen[n].s)
+               for n in mine)
+    layer = next(m for m in reference.modules() if isinstance(m, _FP8Weight))
+    layer.weight.requires_grad_(True)
+    assert layer.quantized_weight()._t is not None
+
+
 def test_fp8_weights_check_every_weight_with_one_sync_and_name_the_bad_one(checkpoints, monkeypatch):
     """After an optimizer step `fp8_weights` quantizes every weight inside one watch (check_finite="step"): no host
     sync per weight, and a NaN weight is refused by name."""
