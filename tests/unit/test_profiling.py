@@ -4,6 +4,7 @@ CPU profile; the config's refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,38 @@ def test_profile_phases_parse():
     assert cfg.run.profile_step == 2 and cfg.run.profiled_phases() == ("rollout", "sync")
     assert load_config("configs/tiny.yaml").run.profile_step == -1
     assert GAP_BINS_US == (4, 20, 200)
+
+
+def _profiled_run(directory, mode, phases, step=2, rank=0):
+    directory.mkdir(parents=True)
+    (directory / f"profile_step{step}_rank{rank}.json").write_text(json.dumps({"step": step, "rank": rank, "cuda": True, "phases": phases}))
+    (directory / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "mode": mode}) + "\n" for s in range(step + 1)))
+
+
+def _phase(wall, busy, gemm, idle_long, cat="GEMM BF16"):
+    return {"wall_ms": wall, "busy_ms": busy, "kernel_ms": busy, "launches": 10, "categories": {cat: gemm, "attention": busy - gemm},
+            "idle_ms_by_gap_us": {"0-4": 1.0, "4-20": 1.0, "20-200": idle_long / 2, ">200": idle_long / 2}}
+
+
+def test_profile_report_says_what_bounds_each_phase(tmp_path, capsys):
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import profile_report
+
+    _profiled_run(tmp_path / "bf16", "bf16", {"update": _phase(100.0, 95.0, 60.0, 3.0), "eval": _phase(40.0, 38.0, 20.0, 1.0)})
+    # jetrl: GEMMs faster on the GPU, but the host holds the update up (GPU busy 60 of 120 ms)
+    _profiled_run(tmp_path / "jetrl", "jetrl", {"update": _phase(120.0, 60.0, 25.0, 58.0, cat="GEMM FP8"),
+                                                "eval": _phase(32.0, 30.0, 12.0, 1.0, cat="GEMM FP8")})
+    assert profile_report.main([str(tmp_path / "bf16"), str(tmp_path / "jetrl"), "-o", str(tmp_path / "rep")]) == 0
+    rs = {(r["phase"], r["mode"]): r for r in profile_report.rows([profile_report.load(tmp_path / m, 0) for m in ("bf16", "jetrl")])}
+    up = rs[("update", "jetrl")]
+    assert up["wall_ratio"] == pytest.approx(100 / 120) and up["busy_ratio"] == pytest.approx(95 / 60)
+    assert up["bound"] == "host" and rs[("update", "bf16")]["bound"] == "GPU" and rs[("eval", "jetrl")]["bound"] == "GPU"
+    assert up["GEMM FP8"] == 25.0 and up["GEMM BF16"] == 0 and up["idle_long_ms"] == 58.0 and up["other_ms"] == 0
+    text = (tmp_path / "rep.md").read_text()
+    assert "| update | jetrl | 120.0 | 60.0 (50%) | 58.0 | 25.0 | 0.0 | 0.0 | 35.0 | 0.0 | 0.0 | 0.83x | 1.58x | host |" in text
+    assert [line.split(" | ")[:2] for line in text.splitlines()[2:6]] == [["| update", "bf16"], ["| update", "jetrl"],
+                                                                           ["| eval", "bf16"], ["| eval", "jetrl"]]
+    assert profile_report.main([str(tmp_path / "bf16"), str(tmp_path / "nothing")]) == 2
+    assert "has no profile_step*_rank0.json: run it with run.profile_step=N" in capsys.readouterr().err
