@@ -4,10 +4,12 @@
 #
 #   bash tools/gpu/gpu_e2e.sh STAGE...     STAGE: setup | warm | e2e | pp | tests | jit-save
 #
-#   setup     .whl/*.whl -> /tmp/mcore when megatron-core is missing; the vLLM kit must be unpacked (shared/kits/README.md)
-#   warm      python -m megatron_jetrl.rl.warm_gemms for the TP 4 and TP 2 layouts (the FP8 kernels of every later run)
+#   setup     .whl/*.whl -> /tmp/mcore when megatron-core is missing; the vLLM kit must be unpacked (shared/kits/README.md);
+#             a carried .cache/jit/deep_gemm_jit.tgz -> the DeepGEMM caches (tools/gpu/jit_cache.sh load)
+#   warm      python -m megatron_jetrl.rl.warm_gemms for every layout of the later stages (the FP8 kernels they run)
 #   e2e       one GRPO run per mode in $MODES at $LAYOUT (default "parallel.tp=4 rollout.tp=4"), responses of $LEN tokens
-#   pp        the same at TP 2 x PP 2 (rollout TP 2; two engines, each holding the whole model), modes $PP_MODES
+#   pp        the same for each layout of $PP_LAYOUTS (';'-separated; default TP 2 x PP 2 with rollout TP 2: two engines,
+#             each holding the whole model), modes $PP_MODES
 #   tests     tests/gpu/test_grpo_4gpu.py (sync bytes at TP 4 and TP 2 x PP 2, PP exactness, a killed stage)
 #   jit-save  the DeepGEMM cache -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
 # Per run: <name>.log and <name>.metrics.jsonl in $OUT, and <name>.mem: every GPU's used memory (MiB) sampled each
@@ -18,7 +20,11 @@
 # LEN (1024), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
 # ARGS (extra overrides for every run). Where the time of each phase goes: STEPS=4 ARGS="run.profile_step=3" profiles
 # the last step's eval and update on every rank (rl.profiling; <name>_profile_step3_rank<R>.json in $OUT; the report's
-# medians leave that step out).
+# medians leave that step out; tools/profile_report.py compares the modes -> <stage>_<layout>_<len>_profile.md).
+# Issue-sized sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer); LEN=4096;
+# PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1 parallel.pp=4 rollout.tp=1"
+# (PP 1, 2 and 4 of the 36 layers; at PP 4 each GPU's engine holds the whole model beside a quarter of the actor's state:
+# 49 GiB of actor state in jetrl by the preflight's count, so 48 layers, 61 GiB, leave a BF16 engine no room).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
@@ -60,6 +66,12 @@ modes() {  # STAGE LAYOUT_TAG MODES OVERRIDES...
     dirs+=("$WORK/${stage}_${tag}_${LEN}_$mode")
   done
   python3 tools/sweep_report.py "${dirs[@]}" -o "$OUT/${stage}_${tag}_${LEN}_report"
+  local profiled=() d; for d in "${dirs[@]}"; do compgen -G "$d/profile_step*_rank0.json" >/dev/null && profiled+=("$d"); done
+  [ ${#profiled[@]} -eq 0 ] || python3 tools/profile_report.py "${profiled[@]}" -o "$OUT/${stage}_${tag}_${LEN}_profile"
+}
+
+tag_of() {  # "parallel.tp=2 parallel.pp=2 rollout.tp=2" -> tp2pp2rtp2
+  echo "$1" | sed 's/rollout\.tp=/rtp/; s/parallel\.//g; s/=//g; s/ //g'
 }
 
 for stage in "$@"; do
@@ -70,17 +82,21 @@ for stage in "$@"; do
       python3 -c "import megatron.core, math_verify" 2>/dev/null \
         || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/*.whl
       python3 -c "import vllm" 2>/dev/null || { echo "vLLM is not importable: unpack the kit, source /tmp/vllm-site/env.sh"; exit 3; }
+      bash tools/gpu/jit_cache.sh load
       nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader ;;
     warm)
-      for layout in "parallel.tp=4 rollout.tp=4" "parallel.tp=2 parallel.pp=2 rollout.tp=2"; do
-        python3 -m megatron_jetrl.rl.warm_gemms "${CONFIGS[@]}" precision.mode=jetrl $layout $(length_args "$LEN") 2>&1 \
+      IFS=';' read -r -a layouts <<<"${LAYOUT:-parallel.tp=4 rollout.tp=4};${PP_LAYOUTS:-parallel.tp=2 parallel.pp=2 rollout.tp=2}"
+      for layout in "${layouts[@]}"; do
+        python3 -m megatron_jetrl.rl.warm_gemms "${CONFIGS[@]}" precision.mode=jetrl $layout $(length_args "$LEN") ${ARGS:-} 2>&1 \
           | grep -v -E "UserWarning|warnings.warn" | tail -4
       done
       python3 -m megatron_jetrl.rl.warm_gemms configs/gpu_8b_shapes.yaml rollout.engine=native parallel.tp=2 \
         grpo.micro_batch_size=16 2>&1 | grep -v -E "UserWarning|warnings.warn" | tail -2 ;;  # the tests' native engine
-    e2e) modes e2e "$(echo "${LAYOUT:-parallel.tp=4 rollout.tp=4}" | tr -dc 'a-z0-9' | sed 's/paralleltp/tp/; s/rollouttp/rtp/')" \
-           "${MODES:-bf16 jetrl bf16-train-fp8-rollout}" ${LAYOUT:-parallel.tp=4 rollout.tp=4} ;;
-    pp) modes pp tp2pp2 "${PP_MODES:-bf16 jetrl}" parallel.tp=2 parallel.pp=2 rollout.tp=2 ;;
+    e2e) modes e2e "$(tag_of "${LAYOUT:-parallel.tp=4 rollout.tp=4}")" "${MODES:-bf16 jetrl bf16-train-fp8-rollout}" \
+           ${LAYOUT:-parallel.tp=4 rollout.tp=4} ;;
+    pp)
+      IFS=';' read -r -a layouts <<<"${PP_LAYOUTS:-parallel.tp=2 parallel.pp=2 rollout.tp=2}"
+      for layout in "${layouts[@]}"; do modes pp "$(tag_of "$layout")" "${PP_MODES:-bf16 jetrl}" $layout; done ;;
     tests) python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_grpo_4gpu.py --basetemp="$WORK/pytest" 2>&1 \
              | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/tests_4gpu.log" | tail -40 ;;
     jit-save) bash tools/gpu/jit_cache.sh save "$OUT" ;;
