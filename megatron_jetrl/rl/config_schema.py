@@ -337,6 +337,12 @@ class GRPOConfig:
     """Prompts per step; the batch is prompts_per_step * rollout.n sequences (the paper: 256 sequences)."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
+    logprob_micro_batch_size: int = 0
+    """Sequences per micro-batch of the forward-only passes that score the rollouts (old and reference logprobs),
+    which keep no activations, so it can be several times micro_batch_size: fewer, larger passes, where a pass of a
+    few thousand tokens per GPU waits on the host (TP > 1). 0: micro_batch_size. The update then recomputes the old
+    logprobs at another batch shape; they stay equal bit for bit only where every kernel and all-reduce is
+    batch-invariant (the FP8 linears are, cuBLAS and NCCL's ring need not be): its first ratio is 1 to the last bit or so."""
     updates_per_step: int = 1
     """Optimizer steps per GRPO step (1: on-policy; more: PPO-style reuse of the batch, in equal chunks)."""
     advantage_scale: str = "std"
@@ -345,6 +351,13 @@ class GRPOConfig:
     def __post_init__(self):
         _check(self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.updates_per_step >= 1,
                "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1")
+        _check(self.logprob_micro_batch_size >= 0,
+               f"grpo.logprob_micro_batch_size must be >= 0 (0: grpo.micro_batch_size), got {self.logprob_micro_batch_size}")
+
+    @property
+    def logprob_batch(self) -> int:
+        """Sequences per micro-batch of the logprob passes (`logprob_micro_batch_size`, 0: `micro_batch_size`)."""
+        return self.logprob_micro_batch_size or self.micro_batch_size
         _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
 
 
@@ -385,6 +398,10 @@ class JetRLConfig:
                f"grpo.prompts_per_step * rollout.n = {sequences} sequences do not split into parallel.dp={self.parallel.dp} "
                f"x grpo.updates_per_step={self.grpo.updates_per_step} x grpo.micro_batch_size={self.grpo.micro_batch_size}: "
                f"pick sizes whose product divides {sequences}")
+        rows = sequences // self.parallel.dp
+        _check(rows % self.grpo.logprob_batch == 0,
+               f"grpo.logprob_micro_batch_size={self.grpo.logprob_batch} does not divide the {rows} sequences each "
+               f"data-parallel rank scores (grpo.prompts_per_step * rollout.n / parallel.dp): pick a divisor of {rows}")
         _check(self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
                f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}")
         fp8 = self.precision.mode != "bf16"
@@ -400,10 +417,10 @@ class JetRLConfig:
             _check(self.rollout.glue != "trainer",
                    "rollout.glue=trainer runs the local spec's RMSNorm and RoPE inside vLLM, but model.spec=te trains with "
                    "Transformer Engine's: use rollout.glue=auto (vLLM's, with this spec) or vllm")
-            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0,
+            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0 and self.grpo.logprob_batch % 8 == 0,
                    f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
-                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size to a multiple of 8 "
-                   f"(got {self.grpo.micro_batch_size})")
+                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size and "
+                   f"grpo.logprob_micro_batch_size to multiples of 8 (got {self.grpo.micro_batch_size} and {self.grpo.logprob_batch})")
             _check(not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
                    f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
                    f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "

@@ -27,7 +27,7 @@ APPLIED_ON_RESUME = frozenset({
     "run.on_nonfinite", "run.eval_every", "run.jit_cache_dir",
     "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
     "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.max_model_len", "rollout.enforce_eager",
-    "grpo.micro_batch_size",
+    "grpo.micro_batch_size", "grpo.logprob_micro_batch_size", "run.profile_step", "run.profile_phases",
 })
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""
 IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})

@@ -177,7 +177,7 @@ def my_rows(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
 
 
 def actor_logprobs(s, model, batch: RolloutBatch, first: torch.Tensor | None = None) -> torch.Tensor:
-    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.micro_batch_size,
+    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.logprob_batch,
                             first=first)
 
 

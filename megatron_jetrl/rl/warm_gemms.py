@@ -18,8 +18,8 @@ included) at every M where that choice can change, in `--procs` processes spread
   `VLLM_DEEP_GEMM_WARMUP=relax` warms at the same kind of boundary.
 * DGrad and WGrad (a backward through the same linear) at those M from 128 up, in modes that train in FP8.
 
-Largest call: the trainer's micro-batch (grpo.micro_batch_size x the longest sequence) or the engine's prefill chunk
-(PREFILL_TOKENS), whichever is larger. The kernels land in the cache the run reads (`run.jit_cache_dir`;
+Largest call: the trainer's micro-batch (grpo.micro_batch_size, or for the forward grpo.logprob_micro_batch_size, x the
+longest sequence) or the engine's prefill chunk (PREFILL_TOKENS), whichever is larger. The kernels land in the cache the run reads (`run.jit_cache_dir`;
 `rl.jit_cache`). Kernels are cubins keyed by source, shape and flags, so a kernel another process is compiling at
 the same moment is compiled twice and kept once. `rl.warm_cache` then runs two GRPO steps for everything else (CUDA
 graphs, Triton); after this tool its JIT part is a cache read. Exit 0 with nothing to do for a BF16 config or on a
@@ -73,11 +73,11 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
     if flow.rollout_fp8:  # the native engine holds the whole model on one GPU
         tps.add(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
     max_len = cfg.rollout.max_model_len or min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
-    train_m = cfg.grpo.micro_batch_size * max_len
+    train_m, logprob_m = cfg.grpo.micro_batch_size * max_len, cfg.grpo.logprob_batch * max_len
     fwd, bwd = {}, {}  # (N, K) -> M values; a shape two linears share (Qwen3-8B's TP 4 fc1 is its TP 1 QKV) once
     for tp in sorted(tps):
         for _, n, k in linear_shapes(arch, tp):
-            fwd.setdefault((n, k), set()).update(m_values(max(PREFILL_TOKENS, train_m), n, num_sms))
+            fwd.setdefault((n, k), set()).update(m_values(max(PREFILL_TOKENS, train_m, logprob_m), n, num_sms))
             if flow.train_fp8 and tp == cfg.parallel.tp:  # DGrad's output is K wide: its choice follows K as FProp's N
                 bwd.setdefault((n, k), set()).update(m for size in (n, k) for m in m_values(train_m, size, num_sms)
                                                      if m >= BACKWARD_FROM)

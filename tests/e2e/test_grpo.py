@@ -69,3 +69,14 @@ def test_a_timing_run_without_checkpoints_writes_none(tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert not (out / "checkpoints").exists() and not (out / "export").exists()
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_larger_logprob_micro_batches_change_no_number(tmp_path):
+    """grpo.logprob_micro_batch_size scores the rollouts in passes of 32 sequences instead of 16: on the CPU every kernel
+    is batch-invariant, so every loss term, reward and mismatch of every step is the same to the last bit."""
+    runs = [launch(tmp_path, f"lp{size}", "run.steps=2", "run.checkpoint=false", "run.export=false",
+                   f"grpo.logprob_micro_batch_size={size}")[0] for size in (0, 32)]
+    numbers = [[{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
+               for rows in runs]
+    assert numbers[0] == numbers[1] and len(numbers[0]) == 2
+    assert all(r["mismatch/mean_abs_diff"] == 0 for r in runs[1])

@@ -91,6 +91,14 @@ CASES = {
     "evaluation without held-out problems": (["run.eval_every=10"],
                                              r"run.eval_every=10 scores the policy on held-out problems, but data.heldout=0 "
                                              r"holds none out: set data.heldout \(e.g. 128\) or run.eval_every=0"),
+    "negative logprob micro-batch": (["grpo.logprob_micro_batch_size=-8"],
+                                     r"grpo.logprob_micro_batch_size must be >= 0 \(0: grpo.micro_batch_size\), got -8"),
+    "logprob micro-batch that does not split the batch": (
+        ["grpo.logprob_micro_batch_size=48"],  # 16 prompts x 4 = 64 sequences on one rank
+        r"grpo.logprob_micro_batch_size=48 does not divide the 64 sequences each data-parallel rank scores .*pick a divisor of 64"),
+    "logprob micro-batch over the data-parallel share": (
+        ["grpo.logprob_micro_batch_size=64", "parallel.dp=2", "grpo.micro_batch_size=8"],
+        r"grpo.logprob_micro_batch_size=64 does not divide the 32 sequences each data-parallel rank scores"),
     "unknown weight-transpose policy": (["model.fp8_weight_t=never"], r"model.fp8_weight_t must be 'step' or 'backward', got 'never'"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
@@ -111,6 +119,8 @@ def test_the_same_settings_fit_where_they_should():
     load_config(None, ["precision.mode=jetrl", "precision.scale_mode=ue8m0"])
     load_config(None, ["grpo.micro_batch_size=8", "parallel.dp=2", "warmup.batch_size=32"])
     load_config(None, ["run.steps=0", "run.eval_every=5", "data.heldout=16"])
+    assert load_config(None, ["grpo.logprob_micro_batch_size=64"]).grpo.logprob_batch == 64
+    assert load_config(None, ["grpo.micro_batch_size=8"]).grpo.logprob_batch == 8  # 0: the training micro-batch
 
 
 def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():

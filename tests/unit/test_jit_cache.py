@@ -136,13 +136,14 @@ def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, tra
     items = warm_gemms.work_items(cfg, num_sms=132, procs=48)
     arch = cfg.arch()
     max_len = cfg.rollout.max_model_len or min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
-    train_m = cfg.grpo.micro_batch_size * max_len
+    train_m, logprob_m = cfg.grpo.micro_batch_size * max_len, cfg.grpo.logprob_batch * max_len
+    assert logprob_m == 4 * train_m  # the e2e config scores rollouts in passes 4x the training micro-batch
     for tp in {train_tp, rollout_tp}:
         for _, n, k in warm_gemms.linear_shapes(arch, tp):
             fwd = sorted(m for it in items if it[:2] == (n, k) and not it[3] for m in it[2])
             bwd = sorted(m for it in items if it[:2] == (n, k) and it[3] for m in it[2])
             assert len(fwd) == len(set(fwd)) and len(bwd) == len(set(bwd))  # no M twice
-            assert set(fwd) | set(bwd) >= set(warm_gemms.m_values(max(warm_gemms.PREFILL_TOKENS, train_m), n, 132))
+            assert set(fwd) | set(bwd) >= set(warm_gemms.m_values(max(warm_gemms.PREFILL_TOKENS, logprob_m), n, 132))
             if tp == train_tp:  # the trainer's backward: DGrad's output is K wide, so K's boundaries too
                 assert set(bwd) >= {m for m in warm_gemms.m_values(train_m, k, 132) if m >= 128}
             elif (n, k) not in {(n2, k2) for _, n2, k2 in warm_gemms.linear_shapes(arch, train_tp)}:

@@ -37,9 +37,10 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=/tmp/mcore:$repo${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 PYTHONUNBUFFERED=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-length_args() {  # responses of $1 tokens: micro-batches of about 8K response tokens (a power of two: it divides the step)
+length_args() {  # responses of $1 tokens: micro-batches of about 8K response tokens (a power of two: it divides the step),
+  # the forward-only logprob passes 4x that (configs/e2e_8b.yaml)
   local mbs=8; while [ $(( mbs * $1 )) -gt 8192 ] && [ "$mbs" -gt 1 ]; do mbs=$(( mbs / 2 )); done
-  echo "rollout.max_new_tokens=$1 rollout.max_model_len=$(( $1 + 64 )) grpo.micro_batch_size=$mbs"
+  echo "rollout.max_new_tokens=$1 rollout.max_model_len=$(( $1 + 64 )) grpo.micro_batch_size=$mbs grpo.logprob_micro_batch_size=$(( 4 * mbs ))"
 }
 
 run() {  # NAME OVERRIDES...: one GRPO run with GPU memory sampled; metrics, log and memory samples -> $OUT
