@@ -207,6 +207,7 @@ class _FP8Weight:
         self.fp8_site = type(self).__name__  # the module's name once `name_fp8_layers` has run (non-finite reports)
         self._fp8_cache: tuple[tuple, QuantizedWeight] | None = None
         self.keep_weight_t = True  # DGrad's W^T bytes kept per weight version, or made per backward (`name_fp8_layers`)
+        self.fp8_device: torch.device | None = None  # where the FP8 bytes live when the BF16 weight is in host memory
 
     def forget_fp8(self) -> None:
         """Drop the cached FP8 weight: the next forward (or `fp8_weights`) re-quantizes the current weight."""
@@ -217,10 +218,12 @@ class _FP8Weight:
         invalidate it (version counter); megatron's mixed-precision optimizer writes the new BF16 weights
         through `param.data`, which the counter does not see, so `train_step` calls `requantize_weights`."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.requires_grad)
+        key = _cache_key(w)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
             keep_t = self.keep_weight_t and w.requires_grad  # a frozen weight (the KL reference) has no DGrad: no W^T bytes
-            self._fp8_cache = (key, QuantizedWeight.quantize(w, self.flow, site=self.fp8_site, transposed=keep_t, keep_t=keep_t))
+            source = w if self.fp8_device is None else w.detach().to(self.fp8_device)  # (`offload_frozen_weights`)
+            self._fp8_cache = (key, QuantizedWeight.quantize(source, self.flow, site=self.fp8_site, transposed=keep_t,
+                                                             keep_t=keep_t))
         return self._fp8_cache[1]
 
     def _fp8_gemm(self, x, weight, bias):
@@ -348,6 +351,30 @@ def name_fp8_layers(model, weight_t: str = "step") -> None:
         if isinstance(m, _FP8Weight):
             m.fp8_site = name
             m.keep_weight_t = weight_t == "step"
+
+
+def offload_frozen_weights(model, host: torch.device | str = "cpu") -> int:
+    """The KL reference's FP8 linears keep only their FP8 bytes on the device: a frozen (requires_grad False) FP8
+    linear's BF16 weight moves to `host` memory (pinned where CUDA is), its bytes stay where the weight was. Its forward
+    reads only the bytes; a new value (`load_state_dict`, a checkpoint load) lands in host memory and is quantized
+    again on the device at the next forward, as any weight update is; checkpoints save it from there. Returns the
+    bytes of device memory freed (0 when the weights are on `host` already: a CPU run)."""
+    host, freed = torch.device(host), 0
+    for m in unwrap(model).modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, _FP8Weight) or not m.flow.train_fp8 or w.requires_grad or w.device == host:
+            continue
+        m.quantized_weight()  # the bytes, quantized where the weight is
+        moved = w.detach().to(host)
+        m.fp8_device = w.device
+        freed += w.numel() * w.element_size()
+        w.data = moved.pin_memory() if host.type == "cpu" and torch.cuda.is_available() else moved
+        m._fp8_cache = (_cache_key(w), m._fp8_cache[1])  # the same values: the bytes stay valid
+    return freed
+
+
+def _cache_key(w: torch.Tensor) -> tuple:
+    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.requires_grad)
 
 
 def requantize_weights(model) -> None:

@@ -49,9 +49,9 @@ def check(cfg: JetRLConfig):
 def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     """Bytes per GPU of what the actor keeps through a step, before activations, on its largest pipeline stage:
     parameters (BF16, or FP32 without optim.bf16), FP32 gradients (`main_grad`), the optimizer's FP32 main params
-    and Adam moments (1/DP of them under optim.distributed), the frozen reference (loss.kl_coef > 0), and in jetrl
-    the FP8 weight copies (the policy's W, and W^T under model.fp8_weight_t=step; the reference's W: it runs no
-    backward). The colocated engine sleeps meanwhile."""
+    and Adam moments (1/DP of them under optim.distributed), the frozen reference (loss.kl_coef > 0; in jetrl its FP8
+    linears' BF16 weights wait in host memory), and in jetrl the FP8 weight copies (the policy's W, and W^T under
+    model.fp8_weight_t=step; the reference's W: it runs no backward). The colocated engine sleeps meanwhile."""
     arch, p = cfg.arch(), cfg.parallel
     heads = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     linear = arch.hidden_size * heads + arch.num_heads * arch.head_dim * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size
@@ -64,7 +64,7 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     weight = 2 if cfg.optim.bf16 else 4
     state = (4 + 8 if cfg.optim.bf16 else 8) / (p.dp if cfg.optim.distributed else 1)
     return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),
-            "reference": int(params * weight) if cfg.loss.kl_coef > 0 else 0,
+            "reference": int((params - fp8_linear) * weight) if cfg.loss.kl_coef > 0 else 0,  # FP8 linears: bytes only
             "FP8 weights": int(fp8_linear * ((2 if cfg.model.fp8_weight_t == "step" else 1) + (cfg.loss.kl_coef > 0)))}
 
 

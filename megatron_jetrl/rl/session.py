@@ -169,6 +169,7 @@ def start_vllm_pool(s: "Session") -> None:
 
 def build_session(cfg: JetRLConfig) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
+    from megatron_jetrl.actor.fp8_layers import offload_frozen_weights
     from megatron_jetrl.actor.hf_import import init_hf_weights, load_hf_weights
 
     device = resolve_device(cfg)
@@ -194,8 +195,9 @@ def build_session(cfg: JetRLConfig) -> Session:
     else:  # the same weights for this seed at every TP, PP and spec
         init_hf_weights(model, arch, cfg.run.seed, spec=cfg.model.spec)
     reference = None
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0:  # its FP8 linears' BF16 weights wait in host memory (only their FP8 bytes run)
         reference = build_model(arch, flow, options).eval().requires_grad_(False)
+        offload_frozen_weights(reference)
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     native = cfg.rollout.engine == "native" and dist.get_rank() == 0
     pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None

@@ -251,6 +251,33 @@ def test_a_frozen_reference_keeps_no_transposed_weight_bytes(checkpoints):
     assert layer.quantized_weight()._t is not None
 
 
+def test_an_offloaded_reference_runs_its_fp8_bytes_and_takes_new_weights(checkpoints):
+    """`offload_frozen_weights`: a frozen FP8 linear's BF16 weight waits in host memory and its bytes are quantized
+    onto `fp8_device`. On the CPU there is nothing to move (0 bytes); with host memory standing in for the device,
+    the reference computes the policy's logits bit for bit, and a new value loaded into it (the policy after an
+    update, as `freeze_reference` and a resume load it) is what its next forward runs."""
+    from megatron_jetrl.actor.fp8_layers import _FP8Weight, offload_frozen_weights
+
+    root, _ = checkpoints
+    policy, _ = _imported("qwen3", JETRL, root)
+    reference, _ = _imported("qwen3", JETRL, root)
+    reference.requires_grad_(False)
+    assert offload_frozen_weights(reference) == 0 and offload_frozen_weights(policy) == 0  # weights in host memory already
+    layers = [m for m in reference.modules() if isinstance(m, _FP8Weight)]
+    for m in layers:
+        m.fp8_device = torch.device("cpu")  # what a GPU run records: the bytes are quantized from a host copy
+    tokens = tokens_for(CONFIGS["qwen3"], batch=2)
+    assert torch.equal(_logits(policy, tokens), _logits(reference, tokens))
+    before = {id(m): m.quantized_weight() for m in layers}
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.25)
+    assert not torch.equal(_logits(policy, tokens), _logits(reference, tokens))
+    reference.load_state_dict(policy.state_dict())
+    assert all(m.quantized_weight() is not before[id(m)] for m in layers)  # quantized again from the new values
+    assert torch.equal(_logits(policy, tokens), _logits(reference, tokens))
+
+
 def test_fp8_weights_check_every_weight_with_one_sync_and_name_the_bad_one(checkpoints, monkeypatch):
     """After an optimizer step `fp8_weights` quantizes every weight inside one watch (check_finite="step"): no host
     sync per weight, and a NaN weight is refused by name."""
