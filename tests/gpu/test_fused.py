@@ -10,7 +10,6 @@ of the rounded intermediate, and no further from FP64 than eager's own roundings
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -116,16 +115,6 @@ def test_rope_on_a_strided_view_and_positions():
     got = fused.fused_rope(q, cos, sin)
     assert torch.equal(got[0], q[0])  # position 0 is the identity rotation
     assert within_ulps(got, rope_64(q, cos, sin), 0.5, 8 * 2.0 ** -24 * float(q.abs().max()))
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"}.items():
-        os.environ.setdefault(k, v)
-    from megatron_jetrl.actor.parallel import init_parallel
-
-    init_parallel(tp=1, pp=1, seed=1234)
-    return True
 
 
 @pytest.mark.parametrize("mode", ["bf16", "jetrl"])

@@ -5,7 +5,6 @@ bytes); a new value loaded into it reaches its next forward, quantized on the de
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,16 +13,6 @@ from megatron_jetrl.fp8 import PrecisionFlow
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 JETRL = PrecisionFlow(mode="jetrl")
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29543"}.items():
-        os.environ.setdefault(k, v)
-    from megatron_jetrl.actor.parallel import init_parallel
-
-    init_parallel(tp=1, pp=1, seed=1234)
-    return True
 
 
 def test_the_offloaded_reference_frees_its_bf16_linears_and_computes_the_policys_logprobs(parallel):
