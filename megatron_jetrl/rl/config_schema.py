@@ -353,12 +353,12 @@ class GRPOConfig:
                "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1")
         _check(self.logprob_micro_batch_size >= 0,
                f"grpo.logprob_micro_batch_size must be >= 0 (0: grpo.micro_batch_size), got {self.logprob_micro_batch_size}")
+        _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
 
     @property
     def logprob_batch(self) -> int:
         """Sequences per micro-batch of the logprob passes (`logprob_micro_batch_size`, 0: `micro_batch_size`)."""
         return self.logprob_micro_batch_size or self.micro_batch_size
-        _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ CASES = {
     "evaluation without held-out problems": (["run.eval_every=10"],
                                              r"run.eval_every=10 scores the policy on held-out problems, but data.heldout=0 "
                                              r"holds none out: set data.heldout \(e.g. 128\) or run.eval_every=0"),
+    "unknown advantage scale": (["grpo.advantage_scale=mad"], r"grpo.advantage_scale must be 'std' or 'none', got 'mad'"),
     "negative logprob micro-batch": (["grpo.logprob_micro_batch_size=-8"],
                                      r"grpo.logprob_micro_batch_size must be >= 0 \(0: grpo.micro_batch_size\), got -8"),
     "logprob micro-batch that does not split the batch": (
