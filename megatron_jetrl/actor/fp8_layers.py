@@ -355,7 +355,7 @@ def name_fp8_layers(model, weight_t: str = "step") -> None:
 
 def offload_frozen_weights(model, host: torch.device | str = "cpu") -> int:
     """The KL reference's FP8 linears keep only their FP8 bytes on the device: a frozen (requires_grad False) FP8
-    linear's BF16 weight moves to `host` memory (pinned where CUDA is), its bytes stay where the weight was. Its forward
+    linear's BF16 weight moves to `host` memory (pinned where CUDA is), its bytes are made where the weight was. Its forward
     reads only the bytes; a new value (`load_state_dict`, a checkpoint load) lands in host memory and is quantized
     again on the device at the next forward, as any weight update is; checkpoints save it from there. Returns the
     bytes of device memory freed (0 when the weights are on `host` already: a CPU run)."""
@@ -364,12 +364,11 @@ def offload_frozen_weights(model, host: torch.device | str = "cpu") -> int:
         w = getattr(m, "weight", None)
         if not isinstance(m, _FP8Weight) or not m.flow.train_fp8 or w.requires_grad or w.device == host:
             continue
-        m.quantized_weight()  # the bytes, quantized where the weight is
         moved = w.detach().to(host)
         m.fp8_device = w.device
         freed += w.numel() * w.element_size()
         w.data = moved.pin_memory() if host.type == "cpu" and torch.cuda.is_available() else moved
-        m._fp8_cache = (_cache_key(w), m._fp8_cache[1])  # the same values: the bytes stay valid
+        m.forget_fp8()  # the bytes are made on the device at the next forward (the weights are loaded before one runs)
     return freed
 
 
