@@ -11,14 +11,22 @@ the same bytes in the actor (teacher-forced over whole sequences, micro-batch af
 - attention: the actor's torch SDPA differs from vLLM's FlashAttention 3 in a third of its outputs. FA3 with one
   KV split gives every query the same bytes as a causal prefill over the whole sequence, a chunked prefill from the
   paged cache and a paged decode step, so the actor calls FA3 itself (`FA3Attention`: vLLM's build,
-  `vllm.vllm_flash_attn`) and vLLM runs with one split (its batch-invariant mode). The backward is torch's flash
-  attention on the same inputs: a correct gradient; only the forward must match;
-- lm_head (and, in mode bf16, every linear): cuBLAS picks another kernel for another number of rows. Both sides call
-  vLLM's batch-invariant persistent GEMM (`linear_batch_invariant`, what vLLM's lm_head runs in that mode);
+  `vllm.vllm_flash_attn`) and vLLM runs with one split (its batch-invariant mode). The backward is flash attention's
+  gradient kernel fed FA3's output and log-sum-exp (no forward recomputed): a correct gradient; only the forward must
+  match;
+- lm_head: cuBLAS picks its kernel by the number of rows, and promises nothing about them. Both sides call
+  DeepGEMM's BF16 GEMM (`lm_head_gemm`): no split-K on Hopper, so a row's bytes do not depend on the rows beside it
+  (checked at M = 1 ... 8192, tools/bench/bench_exact.py), at cuBLAS's speed; vLLM's lm_head runs it through the
+  trainer's glue (`rollout.vllm_glue.use_trainer_lm_head`). In mode `bf16` every other linear is BF16 too: both
+  sides call vLLM's batch-invariant persistent GEMM (`linear_batch_invariant`, what vLLM's linears run in its
+  batch-invariant mode);
 - log-softmax: vLLM 0.26's model runner (V2, the default for dense models; pinned by `VLLM_USE_V2_MODEL_RUNNER=1`)
   computes a sampled token's raw logprob with its own Triton kernel on the BF16 logits (`compute_token_logprobs`,
   one program per row); the actor calls that very function (`exact_logprobs`). The batch-invariant `log_softmax` of
   the V1 runner reads FP32 logits and differs from it in the last bit of about 2% of the logprobs (H100).
+
+The backward of the log-softmax reuses the forward's row log-sum-exp (x_target - logprob) in the default path's
+compiled gradient kernel (`actor.logprobs`): one pass over the BF16 logits.
 
 Everything here imports vLLM lazily: build the actor after `rollout.vllm_engine.pin_environment` (vLLM reads its
 environment once, at import).
@@ -27,7 +35,6 @@ environment once, at import).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -37,8 +44,6 @@ from megatron_jetrl.models.arch import ModelArch
 
 FA_VERSION = 3
 """The FlashAttention build vLLM 0.26 runs on Hopper (`vllm.vllm_flash_attn`, fa_version 3)."""
-_GRAD_ROWS = 2048
-"""Rows of FP32 softmax materialized at once by `exact_logprobs`' backward (152K vocabulary: 1.2 GB)."""
 
 
 def _batch_invariant():
@@ -49,7 +54,8 @@ def _batch_invariant():
 
 class _FA3(torch.autograd.Function):
     """Causal attention `[b, s, heads, d]` (k/v with fewer heads: GQA): forward FA3 over each row as one sequence,
-    backward torch's flash attention (recomputed from q, k, v)."""
+    backward flash attention's gradient kernel (torch's FlashAttention 2) fed FA3's own output and log-sum-exp, so
+    nothing is recomputed: the gradient of the very function the forward computed."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
@@ -57,21 +63,24 @@ class _FA3(torch.autograd.Function):
 
         b, s, heads, d = q.shape
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        out = flash_attn_varlen_func(q.reshape(b * s, heads, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
-                                     max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu, softmax_scale=scale,
-                                     causal=True, fa_version=FA_VERSION, num_splits=1)
-        ctx.save_for_backward(q, k, v)
+        out, lse = flash_attn_varlen_func(q.reshape(b * s, heads, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
+                                          max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu,
+                                          softmax_scale=scale, causal=True, fa_version=FA_VERSION, num_splits=1,
+                                          return_softmax_lse=True)
+        out = out.view(b, s, heads, d)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
-        return out.view(b, s, heads, d)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # [b, heads, s, d]
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=ctx.scale, enable_gqa=True)
-            dq, dk, dv = torch.autograd.grad(out, (qt, kt, vt), grad.transpose(1, 2))
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+        q, k, v, out, lse = ctx.saved_tensors
+        b, s, heads, _ = q.shape
+        lse = lse.view(heads, b, s).transpose(0, 1).contiguous()  # varlen [heads, tokens] -> batched [b, heads, s]
+        none = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, None, None, s, s, 0.0, True, none, none, scale=ctx.scale)
+        return dq, dk, dv, None
 
 
 def fa3_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -108,14 +117,32 @@ class FA3Attention(torch.nn.Module):
         return fa3_causal_attention(q, k, v, self.scale).transpose(0, 1).reshape(s, b, -1)
 
 
+def lm_head_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x[M, K] @ weight[N, K].T` in BF16 with DeepGEMM's `bf16_gemm_nt` (batch-invariant: module docstring), the
+    lm_head GEMM of both the actor and vLLM under `exact_logprobs`."""
+    from megatron_jetrl.fp8.backends import deep_gemm_module
+
+    dg = deep_gemm_module()
+    if dg is None or not hasattr(dg, "bf16_gemm_nt"):
+        raise RuntimeError("precision.exact_logprobs computes the lm_head with DeepGEMM's bf16_gemm_nt, which this "
+                           "process cannot import (vLLM 0.26's vllm.third_party.deep_gemm): install the vLLM kit")
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    dg.bf16_gemm_nt(x.contiguous(), weight.contiguous(), y)
+    return y
+
+
+def persistent_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """vLLM's batch-invariant persistent GEMM `x @ weight.T` (its linears' GEMM in batch-invariant mode)."""
+    return _batch_invariant().linear_batch_invariant(x, weight)
+
+
 class _Linear(torch.autograd.Function):
-    """`x @ w.T` with vLLM's batch-invariant GEMM forward; plain torch GEMMs backward."""
+    """`x @ w.T` with a batch-invariant GEMM forward (`gemm`); plain torch GEMMs backward."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, gemm):
         ctx.save_for_backward(x, weight)
-        x2 = x.reshape(-1, x.shape[-1])
-        return _batch_invariant().linear_batch_invariant(x2, weight).view(*x.shape[:-1], weight.shape[0])
+        return gemm(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,21 +150,29 @@ class _Linear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         dx = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = (g2.t() @ x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return dx, dw
+        return dx, dw, None
 
 
-def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """vLLM's unquantized linear in batch-invariant mode: the persistent GEMM, then `+ bias` in the output dtype."""
-    y = _Linear.apply(x, weight)
+def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemm=persistent_gemm) -> torch.Tensor:
+    """A linear as vLLM computes it under `exact_logprobs`: `gemm`, then `+ bias` in the output dtype."""
+    y = _Linear.apply(x, weight, gemm)
     return y if bias is None else y + bias
 
 
 class RolloutColumnParallelLinear(ColumnParallelLinear):
-    """megatron `ColumnParallelLinear` (TP semantics unchanged) whose GEMM is vLLM's batch-invariant one: the lm_head,
-    and mode bf16's column-parallel linears."""
+    """megatron `ColumnParallelLinear` (TP semantics unchanged) whose GEMM is vLLM's batch-invariant one: mode bf16's
+    column-parallel linears."""
+
+    gemm = staticmethod(persistent_gemm)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
-        return rollout_linear(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
+        return rollout_linear(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias, self.gemm)
+
+
+class RolloutOutputLayer(RolloutColumnParallelLinear):
+    """The GPTModel output layer (lm_head) with the lm_head GEMM both sides run (`lm_head_gemm`)."""
+
+    gemm = staticmethod(lm_head_gemm)
 
 
 class RolloutRowParallelLinear(RowParallelLinear):
@@ -148,39 +183,36 @@ class RolloutRowParallelLinear(RowParallelLinear):
 
 
 def use_rollout_output_layer(model) -> None:
-    """Give this stage's GPTModel output layer (if it has one) vLLM's batch-invariant GEMM; weights untouched."""
+    """Give this stage's GPTModel output layer (if it has one) the lm_head GEMM both sides run; weights untouched."""
     layer = getattr(model, "output_layer", None)
     if layer is not None:
         if type(layer) is not ColumnParallelLinear:
             raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
-        layer.__class__ = RolloutColumnParallelLinear
+        layer.__class__ = RolloutOutputLayer
 
 
 class _ExactLogprobs(torch.autograd.Function):
     """log p(target) over the first `vocab_size` columns of full-vocabulary BF16 logits `[N, V]`: forward vLLM's own
     kernel for a sampled token's raw logprob (`compute_token_logprobs`: max, then sum of exp, then x - max - log(sum),
-    one program per row, on the BF16 logits as vLLM's sampler holds them), backward softmax - onehot."""
+    one program per row, on the BF16 logits as vLLM's sampler holds them), backward softmax - onehot from the row's
+    log-sum-exp x_target - logprob, in `actor.logprobs`' compiled gradient kernel."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_size: int):
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
         out = compute_token_logprobs(logits[:, :vocab_size], targets[:, None])[:, 0]
-        ctx.save_for_backward(logits, targets)
+        lse = logits.gather(-1, targets[:, None])[:, 0].float() - out
+        ctx.save_for_backward(logits, targets, lse)
         ctx.vocab_size = vocab_size
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        logits, targets = ctx.saved_tensors
-        v = ctx.vocab_size
-        d = torch.zeros_like(logits)
-        for r in range(0, logits.shape[0], _GRAD_ROWS):
-            g = grad[r : r + _GRAD_ROWS, None]
-            rows = -torch.softmax(logits[r : r + _GRAD_ROWS, :v].float(), dim=-1) * g
-            rows.scatter_add_(-1, targets[r : r + _GRAD_ROWS, None], g)
-            d[r : r + _GRAD_ROWS, :v] = rows.to(d.dtype)
-        return d, None, None
+        from megatron_jetrl.actor.logprobs import _compiled_grad_logits
+
+        logits, targets, lse = ctx.saved_tensors
+        return _compiled_grad_logits(logits, targets, lse, torch.ones_like(lse), grad, 0, ctx.vocab_size, 1.0), None, None
 
 
 def exact_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:

@@ -52,13 +52,16 @@ class PrecisionFlow:
 
     exact_logprobs: bool = False
     """vLLM rollouts (GPU): the actor's forward runs the rollout engine's own kernels wherever they are not already the
-    same -- FlashAttention 3 with one KV split for attention, vLLM's batch-invariant GEMM for the lm_head (and, in mode
-    `bf16`, for every linear) and its log-softmax -- and vLLM runs in its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`:
-    one KV split in decode, no cascade attention). With the trainer's RMSNorm and RoPE in vLLM (`rollout.glue`) and the
-    FP8 linears both sides already share (DeepGEMM, one quantizer), every sampled token's logprob is then the actor's
-    bit for bit: mismatch exactly 0 and TIS weights exactly 1 (`megatron_jetrl/actor/rollout_kernels.py`). Backward
-    takes a gradient from torch's flash attention; only the forward must match. Not for `bf16-train-fp8-rollout`,
-    whose two forwards differ by design."""
+    same -- FlashAttention 3 with one KV split, DeepGEMM's BF16 GEMM for the lm_head (in vLLM too, through the
+    trainer's glue), vLLM's log-softmax kernel, and in mode `bf16` vLLM's batch-invariant GEMM for every other linear
+    -- and vLLM's attention runs with one KV split and no cascade. With the trainer's RMSNorm and RoPE in vLLM
+    (`rollout.glue`) and the FP8 linears both sides already share (DeepGEMM, one quantizer), every sampled token's
+    logprob is then the actor's bit for bit: mismatch exactly 0 and TIS weights exactly 1
+    (`megatron_jetrl/actor/rollout_kernels.py`). An FP8 rollout pins the attention alone
+    (patches/vllm_0_26_0_one_split_attention.py); a BF16 rollout, whose linears vLLM makes batch-invariant only in its
+    process-wide batch-invariant mode, runs in that mode (`VLLM_BATCH_INVARIANT=1`). Backward takes flash attention's
+    gradient from FA3's output; only the forward must match. Not for `bf16-train-fp8-rollout`, whose two forwards
+    differ by design."""
 
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""
@@ -131,10 +134,12 @@ class PrecisionFlow:
         weight scales to UE8M0 at load on Hopper when DeepGEMM is used with E8M0; with FP32 scales that
         would change the weight bytes and the activation scales, so it is switched off. With `ue8m0`
         scales the re-quantization is the identity (already powers of two) and DeepGEMM may use them.
-        `exact_logprobs` turns on vLLM's batch-invariant mode (the field's docstring says what it changes) and pins the
-        model runner whose logprob kernel the actor calls (`actor.rollout_kernels`).
+        `exact_logprobs` pins the model runner whose logprob kernel the actor calls (`actor.rollout_kernels`) and, with
+        a BF16 rollout, turns on vLLM's batch-invariant mode (the field's docstring says why only there).
         """
-        env = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"} if self.exact_logprobs else {}
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if self.exact_logprobs else {}
+        if self.exact_logprobs and not self.rollout_fp8:
+            env["VLLM_BATCH_INVARIANT"] = "1"
         if self.rollout_fp8:
             env["VLLM_USE_DEEP_GEMM_E8M0"] = "1" if self.scale_mode == "ue8m0" else "0"
         return env

@@ -87,18 +87,20 @@ def init_distributed(cfg: JetRLConfig) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     pin_cache_dirs(cfg.run.jit_cache_dir)  # before DeepGEMM or Triton is imported: one cache for trainer and engines
     if cfg.rollout.engine == "vllm":
-        pin_vllm_environment(cfg.precision)
+        pin_vllm_environment(cfg.precision, cfg.parallel.tp)
     init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.run.seed, timeout_minutes=cfg.run.timeout_s / 60)
 
 
-def pin_vllm_environment(flow: PrecisionFlow) -> None:
+def pin_vllm_environment(flow: PrecisionFlow, tp: int = 1) -> None:
     """vLLM's environment for the flow, before anything imports vLLM (the actor's `rollout_kernels` do) and before the
-    process group exists: under `exact_logprobs` vLLM's batch-invariant NCCL settings (one channel, tree all-reduce)
-    then hold for the trainer's collectives too, so both sides add the TP ranks' partial sums in one order."""
+    process group exists. Under `exact_logprobs` at TP > 2, vLLM's batch-invariant NCCL settings (one channel, tree
+    all-reduce) then hold for the trainer's collectives too, so both sides add the TP ranks' partial sums in one order.
+    Up to TP 2 a row-parallel output is one addition of two partial sums, the same in any order: the trainer's
+    collectives (DP's gradient reduction among them) keep NCCL's defaults."""
     from megatron_jetrl.rollout.vllm_engine import engine_env, pin_environment
 
     pin_environment(engine_env(flow))
-    if flow.exact_logprobs:
+    if flow.exact_logprobs and tp > 2:
         from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
 
         override_envs_for_invariance()

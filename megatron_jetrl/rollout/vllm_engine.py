@@ -165,6 +165,8 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
         disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
+    if flow.exact_logprobs:
+        kwargs["disable_cascade_attn"] = True  # (vLLM 0.26's default; a shared prefix's two kernels would differ)
     if resolve_glue(glue, arch) == "trainer" and not enforce_eager:
         kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
     elif flow.rollout_fp8 and not enforce_eager:
@@ -406,21 +408,22 @@ def probe_problems(quant_fp8, flow: PrecisionFlow, x: torch.Tensor) -> list[str]
     return problems
 
 
-def exact_problems(attention_impls: dict[str, object], batch_invariant: bool, cascade_disabled: bool, glue: str,
+def exact_problems(attention_impls: dict[str, object], one_split: bool, cascade_disabled: bool, glue: str,
                    lm_head_method: str, v2_runner: bool = True) -> list[str]:
     """Under `precision.exact_logprobs`, what in a running engine would compute other bytes than the actor's
-    `rollout_kernels`: vLLM's batch-invariant mode off, an attention that is not FA3, cascade attention, vLLM's own
-    RMSNorm/RoPE, a quantized or replaced lm_head, a model runner whose logprob kernel the actor does not call."""
+    `rollout_kernels`: attention with more than one KV split or not FA3, cascade attention, vLLM's own RMSNorm/RoPE,
+    an lm_head without the actor's GEMM, a model runner whose logprob kernel the actor does not call."""
     problems = []
     if not v2_runner:
         problems.append("vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
                         "the actor calls (the V2 runner's compute_token_logprobs): keep VLLM_USE_V2_MODEL_RUNNER=1")
-    if not batch_invariant:
-        problems.append("vLLM's batch-invariant mode is off (VLLM_BATCH_INVARIANT was not 1 when vllm was imported): "
-                        "create the engine, or call rl.session.pin_vllm_environment, before anything imports vllm")
+    if not one_split:
+        problems.append("vLLM's attention may split the KV cache (neither patches/vllm_0_26_0_one_split_attention.py nor "
+                        "VLLM_BATCH_INVARIANT=1 took effect before the attention layers were built): create the engine, "
+                        "or call rl.session.pin_vllm_environment, before anything imports vllm")
     if not cascade_disabled:
-        problems.append("cascade attention is on (a shared prefix's attention merged from two kernels): vLLM turns it off "
-                        "in its batch-invariant mode")
+        problems.append("cascade attention is on (a shared prefix's attention merged from two kernels): build the engine "
+                        "with disable_cascade_attn=True")
     for name, impl in list(attention_impls.items())[:3]:
         cls, version = type(impl).__name__, getattr(impl, "vllm_flash_attn_version", None)
         if cls != "FlashAttentionImpl" or version != 3:
@@ -429,8 +432,9 @@ def exact_problems(attention_impls: dict[str, object], batch_invariant: bool, ca
     if glue != "trainer":
         problems.append(f"rollout.glue resolved to {glue!r}: vLLM's own RMSNorm and RoPE round unlike the actor's; use "
                         "rollout.glue=auto or trainer (a llama3 scaled RoPE cannot)")
-    if lm_head_method != "UnquantizedEmbeddingMethod":
-        problems.append(f"the lm_head runs {lm_head_method}, not vLLM's unquantized (batch-invariant) GEMM")
+    if lm_head_method != "TrainerLMHeadMethod":
+        problems.append(f"the lm_head runs {lm_head_method}, not the actor's lm_head GEMM (rollout.vllm_glue.use_trainer_lm_head "
+                        "takes an unquantized lm_head only)")
     return problems
 
 
@@ -482,6 +486,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
         load_patch("vllm_0_26_0_seeded_sampling").apply()  # seeded requests' noise in one kernel, not one per request
 
+        if flow.exact_logprobs and flow.rollout_fp8:  # (a BF16 rollout runs vLLM's batch-invariant mode: flow.vllm_env)
+            load_patch("vllm_0_26_0_one_split_attention").apply()
         if glue == "trainer":
             vllm_glue.register()
             fused = fused_quant and flow.rollout_fp8 and flow.scale_mode == "fp32"
@@ -497,6 +503,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, glue=glue, **llm_extra)
         self.llm = vllm.LLM(**kwargs)
         self.model = self.llm.collective_rpc(_driver_model)[0]
+        if flow.exact_logprobs:
+            vllm_glue.use_trainer_lm_head(self.model)
         compilation = self.llm.llm_engine.vllm_config.compilation_config
         compiled, pass_config = int(compilation.mode) != 0, compilation.pass_config  # CompilationMode.NONE == 0
         if verify_numerics:
@@ -538,17 +546,17 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
     def _check_exact(self, glue: str) -> dict:
         """`exact_problems` read back from this engine; any refuses it."""
-        import vllm.envs as envs
-
         impls = {name: m.impl for name, m in self.model.named_modules() if hasattr(m, "impl") and hasattr(m, "kv_cache")}
         config = self.llm.llm_engine.vllm_config
         method = type(getattr(self.model.lm_head, "quant_method", None)).__name__
-        problems = exact_problems(impls, bool(envs.VLLM_BATCH_INVARIANT), bool(config.model_config.disable_cascade_attn),
-                                  glue, method, bool(config.use_v2_model_runner))
+        one_split = bool(impls) and all(getattr(i, "batch_invariant_enabled", False) for i in impls.values())
+        problems = exact_problems(impls, one_split, bool(config.model_config.disable_cascade_attn), glue, method,
+                                  bool(config.use_v2_model_runner))
         if problems:
             raise EngineConformanceError("precision.exact_logprobs: vLLM would not compute the actor's bytes:\n  - "
                                          + "\n  - ".join(problems))
-        return {"attention": sorted({type(i).__name__ for i in impls.values()}), "layers": len(impls), "lm_head": method}
+        return {"attention": sorted({type(i).__name__ for i in impls.values()}), "layers": len(impls), "lm_head": method,
+                "one_split": "process-wide batch-invariant mode" if not self.flow.rollout_fp8 else "attention backend only"}
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:

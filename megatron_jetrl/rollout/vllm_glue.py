@@ -268,3 +268,21 @@ def register() -> None:  # pragma: no cover - needs vLLM (tools/gpu/diag_vllm_la
             return rope(positions, query, key, *tables)
 
         forward_native = forward_cuda
+
+
+def use_trainer_lm_head(model) -> None:  # pragma: no cover - needs vLLM (tests/gpu/test_exact_logprobs.py)
+    """Under `precision.exact_logprobs`: the engine's lm_head (an unquantized `ParallelLMHead`, or the tied embedding)
+    computes its logits with the actor's lm_head GEMM (`actor.rollout_kernels.lm_head_gemm`, batch-invariant) instead
+    of cuBLAS or vLLM's persistent GEMM. The logits are computed eagerly, outside vLLM's CUDA graphs, so the method can
+    be swapped after the engine is built. Another lm_head method is left alone (the start-up read-back refuses it)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from megatron_jetrl.actor.rollout_kernels import lm_head_gemm
+
+    class TrainerLMHeadMethod(UnquantizedEmbeddingMethod):
+        def apply(self, layer, x, bias=None):
+            y = lm_head_gemm(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
+            return y if bias is None else y + bias
+
+    if type(model.lm_head.quant_method) is UnquantizedEmbeddingMethod:
+        model.lm_head.quant_method = TrainerLMHeadMethod()

@@ -1,24 +1,67 @@
 """`precision.exact_logprobs` on the CPU: the key, what it asks of vLLM, every refusal with its reason, and the start-up
 read-back's verdicts (the GPU side: tests/gpu/test_exact_logprobs.py)."""
 
+import sys
+import types
+
 import pytest
 
 from megatron_jetrl.actor.provider import ActorOptions
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.rl.config import ConfigError, load_config
-from megatron_jetrl.rollout.vllm_engine import engine_env, exact_problems
+from megatron_jetrl.patching import load_patch
+from megatron_jetrl.rollout.vllm_engine import engine_env, exact_problems, llm_kwargs
 
 GPU = ["configs/gpu_1p5b.yaml"]
 ON = ["precision.exact_logprobs=true", "rollout.engine=vllm"]
 
 
-def test_the_flow_asks_vllm_for_its_batch_invariant_mode_and_v2_runner():
+def test_an_fp8_rollout_pins_the_v2_runner_and_a_bf16_one_also_the_batch_invariant_mode():
+    """An FP8 rollout's only BF16 GEMM is the lm_head, which the glue gives the actor's GEMM: vLLM's process-wide
+    batch-invariant mode (aten overrides, NCCL and cuBLAS settings) stays off; BF16 linears need it."""
     assert PrecisionFlow("jetrl").exact_logprobs is False
     env = engine_env(PrecisionFlow("jetrl", exact_logprobs=True))
-    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and "VLLM_BATCH_INVARIANT" not in env
     assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     assert engine_env(PrecisionFlow("bf16", exact_logprobs=True)) == {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
     assert "VLLM_BATCH_INVARIANT" not in engine_env(PrecisionFlow("jetrl"))
+
+
+def test_the_engine_is_built_without_cascade_attention(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, '
+                                          '"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, '
+                                          '"vocab_size": 512}')
+    assert llm_kwargs(tmp_path, PrecisionFlow("bf16", exact_logprobs=True))["disable_cascade_attn"] is True
+    assert "disable_cascade_attn" not in llm_kwargs(tmp_path, PrecisionFlow("bf16"))
+
+
+@pytest.fixture
+def flash_attn_module(monkeypatch):
+    """A stand-in for vLLM 0.26.0's `vllm.v1.attention.backends.flash_attn`, which reads `envs.VLLM_BATCH_INVARIANT`."""
+    patch = load_patch("vllm_0_26_0_one_split_attention")
+    envs = types.SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_USE_V2_MODEL_RUNNER=True)
+    mod = types.ModuleType(patch.MODULE)
+    mod.envs = envs
+    monkeypatch.setitem(sys.modules, patch.MODULE, mod)
+    return patch, mod, envs
+
+
+def test_the_one_split_patch_sets_batch_invariance_for_the_attention_backend_alone(flash_attn_module, monkeypatch):
+    patch, mod, envs = flash_attn_module
+    monkeypatch.setattr(load_patch("vllm_0_26_0_seeded_sampling"), "installed_version", lambda: "0.26.0")
+    assert not patch.applied()
+    assert patch.apply() and patch.apply() and patch.applied()
+    assert mod.envs.VLLM_BATCH_INVARIANT is True and envs.VLLM_BATCH_INVARIANT is False  # vllm.envs itself untouched
+    assert mod.envs.VLLM_USE_V2_MODEL_RUNNER is True and mod.envs._envs is envs  # every other name is vLLM's
+
+
+def test_the_one_split_patch_refuses_another_vllm(flash_attn_module, monkeypatch):
+    patch, mod, envs = flash_attn_module
+    sampling = load_patch("vllm_0_26_0_seeded_sampling")
+    monkeypatch.setattr(sampling, "installed_version", lambda: "0.27.0")
+    with pytest.raises(sampling.VllmVersionError, match=r"targets vllm==0.26.0 .* but vllm==0.27.0 is installed"):
+        patch.apply()
+    assert mod.envs is envs
 
 
 def test_the_foil_and_non_booleans_are_refused():
@@ -30,7 +73,7 @@ def test_the_foil_and_non_booleans_are_refused():
 
 def test_a_config_that_can_hold_it_loads():
     cfg = load_config(GPU, ON)
-    assert cfg.precision.exact_logprobs and cfg.precision.vllm_env()["VLLM_BATCH_INVARIANT"] == "1"
+    assert cfg.precision.exact_logprobs and cfg.precision.vllm_env()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -62,10 +105,10 @@ class TritonAttentionImpl:
 
 def test_the_engine_read_back_names_each_difference():
     good = {"model.layers.0.self_attn.attn": FlashAttentionImpl()}
-    assert exact_problems(good, True, True, "trainer", "UnquantizedEmbeddingMethod", True) == []
-    problems = exact_problems({"layers.0.attn": TritonAttentionImpl()}, False, False, "vllm", "Fp8LinearMethod", False)
+    assert exact_problems(good, True, True, "trainer", "TrainerLMHeadMethod", True) == []
+    problems = exact_problems({"layers.0.attn": TritonAttentionImpl()}, False, False, "vllm", "UnquantizedEmbeddingMethod", False)
     text = "\n".join(problems)
-    for words in ("V1 model runner", "batch-invariant mode is off", "cascade attention", "TritonAttentionImpl",
-                  "rollout.glue resolved to 'vllm'", "Fp8LinearMethod"):
+    for words in ("V1 model runner", "may split the KV cache", "cascade attention", "TritonAttentionImpl",
+                  "rollout.glue resolved to 'vllm'", "UnquantizedEmbeddingMethod, not the actor's lm_head GEMM"):
         assert words in text
     assert len(problems) == 6
