@@ -104,7 +104,7 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
            "rollout.engine=vllm", f"rollout.enforce_eager={str(eager).lower()}", f"rollout.max_new_tokens={new_tokens}", "run.steps=3",
            "run.checkpoint=false", "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0",
            f"run.out_dir={tmp_path}", "run.name=exact"]
-    env = dict(os.environ, MASTER_PORT="29679", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
