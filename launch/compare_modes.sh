@@ -10,8 +10,8 @@
 # 2. modes: one GRPO run per mode from that export (`model.path=OUT/sft/export warmup.steps=0`), same seed, same data,
 #    side by side. Each mode takes parallel.world_size GPUs of this node (CUDA_VISIBLE_DEVICES); with more modes than
 #    GPU groups, group g runs modes g, g + groups, ... one after another; without GPUs every mode runs at once on the CPU
-#    (the cores split between them). Modes: bf16 | bf16-train-fp8-rollout | jetrl | jetrl-exact (jetrl with
-#    precision.exact_logprobs=true). Run directory OUT/<mode>, log OUT/<mode>.log. Launched again (e.g. with a larger
+#    (the cores split between them). Modes: bf16 | bf16-train-fp8-rollout | jetrl (exact logprobs off, even where
+#    jetrl's default turns them on) | jetrl-exact (jetrl with precision.exact_logprobs=true). Run directory OUT/<mode>, log OUT/<mode>.log. Launched again (e.g. with a larger
 #    run.steps, or after a stop), each mode resumes from its newest checkpoint (run.save_every) and a finished one says so.
 # 3. report: tools/plot_learning.py OUT/<mode>... -> OUT/learning_curves.png (reward, held-out accuracy, mismatch,
 #    sequence log ratio by length, TIS weights, clip fraction, response length) and OUT/learning_curves.md.
@@ -70,7 +70,8 @@ sft=$out/sft
 
 mode_args() {  # MODE -> the overrides that make it
   case $1 in
-    bf16|bf16-train-fp8-rollout|jetrl) echo "precision.mode=$1" ;;
+    bf16|bf16-train-fp8-rollout) echo "precision.mode=$1" ;;
+    jetrl) echo "precision.mode=jetrl precision.exact_logprobs=false" ;;
     jetrl-exact) echo "precision.mode=jetrl precision.exact_logprobs=true" ;;
     *) return 1 ;;
   esac

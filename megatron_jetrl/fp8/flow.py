@@ -61,7 +61,8 @@ class PrecisionFlow:
     (patches/vllm_0_26_0_one_split_attention.py); a BF16 rollout, whose linears vLLM makes batch-invariant only in its
     process-wide batch-invariant mode, runs in that mode (`VLLM_BATCH_INVARIANT=1`). Backward takes flash attention's
     gradient from FA3's output; only the forward must match. Not for `bf16-train-fp8-rollout`, whose two forwards
-    differ by design."""
+    differ by design. A run config's default is `auto`, resolved when it loads (`JetRLConfig.exact_logprobs_holds`): on in
+    mode jetrl with vLLM at TP 1 and 2 wherever it can hold (4.4% of the step, BENCHMARKS.md), else off."""
 
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""
@@ -90,7 +91,7 @@ class PrecisionFlow:
         if self.backend not in GEMM_BACKENDS:
             problems.append(f"backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
         if not isinstance(self.exact_logprobs, bool):
-            problems.append(f"exact_logprobs must be true or false, got {self.exact_logprobs!r}")
+            problems.append(f"exact_logprobs must be true or false (a run config also takes auto, its default), got {self.exact_logprobs!r}")
         elif self.exact_logprobs and self.mode == "bf16-train-fp8-rollout":
             problems.append("exact_logprobs cannot hold in mode 'bf16-train-fp8-rollout': it trains in BF16 and samples in "
                             "FP8, two forwards by design; use mode 'jetrl' (or 'bf16') with exact_logprobs")

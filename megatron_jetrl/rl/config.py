@@ -139,8 +139,21 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def config_from_dict(data: dict) -> JetRLConfig:
+    """The run config; `precision.exact_logprobs: auto` (also when absent) resolves to whether it holds
+    (`JetRLConfig.exact_logprobs_holds`), so the flow every part reads says true or false."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config is a mapping of sections, got {type(data).__name__}")
+    precision = data.get("precision") or {}
+    auto = isinstance(precision, dict) and precision.get("exact_logprobs", "auto") == "auto"
+    if auto:
+        data = {**data, "precision": {**precision, "exact_logprobs": False}}
+    cfg = _config(data)
+    if auto and cfg.exact_logprobs_holds():
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, exact_logprobs=True))
+    return cfg
+
+
+def _config(data: dict) -> JetRLConfig:
     hints = typing.get_type_hints(JetRLConfig)
     sections = {f.name for f in dataclasses.fields(JetRLConfig)}
     kwargs = {}

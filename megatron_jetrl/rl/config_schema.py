@@ -442,6 +442,19 @@ class JetRLConfig:
                    f"parallel.pp={self.parallel.pp} does not divide the model's {arch.num_layers} layers (each pipeline stage "
                    f"holds as many): use a pp among {[p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]}")
 
+    def exact_logprobs_holds(self) -> bool:
+        """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or
+        2 (where equality and its cost were measured; beyond, the trainer's collectives would need vLLM's one-channel
+        NCCL settings) wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off: it would
+        put vLLM in its process-wide batch-invariant mode (`precision.exact_logprobs=true` asks for that)."""
+        if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2:
+            return False
+        try:
+            self._check_exact_logprobs()
+        except ConfigError:
+            return False
+        return True
+
     def _check_exact_logprobs(self) -> None:
         """`precision.exact_logprobs` holds only where both sides can run the same kernels (its docstring)."""
         fix = "set precision.exact_logprobs=false"

@@ -112,3 +112,33 @@ def test_the_engine_read_back_names_each_difference():
                   "rollout.glue resolved to 'vllm'", "UnquantizedEmbeddingMethod, not the actor's lm_head GEMM"):
         assert words in text
     assert len(problems) == 6
+
+
+@pytest.mark.parametrize("overrides,on", [
+    ([], False),  # the native engine
+    (["rollout.engine=vllm"], True),  # jetrl, vLLM, TP 1: on by default
+    (["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=2", "grpo.micro_batch_size=32"], True),
+    (["rollout.engine=vllm", "precision.mode=bf16"], False),  # would need vLLM's process-wide mode
+    (["rollout.engine=vllm", "precision.mode=bf16-train-fp8-rollout"], False),
+    (["rollout.engine=vllm", "rollout.glue=vllm"], False),
+    (["rollout.engine=vllm", "precision.exact_logprobs=false"], False),
+    (["rollout.engine=vllm", "precision.exact_logprobs=auto"], True),
+    (["rollout.engine=vllm", "precision.mode=bf16", "precision.exact_logprobs=true"], True),
+])
+def test_auto_the_default_turns_it_on_where_it_holds_and_the_flow_says_which(overrides, on):
+    cfg = load_config(GPU, overrides)
+    assert cfg.precision.exact_logprobs is on
+    assert load_config(GPU, [*overrides, f"precision.exact_logprobs={str(on).lower()}"]).precision == cfg.precision
+
+
+def test_auto_stays_off_beyond_tp_2():
+    eight_b = ["configs/gpu_8b_shapes.yaml", "rollout.engine=vllm", "grpo.micro_batch_size=32"]
+    assert load_config(eight_b[:1], eight_b[1:] + ["parallel.tp=2", "rollout.tp=2"]).precision.exact_logprobs
+    assert not load_config(eight_b[:1], eight_b[1:] + ["parallel.tp=4", "rollout.tp=4"]).precision.exact_logprobs
+
+
+def test_auto_is_a_run_config_word_not_a_flow_value():
+    with pytest.raises(ValueError, match=r"true or false \(a run config also takes auto, its default\), got 'auto'"):
+        PrecisionFlow("jetrl", exact_logprobs="auto")
+    with pytest.raises(ConfigError, match="got 'maybe'"):
+        load_config(GPU, ["precision.exact_logprobs=maybe"])
