@@ -17,6 +17,8 @@ included) at every M where that choice can change, in `--procs` processes spread
   points at which DeepGEMM 2.5's heuristic (csrc/jit_kernels/heuristics) can answer differently; vLLM's
   `VLLM_DEEP_GEMM_WARMUP=relax` warms at the same kind of boundary.
 * DGrad and WGrad (a backward through the same linear) at those M from 128 up, in modes that train in FP8.
+* Under `precision.exact_logprobs`, the lm_head's BF16 DeepGEMM GEMM (`actor.rollout_kernels.lm_head_gemm`, which both
+  the actor and the engine run) at the same kind of M, up to the trainer's largest micro-batch.
 
 Largest call: the trainer's micro-batch (grpo.micro_batch_size, or for the forward grpo.logprob_micro_batch_size, x the
 longest sequence) or the engine's prefill chunk (PREFILL_TOKENS), whichever is larger. The kernels land in the cache the run reads (`run.jit_cache_dir`;
@@ -35,11 +37,16 @@ import os
 import sys
 import time
 
+from megatron_jetrl.models.mapping import padded_vocab_size
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
 from megatron_jetrl.rl.jit_cache import count_kernels, pin_cache_dirs
 
 PREFILL_TOKENS = 16384
 """vLLM 0.26's default prefill chunk for an offline engine on a large GPU (`max_num_batched_tokens`)."""
+ENGINE_ROWS = 1024
+"""The most logits rows of one engine step warmed for the lm_head (vLLM 0.26's `max_num_seqs` on a large GPU)."""
+VLLM_VOCAB_PADDING = 64
+"""vLLM 0.26 pads its lm_head's vocabulary to a multiple of 64 before splitting it over TP (megatron: 128 x TP)."""
 BACKWARD_FROM = 128
 """The smallest M warmed through backward: a training micro-batch is never fewer tokens."""
 
@@ -65,8 +72,13 @@ def m_values(max_m: int, n: int, num_sms: int) -> list[int]:
     return sorted(m for m in ms if 1 <= m <= max_m)
 
 
-def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int], bool]]:
-    """(N, K, M values, with backward) per chunk: every shape's M list cut into contiguous pieces (DeepGEMM's choice
+KINDS = ("fprop", "train", "lm_head")
+"""What a work item runs at each of its M: the FP8 forward; forward and backward (FProp, DGrad, WGrad); the BF16
+lm_head GEMM of `precision.exact_logprobs` (`actor.rollout_kernels.lm_head_gemm`, DeepGEMM's, JIT-compiled too)."""
+
+
+def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int], str]]:
+    """(N, K, M values, kind in KINDS) per chunk: every shape's M list cut into contiguous pieces (DeepGEMM's choice
     moves with M, so a piece mostly meets kernels no other piece needs) so that `procs` processes share them evenly."""
     flow, arch = cfg.precision, cfg.arch()
     tps = {cfg.parallel.tp} if flow.train_fp8 else set()
@@ -81,28 +93,43 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
             if flow.train_fp8 and tp == cfg.parallel.tp:  # DGrad's output is K wide: its choice follows K as FProp's N
                 bwd.setdefault((n, k), set()).update(m for size in (n, k) for m in m_values(train_m, size, num_sms)
                                                      if m >= BACKWARD_FROM)
-    lists = [(n, k, sorted(ms - bwd.get((n, k), set())), False) for (n, k), ms in fwd.items()]
-    lists = [(n, k, ms, b) for n, k, ms, b in lists + [(n, k, sorted(ms), True) for (n, k), ms in bwd.items()] if ms]
+    lists = [(n, k, sorted(ms - bwd.get((n, k), set())), "fprop") for (n, k), ms in fwd.items()]
+    lists += [(n, k, sorted(ms), "train") for (n, k), ms in bwd.items()]
+    if flow.exact_logprobs:  # the trainer's logits (micro-batch rows) and the engine's (a row per request and step)
+        heads = {}
+        n = padded_vocab_size(arch.vocab_size, cfg.parallel.tp) // cfg.parallel.tp
+        heads.setdefault(n, set()).update(m_values(max(train_m, logprob_m), n, num_sms))
+        n = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // cfg.rollout.tp
+        heads.setdefault(n, set()).update(m_values(ENGINE_ROWS, n, num_sms))
+        lists += [(n, arch.hidden_size, sorted(ms), "lm_head") for n, ms in heads.items()]
+    lists = [item for item in lists if item[2]]
     pieces = max(1, math.ceil(procs / max(1, len(lists))))
     items = []
-    for n, k, ms, backward in lists:
+    for n, k, ms, kind in lists:
         size = math.ceil(len(ms) / pieces)
-        items += [(n, k, list(ms[i:i + size]), backward) for i in range(0, len(ms), size)]
-    return sorted(items, key=lambda it: -len(it[2]) * (3 if it[3] else 1))
+        items += [(n, k, list(ms[i:i + size]), kind) for i in range(0, len(ms), size)]
+    return sorted(items, key=lambda it: -len(it[2]) * (3 if it[3] == "train" else 1))
 
 
-def _run_item(flow, n: int, k: int, ms: list[int], backward: bool, device) -> None:
+def _run_item(flow, n: int, k: int, ms: list[int], kind: str, device) -> None:
     import torch
 
     from megatron_jetrl.fp8.linear import QuantizedWeight, fp8_linear, fp8_linear_forward
 
     weight = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+    x = torch.randn(max(ms), k, device=device, dtype=torch.bfloat16)
+    if kind == "lm_head":
+        from megatron_jetrl.actor.rollout_kernels import lm_head_gemm
+
+        for m in ms:
+            lm_head_gemm(x[:m], weight)
+        torch.cuda.synchronize(device)
+        return
     weight.requires_grad_(True)
     weight.main_grad = torch.zeros(n, k, dtype=torch.float32, device=device)  # megatron DDP's buffer: WGrad accumulates into it
     weight_q = QuantizedWeight.quantize(weight.detach(), flow, transposed=True)
-    x = torch.randn(max(ms), k, device=device, dtype=torch.bfloat16)
     for m in ms:
-        if backward:
+        if kind == "train":
             xm = x[:m].detach().requires_grad_(True)
             y = fp8_linear(xm, weight, flow=flow, weight_q=weight_q)
             y.backward(torch.ones_like(y))
@@ -121,16 +148,16 @@ def _worker(gpu: int, jit_cache_dir: str, flow_dict: dict, queue, results) -> No
     torch.cuda.set_device(gpu)
     flow = PrecisionFlow.from_dict(flow_dict)
     while (item := queue.get()) is not None:
-        n, k, ms, backward = item
+        n, k, ms, kind = item
         error = None
         for _ in range(2):  # a kernel another process renamed into the cache first: the second call reads it
             try:
-                _run_item(flow, n, k, ms, backward, torch.device("cuda", gpu))
+                _run_item(flow, n, k, ms, kind, torch.device("cuda", gpu))
                 error = None
                 break
             except Exception as e:  # noqa: BLE001 -- reported with its item below
                 error = f"{type(e).__name__}: {e}"
-        results.put((n, k, len(ms), backward, error))
+        results.put((n, k, len(ms), kind, error))
 
 
 def warm(cfg, procs: int) -> int:
@@ -154,9 +181,10 @@ def warm(cfg, procs: int) -> int:
         w.start()
     failed = []
     for done in range(1, len(items) + 1):
-        n, k, count, backward, error = results.get()
+        n, k, count, kind, error = results.get()
         if error:
-            failed.append(f"[{n}, {k}] {'FProp+DGrad+WGrad' if backward else 'FProp'} at {count} M values: {error}")
+            what = {"fprop": "FProp", "train": "FProp+DGrad+WGrad", "lm_head": "BF16 lm_head"}[kind]
+            failed.append(f"[{n}, {k}] {what} at {count} M values: {error}")
         if done % max(1, len(items) // 10) == 0 or done == len(items):
             print(f"warm_gemms: {done}/{len(items)} pieces, {count_kernels(dirs) - before} kernels compiled, "
                   f"{time.monotonic() - t0:.0f} s", flush=True)

@@ -140,8 +140,8 @@ def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, tra
     assert logprob_m == 4 * train_m  # the e2e config scores rollouts in passes 4x the training micro-batch
     for tp in {train_tp, rollout_tp}:
         for _, n, k in warm_gemms.linear_shapes(arch, tp):
-            fwd = sorted(m for it in items if it[:2] == (n, k) and not it[3] for m in it[2])
-            bwd = sorted(m for it in items if it[:2] == (n, k) and it[3] for m in it[2])
+            fwd = sorted(m for it in items if it[:2] == (n, k) and it[3] == "fprop" for m in it[2])
+            bwd = sorted(m for it in items if it[:2] == (n, k) and it[3] == "train" for m in it[2])
             assert len(fwd) == len(set(fwd)) and len(bwd) == len(set(bwd))  # no M twice
             assert set(fwd) | set(bwd) >= set(warm_gemms.m_values(max(warm_gemms.PREFILL_TOKENS, logprob_m), n, 132))
             if tp == train_tp:  # the trainer's backward: DGrad's output is K wide, so K's boundaries too
@@ -160,7 +160,19 @@ def test_shapes_per_rank_are_the_fused_linears_split_by_tp(monkeypatch):
 def test_bf16_compiles_nothing_and_the_foil_only_the_engines_forward(monkeypatch):
     assert warm_gemms.work_items(gpu_config(monkeypatch, "precision.mode=bf16"), 132, 8) == []
     foil = warm_gemms.work_items(gpu_config(monkeypatch, "precision.mode=bf16-train-fp8-rollout"), 132, 8)
-    assert foil and not any(backward for *_, backward in foil)
+    assert foil and {kind for *_, kind in foil} == {"fprop"}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_exact_logprobs_adds_both_sides_lm_head_gemm(monkeypatch, tp):
+    """The trainer's lm_head shard (vocabulary padded to 128 x TP) and the engine's (padded to 64, then split) differ
+    at TP 2 (Qwen3's 151936 tokens: 76032 against 75968 columns): both are warmed, at K = hidden."""
+    cfg = gpu_config(monkeypatch, "precision.mode=jetrl", f"parallel.tp={tp}", f"rollout.tp={tp}", "parallel.dp=1",
+                     "precision.exact_logprobs=true")
+    heads = {(n, k) for n, k, _, kind in warm_gemms.work_items(cfg, 132, 48) if kind == "lm_head"}
+    assert heads == ({(151936, 4096)} if tp == 1 else {(76032, 4096), (75968, 4096)})
+    off = gpu_config(monkeypatch, "precision.mode=jetrl", "precision.exact_logprobs=false")
+    assert not any(kind == "lm_head" for *_, kind in warm_gemms.work_items(off, 132, 48))
 
 
 def test_warm_gemms_on_a_cpu_box_says_nothing_is_compiled():
