@@ -169,6 +169,15 @@ def start_vllm_pool(s: "Session") -> None:
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
 
 
+def check_exact_device(flow: PrecisionFlow, device: torch.device) -> None:
+    """`precision.exact_logprobs` (jetrl's default at TP 1-2 with vLLM) runs Hopper kernels in the actor: refuse other GPUs
+    before anything is built."""
+    if flow.exact_logprobs and device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"precision.exact_logprobs runs vLLM's FlashAttention 3 and DeepGEMM's BF16 GEMM in the actor, "
+                          f"built here for Hopper (sm_90); this GPU is sm_{major}{minor}: set precision.exact_logprobs=false")
+
+
 def build_session(cfg: JetRLConfig) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
     from megatron_jetrl.actor.fp8_layers import offload_frozen_weights
@@ -179,10 +188,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     cfg.model.check_path_matches()
     arch = cfg.arch()
     flow = cfg.precision
-    if flow.exact_logprobs and device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ConfigError(f"precision.exact_logprobs runs vLLM's FlashAttention 3 and DeepGEMM's BF16 GEMM in the actor, "
-                          f"built here for Hopper (sm_90); this GPU is sm_{major}{minor}: set precision.exact_logprobs=false")
+    check_exact_device(flow, device)
     batch_invariant = device.type == "cpu" if cfg.model.batch_invariant is None else cfg.model.batch_invariant
     if batch_invariant and flow.mode != "bf16" and flow.backend not in ("auto", "emulated"):
         raise ConfigError(f"model.batch_invariant needs the emulated FP8 backend, got precision.backend={flow.backend!r}")

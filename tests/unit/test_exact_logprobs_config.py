@@ -142,3 +142,17 @@ def test_auto_is_a_run_config_word_not_a_flow_value():
         PrecisionFlow("jetrl", exact_logprobs="auto")
     with pytest.raises(ConfigError, match="got 'maybe'"):
         load_config(GPU, ["precision.exact_logprobs=maybe"])
+
+
+def test_a_gpu_other_than_hopper_is_refused_naming_the_switch(monkeypatch):
+    import torch
+
+    from megatron_jetrl.rl.session import check_exact_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with pytest.raises(ConfigError, match=r"this GPU is sm_100: set precision.exact_logprobs=false"):
+        check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cuda", 0))
+    check_exact_device(PrecisionFlow("jetrl"), torch.device("cuda", 0))  # off: any GPU
+    check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cuda", 0))
