@@ -7,7 +7,9 @@
 # Each run is `launch/train_grpo.sh [CONFIG] run.steps=STEPS [overrides...] parallel.tp=TP [rollout.tp=TP with vLLM engines] precision.mode=MODE
 # run.name=sweep_tp<TP>_<MODE> run.out_dir=<OUT>/sweep_tp<TP>_<MODE>` (your overrides may change run.steps; the
 # sweep owns both TPs -- trainer and engines split alike -- and the mode, name and out_dir). A run directory left by an earlier sweep is deleted first, so no run
-# resumes from or mixes with old metrics. Each run's log: <OUT>/sweep_tp<TP>_<MODE>.log; its exit code and status:
+# resumes from or mixes with old metrics. With vLLM engines jetrl's default runs exact logprobs at TP 1 and 2 and not
+# beyond (precision.exact_logprobs: auto); pass precision.exact_logprobs=false (or true) to hold it fixed across the
+# columns. Each run's log: <OUT>/sweep_tp<TP>_<MODE>.log; its exit code and status:
 # <run dir>/sweep_status.json; on a GPU node, every GPU's used memory sampled each second: <run dir>/gpu_memory.csv.
 #
 # Before each run the config module resolves it (`--get parallel.world_size`). A (TP, mode) the config refuses
