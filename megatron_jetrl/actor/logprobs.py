@@ -16,7 +16,8 @@ Two implementations of that arithmetic:
 
 A model built with `ActorOptions(batch_invariant=True)` takes the native engine's log-softmax instead
 (`models.batch_invariant_ops`: FP64 exp/log, pairwise `tree_sum`; the TP partial sums are all-reduced), and one built
-with `ActorOptions(rollout_kernels=True)` vLLM's (`actor.rollout_kernels`).
+with `ActorOptions(rollout_kernels=True)` vLLM's (`exact_logprobs`: vLLM's own kernel, imported lazily; the other
+kernels of that option are in `actor.rollout_kernels`).
 """
 
 from __future__ import annotations
@@ -133,16 +134,53 @@ def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_
     return reduce_from_tensor_model_parallel_region(picked) - ops.log32(total)
 
 
+class _ExactLogprobs(torch.autograd.Function):
+    """log p(target) over the first `vocab_size` columns of full-vocabulary BF16 logits `[N, V]`: forward vLLM's own
+    kernel for a sampled token's raw logprob (`compute_token_logprobs`: max, then sum of exp, then x - max - log(sum),
+    one program per row, on the BF16 logits as vLLM's sampler holds them), backward softmax - onehot from the row's
+    log-sum-exp x_target - logprob, in the fused path's compiled gradient kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_size: int):
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        out = compute_token_logprobs(logits[:, :vocab_size], targets[:, None])[:, 0]
+        lse = logits.gather(-1, targets[:, None])[:, 0].float() - out
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.vocab_size = vocab_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        return _compiled_grad_logits(logits, targets, lse, torch.ones_like(lse), grad, 0, ctx.vocab_size, 1.0), None, None
+
+
+def exact_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """`logits[..., V/tp]` (this TP rank's vocabulary shard), `targets[...]` -> FP32 log p(targets), differentiable,
+    with vLLM's arithmetic: the shards gathered (vLLM gathers its lm_head's output too), the padding columns dropped,
+    then vLLM's sampled-token logprob kernel. vLLM reports logprobs at temperature 1 (`logprobs_mode=raw_logprobs`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    if temperature != 1.0:
+        raise ValueError(f"exact_logprobs computes vLLM's raw logprobs (temperature 1), got temperature={temperature}")
+    split = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
+    full = gather_from_tensor_model_parallel_region(logits) if split else logits
+    if full.shape[-1] < vocab_size:
+        raise ValueError(f"logits have {full.shape[-1]} vocabulary columns, fewer than vocab_size={vocab_size}")
+    flat = full.reshape(-1, full.shape[-1])
+    return _ExactLogprobs.apply(flat, targets.reshape(-1), vocab_size).view(targets.shape)
+
+
 def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
                      batch_invariant: bool = False, fused: bool = False, rollout_kernels: bool = False) -> torch.Tensor:
     """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`.
 
     The fused path runs on all `s` rows (the last one's target is token 0 and its logprob is dropped): slicing the
     logits to `s-1` rows would make autograd copy the whole gradient into a zero-filled full-size buffer.
-    `rollout_kernels`: the vLLM engine's log-softmax (`actor.rollout_kernels.exact_logprobs`)."""
+    `rollout_kernels`: the vLLM engine's log-softmax (`exact_logprobs`)."""
     if rollout_kernels:
-        from megatron_jetrl.actor.rollout_kernels import exact_logprobs
-
         return exact_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
     if batch_invariant:
         return batch_invariant_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)

@@ -22,10 +22,11 @@ the same bytes in the actor (teacher-forced over whole sequences, micro-batch af
   batch-invariant mode);
 - log-softmax: vLLM 0.26's model runner (V2, the default for dense models; pinned by `VLLM_USE_V2_MODEL_RUNNER=1`)
   computes a sampled token's raw logprob with its own Triton kernel on the BF16 logits (`compute_token_logprobs`,
-  one program per row); the actor calls that very function (`exact_logprobs`). The batch-invariant `log_softmax` of
+  one program per row); the actor calls that very function (`actor.logprobs.exact_logprobs`, beside the other
+  log-softmax paths). The batch-invariant `log_softmax` of
   the V1 runner reads FP32 logits and differs from it in the last bit of about 2% of the logprobs (H100).
 
-The backward of the log-softmax reuses the forward's row log-sum-exp (x_target - logprob) in the default path's
+The backward of that log-softmax reuses the forward's row log-sum-exp (x_target - logprob) in the default path's
 compiled gradient kernel (`actor.logprobs`): one pass over the BF16 logits.
 
 Everything here imports vLLM lazily: build the actor after `rollout.vllm_engine.pin_environment` (vLLM reads its
@@ -189,44 +190,3 @@ def use_rollout_output_layer(model) -> None:
         if type(layer) is not ColumnParallelLinear:
             raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
         layer.__class__ = RolloutOutputLayer
-
-
-class _ExactLogprobs(torch.autograd.Function):
-    """log p(target) over the first `vocab_size` columns of full-vocabulary BF16 logits `[N, V]`: forward vLLM's own
-    kernel for a sampled token's raw logprob (`compute_token_logprobs`: max, then sum of exp, then x - max - log(sum),
-    one program per row, on the BF16 logits as vLLM's sampler holds them), backward softmax - onehot from the row's
-    log-sum-exp x_target - logprob, in `actor.logprobs`' compiled gradient kernel."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_size: int):
-        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
-
-        out = compute_token_logprobs(logits[:, :vocab_size], targets[:, None])[:, 0]
-        lse = logits.gather(-1, targets[:, None])[:, 0].float() - out
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.vocab_size = vocab_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        from megatron_jetrl.actor.logprobs import _compiled_grad_logits
-
-        logits, targets, lse = ctx.saved_tensors
-        return _compiled_grad_logits(logits, targets, lse, torch.ones_like(lse), grad, 0, ctx.vocab_size, 1.0), None, None
-
-
-def exact_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """`logits[..., V/tp]` (this TP rank's vocabulary shard), `targets[...]` -> FP32 log p(targets), differentiable,
-    with vLLM's arithmetic: the shards gathered (vLLM gathers its lm_head's output too), the padding columns dropped,
-    then vLLM's sampled-token logprob kernel. vLLM reports logprobs at temperature 1 (`logprobs_mode=raw_logprobs`)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    if temperature != 1.0:
-        raise ValueError(f"exact_logprobs computes vLLM's raw logprobs (temperature 1), got temperature={temperature}")
-    split = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
-    full = gather_from_tensor_model_parallel_region(logits) if split else logits
-    if full.shape[-1] < vocab_size:
-        raise ValueError(f"logits have {full.shape[-1]} vocabulary columns, fewer than vocab_size={vocab_size}")
-    flat = full.reshape(-1, full.shape[-1])
-    return _ExactLogprobs.apply(flat, targets.reshape(-1), vocab_size).view(targets.shape)

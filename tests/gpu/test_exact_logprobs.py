@@ -63,14 +63,16 @@ def test_fa3_forward_is_attention_and_its_backward_is_flash_attentions_gradient(
 def test_exact_logprobs_are_vllms_sampled_token_logprobs_and_differentiable(rk):
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
+    from megatron_jetrl.actor.logprobs import exact_logprobs
+
     vocab, padded = 1000, 1024
     g = torch.Generator(device="cuda").manual_seed(2)
     logits = (torch.randn(3, 50, padded, generator=g, device="cuda") * 4).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (3, 50), generator=g, device="cuda")
-    lp = rk.exact_logprobs(logits, targets, vocab)
+    lp = exact_logprobs(logits, targets, vocab)
     want = compute_token_logprobs(logits.detach().reshape(-1, padded)[:, :vocab], targets.reshape(-1, 1)).view(3, 50)
     assert torch.equal(lp, want)
-    one = rk.exact_logprobs(logits[1:2, 7:9], targets[1:2, 7:9], vocab)  # a row's value does not depend on its batch
+    one = exact_logprobs(logits[1:2, 7:9], targets[1:2, 7:9], vocab)  # a row's value does not depend on its batch
     assert torch.equal(one, lp[1:2, 7:9])
     x = logits.detach().double()[..., :vocab]
     assert (lp.double() - torch.log_softmax(x, -1).gather(-1, targets[..., None])[..., 0]).abs().max() < 1e-4

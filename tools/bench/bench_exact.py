@@ -159,7 +159,7 @@ def bench_logprobs(m):
     from vllm.model_executor.layers import batch_invariant as bi
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
-    from megatron_jetrl.actor.rollout_kernels import _ExactLogprobs
+    from megatron_jetrl.actor.logprobs import _ExactLogprobs
 
     logits = torch.randn(m, V, device="cuda", dtype=torch.bfloat16).requires_grad_()
     targets = torch.randint(0, V, (m,), device="cuda")
