@@ -135,7 +135,7 @@ class PrecisionFlow:
         weight scales to UE8M0 at load on Hopper when DeepGEMM is used with E8M0; with FP32 scales that
         would change the weight bytes and the activation scales, so it is switched off. With `ue8m0`
         scales the re-quantization is the identity (already powers of two) and DeepGEMM may use them.
-        `exact_logprobs` pins the model runner whose logprob kernel the actor calls (`actor.rollout_kernels`) and, with
+        `exact_logprobs` pins the model runner whose logprob kernel the actor calls (`actor.logprobs.exact_logprobs`) and, with
         a BF16 rollout, turns on vLLM's batch-invariant mode (the field's docstring says why only there).
         """
         env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if self.exact_logprobs else {}

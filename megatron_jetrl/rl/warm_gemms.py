@@ -72,7 +72,7 @@ def m_values(max_m: int, n: int, num_sms: int) -> list[int]:
     return sorted(m for m in ms if 1 <= m <= max_m)
 
 
-KINDS = ("fprop", "train", "lm_head")
+KINDS = {"fprop": "FProp", "train": "FProp+DGrad+WGrad", "lm_head": "BF16 lm_head"}
 """What a work item runs at each of its M: the FP8 forward; forward and backward (FProp, DGrad, WGrad); the BF16
 lm_head GEMM of `precision.exact_logprobs` (`actor.rollout_kernels.lm_head_gemm`, DeepGEMM's, JIT-compiled too)."""
 
@@ -183,8 +183,7 @@ def warm(cfg, procs: int) -> int:
     for done in range(1, len(items) + 1):
         n, k, count, kind, error = results.get()
         if error:
-            what = {"fprop": "FProp", "train": "FProp+DGrad+WGrad", "lm_head": "BF16 lm_head"}[kind]
-            failed.append(f"[{n}, {k}] {what} at {count} M values: {error}")
+            failed.append(f"[{n}, {k}] {KINDS[kind]} at {count} M values: {error}")
         if done % max(1, len(items) // 10) == 0 or done == len(items):
             print(f"warm_gemms: {done}/{len(items)} pieces, {count_kernels(dirs) - before} kernels compiled, "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
