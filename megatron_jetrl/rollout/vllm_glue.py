@@ -277,11 +277,12 @@ def use_trainer_lm_head(model) -> None:  # pragma: no cover - needs vLLM (tests/
     be swapped after the engine is built. Another lm_head method is left alone (the start-up read-back refuses it)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from megatron_jetrl.actor.rollout_kernels import lm_head_gemm, rollout_linear
+    from megatron_jetrl.actor.rollout_kernels import lm_head_gemm
 
     class TrainerLMHeadMethod(UnquantizedEmbeddingMethod):
-        def apply(self, layer, x, bias=None):  # the actor's output layer makes this very call
-            return rollout_linear(x, layer.weight, bias, lm_head_gemm)
+        def apply(self, layer, x, bias=None):  # the GEMM of the actor's output layer (`RolloutOutputLayer`)
+            y = lm_head_gemm(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
+            return y if bias is None else y + bias
 
     if type(model.lm_head.quant_method) is UnquantizedEmbeddingMethod:
         model.lm_head.quant_method = TrainerLMHeadMethod()
