@@ -71,8 +71,8 @@ modes() {  # STAGE LAYOUT_TAG MODES OVERRIDES...
   [ ${#profiled[@]} -eq 0 ] || python3 tools/profile_report.py "${profiled[@]}" -o "$OUT/${stage}_${tag}_${LEN}_profile"
 }
 
-tag_of() {  # "parallel.tp=2 parallel.pp=2 rollout.tp=2" -> tp2pp2rtp2
-  echo "$1" | sed 's/rollout\.tp=/rtp/; s/parallel\.//g; s/=//g; s/ //g'
+tag_of() {  # "parallel.tp=2 parallel.pp=2 rollout.tp=2" -> tp2pp2rtp2 ("... model.spec=te" -> tp2pp2rtp2te)
+  echo "$1" | sed 's/rollout\.tp=/rtp/; s/model\.spec=//; s/parallel\.//g; s/=//g; s/ //g'
 }
 
 for stage in "$@"; do
