@@ -12,7 +12,14 @@ attention, communication and the rest. Then, against the bf16 run of the same ph
 - `host-bound`: the phase's verdict: `host` when the GPU sat idle for more than a quarter of the phase, `GPU` otherwise.
   A host-bound phase gains from fewer launches and less Python per step, not from faster kernels.
 
-Prints the markdown table and writes PREFIX.md (default: <first run dir>/profile_report). Exit 2 on bad arguments or a
+Runs with pipeline parallelism (PP > 1, every rank's profile present) get a second table: per phase, run and pipeline
+stage (ranks averaged), the stage's own work (GPU busy time less pipeline send/recv: its compute and TP collectives), its
+pipeline send/recv time (transfers and the wait for the neighbouring stage) and its idle time; per run, the bubble's
+share of the phase -- 1 - mean stage work / wall, the time the stages leave unused -- beside the part of it that uneven
+stages explain (`imbalance`: 1 - mean work / the busiest stage's work) and the 1F1B schedule's own (p - 1) / (m + p - 1)
+for p stages and m micro-batches (from the run's config.yaml).
+
+Prints the markdown tables and writes PREFIX.md (default: <first run dir>/profile_report). Exit 2 on bad arguments or a
 run without a profile (named with the fix).
 """
 
@@ -43,6 +50,91 @@ def load(run: Path, rank: int) -> dict:
             if row.get("step") == profile["step"]:
                 mode = row.get("mode")
     return {"run": run.name, "mode": mode or run.name, "step": profile["step"], "phases": profile["phases"]}
+
+
+def load_ranks(run: Path, step: int) -> dict[int, dict]:
+    """{rank: phases} of every rank's profile of `step` in a run directory."""
+    out = {}
+    for path in run.glob(f"profile_step{step}_rank*.json"):
+        out[int(path.stem.rsplit("rank", 1)[1])] = json.loads(path.read_text())["phases"]
+    return dict(sorted(out.items()))
+
+
+def layout(run: Path, step: int) -> dict:
+    """tp, pp, dp of a run (its metrics row at `step`; 1 where it says nothing) and, from its config.yaml when present,
+    the micro-batches a rank runs per phase: update `grpo.micro_batch_size`, eval `grpo.logprob_micro_batch_size`."""
+    row = {}
+    if (run / "metrics.jsonl").exists():
+        row = next((r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("step") == step), {})
+    out = {k: int(row.get(k) or 1) for k in ("tp", "pp", "dp")}
+    config = run / "config.yaml"
+    if config.exists():
+        import yaml
+
+        cfg = yaml.safe_load(config.read_text())
+        grpo, n = cfg["grpo"], cfg["grpo"]["prompts_per_step"] * cfg["rollout"]["n"] // out["dp"]
+        out["microbatches"] = {"update": n // grpo["micro_batch_size"],
+                               "eval": n // (grpo.get("logprob_micro_batch_size") or grpo["micro_batch_size"])}
+    return out
+
+
+P2P = "pipeline send/recv"
+PIPELINED = ("eval", "update")
+"""The phases that run through the pipeline schedule (the rollout runs in the engines, each holding the whole model)."""
+
+
+def p2p_ms(phase: dict) -> float:
+    """A phase's pipeline send/recv kernel time (profiles written before that category: its kernels among `top`)."""
+    if P2P in phase["categories"]:
+        return phase["categories"][P2P]
+    return sum(ms for name, ms in phase.get("top", []) if "sendrecv" in name.lower())
+
+
+def stage_rows(run: Path, mode: str, step: int) -> list[dict]:
+    """Per phase and pipeline stage of a PP > 1 run (module docstring); [] for PP 1 or a run without every rank's profile."""
+    shape, ranks = layout(run, step), load_ranks(run, step)
+    pp, per_stage = shape["pp"], shape["tp"] * shape["dp"]
+    if pp == 1 or len(ranks) < pp * per_stage:
+        return []
+    out = []
+    for name in [ph for ph in PIPELINED if any(ph in phases for phases in ranks.values())]:
+        stages = []
+        for stage in range(pp):
+            phases = [ranks[r][name] for r in range(stage * per_stage, (stage + 1) * per_stage) if name in ranks[r]]
+            mean = lambda f: sum(map(f, phases)) / len(phases)  # noqa: E731
+            stages.append({"phase": name, "run": run.name, "mode": mode, "stage": stage, "wall_ms": mean(lambda p: p["wall_ms"]),
+                           "work_ms": mean(lambda p: max(0.0, p["busy_ms"] - p2p_ms(p))), "p2p_ms": mean(p2p_ms),
+                           "idle_ms": mean(lambda p: p["idle_ms"])})
+        wall = max(st["wall_ms"] for st in stages)
+        work = [st["work_ms"] for st in stages]
+        m = shape.get("microbatches", {}).get(name)
+        for st in stages:
+            st.update(bubble=1 - sum(work) / len(work) / wall, imbalance=1 - sum(work) / len(work) / max(work),
+                      schedule=(pp - 1) / (m + pp - 1) if m else None, busiest=st["work_ms"] == max(work))
+        out.extend(stages)
+    return out
+
+
+STAGE_HEADER = ["phase", "mode", "stage", "wall ms", "work ms", "send/recv ms", "idle ms", "bubble share", "imbalance",
+                "1F1B (p-1)/(m+p-1)"]
+
+
+def stage_table(rs: list[dict]) -> str:
+    lines = ["| " + " | ".join(STAGE_HEADER) + " |", "|" + "---|" * len(STAGE_HEADER)]
+    for r in rs:
+        first = r["stage"] == 0  # the run's shares, once per phase
+        share = (lambda v: "-" if v is None else f"{100 * v:.1f}%") if first else (lambda v: "")
+        lines.append("| " + " | ".join([r["phase"], r["mode"], f"{r['stage']}{' (busiest)' if r['busiest'] else ''}",
+                                        f"{r['wall_ms']:.1f}", f"{r['work_ms']:.1f}", f"{r['p2p_ms']:.1f}", f"{r['idle_ms']:.1f}",
+                                        share(r["bubble"]), share(r["imbalance"]), share(r["schedule"])]) + " |")
+    return "\n".join(lines)
+
+
+STAGE_CAPTION = ("Pipeline stages (ranks of a stage averaged). work: GPU busy time less pipeline send/recv (the stage's "
+                 "compute and TP collectives); send/recv: transfers plus the wait for the neighbouring stage; idle: no "
+                 "kernel running. bubble share: 1 - mean stage work / the phase's wall, the time the stages leave unused; "
+                 "imbalance: the part uneven stages explain (1 - mean work / the busiest stage's); 1F1B: the schedule's "
+                 "own bubble for p stages and m micro-batches a rank runs.")
 
 
 def long_idle(phase: dict) -> float:
@@ -105,17 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     try:
         profiles = [load(r, a.rank) for r in a.runs]
+        staged = [r for run, p in zip(a.runs, profiles) for r in stage_rows(run, p["mode"], p["step"])]
     except (ValueError, OSError, json.JSONDecodeError, KeyError) as e:
         print(f"profile_report: {e}", file=sys.stderr)
         return 2
-    text = table(rows(profiles))
+    text = table(rows(profiles)) + "\n\n" + CAPTION
+    if staged:
+        text += "\n\n" + stage_table(staged) + "\n\n" + STAGE_CAPTION
     prefix = a.output or a.runs[0] / "profile_report"
     try:
-        Path(f"{prefix}.md").write_text(text + "\n\n" + CAPTION + "\n")
+        Path(f"{prefix}.md").write_text(text + "\n")
     except OSError as e:
         print(f"profile_report: cannot write the report {prefix}.md: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(text + "\n\n" + CAPTION + f"\n\nwrote {prefix}.md")
+    print(text + f"\n\nwrote {prefix}.md")
     return 0
 
 

@@ -12,7 +12,8 @@ Per phase, from the CUDA kernels the profiler recorded (on every stream: compute
 - `late`: the kernels that ended the largest idle time, summed per kernel name (the launches the GPU waited for);
 - `categories`: kernel time per category (FP8 GEMMs, BF16 GEMMs, quantizers, attention, communication, ...), and
   `top`: the kernels that took the most time. Communication kernels include the time a rank waits for its peers: at
-  TP > 1 a long NCCL share means rank skew or a host-bound peer, not a slow link.
+  TP > 1 a long NCCL share means rank skew or a host-bound peer, not a slow link. Pipeline send/recv (PP > 1) is
+  its own category: a stage's transfers plus its wait for the neighbouring stage, i.e. its share of the bubble.
 - `launches`: CUDA kernel launches the host issued (runtime API events), i.e. how much host work the phase costs.
 
 On a CPU run the profiler records CPU ops instead: the same table, with aten ops' own time in place of kernels and no
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case
+    ("pipeline send/recv", ("sendrecv", "send_recv")),  # PP activations and gradients, and the stage waiting for them
     ("communication (NCCL)", ("nccl", "allreduce", "all_reduce", "allgather", "reducescatter", "cross_device_reduce")),
     ("optimizer", ("adam", "multi_tensor_apply", "normtwo", "foreach")),
     ("quantize", ("quant", "swiglu_bwd_tile")),

@@ -49,6 +49,7 @@ def test_busy_plus_idle_is_the_span(raw):
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "GEMM BF16"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM BF16"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication (NCCL)"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "pipeline send/recv"),
     ("_quant_dual", "quantize"), ("_quant_1x128", "quantize"), ("per_token_group_quant_8bit_kernel", "quantize"),
     ("swiglu_bwd_tile_kernel", "quantize"), ("_swiglu_bwd", "logprobs, norms, glue (Triton, Inductor)"),
     ("flash_fwd_splitkv_kernel", "attention"), ("pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel", "attention"),
@@ -148,3 +149,40 @@ def test_profile_report_says_what_bounds_each_phase(tmp_path, capsys):
                                                                            ["| eval", "bf16"], ["| eval", "jetrl"]]
     assert profile_report.main([str(tmp_path / "bf16"), str(tmp_path / "nothing")]) == 2
     assert "has no profile_step*_rank0.json: run it with run.profile_step=N" in capsys.readouterr().err
+
+
+def test_profile_report_gives_each_pipeline_stage_and_the_bubble_share(tmp_path):
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import profile_report
+
+    run = tmp_path / "pp2"
+    run.mkdir()
+    # TP 2 x PP 2: ranks 0, 1 are stage 0; ranks 2, 3 stage 1 (megatron's order: tp fastest, pp slowest)
+    update = {0: (100.0, 70.0, 20.0), 1: (100.0, 74.0, 16.0), 2: (98.0, 90.0, 2.0), 3: (98.0, 92.0, 4.0)}  # wall, busy, send/recv
+    for rank, (wall, busy, p2p) in update.items():
+        phases = {"update": {"wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy, "kernel_ms": busy,
+                             "categories": {"GEMM BF16": busy - p2p, "pipeline send/recv": p2p}, "top": []},
+                  # a profile from before the send/recv category: its kernels among `top`; the rollout is not pipelined
+                  "eval": {"wall_ms": 50.0, "busy_ms": 40.0, "idle_ms": 10.0, "kernel_ms": 40.0, "categories": {"communication (NCCL)": 10.0},
+                           "top": [["ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 10.0 if rank < 2 else 0.0]]},
+                  "rollout": {"wall_ms": 9.0, "busy_ms": 9.0, "idle_ms": 0.0, "kernel_ms": 9.0, "categories": {}, "top": []}}
+        (run / f"profile_step2_rank{rank}.json").write_text(json.dumps({"step": 2, "rank": rank, "cuda": True, "phases": phases}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "mode": "bf16", "tp": 2, "pp": 2, "dp": 1}) + "\n" for s in range(3)))
+    (run / "config.yaml").write_text("grpo: {prompts_per_step: 8, micro_batch_size: 2, logprob_micro_batch_size: 0}\nrollout: {n: 4}\n")
+    rs = {(r["phase"], r["stage"]): r for r in profile_report.stage_rows(run, "bf16", 2)}
+    assert sorted(rs) == [("eval", 0), ("eval", 1), ("update", 0), ("update", 1)]
+    s0, s1 = rs[("update", 0)], rs[("update", 1)]
+    assert (s0["work_ms"], s0["p2p_ms"], s0["idle_ms"], s0["wall_ms"]) == (54.0, 18.0, 28.0, 100.0)
+    assert (s1["work_ms"], s1["p2p_ms"], s1["wall_ms"]) == (88.0, 3.0, 98.0) and s1["busiest"] and not s0["busiest"]
+    assert s0["bubble"] == pytest.approx(1 - 71 / 100) and s0["imbalance"] == pytest.approx(1 - 71 / 88)
+    assert s0["schedule"] == pytest.approx(1 / 17)  # 32 sequences in micro-batches of 2: m = 16, p = 2
+    assert rs[("eval", 0)]["p2p_ms"] == 10.0 and rs[("eval", 1)]["work_ms"] == 40.0
+    text = profile_report.stage_table(profile_report.stage_rows(run, "bf16", 2))
+    assert "| update | bf16 | 0 | 100.0 | 54.0 | 18.0 | 28.0 | 29.0% | 19.3% | 5.9% |" in text
+    assert "| update | bf16 | 1 (busiest) | 98.0 | 88.0 | 3.0 | 7.0 |  |  |  |" in text
+    (run / "config.yaml").unlink()  # no config: no schedule column; PP 1 or missing ranks: no stage rows
+    assert profile_report.stage_rows(run, "bf16", 2)[0]["schedule"] is None
+    (run / "profile_step2_rank3.json").unlink()
+    assert profile_report.stage_rows(run, "bf16", 2) == []

@@ -52,6 +52,7 @@ run() {  # NAME OVERRIDES...: one GRPO run with GPU memory sampled; metrics, log
   rc=$?
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  [ -f "$dir/config.yaml" ] && cp "$dir/config.yaml" "$OUT/$name.config.yaml"
   for f in "$dir"/profile_step*_rank*.json; do [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"; done
   [ -d "$dir" ] && cp "$OUT/$name.mem" "$dir/gpu_memory.csv"  # the report's peak GPU memory column
   [ -d "$dir" ] && echo "{\"rc\": $rc}" >"$dir/sweep_status.json"
