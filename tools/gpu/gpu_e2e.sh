@@ -23,8 +23,10 @@
 # medians leave that step out; tools/profile_report.py compares the modes -> <stage>_<layout>_<len>_profile.md).
 # Issue-sized sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer); LEN=4096;
 # PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1 parallel.pp=4 rollout.tp=1"
-# (PP 1, 2 and 4 of the 36 layers; at PP 4 each GPU's engine holds the whole model beside a quarter of the actor's state:
-# 49 GiB of actor state in jetrl by the preflight's count, so 48 layers, 61 GiB, leave a BF16 engine no room).
+# with LEN=512 ARGS="grpo.micro_batch_size=8 grpo.logprob_micro_batch_size=16" (PP 1, 2 and 4 of the 36 layers, as in
+# BENCHMARKS.md: at PP 4 each GPU's engine holds the whole model beside a quarter of the actor's state, and the first
+# stage keeps 4 micro-batches of activations in flight; bf16 peaked at 75.4 GiB there. 48 layers, 61 GiB of actor state
+# by the preflight's count, leave a BF16 engine no room).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
@@ -92,8 +94,10 @@ for stage in "$@"; do
         python3 -m megatron_jetrl.rl.warm_gemms "${CONFIGS[@]}" precision.mode=jetrl $layout $(length_args "$LEN") ${ARGS:-} 2>&1 \
           | grep -v -E "UserWarning|warnings.warn" | tail -4
       done
-      python3 -m megatron_jetrl.rl.warm_gemms configs/gpu_8b_shapes.yaml rollout.engine=native parallel.tp=2 \
-        grpo.micro_batch_size=16 2>&1 | grep -v -E "UserWarning|warnings.warn" | tail -2 ;;  # the tests' native engine
+      if [[ " $* " == *" tests "* ]]; then  # the tests' native engine, only when they run
+        python3 -m megatron_jetrl.rl.warm_gemms configs/gpu_8b_shapes.yaml rollout.engine=native parallel.tp=2 \
+          grpo.micro_batch_size=16 2>&1 | grep -v -E "UserWarning|warnings.warn" | tail -2
+      fi ;;
     e2e) modes e2e "$(tag_of "${LAYOUT:-parallel.tp=4 rollout.tp=4}")" "${MODES:-bf16 jetrl bf16-train-fp8-rollout}" \
            ${LAYOUT:-parallel.tp=4 rollout.tp=4} ;;
     pp)
