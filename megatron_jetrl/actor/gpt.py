@@ -1,6 +1,7 @@
 """GPTModel-level helpers that the layer specs (`fp8_layers`, `te_recipe`) and the provider share: megatron's RoPE
-arguments for an architecture, and the GPTModel inside megatron's wrappers. Nothing here imports megatron, so the
-specs read them without importing the provider, which imports the specs.
+arguments for an architecture, the GPTModel inside megatron's wrappers, and the mapping entries of a built model's
+pipeline stage. Nothing here imports megatron at import time, so the specs read them without importing the provider,
+which imports the specs.
 """
 
 from __future__ import annotations
@@ -28,3 +29,22 @@ def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def model_spec(model) -> str:
+    """The mapping naming of a model built by `actor.provider.build_model`: 'local' or 'te'."""
+    options = getattr(unwrap(model), "actor_options", None)
+    return "te" if getattr(options, "spec", "local") == "te" else "local"
+
+
+def stage_entries(model, arch: ModelArch, *, pp_rank: int | None = None, spec: str | None = None) -> list:
+    """The mapping table's entries (`models.mapping.model_entries`) of pipeline stage `pp_rank` (default: this rank's)
+    of a model built by `actor.provider.build_model`: its layer spec's names (or `spec`'s) and its layer split."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.models.mapping import model_entries
+
+    options = getattr(unwrap(model), "actor_options", None)
+    return model_entries(arch, pp_rank=ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank,
+                         pp_size=ps.get_pipeline_model_parallel_world_size(), spec=spec or model_spec(model),
+                         last_layers=getattr(options, "pp_last_layers", 0))

@@ -23,9 +23,10 @@ import torch
 from safetensors import safe_open
 
 from megatron_jetrl.actor.fp8_layers import unwrap
+from megatron_jetrl.actor.gpt import stage_entries
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.export import hf_shape
-from megatron_jetrl.models.mapping import from_hf, model_entries, padded_vocab_size, rank_slice, rank_slice_lazy
+from megatron_jetrl.models.mapping import from_hf, padded_vocab_size, rank_slice, rank_slice_lazy
 
 INDEX = "model.safetensors.index.json"
 
@@ -99,10 +100,9 @@ def _place(model, arch: ModelArch, read, spec: str) -> list[str]:
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     gpt = unwrap(model)
     params = dict(gpt.named_parameters())
-    entries = model_entries(arch, pp_rank=pp_rank, pp_size=pp, spec=spec)
+    entries = stage_entries(model, arch, spec=spec)
     padded = padded_vocab_size(arch.vocab_size, tp)
     with torch.no_grad():
         for entry in entries:
@@ -117,7 +117,7 @@ def _place(model, arch: ModelArch, read, spec: str) -> list[str]:
     missing = sorted(set(params) - set(loaded) - {"output_layer.weight"})
     if missing:
         raise KeyError(f"parameters not covered by the HF mapping: {missing}")
-    if arch.tie_word_embeddings and pp > 1:
+    if arch.tie_word_embeddings and ps.get_pipeline_model_parallel_world_size() > 1:
         _copy_embedding_to_last_stage(gpt)
     return loaded
 

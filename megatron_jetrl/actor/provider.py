@@ -16,11 +16,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.actor.gpt import LLAMA3_ROPE_DEFAULTS, rope_kwargs, unwrap  # noqa: F401 (re-exported: provider API)
+from megatron_jetrl.actor.gpt import LLAMA3_ROPE_DEFAULTS, rope_kwargs, stage_entries, unwrap  # noqa: F401 (re-exported: provider API)
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
-from megatron_jetrl.models.mapping import padded_vocab_size
+from megatron_jetrl.models.mapping import padded_vocab_size, stage_layers
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class ActorOptions:
     fp8_weight_t: str = "step"
     """FP8 linears of the local spec: DGrad's W^T bytes kept from the first backward to the next optimizer step
     (`step`), or made in each backward and freed (`backward`: less memory, a transpose per micro-batch)."""
+    pp_last_layers: int = 0
+    """Decoder layers of the last pipeline stage; 0: an even split (`models.mapping.stage_layers`, megatron's
+    `num_layers_in_last_pipeline_stage`)."""
     rollout_kernels: bool = False
     """Local spec on CUDA, with a vLLM rollout (`precision.exact_logprobs`): attention, the lm_head (and BF16 linears) and
     the log-softmax run the vLLM engine's kernels (`actor.rollout_kernels`), so the actor's logprobs are the engine's
@@ -73,8 +76,7 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
         arch.check_fp8_tp(tp)
     elif arch.num_kv_heads % tp:
         raise ValueError(f"TP={tp} does not divide num_key_value_heads={arch.num_kv_heads}")
-    if arch.num_layers % pp:
-        raise ValueError(f"PP={pp} does not divide num_hidden_layers={arch.num_layers}")
+    stage_layers(arch.num_layers, pp, options.pp_last_layers)  # refuses a split megatron would refuse, naming the fix
     from megatron.core.transformer import TransformerConfig
 
     te_kwargs = {}
@@ -90,6 +92,7 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=_fused_swiglu(options), masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
+        num_layers_in_last_pipeline_stage=options.pp_last_layers or None,
         params_dtype=options.params_dtype, pipeline_dtype=options.params_dtype, bf16=options.params_dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(), **te_kwargs,
     )
@@ -102,10 +105,10 @@ def _fused_swiglu(options: ActorOptions) -> bool:
             and torch.cuda.is_available())
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_invariant: bool = False, fused: bool = True,
+def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, layers: int, batch_invariant: bool = False, fused: bool = True,
                rollout_kernels: bool = False):
-    """The decoder spec: TE's layer spec, or the native block (per-stage layers + RMSNorm final norm), with the vLLM
-    engine's attention and BF16 linears under `rollout_kernels`."""
+    """The decoder spec: TE's layer spec (megatron builds the stage's layers), or the native block (this stage's `layers`
+    layers + RMSNorm final norm), with the vLLM engine's attention and BF16 linears under `rollout_kernels`."""
     if spec == "te":
         from megatron_jetrl.actor.te_recipe import te_layer_spec
 
@@ -118,7 +121,7 @@ def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, pp: int, batch_i
 
         overrides = {"core": partial(rk.FA3Attention, arch=arch),
                      "bf16_linears": (rk.RolloutColumnParallelLinear, rk.RolloutRowParallelLinear)}
-    return native_block_spec(flow, arch, arch.num_layers // pp, batch_invariant, fused, **overrides)
+    return native_block_spec(flow, arch, layers, batch_invariant, fused, **overrides)
 
 
 def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = ActorOptions()):
@@ -138,8 +141,8 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec, pp, options.batch_invariant, options.fused,
-                                          options.rollout_kernels),
+        transformer_layer_spec=layer_spec(arch, flow, options.spec, stage_layers(arch.num_layers, pp, options.pp_last_layers)[
+            ps.get_pipeline_model_parallel_rank()], options.batch_invariant, options.fused, options.rollout_kernels),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -167,14 +170,9 @@ def copy_weights(src, dst, arch: ModelArch, *, src_spec: str, dst_spec: str) -> 
     """Copy every parameter of this pipeline stage's `src` model into `dst` (same TP x PP layout), names mapped
     through the one mapping table (`models.mapping.model_entries`: both specs hold the same HF tensors); returns the
     destination names. E.g. a TE-spec actor starts from the weights the local spec draws for the same seed."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_jetrl.models.mapping import model_entries
-
     spec_name = {"native": "local"}
-    stage = {"pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size()}
-    pairs = list(zip(model_entries(arch, spec=spec_name.get(src_spec, src_spec), **stage),
-                     model_entries(arch, spec=spec_name.get(dst_spec, dst_spec), **stage)))
+    pairs = list(zip(stage_entries(dst, arch, spec=spec_name.get(src_spec, src_spec)),
+                     stage_entries(dst, arch, spec=spec_name.get(dst_spec, dst_spec))))
     src_params, dst_params = dict(unwrap(src).named_parameters()), dict(unwrap(dst).named_parameters())
     missing = sorted({d.megatron for _, d in pairs} ^ set(dst_params)) + sorted({s.megatron for s, _ in pairs} ^ set(src_params))
     if missing:

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.actor.fp8_layers import fp8_weights, unwrap
+from megatron_jetrl.actor.gpt import model_spec, stage_entries
 from megatron_jetrl.actor.parallel import group_device
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
-from megatron_jetrl.models import ModelArch, hf_tensors, model_entries
+from megatron_jetrl.models import ModelArch, hf_tensors
 from megatron_jetrl.models.export import stream_layout
 
 
@@ -69,9 +70,9 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
         return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    mine = hf_tensors(arch, flow, model_entries(arch, pp_rank=stage, pp_size=pp, spec=spec), fetch, fetch_fp8)
+    mine = hf_tensors(arch, flow, stage_entries(model, arch), fetch, fetch_fp8)
     pairs = mine if pp == 1 else _across_stages(mine, stage, pp, [
-        stream_layout(arch, flow, model_entries(arch, pp_rank=source, pp_size=pp, spec=spec)) for source in range(pp)])
+        stream_layout(arch, flow, stage_entries(model, arch, pp_rank=source)) for source in range(pp)])
     if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
@@ -106,12 +107,6 @@ def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int
             yield name, wire
         if sending and next(it, None) is not None:
             raise RuntimeError(f"pipeline stage {stage} streams more tensors than the mapping table gives it")
-
-
-def model_spec(model) -> str:
-    """The mapping naming of a model built by `actor.provider.build_model`: 'local' or 'te'."""
-    options = getattr(unwrap(model), "actor_options", None)
-    return "te" if getattr(options, "spec", "local") == "te" else "local"
 
 
 def drain(pairs) -> None:

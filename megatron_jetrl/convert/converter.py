@@ -24,7 +24,7 @@ from megatron_jetrl.convert.layout import local_shapes
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.export import hf_tensors
-from megatron_jetrl.models.mapping import Entry, model_entries
+from megatron_jetrl.models.mapping import Entry, model_entries, stage_layers
 from megatron_jetrl.models.shards import CheckpointError, ShardedCheckpoint, shard_name
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -159,9 +159,12 @@ def plan(checkpoint_dir: str | Path, *, dtype: str = "fp8", rollout_tp: int = 1,
                 arch.check_fp8_tp(size)
             except ValueError as e:
                 raise ConversionError(f"FP8 export refused at {what} TP={size}: {e}") from e
-    if arch.num_layers % pp:
-        raise ConversionError(f"meta.json says PP={pp}, which does not divide num_hidden_layers={arch.num_layers}")
-    stages = [model_entries(arch, pp_rank=p, pp_size=pp, spec=spec) for p in range(pp)]
+    last = meta.get("pp_last_layers", 0)
+    try:
+        stage_layers(arch.num_layers, pp, last)
+    except ValueError as e:
+        raise ConversionError(f"meta.json's pipeline split (pp={pp}, pp_last_layers={last}) does not fit the model: {e}") from e
+    stages = [model_entries(arch, pp_rank=p, pp_size=pp, spec=spec, last_layers=last) for p in range(pp)]
     for p, entries in enumerate(stages):
         expected = {e.megatron: e for e in entries}
         shapes = {e.megatron: local_shapes(arch, e, tp) for e in entries}

@@ -43,18 +43,21 @@ def random_hf_state(arch: ModelArch, seed: int = 0, std: float = 0.05) -> dict[s
 
 
 def save_synthetic_checkpoint(directory: str | Path, hf_config: dict, *, tp: int = 1, pp: int = 1, flow: PrecisionFlow | None = None,
-                              spec: str = "local", seed: int = 0, hf_state: dict | None = None, iteration: int = 0) -> dict:
-    """Write a sealed TP x PP actor checkpoint of `hf_state` (default: random) and return the HF state."""
+                              spec: str = "local", seed: int = 0, hf_state: dict | None = None, iteration: int = 0,
+                              pp_last_layers: int = 0) -> dict:
+    """Write a sealed TP x PP actor checkpoint of `hf_state` (default: random; `pp_last_layers`: an uneven pipeline
+    split, as `parallel.pp_last_layers`) and return the HF state."""
     arch = ModelArch.from_hf_config(hf_config)
     hf = hf_state if hf_state is not None else random_hf_state(arch, seed)
     padded = padded_vocab_size(arch.vocab_size, tp)
     shards = []
     for p in range(pp):
-        entries = model_entries(arch, pp_rank=p, pp_size=pp, spec=spec)
+        entries = model_entries(arch, pp_rank=p, pp_size=pp, spec=spec, last_layers=pp_last_layers)
         for r in range(tp):
             local = {e.megatron: from_hf(e, arch, {n: rank_slice(e, hf[n], r, tp, padded) for n in e.hf}).clone() for e in entries}
             shards.append(save_rank_shard(directory, local, r, p))
             del local
     write_meta(directory, iteration=iteration, tp=tp, pp=pp, spec=spec, hf_config=hf_config,
-               flow=(flow or PrecisionFlow()).to_dict(), shards=shards)
+               flow=(flow or PrecisionFlow()).to_dict(), shards=shards,
+               extra={"pp_last_layers": pp_last_layers} if pp_last_layers else None)
     return hf

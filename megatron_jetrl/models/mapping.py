@@ -69,16 +69,33 @@ def layer_entries(arch: ModelArch, spec: str = "local") -> list[Entry]:
     return entries
 
 
-def model_entries(arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local") -> list[Entry]:
-    """All entries a pipeline stage holds, with layer indices filled in."""
-    if arch.num_layers % pp_size:
-        raise ValueError(f"PP={pp_size} does not divide num_hidden_layers={arch.num_layers}")
-    per_stage = arch.num_layers // pp_size
+def stage_layers(num_layers: int, pp: int, last: int = 0) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, as megatron-core 0.16 splits them: evenly, or with `last` > 0 layers on the
+    last stage (`num_layers_in_last_pipeline_stage`, which also runs the output layer and the logprobs) and the rest
+    evenly over the others. Refuses a split megatron would refuse, naming the fix."""
+    if last and pp == 1:
+        raise ValueError(f"parallel.pp_last_layers={last} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0")
+    if last and not (0 < last < num_layers and (num_layers - last) % (pp - 1) == 0):
+        raise ValueError(f"parallel.pp_last_layers={last}: the other {pp - 1} stage(s) must split the remaining "
+                         f"{num_layers - last} of num_hidden_layers={num_layers} evenly, at least one layer each")
+    if not last and num_layers % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide the model's {num_layers} layers (each pipeline stage holds as many): "
+                         f"use a pp among {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}, or give the last "
+                         "stage its own count (parallel.pp_last_layers)")
+    if not last:
+        return (num_layers // pp,) * pp
+    return ((num_layers - last) // (pp - 1),) * (pp - 1) + (last,)
+
+
+def model_entries(arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local", last_layers: int = 0) -> list[Entry]:
+    """All entries a pipeline stage holds, with layer indices filled in (`last_layers`: `stage_layers`' uneven split)."""
+    layers = stage_layers(arch.num_layers, pp_size, last_layers)
+    first = sum(layers[:pp_rank])
     entries = []
     if pp_rank == 0:
         entries.append(Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True))
-    for local in range(per_stage):
-        entries += [e.at(local, pp_rank * per_stage + local) for e in layer_entries(arch, spec)]
+    for local in range(layers[pp_rank]):
+        entries += [e.at(local, first + local) for e in layer_entries(arch, spec)]
     if pp_rank == pp_size - 1:
         entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",)))
         if not arch.tie_word_embeddings:

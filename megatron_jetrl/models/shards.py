@@ -111,6 +111,9 @@ def _check_meta_schema(meta: dict, meta_path: Path) -> None:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
     problems = [f"{k} must be a positive integer, got {meta.get(k)!r}" for k in ("tp", "pp") if not positive_int(meta.get(k))]
+    last = meta.get("pp_last_layers", 0)
+    if not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
+        problems.append(f"pp_last_layers must be a non-negative integer (0 or absent: an even split), got {last!r}")
     shards, optimizer = meta.get("shards"), meta.get("optimizer", False)
     if not isinstance(shards, list) or not shards:
         problems.append(f"shards must be a non-empty list, got {shards!r}")

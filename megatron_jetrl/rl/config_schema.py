@@ -191,13 +191,27 @@ class ParallelConfig:
     tp: int = 1
     """Tensor parallel size (every split dimension must stay a multiple of 128 for FP8)."""
     pp: int = 1
-    """Pipeline parallel size. The GRPO loop's live weight sync gathers over TP only: 1."""
+    """Pipeline parallel size: each stage holds a contiguous share of the decoder layers (the first also the embedding,
+    the last the final norm, output layer and logprobs); every rank's engine holds the whole model."""
+    pp_last_layers: int = 0
+    """Decoder layers on the last pipeline stage; 0 splits them evenly. The last stage also runs the output layer and
+    the logprobs, so fewer layers there even out the stages (megatron's `num_layers_in_last_pipeline_stage`; the other
+    stages split the rest evenly). `tools/profile_report.py` shows each stage's work: move layers until it is level."""
     dp: int = 1
     """Data parallel size."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
+        _check(not self.pp_last_layers or self.pp > 1,
+               f"parallel.pp_last_layers={self.pp_last_layers} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0")
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers per pipeline stage (`models.mapping.stage_layers`)."""
+        from megatron_jetrl.models.mapping import stage_layers
+
+        return stage_layers(num_layers, self.pp, self.pp_last_layers)
 
     @property
     def world_size(self) -> int:
@@ -438,9 +452,10 @@ class JetRLConfig:
             self._check_exact_logprobs()
         if self.model.hf_config:
             arch = self.arch()  # architecture problems surface here, before anything is built
-            _check(arch.num_layers % self.parallel.pp == 0,
-                   f"parallel.pp={self.parallel.pp} does not divide the model's {arch.num_layers} layers (each pipeline stage "
-                   f"holds as many): use a pp among {[p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]}")
+            try:
+                self.parallel.stage_layers(arch.num_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or

@@ -58,9 +58,16 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     per_layer = linear + heads + 2 * arch.hidden_size + 2 * arch.head_dim  # + biases, norms (upper bounds)
     from megatron_jetrl.models.mapping import padded_vocab_size
 
-    embeddings = padded_vocab_size(arch.vocab_size, p.tp) * arch.hidden_size * (2 if p.pp == 1 and not arch.tie_word_embeddings else 1)
-    params = (per_layer * (arch.num_layers // p.pp) + embeddings + arch.hidden_size) / p.tp
-    fp8_linear = linear * (arch.num_layers // p.pp) / p.tp if cfg.precision.train_fp8 else 0
+    vocab = padded_vocab_size(arch.vocab_size, p.tp) * arch.hidden_size
+    layers = p.stage_layers(arch.num_layers)
+
+    def stage_params(i: int) -> float:  # the embedding on the first stage, the output layer (a copy when tied, at PP > 1) on the last
+        last = i == p.pp - 1
+        return layers[i] * per_layer + vocab * (i == 0) + vocab * (last and (p.pp > 1 or not arch.tie_word_embeddings)) + arch.hidden_size * last
+
+    stage = max(range(p.pp), key=stage_params)
+    params = stage_params(stage) / p.tp
+    fp8_linear = linear * layers[stage] / p.tp if cfg.precision.train_fp8 else 0
     weight = 2 if cfg.optim.bf16 else 4
     state = (4 + 8 if cfg.optim.bf16 else 8) / (p.dp if cfg.optim.distributed else 1)
     return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),

@@ -1,4 +1,5 @@
-"""GRPO with two pipeline stages (parallel.pp=2) on the CPU, against the same run at PP 1, through the README's launcher.
+"""GRPO with two pipeline stages (parallel.pp=2, an even split and one with its own last-stage count) on the CPU,
+against the same run at PP 1, through the README's launcher.
 
 Both runs start from one warm-started export (`run.steps=0`), so they hold the same weights. At PP 2 each stage converts
 its own layers and broadcasts them over its pipeline group (actor/weight_stream.py): the native engine on rank 0, which
@@ -39,16 +40,22 @@ def weights(out: Path) -> bytes:
     return (out / "export" / "model-00001-of-00001.safetensors").read_bytes()
 
 
+FOUR_LAYERS = "model.hf_config.num_hidden_layers=4"
+LAYOUTS = {"pp1": [], "pp2": ["parallel.pp=2"], "pp2-uneven": ["parallel.pp=2", "parallel.pp_last_layers=1"]}
+"""PP 2 splits the 4 layers 2 + 2, or 3 + 1 with the last stage's own count (the stage that also runs the output layer)."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    launch(root / "sft", UNTIED, "run.steps=0", "warmup.steps=12", "precision.mode=bf16")  # rewards that differ within groups
+    launch(root / "sft", UNTIED, FOUR_LAYERS, "run.steps=0", "warmup.steps=12", "precision.mode=bf16")  # rewards that differ within groups
     start = f"model.path={root / 'sft' / 'export'}"
-    return {pp: (root / f"pp{pp}", launch(root / f"pp{pp}", UNTIED, start, *GRPO, f"parallel.pp={pp}")) for pp in (1, 2)}
+    return {name: (root / name, launch(root / name, UNTIED, FOUR_LAYERS, start, *GRPO, *layout)) for name, layout in LAYOUTS.items()}
 
 
-def test_pp2_trains_bit_for_bit_as_pp1(runs):
-    (out1, rows1), (out2, rows2) = runs[1], runs[2]
+@pytest.mark.parametrize("layout", ["pp2", "pp2-uneven"])
+def test_pp2_trains_bit_for_bit_as_pp1(runs, layout):
+    (out1, rows1), (out2, rows2) = runs["pp1"], runs[layout]
     assert [r["step"] for r in rows2] == [0, 1, 2] and {r["pp"] for r in rows2} == {2}
     assert any(r["grad_norm"] > 0 for r in rows1)  # the policy did learn something to compare
     for a, b in zip(rows1, rows2):
@@ -58,6 +65,8 @@ def test_pp2_trains_bit_for_bit_as_pp1(runs):
         assert b["mismatch/mean_abs_diff"] == b["mismatch/max_abs_diff"] == 0.0  # the engine has every stage's bytes
     assert weights(out1) == weights(out2)
     assert sorted(p.name for p in (out2 / "checkpoints").glob("step_*/*")) != sorted(p.name for p in (out1 / "checkpoints").glob("step_*/*"))
+    meta = json.loads(next((out2 / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert meta.get("pp_last_layers", 0) == (1 if layout == "pp2-uneven" else 0)
 
 
 def test_a_pp2_checkpoint_of_the_same_weights_exports_the_same_bytes(tmp_path):

@@ -67,6 +67,11 @@ CASES = {
     "TP does not divide the KV heads": (["parallel.tp=4"], r"parallel.tp=4: TP=4 does not divide num_key_value_heads=2"),
     "pipeline stages that do not divide the layers": (["parallel.pp=3"],
                                                       r"parallel.pp=3 does not divide the model's 2 layers \(each pipeline stage holds as many\): use a pp among \[1, 2\]"),
+    "a last stage of every layer": (["parallel.pp=2", "parallel.pp_last_layers=2"],
+                                    r"parallel.pp_last_layers=2: the other 1 stage\(s\) must split the remaining 0 of num_hidden_layers=2 "
+                                    r"evenly, at least one layer each"),
+    "a last stage without stages": (["parallel.pp_last_layers=1"], r"parallel.pp_last_layers=1 needs pipeline stages: set parallel.pp > 1"),
+    "a negative last stage": (["parallel.pp=2", "parallel.pp_last_layers=-1"], r"parallel.pp_last_layers must be >= 0"),
     # ---- batch sizes that do not divide
     "micro-batch does not divide": (["grpo.micro_batch_size=7"],
                                     r"prompts_per_step \* rollout.n = 64 sequences do not split into parallel.dp=1 x "

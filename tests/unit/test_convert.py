@@ -146,6 +146,22 @@ def test_tp_and_pp_layouts_convert_to_identical_files(tmp_path, family):
         assert (out / INDEX_NAME).read_text() == ref_index
 
 
+def test_uneven_pipeline_splits_convert_to_the_same_files(tmp_path):
+    """`parallel.pp_last_layers`: the checkpoint records the split and the converter reads each stage's layers from
+    it; every split of the same weights exports the same bytes as PP 1."""
+    config, hf, outputs = tiny_config("qwen3", num_hidden_layers=4), None, {}
+    for pp, last in ((1, 0), (2, 0), (2, 1), (2, 3), (3, 2), (4, 0)):
+        ck = tmp_path / f"ck_pp{pp}_{last}"
+        hf = save_synthetic_checkpoint(ck, config, tp=2, pp=pp, seed=7, hf_state=hf, pp_last_layers=last)
+        assert json.loads((ck / "meta.json").read_text()).get("pp_last_layers", 0) == last
+        convert(ck, tmp_path / f"out_pp{pp}_{last}", max_shard_size=SHARD_CAP)
+        outputs[(pp, last)] = shard_files(tmp_path / f"out_pp{pp}_{last}")
+    layers = {(pp, last): [e.megatron for e in model_entries(ModelArch.from_hf_config(config), pp_rank=pp - 1, pp_size=pp,
+                                                             last_layers=last) if ".layers." in e.megatron] for pp, last in outputs}
+    assert len(layers[(2, 1)]) == len(layers[(2, 0)]) // 2 and len(layers[(2, 3)]) == 3 * len(layers[(2, 1)])
+    assert all(out == outputs[(1, 0)] for out in outputs.values())
+
+
 # -- safety -----------------------------------------------------------------------------------------
 def test_refuses_existing_output_without_force_and_replaces_with_force(qwen2_tp2pp2, tmp_path):
     d, _ = qwen2_tp2pp2
@@ -242,7 +258,10 @@ BAD_INPUTS = {
     "pp says 1, shards are pp2": (dict(pp=2), lambda ck: _edit_meta(ck, pp=1, shards=lambda s: [x for x in s if x["file"].endswith("pp000.safetensors")]),
                                   r"missing \['decoder.final_layernorm.weight'.*is meta.json's tp/pp/spec"),
     "layer spec": (dict(), lambda ck: _edit_meta(ck, spec="te"), r"missing \['decoder.layers.0.mlp.linear_fc1.layer_norm_weight'"),
-    "pp does not divide layers": (dict(), lambda ck: _edit_meta(ck, pp=3), r"do not cover|PP=3"),
+    "pp does not divide layers": (dict(), lambda ck: _edit_meta(ck, pp=3), r"do not cover|pipeline split \(pp=3, pp_last_layers=0\) does not fit"),
+    "uneven split that does not fit": (dict(pp=2), lambda ck: _edit_meta(ck, pp_last_layers=2),
+                                       r"pipeline split \(pp=2, pp_last_layers=2\) does not fit the model: .*split the remaining 0"),
+    "uneven split of another shape": (dict(pp=2), lambda ck: _edit_meta(ck, pp_last_layers=-1), r"pp_last_layers must be a non-negative integer"),
 }
 
 

@@ -150,3 +150,30 @@ def test_stream_layout_is_what_each_stage_streams(model_type, tied, mode, tp, pp
         streamed = [(name, tuple(t.shape), t.dtype) for name, t in hf_tensors(arch, flow, entries, fetch)]
         assert streamed == stream_layout(arch, flow, entries)
         assert any(dtype == torch.float8_e4m3fn for *_, dtype in streamed) == (mode == "jetrl")
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_layers=st.integers(1, 48), pp=st.integers(1, 8), last=st.integers(0, 48))
+def test_pipeline_stages_hold_every_layer_once_in_order(num_layers, pp, last):
+    """`stage_layers` splits as megatron does (evenly, or `last` on the last stage and the rest evenly) or refuses; the
+    stages' entries are PP 1's, in order, each layer once, the embedding on the first and the output layer on the last."""
+    from megatron_jetrl.convert.synthetic import tiny_config
+    from megatron_jetrl.models.mapping import stage_layers
+
+    fits = (not last and num_layers % pp == 0) or (pp > 1 and 0 < last < num_layers and (num_layers - last) % (pp - 1) == 0)
+    if not fits:
+        with pytest.raises(ValueError, match=r"parallel\.pp"):
+            stage_layers(num_layers, pp, last)
+        return
+    layers = stage_layers(num_layers, pp, last)
+    assert sum(layers) == num_layers and len(layers) == pp and min(layers) >= 1 and len(set(layers[:-1])) <= 1
+    assert layers[-1] == (last or num_layers // pp)
+    arch = ModelArch.from_hf_config(tiny_config("qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False))
+    whole = [(e.megatron, e.hf) for e in model_entries(arch)]
+    staged = [model_entries(arch, pp_rank=r, pp_size=pp, last_layers=last) for r in range(pp)]
+    hf_names = [e.hf for stage in staged for e in stage]
+    assert sorted(hf_names) == sorted(h for _, h in whole) and len(set(hf_names)) == len(hf_names)
+    assert staged[0][0].megatron == "embedding.word_embeddings.weight" and staged[-1][-1].megatron == "output_layer.weight"
+    for r, stage in enumerate(staged):  # local layer numbers 0.. on each stage, global ones contiguous across stages
+        hf_layers = sorted({int(h[0].split(".")[2]) for e in stage for h in [e.hf] if h[0].startswith("model.layers.")})
+        assert hf_layers == list(range(sum(layers[:r]), sum(layers[:r + 1])))

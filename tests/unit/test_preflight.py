@@ -161,9 +161,13 @@ def test_qwen3_8b_on_one_80gib_gpu_is_refused_with_the_breakdown_and_the_fix():
 
 
 @pytest.mark.parametrize("layout,gib", [([], 39.8), (["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"], 39.8),
-                                        (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"], 56.6)])
+                                        (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"], 56.6),
+                                        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1"], 45.6),
+                                        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6"], 49.3)])
 def test_the_four_gpu_layouts_of_qwen3_8b_fit_an_80gib_gpu(layout, gib):
-    """The preset (TP 4), TP 2 x PP 2, and TP 2 x DP 2 with the optimizer state sharded (the preset's optim.distributed)."""
+    """The preset (TP 4), TP 2 x PP 2, TP 2 x DP 2 with the optimizer state sharded (the preset's optim.distributed), and
+    TP 1 x PP 4, even (the last stage counted: 9 layers and the output layer) or with 6 layers on the last stage (the
+    first counted: 10 layers and the embedding)."""
     cfg = qwen3_8b(*layout)
     assert cfg.parallel.world_size == 4
     preflight.check_memory(cfg, 80 * GIB)

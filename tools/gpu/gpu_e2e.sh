@@ -26,7 +26,8 @@
 # with LEN=512 ARGS="grpo.micro_batch_size=8 grpo.logprob_micro_batch_size=16" (PP 1, 2 and 4 of the 36 layers, as in
 # BENCHMARKS.md: at PP 4 each GPU's engine holds the whole model beside a quarter of the actor's state, and the first
 # stage keeps 4 micro-batches of activations in flight; bf16 peaked at 75.4 GiB there. 48 layers, 61 GiB of actor state
-# by the preflight's count, leave a BF16 engine no room).
+# by the preflight's count, leave a BF16 engine no room). The last stage's own count: "...;parallel.tp=1 parallel.pp=4
+# rollout.tp=1 parallel.pp_last_layers=6" (tag tp1pp4rtp1pp_last_layers6).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
