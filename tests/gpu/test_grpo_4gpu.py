@@ -1,8 +1,8 @@
 """GRPO on 4 GPUs of one host (skipped below 4).
 
 * Colocated vLLM: trainer TP 4 with rollout TP 4, and TP 2 x PP 2 with rollout TP 2, two steps each in jetrl at
-  Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers); TP 2 x PP 2 also with the TE spec, in jetrl (TE's FP8
-  bytes streamed stage by stage) and in bf16 (skipped without Transformer Engine).
+  Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers); TP 2 x PP 2 also split 5 + 3 (`parallel.pp_last_layers`),
+  and with the TE spec, in jetrl (TE's FP8 bytes streamed stage by stage) and in bf16 (skipped without Transformer Engine).
 * Pipeline exactness, both layouts starting from one export: TP 2 x PP 2 against TP 2 alone on the same rollouts
   (rank 0's native engine samples the same tokens for both), and the FP8 export of the same weights from both.
 * A rank of the second pipeline stage killed mid-step: the launcher's line names rank, stage and step, and the run
@@ -43,10 +43,10 @@ def _needs_te(*args):
 TP2XPP2 = ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=4", "rollout.tp=4"], TP2XPP2,
+@pytest.mark.parametrize("layout", [["parallel.tp=4", "rollout.tp=4"], TP2XPP2, [*TP2XPP2, "parallel.pp_last_layers=3"],
                                     _needs_te([*TP2XPP2, "model.spec=te"]),
                                     _needs_te([*TP2XPP2, "model.spec=te", "precision.mode=bf16"])],
-                         ids=["tp4", "tp2xpp2", "tp2xpp2-te", "tp2xpp2-te-bf16"])
+                         ids=["tp4", "tp2xpp2", "tp2xpp2-uneven", "tp2xpp2-te", "tp2xpp2-te-bf16"])
 def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
     cmd = ["bash", "launch/train_grpo.sh", "configs/gpu_8b_shapes.yaml", *layout, "rollout.engine=vllm", "run.steps=2",
            "rollout.max_new_tokens=128", "grpo.prompts_per_step=16", "grpo.micro_batch_size=16", f"run.out_dir={tmp_path}",
