@@ -19,6 +19,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_jetrl.actor.fp8_layers import unwrap
+from megatron_jetrl.actor.gpt import pp_last_layers
 from megatron_jetrl.actor.train_step import adam_is_fused, use_fused_adam
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.shards import (CheckpointError, ShardedCheckpoint, file_entry, save_rank_shard, shard_name, write_meta,
@@ -104,17 +105,12 @@ def save_checkpoint(model, directory: str | Path, *, hf_config: dict, flow: Prec
     dist.all_gather_object(manifests, written)  # also the barrier: every file is on disk after this
     if dist.get_rank() == 0:
         manifests = [m for m in manifests if m is not None]
-        last = _last_layers(model)
+        last = pp_last_layers(model)
         write_meta(directory, iteration=iteration, tp=tp, pp=pp, spec=spec, hf_config=hf_config, flow=flow.to_dict(),
                    shards=[m["shard"] for m in manifests],
                    extra={"optimizer": [m["optimizer"] for m in manifests] if optimizer is not None else False,
                           **({"pp_last_layers": last} if last else {})})
     dist.barrier()
-
-
-def _last_layers(model) -> int:
-    """The model's uneven pipeline split (`ActorOptions.pp_last_layers`; 0: even), recorded in meta.json when nonzero."""
-    return getattr(getattr(unwrap(model), "actor_options", None), "pp_last_layers", 0)
 
 
 def load_checkpoint(model, directory: str | Path, *, optimizer=None, verify: bool = False) -> dict:
@@ -123,9 +119,9 @@ def load_checkpoint(model, directory: str | Path, *, optimizer=None, verify: boo
     ckpt = ShardedCheckpoint.open(directory, verify=verify)
     if (ckpt.tp, ckpt.pp) != (tp, pp):
         raise CheckpointError(f"{directory} was saved at TP={ckpt.tp} x PP={ckpt.pp}; this run is TP={tp} x PP={pp} (reshard with the converter)")
-    if ckpt.meta.get("pp_last_layers", 0) != _last_layers(model):
+    if ckpt.meta.get("pp_last_layers", 0) != pp_last_layers(model):
         raise CheckpointError(f"{directory} was saved with parallel.pp_last_layers={ckpt.meta.get('pp_last_layers', 0)}; this "
-                              f"run has {_last_layers(model)}: resume with the split it was saved with (0: even)")
+                              f"run has {pp_last_layers(model)}: resume with the split it was saved with (0: even)")
     params = dict(unwrap(model).named_parameters())
     with safe_open(Path(directory) / shard_name(tp_rank, pp_rank), framework="pt") as f, torch.no_grad():
         names = set(f.keys())

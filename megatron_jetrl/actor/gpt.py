@@ -44,7 +44,11 @@ def stage_entries(model, arch: ModelArch, *, pp_rank: int | None = None, spec: s
 
     from megatron_jetrl.models.mapping import model_entries
 
-    options = getattr(unwrap(model), "actor_options", None)
     return model_entries(arch, pp_rank=ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank,
                          pp_size=ps.get_pipeline_model_parallel_world_size(), spec=spec or model_spec(model),
-                         last_layers=getattr(options, "pp_last_layers", 0))
+                         last_layers=pp_last_layers(model))
+
+
+def pp_last_layers(model) -> int:
+    """The uneven pipeline split a model was built with (`ActorOptions.pp_last_layers`; 0: even)."""
+    return getattr(getattr(unwrap(model), "actor_options", None), "pp_last_layers", 0)

@@ -562,6 +562,8 @@ CORRUPT = {
     "no meta.json": (lambda ck: (ck / "meta.json").unlink(), r"step_000001 has no meta.json: .* save did not finish"),
     "another parallel layout": (lambda ck: _edit_json(ck / "meta.json", tp=2),
                                 r"step_000001 was saved at TP=2 x PP=1; this run is TP=1 x PP=1 \(reshard with the converter\)"),
+    "another pipeline split": (lambda ck: _edit_json(ck / "meta.json", pp_last_layers=1),
+                               r"step_000001 was saved with parallel.pp_last_layers=1; this run has 0: resume with the split it was saved with"),
     "optimizer state without a sha256 (an older checkpoint)": (lambda ck: _edit_json(ck / "meta.json", optimizer=True),
                                                                r"step_000001/meta.json has no sha256 of optim_tp00_pp000.pt"),
 }
