@@ -93,6 +93,10 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
         num_layers_in_last_pipeline_stage=options.pp_last_layers or None,
+        # no device-wide sync after each batched pipeline send/recv: megatron keeps it for PyTorch before the fix of
+        # batch_isend_irecv's stream recording (pytorch#82450, 2022); waiting on the requests orders the streams, and the
+        # sync stopped the host at every micro-batch boundary (upstream removed it for torch>=2.6: Megatron-LM#6919)
+        batch_p2p_sync=False,
         params_dtype=options.params_dtype, pipeline_dtype=options.params_dtype, bf16=options.params_dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(), **te_kwargs,
     )

@@ -309,6 +309,19 @@ def test_misaligned_tp_is_refused_before_building():
     transformer_config(ModelArch.from_hf_config(CONFIGS["qwen3"]), JETRL, tp=2, pp=1)
 
 
+def test_pipeline_config_splits_as_asked_and_never_syncs_the_device_per_send():
+    """megatron gets the last stage's own layer count, and batched pipeline send/recv without the device-wide sync that
+    megatron keeps for old PyTorch (the request waits order the streams: provider's comment)."""
+    from megatron_jetrl.actor.provider import ActorOptions, transformer_config
+
+    arch = ModelArch.from_hf_config(dict(CONFIGS["qwen3"], num_hidden_layers=4))
+    config = transformer_config(arch, JETRL, tp=1, pp=2, options=ActorOptions(pp_last_layers=1))
+    assert config.num_layers_in_last_pipeline_stage == 1 and config.batch_p2p_comm and not config.batch_p2p_sync
+    assert transformer_config(arch, JETRL, tp=1, pp=2).num_layers_in_last_pipeline_stage is None
+    with pytest.raises(ValueError, match=r"parallel.pp_last_layers=4: the other 1 stage\(s\) must split the remaining 0"):
+        transformer_config(arch, JETRL, tp=1, pp=2, options=ActorOptions(pp_last_layers=4))
+
+
 def test_llama3_rope_scaling_and_unsupported_scaling():
     from megatron_jetrl.actor.provider import rope_kwargs
 
