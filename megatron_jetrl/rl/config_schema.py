@@ -527,6 +527,17 @@ class JetRLConfig:
                        "vLLM's FP8 decode adds host work per step: the GRPO step measured slower than bf16's (0.75x at hidden "
                        "2560, 0.93x at 768; BENCHMARKS.md); the same flow in the native engine ran 1.26x at 2560 "
                        "(rollout.engine=native: one engine on rank 0)" + (", which fits a one-rank run" if self.parallel.world_size == 1 else ""))
+        if self.precision.train_fp8 and hidden and self.parallel.tp > 1 and hidden // self.parallel.tp <= THIN_FP8_SHARD:
+            out.append(f"parallel.tp={self.parallel.tp} leaves each rank {hidden // self.parallel.tp} of hidden_size={hidden}: its FP8 GEMMs "
+                       "are too small to beat BF16's once quantized, and the step waits on the TP all-reduces; Qwen3-8B at TP 4 "
+                       "measured 0.92-0.93x bf16's step, at TP 1 x PP 4 1.19x and 1.8-2.3x faster in both modes (BENCHMARKS.md): "
+                       "where the model fits, use fewer TP ranks and more pipeline stages")
+        if self.parallel.pp > 1 and not self.parallel.pp_last_layers and self.model.hf_config:
+            last = balanced_last_layers(self.arch(), self.parallel.pp)
+            if last:
+                out.append(f"parallel.pp={self.parallel.pp} splits the layers evenly, but the last stage also runs the output layer "
+                           "and the logprobs (about as much work as several layers: at Qwen3-8B, PP 4, that stage's update work "
+                           f"was 1.42x the others', BENCHMARKS.md); parallel.pp_last_layers={last} evens the stages by the GEMM count")
         return out
 
     def to_dict(self) -> dict:
@@ -539,6 +550,32 @@ class JetRLConfig:
 
 SMALL_FP8_HIDDEN = 4096
 """Below this hidden size, FP8 with vLLM rollouts has measured slower than BF16 (`JetRLConfig.notices`)."""
+THIN_FP8_SHARD = 1024
+"""At or below this many hidden columns per TP rank the FP8 actor has measured slower than BF16 (Qwen3-8B at TP 4)."""
+
+
+def balanced_last_layers(arch, pp: int) -> int:
+    """The last stage's layer count (`parallel.pp_last_layers`) that makes the busiest pipeline stage cheapest, counting
+    a layer's linears and the output layer by their weights (the logprobs ride on the output layer); 0 when the even
+    split is already best."""
+    from megatron_jetrl.models.mapping import stage_layers
+
+    if pp == 1:
+        return 0
+    kv = arch.num_kv_heads * arch.head_dim
+    q = arch.num_heads * arch.head_dim
+    layer = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size
+    head = arch.vocab_size * arch.hidden_size / layer
+
+    def busiest(last: int) -> float:
+        try:
+            layers = stage_layers(arch.num_layers, pp, last)
+        except ValueError:
+            return float("inf")
+        return max(max(layers[:-1]), layers[-1] + head)
+
+    best = min(range(arch.num_layers), key=lambda last: (busiest(last), last))
+    return best if busiest(best) < busiest(0) else 0
 
 
 def _check(ok: bool, message: str) -> None:

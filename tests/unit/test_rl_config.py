@@ -78,6 +78,29 @@ def test_a_rollout_split_other_than_the_trainers_is_noted_in_jetrl_only():
     assert load_config().notices() == []
 
 
+E2E_8B = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "e2e_8b.yaml"]
+
+
+def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
+    """jetrl at TP 4 on Qwen3-8B (1024 hidden columns a rank) is noted with its measured cost and the layout that won;
+    bf16 there, or TP 2, is not. An even pipeline split is noted with the last stage's count that evens the stages
+    by the GEMM count (`balanced_last_layers`); a given count, or PP 1, is not."""
+    from megatron_jetrl.rl.config_schema import balanced_last_layers
+
+    tp4 = load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4"]).notices()
+    assert len(tp4) == 1 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
+    assert load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
+    assert load_config(E2E_8B, ["parallel.tp=2", "rollout.tp=2"]).notices() == []
+    pp4 = load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1"])
+    assert [n.split("; ")[-1] for n in pp4.notices()] == ["parallel.pp_last_layers=6 evens the stages by the GEMM count"]
+    # 36 layers, the output layer worth 151936 * 4096 / 193e6 = 3.2 layers: 10 + 10 + 10 + (6 + 3.2) against 9 + 9 + 9 + 12.2
+    assert balanced_last_layers(pp4.arch(), 4) == 6 and balanced_last_layers(pp4.arch(), 2) == 16
+    assert balanced_last_layers(pp4.arch(), 1) == 0
+    assert load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6"]).notices() == []
+    tiny = load_config(None, ["parallel.pp=2"])  # 2 layers: no other split exists
+    assert balanced_last_layers(tiny.arch(), 2) == 0 and tiny.notices() == []
+
+
 EIGHT_B = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "modes/jetrl.yaml"]
 TWO_NODES = ["parallel.tp=8", "parallel.dp=2", "rollout.engine=vllm", "rollout.tp=8"]  # 2 nodes x 8 GPUs
 
@@ -91,7 +114,8 @@ def test_qwen3_8b_on_two_nodes_of_eight_gpus_validates():
     arch = cfg.arch()
     assert arch.num_kv_heads // cfg.parallel.tp == 1
     assert [(size // parts) % 128 for _, size, parts in arch.split_dims(8)] == [0] * 5
-    assert cfg.notices() == []  # rollout split = trainer split
+    notes = cfg.notices()  # rollout split = trainer split: nothing on the mismatch; 512 columns a rank: the TP cost
+    assert len(notes) == 1 and notes[0].startswith("parallel.tp=8 leaves each rank 512 of hidden_size=4096")
     assert cfg.grpo.prompts_per_step * cfg.rollout.n % (cfg.parallel.dp * cfg.grpo.micro_batch_size) == 0
     from megatron_jetrl.rollout.colocated import rollout_groups
 
