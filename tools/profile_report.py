@@ -101,10 +101,14 @@ def stage_rows(run: Path, mode: str, step: int) -> list[dict]:
         stages = []
         for stage in range(pp):
             phases = [ranks[r][name] for r in range(stage * per_stage, (stage + 1) * per_stage) if name in ranks[r]]
+            if not phases or any("busy_ms" not in p for p in phases):  # a stage without this phase, or a CPU profile
+                break
             mean = lambda f: sum(map(f, phases)) / len(phases)  # noqa: E731
             stages.append({"phase": name, "run": run.name, "mode": mode, "stage": stage, "wall_ms": mean(lambda p: p["wall_ms"]),
                            "work_ms": mean(lambda p: max(0.0, p["busy_ms"] - p2p_ms(p))), "p2p_ms": mean(p2p_ms),
                            "idle_ms": mean(lambda p: p["idle_ms"])})
+        if len(stages) < pp:
+            continue
         wall = max(st["wall_ms"] for st in stages)
         work = [st["work_ms"] for st in stages]
         m = shape.get("microbatches", {}).get(name)

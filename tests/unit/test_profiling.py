@@ -182,6 +182,11 @@ def test_profile_report_gives_each_pipeline_stage_and_the_bubble_share(tmp_path)
     text = profile_report.stage_table(profile_report.stage_rows(run, "bf16", 2))
     assert "| update | bf16 | 0 | 100.0 | 54.0 | 18.0 | 28.0 | 29.0% | 19.3% | 5.9% |" in text
     assert "| update | bf16 | 1 (busiest) | 98.0 | 88.0 | 3.0 | 7.0 |  |  |  |" in text
+    profile = json.loads((run / "profile_step2_rank2.json").read_text())
+    del profile["phases"]["eval"]  # a stage that did not profile a phase: no rows for that phase
+    (run / "profile_step2_rank2.json").write_text(json.dumps(profile))
+    (run / "profile_step2_rank3.json").write_text(json.dumps(profile))
+    assert {r["phase"] for r in profile_report.stage_rows(run, "bf16", 2)} == {"update"}
     (run / "config.yaml").unlink()  # no config: no schedule column; PP 1 or missing ranks: no stage rows
     assert profile_report.stage_rows(run, "bf16", 2)[0]["schedule"] is None
     (run / "profile_step2_rank3.json").unlink()
