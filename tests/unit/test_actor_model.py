@@ -571,3 +571,21 @@ def test_the_memory_preflight_counts_the_actors_parameters(family):
     hf = ", ".join(f"{k}: {v}" for k, v in CONFIGS[family].items())
     counted = actor_state_bytes(load_config(None, [f"model.hf_config={{{hf}}}"]))["gradients"] / 4
     assert built <= counted <= 1.002 * built, (built, counted)
+
+
+@pytest.mark.parametrize("num_layers, pp, last", [(4, 2, 0), (4, 2, 1), (4, 2, 3), (4, 3, 2), (36, 4, 0), (36, 4, 6),
+                                                  (36, 4, 3), (64, 2, 31), (12, 4, 0), (13, 4, 4)])
+def test_the_stage_split_is_megatrons(num_layers, pp, last):
+    """`models.mapping.stage_layers` (the mapping table, checkpoints, the converter) gives every stage the layers
+    megatron builds there and at the offset megatron numbers them from."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_jetrl.actor.provider import ActorOptions, transformer_config
+    from megatron_jetrl.models.mapping import stage_layers
+
+    arch = ModelArch.from_hf_config(dict(CONFIGS["qwen3"], num_hidden_layers=num_layers))
+    config = transformer_config(arch, BF16, tp=1, pp=pp, options=ActorOptions(pp_last_layers=last))
+    layers = stage_layers(num_layers, pp, last)
+    assert [get_num_layers_to_build(config, pp_rank=r) for r in range(pp)] == list(layers)
+    assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)] == [sum(layers[:r]) for r in range(pp)]
