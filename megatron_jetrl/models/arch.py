@@ -52,6 +52,12 @@ class ModelArch:
     def q_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def linear_params(self) -> int:
+        """Weights of one decoder layer's four linears (qkv, o, gate_up, down): what its GEMMs scale with."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return self.hidden_size * qkv + self.num_heads * self.head_dim * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArch":
         model_type = config.get("model_type")

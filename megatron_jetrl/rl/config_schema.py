@@ -562,10 +562,7 @@ def balanced_last_layers(arch, pp: int) -> int:
 
     if pp == 1:
         return 0
-    kv = arch.num_kv_heads * arch.head_dim
-    q = arch.num_heads * arch.head_dim
-    layer = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size
-    head = arch.vocab_size * arch.hidden_size / layer
+    head = arch.vocab_size * arch.hidden_size / arch.linear_params  # the output layer, in layers
 
     def busiest(last: int) -> float:
         try:

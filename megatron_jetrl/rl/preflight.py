@@ -54,7 +54,7 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     model.fp8_weight_t=step; the reference's W: it runs no backward). The colocated engine sleeps meanwhile."""
     arch, p = cfg.arch(), cfg.parallel
     heads = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    linear = arch.hidden_size * heads + arch.num_heads * arch.head_dim * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size
+    linear = arch.linear_params
     per_layer = linear + heads + 2 * arch.hidden_size + 2 * arch.head_dim  # + biases, norms (upper bounds)
     from megatron_jetrl.models.mapping import padded_vocab_size
 
