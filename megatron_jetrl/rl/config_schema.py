@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_jetrl.actor.offload import OFFLOAD_CHOICES
 from megatron_jetrl.actor.train_step import OptimConfig
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
@@ -304,6 +305,14 @@ class RolloutConfig:
     trains and mapped again for rollout, at a cost that grows with its size."""
     kv_cache_gb: float = 0.0
     """vLLM only: KV cache size in GiB per engine rank; 0 sizes it as kv_cache_fraction says."""
+    offload: str = "none"
+    """What of the actor's training state leaves the GPU from each weight sync until the engine sleeps after the
+    rollout (`actor.offload`): `none`; `grads`, the FP32 gradient buffers (4 bytes a parameter of this rank, freed
+    and zeroed again: nothing is copied); `optimizer`, those and the optimizer's FP32 main params and Adam moments
+    (12 bytes a parameter, this rank's ZeRO-1 shard), copied to pinned host memory of the same size and back (the
+    copy back overlaps the logprob passes). The run is bit for bit the same. The memory goes to the engine: a vLLM
+    KV cache is sized with it at start-up, so long rollouts run in fewer passes (Qwen3-8B at TP 4 frees 7.6 or
+    30.5 GiB a GPU)."""
     max_model_len: int = 0
     """vLLM only: longest prompt + response; 0 means 1024 prompt tokens + max_new_tokens (capped by the model's
     max_position_embeddings)."""
@@ -336,6 +345,7 @@ class RolloutConfig:
         _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
         _check(self.tp >= 1, f"rollout.tp must be >= 1, got {self.tp}")
         _check(0 < self.kv_cache_fraction < 1, f"rollout.kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        _check(self.offload in OFFLOAD_CHOICES, f"rollout.offload must be one of {list(OFFLOAD_CHOICES)}, got {self.offload!r}")
         _check(self.kv_cache_gb >= 0, f"rollout.kv_cache_gb must be >= 0 (0: use kv_cache_fraction), got {self.kv_cache_gb}")
         _check(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
                f"rollout.max_model_len={self.max_model_len} must exceed rollout.max_new_tokens={self.max_new_tokens} (0: automatic)")

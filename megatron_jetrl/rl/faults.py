@@ -276,8 +276,8 @@ def report(exc: BaseException, tb=None) -> str:
     chain = _chain(exc)
     if any(type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower() for e in chain):  # torch's, vLLM's cumem
         line += ("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
-                 "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), or spread the actor wider "
-                 "(parallel.tp, parallel.pp, optim.distributed)")
+                 "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
+                 "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
     codes = {e.errno for e in chain if isinstance(e, OSError)}
     full = bool(codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}) or any("No space left on device" in str(e) for e in chain)
     if phase in ("save", "export") or codes or full:

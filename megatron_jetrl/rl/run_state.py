@@ -26,7 +26,7 @@ APPLIED_ON_RESUME = frozenset({
     "run.steps", "run.save_every", "run.checkpoint", "run.keep_checkpoints", "run.export", "run.device", "run.timeout_s",
     "run.on_nonfinite", "run.eval_every", "run.jit_cache_dir",
     "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
-    "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.max_model_len", "rollout.enforce_eager",
+    "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.offload", "rollout.max_model_len", "rollout.enforce_eager",
     "grpo.micro_batch_size", "grpo.logprob_micro_batch_size", "run.profile_step", "run.profile_phases",
 })
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""

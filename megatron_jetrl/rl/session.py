@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_jetrl.actor.offload import TrainStateOffload
 from megatron_jetrl.actor.provider import ActorOptions, build_model
 from megatron_jetrl.actor.train_step import unallocated_state_bytes, wrap_for_training
 from megatron_jetrl.fp8 import PrecisionFlow
@@ -61,6 +62,7 @@ class Session:
     reference: object | None  # frozen GPTModel (KL term), None when loss.kl_coef == 0
     pool: object | None  # RolloutPool on global rank 0 (None elsewhere), or a ColocatedPool on every rank
     heldout: list[Problem] = field(default_factory=list)  # data.heldout problems, never trained on
+    offload: TrainStateOffload | None = None  # rollout.offload: the actor's state off the GPU while the engine is awake
 
     @property
     def is_main(self) -> bool:
@@ -148,8 +150,13 @@ def start_vllm_pool(s: "Session") -> None:
     if s.is_main:
         write_model_dir(model_dir, s.cfg.model.architecture(), s.flow)
     dist.barrier()
+    if s.offload is not None:  # the engine starts, and its KV cache is sized, with the state it will never see
+        s.offload.release()
+        torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    later = free - unallocated_state_bytes(s.optimizer)  # Adam's moments arrive with the first update: not the KV cache's
+    later = free  # Adam's moments arrive with the first update: not the KV cache's, unless they leave with the rest
+    if s.cfg.rollout.offload != "optimizer":
+        later -= unallocated_state_bytes(s.optimizer)
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
     max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
     groups = dist.get_world_size() // r.tp
@@ -213,7 +220,9 @@ def build_session(cfg: JetRLConfig) -> Session:
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     native = cfg.rollout.engine == "native" and dist.get_rank() == 0
     pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
-    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool, heldout)
+    offload = None if cfg.rollout.offload == "none" else TrainStateOffload(ddp, optimizer, cfg.rollout.offload)
+    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool, heldout,
+                   offload)
 
 
 def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:

@@ -4,8 +4,9 @@
 megatron_jetrl.rl.config ARGS --print` shows every key. A run that is started again resumes from its newest
 checkpoint (rl/run_state.py: already complete, or resumed with the changes it may take).
 
-Each step: rollout (native FP8 engines on rank 0, or vLLM on every rank) -> rewards -> group advantages -> old/ref logprobs (actor) ->
-update -> re-quantize + sync the actor's FP8 bytes to the engines -> metrics -> checkpoint.
+Each step: re-quantize + sync the actor's FP8 bytes to the engines -> rollout (native FP8 engines on rank 0, or vLLM on
+every rank) -> rewards -> group advantages -> old/ref logprobs (actor) -> update -> metrics -> checkpoint. From the sync to
+the end of the rollout the actor's gradients and optimizer state may wait off the GPU (rollout.offload).
 """
 
 from __future__ import annotations
@@ -76,14 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return finish(s, sess.save(s, 0, warmup_done=True) if cfg.run.checkpoint and state is None else None)
     if cfg.rollout.engine == "vllm":
         sess.start_vllm_pool(s)
-    sync(s)  # the engines serve the current policy
     writer = MetricsWriter(cfg.run.directory, enabled=s.is_main, resume_step=start)
     bar = progress(cfg.run.steps - start, f"GRPO {cfg.precision.mode}", enabled=s.is_main)
     last_saved = None
     for step in range(start, cfg.run.steps):
         profiler = step_profiler(s, step)
         t = Phases(profiler=profiler)
-        held = heldout_metrics(s, step)  # the policy this step samples, on problems it never trains on
+        with t("sync"):
+            stats = sync(s)  # the engines serve the policy this step samples
+        held = heldout_metrics(s, step)  # that policy on problems it never trains on
         with t("rollout"):
             batch = rollout(s, step)
         mine = my_rows(batch, s.device)
@@ -93,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
             ref = actor_logprobs(s, s.reference, mine, first) if s.reference is not None else None
         with t("update"):
             update = update_policy(s, step, batch, mine, old, ref, first)
-        with t("sync"):
-            stats = sync(s)
         row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held}
         row["time/step"] = sum(v for k, v in t.items())
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
@@ -136,6 +136,8 @@ def rollout(s, step: int) -> RolloutBatch:
         outputs = s.pool.generate(prompts, sampling)
         if colocated(s):
             s.pool.sleep()  # the GPU is the actor's until the next sync
+    if s.offload is not None:
+        s.offload.restore()
     if s.is_main:
         check_outputs(outputs, cfg.rollout.n, s.arch.vocab_size)
         texts = [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs for c in o.completions]
@@ -189,6 +191,8 @@ def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: to
     stops with a NonFiniteError naming step, rank or completion, and tensor (run.on_nonfinite=stop), or the
     update is skipped, said in one line on rank 0 and in the metrics (`skip`)."""
     cfg = s.cfg
+    if s.offload is not None:
+        s.offload.wait()  # the optimizer state's copy back (it overlapped the logprob passes)
     bad = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
     if bad:
         i = bad[0]
@@ -254,12 +258,14 @@ def colocated(s) -> bool:
 
 
 def sync(s) -> dict:
-    """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0."""
+    """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0. The actor's
+    training state leaves the GPU first (rollout.offload: the engine wakes into that memory)."""
+    freed = {} if s.offload is None else {"sync/offload_gib": s.offload.release() / 2**30}
     pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if colocated(s) else "rank0")
     if s.pool is None:
         drain(pairs)
-        return {}
-    return {k: v for k, v in s.pool.sync(pairs).as_metrics().items()}
+        return freed
+    return s.pool.sync(pairs).as_metrics() | freed
 
 
 def pool_metrics(s) -> dict:

@@ -85,12 +85,13 @@ def kv_cache_fits(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> 
     if held < 1:
         raise ValueError(f"the rollout engine's KV cache of {kv_bytes / 2**30:.2f} GiB per rank cannot hold one sequence of "
                          f"rollout.max_model_len={max_len} tokens ({per_seq / 2**30:.2f} GiB at rollout.tp={tp}): raise "
-                         "rollout.kv_cache_gb or rollout.kv_cache_fraction, lower rollout.max_new_tokens (or rollout.max_model_len), "
-                         "or raise rollout.tp")
+                         "rollout.kv_cache_gb or rollout.kv_cache_fraction, free the actor's state while the engine is awake "
+                         "(rollout.offload=optimizer), lower rollout.max_new_tokens (or rollout.max_model_len), or raise rollout.tp")
     if held < seqs:
         return (f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {held} of the {seqs} sequences it "
                 f"samples a step at their full {max_len} tokens: vLLM queues the rest, so long steps take more passes "
-                "(raise rollout.kv_cache_gb or rollout.kv_cache_fraction for one pass)")
+                "(for one pass: raise rollout.kv_cache_gb or rollout.kv_cache_fraction, or free the actor's state while "
+                "the engine is awake: rollout.offload=optimizer)")
     return None
 
 

@@ -54,7 +54,7 @@ def test_tp2_run_with_two_processes(tmp_path):
     assert [r.get("profiled", 0) for r in rows] == [0, 1, 0]
     for rank in (0, 1):
         profile = json.loads((out / f"profile_step1_rank{rank}.json").read_text())
-        assert profile["rank"] == rank and list(profile["phases"]) == ["rollout", "eval", "update", "sync"]
+        assert profile["rank"] == rank and list(profile["phases"]) == ["sync", "rollout", "eval", "update"]
         for phase in profile["phases"].values():  # a CPU run: aten ops' own time, inside the phase's wall time
             assert 0 < phase["kernel_ms"] <= phase["wall_ms"] * 1.05 and sum(phase["categories"].values()) == pytest.approx(phase["kernel_ms"])
     assert not (out / "profile_step0_rank0.json").exists()
@@ -80,3 +80,18 @@ def test_larger_logprob_micro_batches_change_no_number(tmp_path):
                for rows in runs]
     assert numbers[0] == numbers[1] and len(numbers[0]) == 2
     assert all(r["mismatch/mean_abs_diff"] == 0 for r in runs[1])
+
+
+def test_offloading_the_actors_state_during_the_rollout_changes_no_number(tmp_path):
+    """rollout.offload=optimizer (TP 2: every rank frees and restores its own state; the warm-up's optimizer steps
+    come first) and =grads: every number of every step is the run without offload's, and each sync freed the bytes
+    it reports (rank 0's gradient buffers, and with `optimizer` its FP32 main params and Adam moments)."""
+    common = ("parallel.tp=2", "run.steps=3", "run.checkpoint=false", "run.export=false")
+    runs = {what: launch(tmp_path, f"off-{what}", *common, f"rollout.offload={what}")[0] for what in ("none", "grads", "optimizer")}
+    numbers = {what: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
+               for what, rows in runs.items()}
+    assert numbers["grads"] == numbers["none"] and numbers["optimizer"] == numbers["none"] and len(numbers["none"]) == 3
+    assert all("sync/offload_gib" not in r for r in runs["none"])
+    grads, full = ([r["sync/offload_gib"] for r in runs[what]] for what in ("grads", "optimizer"))
+    assert min(grads) > 0 and len(set(grads)) == 1  # the FP32 gradient buffers: 4 bytes a parameter
+    assert all(f > 3.5 * g for f, g in zip(full, grads))  # + 12 bytes a parameter: main params and both moments

@@ -147,3 +147,68 @@ def resume_at_dp1(ckpt_root: str, save_dir: str, mode: str) -> dict:
     step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
     return {"iteration": meta["iteration"],
             "next_losses": [train_step(ddp, optimizer, tokens, grpo_like_loss, **step)["loss"] for _ in range(2)]}
+
+
+def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = True) -> dict:
+    """3 jetrl steps of train_step on qwen3, as the GRPO loop runs them under each `rollout.offload`: the state released
+    before the first step (the engine's start) and after every step (the sync), restored before the next. Per
+    setting: losses, grad norms, final params and Adam state, the bytes each release freed (with what this rank holds,
+    counted independently), and whether every released storage was empty. `bf16=False`: FP32 weights, which the
+    optimizer steps in place: they stay (counted out), Adam's moments leave."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.actor.hf_import import load_hf_weights
+    from megatron_jetrl.actor.offload import TrainStateOffload
+    from megatron_jetrl.actor.provider import ActorOptions, build_model
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.models.arch import ModelArch
+
+    tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    out = {}
+    arch = ModelArch.from_hf_config(CONFIGS["qwen3"])
+    flow = PrecisionFlow(mode="jetrl", backend="emulated")
+    for what in ("none", "grads", "optimizer"):
+        model = build_model(arch, flow, ActorOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32))
+        load_hf_weights(model, arch, Path(ckpt_root) / "qwen3")
+        ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0, distributed=distributed, bf16=bf16))
+        inner = [o.optimizer for o in optimizer.chained_optimizers]
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        mine = lambda ts: [t for t in ts if t.untyped_storage().data_ptr() not in weights]  # noqa: E731
+        grads = [b.grad_data for b in ddp.buffers]
+        off = None if what == "none" else TrainStateOffload(ddp, optimizer, what)
+
+        def held_bytes():  # the grads, and (under `optimizer`) every optimizer tensor, as this rank holds them now
+            n = sum(g.numel() * g.element_size() for g in grads)
+            if what == "optimizer":
+                n += sum(p.numel() * p.element_size() for o in inner for group in o.param_groups for p in mine(group["params"]))
+                n += sum(v.numel() * v.element_size() for o in inner for st in o.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor))
+            return n
+
+        def released():
+            tensors = grads + (mine([p for o in inner for group in o.param_groups for p in group["params"]])
+                               + [v for o in inner for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                               if what == "optimizer" else [])
+            return (all(t.untyped_storage().nbytes() == 0 for t in tensors)
+                    and all(p.untyped_storage().nbytes() > 0 for p in model.parameters()))
+
+        run = {"freed": [], "expected": [], "empty": [], "steps": []}
+        for step in range(STEPS + 1):
+            if off is not None:
+                run["expected"].append(held_bytes())
+                run["freed"].append(off.release())
+                run["empty"].append(released())
+                assert off.release() == 0  # twice is once
+                off.restore()
+                off.wait()
+            if step < STEPS:
+                run["steps"].append(train_step(ddp, optimizer, tokens[local], grpo_like_loss, vocab_size=VOCAB,
+                                               micro_batch_size=MICRO, extras={"advantages": advantages[local]}))
+        run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        run["adam"] = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for o in inner for st in o.state.values()]
+        out[what] = run
+    return out

@@ -193,8 +193,10 @@ def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_noted
     assert kv_cache_fits(64 * 1536 * per_token, arch, 64, 1536) is None
     note = kv_cache_fits(10 * 1536 * per_token, arch, 64, 1536)
     assert note.startswith("the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step")
+    assert note.endswith("or free the actor's state while the engine is awake: rollout.offload=optimizer)")
     with pytest.raises(ValueError, match=r"cannot hold one sequence of rollout.max_model_len=5120 tokens \(0.70 GiB at "
-                                         r"rollout.tp=1\): raise rollout.kv_cache_gb"):
+                                         r"rollout.tp=1\): raise rollout.kv_cache_gb or rollout.kv_cache_fraction, free the "
+                                         r"actor's state while the engine is awake \(rollout.offload=optimizer\)"):
         kv_cache_fits(4096 * per_token, arch, 64, 5120)
 
 
@@ -211,5 +213,5 @@ def test_an_out_of_memory_failure_names_what_to_lower(error):
     line = faults.report(OutOfMemoryError(error) if "Tried" in error else RuntimeError(error))
     assert error in line
     assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
-                         "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), or spread the actor wider "
-                         "(parallel.tp, parallel.pp, optim.distributed)")
+                         "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
+                         "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
