@@ -2,7 +2,8 @@
 
 * Colocated vLLM: trainer TP 4 with rollout TP 4, and TP 2 x PP 2 with rollout TP 2, two steps each in jetrl at
   Qwen3-8B layer shapes (configs/gpu_8b_shapes.yaml, 8 layers); TP 2 x PP 2 also split 5 + 3 (`parallel.pp_last_layers`),
-  and with the TE spec, in jetrl (TE's FP8 bytes streamed stage by stage) and in bf16 (skipped without Transformer Engine).
+  and with the TE spec, in jetrl (TE's FP8 bytes streamed stage by stage) and in bf16 (skipped without Transformer Engine);
+  TP 4 also with the actor's gradients and optimizer state off the GPU while the engines are awake (`rollout.offload`).
 * Pipeline exactness, both layouts starting from one export: TP 2 x PP 2 against TP 2 alone on the same rollouts
   (rank 0's native engine samples the same tokens for both), and the FP8 export of the same weights from both.
 * A rank of the second pipeline stage killed mid-step: the launcher's line names rank, stage and step, and the run
@@ -45,8 +46,9 @@ TP2XPP2 = ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"]
 
 @pytest.mark.parametrize("layout", [["parallel.tp=4", "rollout.tp=4"], TP2XPP2, [*TP2XPP2, "parallel.pp_last_layers=3"],
                                     _needs_te([*TP2XPP2, "model.spec=te"]),
-                                    _needs_te([*TP2XPP2, "model.spec=te", "precision.mode=bf16"])],
-                         ids=["tp4", "tp2xpp2", "tp2xpp2-uneven", "tp2xpp2-te", "tp2xpp2-te-bf16"])
+                                    _needs_te([*TP2XPP2, "model.spec=te", "precision.mode=bf16"]),
+                                    ["parallel.tp=4", "rollout.tp=4", "rollout.offload=optimizer"]],
+                         ids=["tp4", "tp2xpp2", "tp2xpp2-uneven", "tp2xpp2-te", "tp2xpp2-te-bf16", "tp4-offload"])
 def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
     cmd = ["bash", "launch/train_grpo.sh", "configs/gpu_8b_shapes.yaml", *layout, "rollout.engine=vllm", "run.steps=2",
            "rollout.max_new_tokens=128", "grpo.prompts_per_step=16", "grpo.micro_batch_size=16", f"run.out_dir={tmp_path}",
@@ -62,6 +64,8 @@ def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
         assert all(r[f"sync/{part}_s"] >= 0 for part in ("stream", "validate", "copy"))
         assert 0 < r["mismatch/mean_abs_diff"] < 0.3 and r["mismatch/tokens"] > 0
         assert r["tp"] * r["pp"] == 4 and r["rollout_tp"] == r["tp"]
+    if "rollout.offload=optimizer" in layout:  # rank 0's FP32 grads, main params and moments: 16 bytes a parameter
+        assert rows[1]["sync/offload_gib"] > 0.9 * 16 * 8 * 193e6 / 4 / 2**30, rows[1]["sync/offload_gib"]
 
 
 def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict]]:
