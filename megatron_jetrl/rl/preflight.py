@@ -11,7 +11,7 @@ torchrun) and by the trainer (`rl/train.py`, before the process group).
   support, has no safetensors weights, or lacks the tokenizer `model.tokenizer=hf` reads; a `data.path`
   that is missing or holds no jsonl/parquet file;
 * the GPU's memory: an actor whose state alone (weights, gradients, optimizer, reference, FP8 copies) would not fit
-  (`check_memory`);
+  (`check_memory`); the host's, for the optimizer state `rollout.offload=optimizer` pins there (`check_host_memory`);
 * the run directory (`run_state.previous_run`): a checkpoint of another model/precision, `run.resume=never`,
   or a changed hyper-parameter of a run that would resume.
 
@@ -43,6 +43,8 @@ def check(cfg: JetRLConfig):
         import torch
 
         check_memory(cfg, torch.cuda.get_device_properties(0).total_memory)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or min(cfg.parallel.world_size, torch.cuda.device_count())
+        check_host_memory(cfg, host_available_bytes(), ranks)
     return previous_run(cfg)
 
 
@@ -88,6 +90,30 @@ def check_memory(cfg: JetRLConfig, gpu_bytes: int, share: float = 0.9) -> None:
                       f"dp={p.dp}, more than {share:.0%} of this GPU's {gpu_bytes / 2**30:.1f} GiB, before any activation: raise "
                       "parallel.tp or parallel.pp, or shard the optimizer state over data-parallel ranks (optim.distributed=true "
                       "with parallel.dp > 1)")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (the memory the kernel can give without swapping); 0 where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_host_memory(cfg: JetRLConfig, available: int, ranks_on_node: int, share: float = 0.8) -> None:
+    """`rollout.offload=optimizer` pins each rank's FP32 main params and Adam moments in host memory (they cannot be
+    swapped): refuse a node whose available memory (`available`, 0: unknown) would not hold `ranks_on_node` of them."""
+    if cfg.rollout.offload != "optimizer" or not available:
+        return
+    need = actor_state_bytes(cfg)["optimizer"] * ranks_on_node
+    if need > share * available:
+        raise ConfigError(f"rollout.offload=optimizer pins {need / 2**30:.1f} GiB of host memory on this node ({ranks_on_node} "
+                          f"rank(s) x {need / ranks_on_node / 2**30:.1f} GiB of FP32 main params and Adam moments), more than "
+                          f"{share:.0%} of its {available / 2**30:.1f} GiB available: use rollout.offload=grads, or shard the "
+                          "optimizer state wider (optim.distributed=true with parallel.dp > 1)")
 
 
 def check_gpus(device: str) -> None:

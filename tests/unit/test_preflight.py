@@ -215,3 +215,19 @@ def test_an_out_of_memory_failure_names_what_to_lower(error):
     assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
                          "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
                          "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
+
+
+def test_pinning_the_optimizer_state_needs_host_memory_for_every_rank_of_the_node():
+    """rollout.offload=optimizer at Qwen3-8B TP 4: 4 ranks x 22.9 GiB of FP32 main params and moments; a node with 64 GiB
+    available is refused with the numbers and the fix, one with 512 GiB passes; grads and none pin nothing."""
+    cfg = qwen3_8b("rollout.offload=optimizer")
+    per_rank = preflight.actor_state_bytes(cfg)["optimizer"]
+    assert per_rank / 2**30 == pytest.approx(22.9, abs=0.1)
+    with pytest.raises(ConfigError, match=r"rollout.offload=optimizer pins 91.\d GiB of host memory on this node \(4 rank\(s\) "
+                                          r"x 22.9 GiB .*of its 64.0 GiB available: use rollout.offload=grads"):
+        preflight.check_host_memory(cfg, 64 << 30, 4)
+    preflight.check_host_memory(cfg, 512 << 30, 4)
+    preflight.check_host_memory(cfg, 0, 4)  # unknown: not refused
+    for what in ("grads", "none"):
+        preflight.check_host_memory(qwen3_8b(f"rollout.offload={what}"), 1 << 30, 4)
+    assert preflight.host_available_bytes() >= 0
