@@ -211,12 +211,22 @@ def _arm(faults: list[Fault], train: dict) -> None:
 
 def _before(function, point: str, faults: list[Fault]):
     def wrapped(*args, **kw):
+        step = _loop_step()
         for f in faults:
-            if f.due(_STATE["step"]):
-                _act(f, f"before {point} at step {_STATE['step']}")
+            if f.due(step):
+                _act(f, f"before {point} at step {step}")
         return function(*args, **kw)
 
     return wrapped
+
+
+def _loop_step() -> int | None:
+    """The GRPO step of the trainer's main loop that is calling (the sync opens a step, before its rollout)."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return watch_module._walk(reversed(frames))[0]
 
 
 def _break(outputs, action: str) -> None:

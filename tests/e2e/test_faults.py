@@ -427,6 +427,18 @@ def test_nan_reward_stops_the_run_before_the_update(trainer, tmp_path):
     assert_intact(latest(out))
 
 
+def test_a_fault_before_a_sync_fires_at_its_own_step(trainer, tmp_path):
+    """The sync opens each step (the engines then serve the policy that step samples): `raise@sync:step=1` fires
+    after step 0 was written and saved, before anything of step 1, and the line names step 1."""
+    out = tmp_path / "sync"
+    rc, output = launch(trainer, out, fault="raise@sync:step=1")
+    assert rc == 1, output[-3000:]
+    line = jetrl_line(output)
+    assert "rank 0 failed at step 1" in line and "before sync at step 1" in line, line
+    assert sorted(metrics(out)) == [0] and latest(out).name == "step_000001"
+    assert_intact(latest(out))
+
+
 def test_nan_reward_is_named_as_the_reward():
     output = RESULTS.get("nan_stop") or pytest.skip("test_nan_reward_stops_the_run_before_the_update did not run")
     assert "NonFiniteError: step 1: non-finite reward nan of completion 0 (prompt 0, sample 0;" in jetrl_line(output)
