@@ -80,6 +80,23 @@ def test_bench_actor_without_cuda_exits_2_in_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "a.json").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run")
+def test_bench_actor_tiny_step_times_the_shipped_presets_and_the_offload(tmp_path):
+    """`--tiny` composes the Qwen3-8B preset (TP 4, rollout TP 4) at TP 1 as the bench runs it, trains every variant
+    from the same weights, and a `rollout.offload` variant also reports its round trip: on the CPU the bench trains FP32
+    weights in place, so the FP32 grads and both Adam moments of the tiny actor's ~1.73M parameters leave, 12 bytes a
+    parameter (the weights stay: the sync reads them)."""
+    r = run(sys.executable, REPO / "tools/bench/bench_actor.py", "--tiny", "--modes", "bf16", "jetrl+rollout.offload=optimizer",
+            "--json", tmp_path / "a.json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["bf16", "jetrl+rollout.offload=optimizer"] and all("step_ms" in row for row in rows)
+    assert "offload_gib" not in rows[0]
+    params = rows[1]["offload_gib"] * 2**30 / 12
+    assert 1.6e6 < params < 1.9e6 and rows[1]["offload_release_ms"] > 0 and rows[1]["offload_restore_ms"] > 0
+    assert "| 2 | jetrl+rollout.offload=optimizer | " in r.stdout and "copy back ms" in r.stdout
+
+
 def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():
     r = run("bash", "tools/gpu/gpu_fp8.sh")
     assert r.returncode == 2 and "usage" in r.stdout

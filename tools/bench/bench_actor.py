@@ -26,7 +26,9 @@ Checks before timing: every variant gets the BF16 variant's initial weights (cop
 logprobs of the first micro-batch (centered per sequence) must be within a relative error of 0.5 of the BF16
 ones (FP8 noise is ~0.05-0.2, a wrong GEMM ~1), and the first step must be finite and taken.
 Timing: wall clock of `train_step` between CUDA syncs, median over `--steps` after `--warmup` steps (the first
-compiles DeepGEMM/Triton kernels and allocates the Adam state).
+compiles DeepGEMM/Triton kernels and allocates the Adam state). A variant with `rollout.offload` (`--modes bf16 jetrl
+jetrl+rollout.offload=optimizer`) also times what that costs a GRPO step: its state's release and copy back
+(`actor.offload`), with the GiB freed, in a table of its own.
 
 One layer (`--layer`): one megatron `TransformerLayer` of the local spec as `build_model` builds it
 (`actor.provider.layer_spec(arch, flow, "local", 1)`, `actor.provider.transformer_config`), input
@@ -96,10 +98,10 @@ def mode_file(mode: str) -> str:
 
 
 def load_preset(mode: str, preset: str = DEFAULT_PRESET, overrides=()):
-    """The JetRLConfig the launcher builds from `preset` + configs/modes/<mode>.yaml (+ overrides), at TP1."""
+    """The JetRLConfig the launcher builds from `preset` + configs/modes/<mode>.yaml (+ overrides), at TP 1 (and rollout TP 1)."""
     from megatron_jetrl.rl.config import load_config
 
-    return load_config([preset, mode_file(mode)], ["parallel.tp=1", *overrides])
+    return load_config([preset, mode_file(mode)], ["parallel.tp=1", "rollout.tp=1", *overrides])
 
 
 def variant_flow(name: str):
@@ -433,6 +435,28 @@ class StepRun:
         _gc()
 
 
+def offload_round_trip(run, device) -> dict:
+    """What `rollout.offload` costs the GRPO step once per step, after the update: the release (gradients freed, the
+    optimizer's bytes copied to pinned host memory) and the copy back, each timed to the device's end (in GRPO the copy
+    back overlaps the logprob passes), with the GiB it frees; best of three."""
+    from megatron_jetrl.actor.offload import TrainStateOffload
+
+    off, times = TrainStateOffload(run.ddp, run.optimizer, run.cfg.rollout.offload), []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        freed = off.release()
+        _sync(device)
+        t1 = time.perf_counter()
+        off.restore()
+        off.wait()
+        _sync(device)
+        times.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    release, restore = min(times)
+    return {"offload_release_ms": release, "offload_restore_ms": restore, "offload_gib": freed / 2**30,
+            "offload_gbps": 2 * freed / ((release + restore) / 1e3) / 1e9}
+
+
 def make_batch(vocab, batch, seq, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
@@ -536,6 +560,8 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                     raise RuntimeError(f"first step not taken or not finite: {out}")
                 if i >= a.warmup:
                     times.append(dt)
+            if run.cfg.rollout.offload != "none":
+                row.update(offload_round_trip(run, device))
             if a.step_profile:
                 row["profile"] = profile_step(lambda: run.step(tokens, extras, a.micro_batch), [], iters=1)
             times.sort()
@@ -565,7 +591,9 @@ def run_variants(a, variants, cfgs, arch, layers, device):
         print(f"  {label:28s} layers {layers:2d}  " + (
             f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
             f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
-            f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}" if "step_ms" in row else f"FAILED: {row.get('error')}"), flush=True)
+            f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}" if "step_ms" in row else f"FAILED: {row.get('error')}")
+            + (f"  offload {row['offload_gib']:.2f} GiB: release {row['offload_release_ms']:.1f} ms, back "
+               f"{row['offload_restore_ms']:.1f} ms" if "offload_gib" in row else ""), flush=True)
     del state
     _gc()
     return rows
@@ -677,6 +705,14 @@ def report_steps(out, arch):
             out["extrapolated"][v] = {"per_layer_ms": slope, "fixed_ms": my - slope * mx, f"step_ms_{full}_layers": fit[v]}
         for v, t in fit.items():
             print(f"  {v:28s} {t:9.1f} ms  x{fit['bf16'] / t:.3f}  (per layer {out['extrapolated'][v]['per_layer_ms']:.1f} ms)")
+    offloaded = [r for r in rows if "offload_gib" in r]
+    if offloaded:
+        print("\n| layers | variant | offloaded GiB | release ms | copy back ms | GB/s both ways | vs step ms |")
+        print("|---|---|---|---|---|---|---|")
+        for r in offloaded:
+            both = r["offload_release_ms"] + r["offload_restore_ms"]
+            print(f"| {r['layers']} | {r['variant']} | {r['offload_gib']:.2f} | {r['offload_release_ms']:.1f} | "
+                  f"{r['offload_restore_ms']:.1f} | {r['offload_gbps']:.1f} | {both / r['step_ms']:.1%} |")
     print_profiles(rows, "GPU kernel time of one step (torch.profiler, ms; GEMM includes the BF16 lm_head):")
     for r in rows:
         if r["mode"] == "jetrl" and r["variant"] == "jetrl" and "speedup_vs_bf16" in r:
