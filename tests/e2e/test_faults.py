@@ -759,7 +759,7 @@ def test_update_policy_on_nonfinite(one_rank, tmp_path, monkeypatch, capsys):
 
     def update(policy):
         cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8", f"run.on_nonfinite={policy}")
-        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True)
+        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True, offload=None)
         return train.update_policy(s, 3, batch, batch, batch.rollout_logprobs, None)
 
     with pytest.raises(NonFiniteError, match=r"step 3: non-finite reward nan of completion 5 \(prompt 1, sample 1; 1 non-finite "
@@ -812,7 +812,7 @@ def _rollout(one_rank, tmp_path, breaks, **engine):
     from megatron_jetrl.rollout.pool import RolloutPool
 
     cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8")
-    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, tokenizer=FakeTokenizer(), pool=RolloutPool([FakeEngine(breaks, **engine)]),
+    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, offload=None, tokenizer=FakeTokenizer(), pool=RolloutPool([FakeEngine(breaks, **engine)]),
                         sampler=PromptSampler(ArithmeticTask(high=5).problems(8, seed=0), 2, seed=0))
     return train.rollout(s, 0)
 
