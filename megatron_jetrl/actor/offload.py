@@ -2,7 +2,7 @@
 
 Between an optimizer step and the next backward the actor needs neither its gradients nor its optimizer state, and
 a colocated engine's KV cache is what a long rollout is short of (Qwen3-8B at TP 4: 7.6 GiB of FP32 gradients and
-22.9 GiB of FP32 main params and Adam moments a GPU, beside 4.1 GiB of BF16 weights). `release` frees them just
+22.9 GiB of FP32 main params and Adam moments a GPU, beside 3.8 GiB of BF16 weights). `release` frees them just
 before the engine wakes; `restore` brings them back once it sleeps:
 
 * `grads`: megatron DDP's FP32 gradient buffers are freed (`offload_grad_buffers`: their storage resized to 0,
