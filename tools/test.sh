@@ -4,6 +4,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${JETRL_VENV:-.venv}
 bash tools/setup.sh                     # .venv: torch 2.13.0 CPU first, then requirements.txt
+# The suite writes ~3 GiB here (.venv, wheels) and several GiB of runs and checkpoints under the temp directory: on a
+# fuller disk its checkpoint tests fail with "No space left on device", so say it before they run.
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_gib=$(df -Pk "$dir" | awk 'NR == 2 { print int($4 / 1048576) }')
+  if [ "$free_gib" -lt 10 ]; then
+    echo "tools/test.sh: only $free_gib GiB free on the disk of $dir; the tests need about 10 GiB: free some space" \
+      "(old clones, /tmp/pytest-of-$(id -un)) or point TMPDIR at a larger disk" >&2
+  fi
+done
 # Transformer Engine's pure-Python wheel: its recipe module is read by tests/unit/test_flow.py
 # (the full TE needs CUDA and cannot be installed on CPU machines).
 export JETRL_WHEEL_CACHE=${JETRL_WHEEL_CACHE:-.cache/wheels}
