@@ -376,6 +376,30 @@ def _cache_key(w: torch.Tensor) -> tuple:
     return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.requires_grad)
 
 
+def fp8_copy_bytes(model, pending: bool = False) -> int:
+    """Device bytes of the FP8 weight copies of `model`'s FP8 linears (local spec): each weight's E4M3 bytes and FP32
+    128x128 scales, and W^T's as many again where DGrad keeps them (`keep_weight_t`, a trainable weight). All of them,
+    or (`pending`) those of weights not quantized for their current version yet, which the next forward will make."""
+    total = 0
+    for m in unwrap(model).modules():
+        if not isinstance(m, _FP8Weight) or (pending and m._fp8_cache is not None):
+            continue
+        n, k = m.weight.shape
+        copies = 2 if m.keep_weight_t and m.weight.requires_grad else 1
+        total += copies * (n * k + -(-n // 128) * -(-k // 128) * 4)
+    return total
+
+
+def fp8_copy_storages(model) -> list[torch.UntypedStorage]:
+    """The storages of the FP8 weight copies `model`'s FP8 linears hold now (bytes, scales, kept W^T)."""
+    found = []
+    for m in unwrap(model).modules():
+        if isinstance(m, _FP8Weight) and m._fp8_cache is not None:
+            w = m._fp8_cache[1]
+            found += [t.untyped_storage() for t in (w.q, w.s, *(w._t or ()))]
+    return found
+
+
 def requantize_weights(model) -> None:
     """After an optimizer step: every FP8 linear re-quantizes its weight on next use (once per step)."""
     for m in unwrap(model).modules():

@@ -308,11 +308,13 @@ class RolloutConfig:
     offload: str = "none"
     """What of the actor's training state leaves the GPU from each weight sync until the engine sleeps after the
     rollout (`actor.offload`): `none`; `grads`, the FP32 gradient buffers (4 bytes a parameter of this rank, freed
-    and zeroed again: nothing is copied); `optimizer`, those and the optimizer's FP32 main params and Adam moments
-    (12 bytes a parameter, this rank's ZeRO-1 shard), copied to pinned host memory of the same size and back (the
-    copy back overlaps the logprob passes). The run is bit for bit the same. The memory goes to the engine: a vLLM
-    KV cache is sized with it at start-up, so long rollouts run in fewer passes (Qwen3-8B at TP 4 frees 7.6 or
-    30.5 GiB a GPU)."""
+    and zeroed again: nothing is copied) and, in jetrl with the local spec, the policy's FP8 weight copies once the
+    sync has streamed them (W and W^T: about 2 bytes a linear parameter, quantized again by the next forward);
+    `optimizer`, those and the optimizer's FP32 main params and Adam moments (12 bytes a parameter, this rank's
+    ZeRO-1 shard) and the KL reference's FP8 bytes, copied to pinned host memory of the same size and back (the copy
+    back overlaps the logprob passes). The run is bit for bit the same. The memory goes to the engine: a vLLM KV
+    cache is sized with it at start-up, so long rollouts run in fewer passes (Qwen3-8B at TP 4 frees 10.9 or
+    35.4 GiB a GPU)."""
     max_model_len: int = 0
     """vLLM only: longest prompt + response; 0 means 1024 prompt tokens + max_new_tokens (capped by the model's
     max_position_embeddings)."""

@@ -53,7 +53,8 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     parameters (BF16, or FP32 without optim.bf16), FP32 gradients (`main_grad`), the optimizer's FP32 main params
     and Adam moments (1/DP of them under optim.distributed), the frozen reference (loss.kl_coef > 0; in jetrl its FP8
     linears' BF16 weights wait in host memory), and in jetrl the FP8 weight copies (the policy's W, and W^T under
-    model.fp8_weight_t=step; the reference's W: it runs no backward). The colocated engine sleeps meanwhile."""
+    model.fp8_weight_t=step; the reference's W: it runs no backward). The colocated engine sleeps meanwhile; while it
+    is awake `rollout.offload` takes some of these off the GPU."""
     arch, p = cfg.arch(), cfg.parallel
     heads = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     linear = arch.linear_params
@@ -72,9 +73,11 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     fp8_linear = linear * layers[stage] / p.tp if cfg.precision.train_fp8 else 0
     weight = 2 if cfg.optim.bf16 else 4
     state = (4 + 8 if cfg.optim.bf16 else 8) / (p.dp if cfg.optim.distributed else 1)
+    reference = cfg.loss.kl_coef > 0
     return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),
-            "reference": int((params - fp8_linear) * weight) if cfg.loss.kl_coef > 0 else 0,  # FP8 linears: bytes only
-            "FP8 weights": int(fp8_linear * ((2 if cfg.model.fp8_weight_t == "step" else 1) + (cfg.loss.kl_coef > 0)))}
+            "reference": int((params - fp8_linear) * weight) if reference else 0,  # its FP8 linears: bytes only
+            "FP8 weights": int(fp8_linear * (2 if cfg.model.fp8_weight_t == "step" else 1)),
+            "reference FP8": int(fp8_linear) if reference else 0}
 
 
 def check_memory(cfg: JetRLConfig, gpu_bytes: int, share: float = 0.9) -> None:
@@ -104,15 +107,17 @@ def host_available_bytes() -> int:
 
 
 def check_host_memory(cfg: JetRLConfig, available: int, ranks_on_node: int, share: float = 0.8) -> None:
-    """`rollout.offload=optimizer` pins each rank's FP32 main params and Adam moments in host memory (they cannot be
-    swapped): refuse a node whose available memory (`available`, 0: unknown) would not hold `ranks_on_node` of them."""
+    """`rollout.offload=optimizer` pins each rank's FP32 main params and Adam moments, and the KL reference's FP8 bytes,
+    in host memory (they cannot be swapped): refuse a node whose available memory (`available`, 0: unknown) would not
+    hold `ranks_on_node` of them."""
     if cfg.rollout.offload != "optimizer" or not available:
         return
-    need = actor_state_bytes(cfg)["optimizer"] * ranks_on_node
+    parts = actor_state_bytes(cfg)
+    need = (parts["optimizer"] + parts["reference FP8"]) * ranks_on_node
     if need > share * available:
         raise ConfigError(f"rollout.offload=optimizer pins {need / 2**30:.1f} GiB of host memory on this node ({ranks_on_node} "
-                          f"rank(s) x {need / ranks_on_node / 2**30:.1f} GiB of FP32 main params and Adam moments), more than "
-                          f"{share:.0%} of its {available / 2**30:.1f} GiB available: use rollout.offload=grads, or shard the "
+                          f"rank(s) x {need / ranks_on_node / 2**30:.1f} GiB of FP32 main params, Adam moments and the reference's "
+                          f"FP8 bytes), more than {share:.0%} of its {available / 2**30:.1f} GiB available: use rollout.offload=grads, or shard the "
                           "optimizer state wider (optim.distributed=true with parallel.dp > 1)")
 
 

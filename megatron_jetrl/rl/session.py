@@ -152,11 +152,10 @@ def start_vllm_pool(s: "Session") -> None:
     dist.barrier()
     if s.offload is not None:  # the engine starts, and its KV cache is sized, with the state it will never see
         s.offload.release()
+        s.offload.drop_fp8_copies()
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    later = free  # Adam's moments arrive with the first update: not the KV cache's, unless they leave with the rest
-    if s.cfg.rollout.offload != "optimizer":
-        later -= unallocated_state_bytes(s.optimizer)
+    later = free - awake_state_to_come(s)
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
     max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
     groups = dist.get_world_size() // r.tp
@@ -174,6 +173,21 @@ def start_vllm_pool(s: "Session") -> None:
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
                         glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
+
+
+def awake_state_to_come(s: "Session") -> int:
+    """Bytes of this rank's free memory now that the actor will hold while the engine is awake, so not the KV cache's:
+    Adam's moments (made by the first update) and FP8 weight copies not made yet (the policy's at the first sync, the
+    reference's at its first forward), less what `rollout.offload` takes off the GPU then."""
+    from megatron_jetrl.actor.fp8_layers import fp8_copy_bytes
+
+    what = s.cfg.rollout.offload
+    later = 0 if what == "optimizer" else unallocated_state_bytes(s.optimizer)
+    if what == "none":
+        later += fp8_copy_bytes(s.model, pending=True)
+    if s.reference is not None and what != "optimizer":
+        later += fp8_copy_bytes(s.reference, pending=True)
+    return later
 
 
 def check_exact_device(flow: PrecisionFlow, device: torch.device) -> None:
@@ -220,7 +234,7 @@ def build_session(cfg: JetRLConfig) -> Session:
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     native = cfg.rollout.engine == "native" and dist.get_rank() == 0
     pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
-    offload = None if cfg.rollout.offload == "none" else TrainStateOffload(ddp, optimizer, cfg.rollout.offload)
+    offload = None if cfg.rollout.offload == "none" else TrainStateOffload(ddp, optimizer, cfg.rollout.offload, reference)
     return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool, heldout,
                    offload)
 

@@ -6,7 +6,8 @@ checkpoint (rl/run_state.py: already complete, or resumed with the changes it ma
 
 Each step: re-quantize + sync the actor's FP8 bytes to the engines -> rollout (native FP8 engines on rank 0, or vLLM on
 every rank) -> rewards -> group advantages -> old/ref logprobs (actor) -> update -> metrics -> checkpoint. From the sync to
-the end of the rollout the actor's gradients and optimizer state may wait off the GPU (rollout.offload).
+the end of the rollout the actor's gradients, optimizer state and FP8 weight copies may wait off the GPU
+(rollout.offload).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         first = response_start(mine.mask)  # prompt positions get no logits
         with t("eval"):
             old = actor_logprobs(s, s.model, mine, first)
-            ref = actor_logprobs(s, s.reference, mine, first) if s.reference is not None else None
+            ref = reference_logprobs(s, mine, first)
         with t("update"):
             update = update_policy(s, step, batch, mine, old, ref, first)
         row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held}
@@ -183,6 +184,16 @@ def actor_logprobs(s, model, batch: RolloutBatch, first: torch.Tensor | None = N
                             first=first)
 
 
+def reference_logprobs(s, batch: RolloutBatch, first: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The frozen reference's logprobs (loss.kl_coef > 0; under rollout.offload=optimizer its FP8 bytes are back from
+    host memory first), or None without a reference."""
+    if s.reference is None:
+        return None
+    if s.offload is not None:
+        s.offload.wait(reference=True)
+    return actor_logprobs(s, s.reference, batch, first)
+
+
 def update_policy(s, step: int, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None,
                   first: torch.Tensor | None = None) -> dict:
     """`updates_per_step` optimizer steps over equal chunks of this rank's rows `mine` (1: fully on-policy).
@@ -259,13 +270,18 @@ def colocated(s) -> bool:
 
 def sync(s) -> dict:
     """Re-quantized FP8 bytes (or BF16) of the actor -> every engine, bucketed; time and bytes on rank 0. The actor's
-    training state leaves the GPU first (rollout.offload: the engine wakes into that memory)."""
-    freed = {} if s.offload is None else {"sync/offload_gib": s.offload.release() / 2**30}
+    training state leaves the GPU first, its FP8 weight copies once streamed (rollout.offload: the engine wakes into
+    that memory)."""
     pairs = actor_weight_stream(s.model, s.arch, s.flow, to="all" if colocated(s) else "rank0")
+    if s.offload is not None:
+        s.offload.release()
+        pairs = s.offload.streamed(pairs)
     if s.pool is None:
         drain(pairs)
-        return freed
-    return s.pool.sync(pairs).as_metrics() | freed
+    stats = {} if s.pool is None else s.pool.sync(pairs).as_metrics()
+    if s.offload is not None:
+        stats |= {"sync/offload_gib": s.offload.freed["state"] / 2**30, "sync/fp8_dropped_gib": s.offload.freed["fp8"] / 2**30}
+    return stats
 
 
 def pool_metrics(s) -> dict:

@@ -85,7 +85,8 @@ def test_larger_logprob_micro_batches_change_no_number(tmp_path):
 def test_offloading_the_actors_state_during_the_rollout_changes_no_number(tmp_path):
     """rollout.offload=optimizer (TP 2: every rank frees and restores its own state; the warm-up's optimizer steps
     come first) and =grads: every number of every step is the run without offload's, and each sync freed the bytes
-    it reports (rank 0's gradient buffers, and with `optimizer` its FP32 main params and Adam moments)."""
+    it reports (rank 0's gradient buffers and FP8 weight copies, and with `optimizer` its FP32 main params, Adam
+    moments and the reference's FP8 bytes)."""
     common = ("parallel.tp=2", "run.steps=3", "run.checkpoint=false", "run.export=false")
     runs = {what: launch(tmp_path, f"off-{what}", *common, f"rollout.offload={what}")[0] for what in ("none", "grads", "optimizer")}
     numbers = {what: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
@@ -95,3 +96,6 @@ def test_offloading_the_actors_state_during_the_rollout_changes_no_number(tmp_pa
     grads, full = ([r["sync/offload_gib"] for r in runs[what]] for what in ("grads", "optimizer"))
     assert min(grads) > 0 and len(set(grads)) == 1  # the FP32 gradient buffers: 4 bytes a parameter
     assert all(f > 3.5 * g for f, g in zip(full, grads))  # + 12 bytes a parameter: main params and both moments
+    # the policy's FP8 copies (W and W^T) dropped once streamed into the engine: the same bytes every sync, either way
+    dropped = {r["sync/fp8_dropped_gib"] for what in ("grads", "optimizer") for r in runs[what]}
+    assert len(dropped) == 1 and dropped.pop() > 0 and all("sync/fp8_dropped_gib" not in r for r in runs["none"])

@@ -148,19 +148,30 @@ def test_fused_wgrad_accumulation_on_gpu(one_rank):
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "zero1"])
 def test_offload_frees_the_device_memory_and_brings_every_byte_back(one_rank, distributed):
-    """`rollout.offload=optimizer` on CUDA (actor.offload): a release frees the gradient buffers and the optimizer's
-    storages on the device (torch's allocated bytes drop by at least what it reports: FP32 grads, main params and both
-    moments), the copy back on its side stream restores every optimizer tensor bit for bit, and the steps after it
-    match those of an actor that kept its state (same init, same batch; within the GPU backward's run-to-run noise,
-    as the distributed-optimizer test above)."""
+    """`rollout.offload=optimizer` on CUDA (actor.offload): a release frees the gradient buffers, the optimizer's
+    storages and the KL reference's FP8 bytes, and the drop after the sync frees the policy's FP8 copies, on the device
+    (torch's allocated bytes drop by at least what they report); the copies back on the side stream restore every
+    optimizer tensor and reference byte bit for bit, the policy's FP8 bytes are made again identical, and the steps
+    after it match those of an actor that kept its state (same init, same batch; within the GPU backward's run-to-run
+    noise, as the distributed-optimizer test above)."""
+    from megatron_jetrl.actor.fp8_layers import fp8_weights, offload_frozen_weights
     from megatron_jetrl.actor.offload import TrainStateOffload
     from megatron_jetrl.actor.train_step import train_step
+
+    def fp8_bytes(weights):
+        return {n: (w.q.view(torch.uint8).clone(), w.s.clone()) for n, w in weights.items()}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[n][0], b[n][0]) and torch.equal(a[n][1], b[n][1]) for n in a)
 
     tokens, step, init = _batch_and_init(2)
     runs = {}
     for offload in (False, True):
-        _, ddp, optimizer, _ = _actor(distributed, init)
-        off = TrainStateOffload(ddp, optimizer, "optimizer") if offload else None
+        model, ddp, optimizer, _ = _actor(distributed, init)
+        reference = _actor(distributed, init)[0].eval().requires_grad_(False)
+        offload_frozen_weights(reference)
+        reference_bytes = fp8_bytes(fp8_weights(reference))
+        off = TrainStateOffload(ddp, optimizer, "optimizer", reference) if offload else None
         losses = [train_step(ddp, optimizer, tokens, _loss, **step)["loss"]]
         if off is not None:
             before, held = _states(optimizer), torch.cuda.memory_allocated()
@@ -168,9 +179,16 @@ def test_offload_frees_the_device_memory_and_brings_every_byte_back(one_rank, di
             freed = off.release()
             # the allocator's blocks are at least the storages' bytes (rounded up, a large block by up to 1 MiB unsplit)
             assert freed > 0 and freed <= held - torch.cuda.memory_allocated() <= freed + (64 << 20)
+            policy_bytes = fp8_bytes(fp8_weights(model))  # the sync's stream makes the policy's copies
+            held = torch.cuda.memory_allocated()
+            dropped = off.drop_fp8_copies()
+            assert dropped > 0 and dropped <= held - torch.cuda.memory_allocated() <= dropped + (64 << 20)
             off.restore()
+            off.wait(reference=True)
+            assert same(fp8_bytes(fp8_weights(reference)), reference_bytes)
             off.wait()
             assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(_states(optimizer), before))
+            assert same(fp8_bytes(fp8_weights(model)), policy_bytes)
         losses += [train_step(ddp, optimizer, tokens, _loss, **step)["loss"] for _ in range(2)]
         runs[offload] = losses
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)  # two actors: the GPU backward need not repeat bit for bit

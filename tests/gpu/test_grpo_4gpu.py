@@ -66,6 +66,8 @@ def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
         assert r["tp"] * r["pp"] == 4 and r["rollout_tp"] == r["tp"]
     if "rollout.offload=optimizer" in layout:  # rank 0's FP32 grads, main params and moments: 16 bytes a parameter
         assert rows[1]["sync/offload_gib"] > 0.9 * 16 * 8 * 193e6 / 4 / 2**30, rows[1]["sync/offload_gib"]
+        # the policy's FP8 W and W^T of its linears' shards, dropped once streamed (jetrl, the local spec)
+        assert all(r["sync/fp8_dropped_gib"] > 0.95 * 2 * 8 * 193e6 / 4 / 2**30 for r in rows), rows
 
 
 def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -151,18 +152,22 @@ def resume_at_dp1(ckpt_root: str, save_dir: str, mode: str) -> dict:
 
 def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = True) -> dict:
     """3 jetrl steps of train_step on qwen3, as the GRPO loop runs them under each `rollout.offload`: the state released
-    before the first step (the engine's start) and after every step (the sync), restored before the next. Per
-    setting: losses, grad norms, final params and Adam state, the bytes each release freed (with what this rank holds,
-    counted independently), and whether every released storage was empty. `bf16=False`: FP32 weights, which the
-    optimizer steps in place: they stay (counted out), Adam's moments leave."""
+    before the first step (the engine's start) and after every step (the sync), the policy's FP8 copies made (the sync's
+    stream) and dropped, and the state restored before the next step, with the KL reference's bytes waited for first.
+    Per setting: losses, grad norms, final params and Adam state, the bytes each release and drop freed (with what this
+    rank holds, counted independently), whether every released storage was empty, and whether the FP8 bytes made
+    again (policy) and copied back (reference) are the ones before. `bf16=False`: FP32 weights, which the optimizer
+    steps in place: they stay (counted out), Adam's moments leave."""
     from megatron.core import parallel_state as ps
 
+    from megatron_jetrl.actor.fp8_layers import fp8_copy_bytes, fp8_weights
     from megatron_jetrl.actor.hf_import import load_hf_weights
     from megatron_jetrl.actor.offload import TrainStateOffload
     from megatron_jetrl.actor.provider import ActorOptions, build_model
-    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, unallocated_state_bytes, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
+    from megatron_jetrl.rl.session import awake_state_to_come
 
     tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -171,44 +176,76 @@ def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = 
     out = {}
     arch = ModelArch.from_hf_config(CONFIGS["qwen3"])
     flow = PrecisionFlow(mode="jetrl", backend="emulated")
+    options = ActorOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32)
     for what in ("none", "grads", "optimizer"):
-        model = build_model(arch, flow, ActorOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32))
+        model = build_model(arch, flow, options)
         load_hf_weights(model, arch, Path(ckpt_root) / "qwen3")
+        reference = build_model(arch, flow, options).eval().requires_grad_(False)
+        load_hf_weights(reference, arch, Path(ckpt_root) / "qwen3")
         ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0, distributed=distributed, bf16=bf16))
         inner = [o.optimizer for o in optimizer.chained_optimizers]
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         mine = lambda ts: [t for t in ts if t.untyped_storage().data_ptr() not in weights]  # noqa: E731
         grads = [b.grad_data for b in ddp.buffers]
-        off = None if what == "none" else TrainStateOffload(ddp, optimizer, what)
+        off = None if what == "none" else TrainStateOffload(ddp, optimizer, what, reference)
+        # what a colocated engine's KV sizing leaves to the actor (before the first step and the first forwards)
+        session = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(offload=what)), optimizer=optimizer, model=ddp,
+                                  reference=reference)
+        to_come = (awake_state_to_come(session), unallocated_state_bytes(optimizer), fp8_copy_bytes(ddp), fp8_copy_bytes(reference))
+        ref_fp8 = fp8_weights(reference)  # its first forward's bytes, kept from then on
+        ref_before = {n: (w.q.clone(), w.s.clone()) for n, w in ref_fp8.items()}
 
-        def held_bytes():  # the grads, and (under `optimizer`) every optimizer tensor, as this rank holds them now
+        def fp8_bytes(ws):
+            return sum(t.numel() * t.element_size() for w in ws.values() for t in (w.q, w.s, *(w._t or ())))
+
+        def held_bytes():  # the grads, and (under `optimizer`) every optimizer tensor and the reference's FP8 bytes
             n = sum(g.numel() * g.element_size() for g in grads)
             if what == "optimizer":
                 n += sum(p.numel() * p.element_size() for o in inner for group in o.param_groups for p in mine(group["params"]))
                 n += sum(v.numel() * v.element_size() for o in inner for st in o.state.values() for v in st.values()
                          if isinstance(v, torch.Tensor))
+                n += fp8_bytes(ref_fp8)
             return n
 
         def released():
             tensors = grads + (mine([p for o in inner for group in o.param_groups for p in group["params"]])
                                + [v for o in inner for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                               + [t for w in ref_fp8.values() for t in (w.q, w.s)]
                                if what == "optimizer" else [])
             return (all(t.untyped_storage().nbytes() == 0 for t in tensors)
                     and all(p.untyped_storage().nbytes() > 0 for p in model.parameters()))
 
-        run = {"freed": [], "expected": [], "empty": [], "steps": []}
+        run = {"freed": [], "expected": [], "empty": [], "steps": [], "fp8_freed": [], "fp8_expected": [], "fp8_same": [],
+               "fp8_counted": [], "reference_same": []}
         for step in range(STEPS + 1):
             if off is not None:
                 run["expected"].append(held_bytes())
                 run["freed"].append(off.release())
                 run["empty"].append(released())
                 assert off.release() == 0  # twice is once
+                streamed = fp8_weights(model)  # the sync's stream quantizes the new weights
+                made = {n: (w.q.clone(), w.s.clone(), *(t.clone() for t in w.transposed())) for n, w in streamed.items()}
+                run["fp8_expected"].append(fp8_bytes(streamed))
+                del streamed
+                run["fp8_freed"].append(off.drop_fp8_copies())
+                run["fp8_counted"].append((fp8_copy_bytes(model), fp8_copy_bytes(model, pending=True)))
                 off.restore()
+                off.wait(reference=True)
+                run["reference_same"].append(all(torch.equal(w.q.view(torch.uint8), ref_before[n][0].view(torch.uint8))
+                                                 and torch.equal(w.s, ref_before[n][1]) for n, w in ref_fp8.items()))
                 off.wait()
+                again = fp8_weights(model)  # the next forward makes them again
+                assert fp8_copy_bytes(model, pending=True) == 0
+                run["fp8_same"].append(all(torch.equal(again[n].q.view(torch.uint8), m[0].view(torch.uint8)) and
+                                           torch.equal(again[n].s, m[1]) and
+                                           torch.equal(again[n].transposed()[0].view(torch.uint8), m[2].view(torch.uint8))
+                                           for n, m in made.items()))
             if step < STEPS:
                 run["steps"].append(train_step(ddp, optimizer, tokens[local], grpo_like_loss, vocab_size=VOCAB,
                                                micro_batch_size=MICRO, extras={"advantages": advantages[local]}))
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         run["adam"] = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for o in inner for st in o.state.values()]
+        run["reference_fp8"] = fp8_bytes(ref_fp8)
+        run["to_come"] = to_come
         out[what] = run
     return out

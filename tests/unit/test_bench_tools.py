@@ -94,7 +94,9 @@ def test_bench_actor_tiny_step_times_the_shipped_presets_and_the_offload(tmp_pat
     assert "offload_gib" not in rows[0]
     params = rows[1]["offload_gib"] * 2**30 / 12
     assert 1.6e6 < params < 1.9e6 and rows[1]["offload_release_ms"] > 0 and rows[1]["offload_restore_ms"] > 0
-    assert "| 2 | jetrl+rollout.offload=optimizer | " in r.stdout and "copy back ms" in r.stdout
+    # the policy's FP8 W and W^T, about 2 bytes a linear parameter, dropped and made again
+    assert 0 < rows[1]["fp8_dropped_gib"] * 2**30 / 2 < params and rows[1]["offload_requantize_ms"] > 0
+    assert "| 2 | jetrl+rollout.offload=optimizer | " in r.stdout and "FP8 again ms" in r.stdout
 
 
 def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():

@@ -1,4 +1,5 @@
-"""`rollout.offload`: the actor's gradients and optimizer state freed while the engine is awake and brought back
+"""`rollout.offload`: the actor's gradients, optimizer state and FP8 weight copies (the policy's dropped and made
+again, the KL reference's copied out and back) freed while the engine is awake and brought back
 (`actor.offload.TrainStateOffload`), on gloo ranks as the GRPO loop drives it. The CPU runs the same steps on host
 tensors: storages emptied, bytes counted, and the training bit for bit the training without offload."""
 
@@ -33,6 +34,12 @@ def test_offload_frees_what_it_says_and_trains_bit_for_bit(runs):
             run = rank[what]
             assert run["empty"] == [True] * (sc.STEPS + 1)
             assert run["freed"] == run["expected"] and all(n > 0 for n in run["freed"])
+            # the policy's FP8 copies (W, W^T, scales) dropped after each sync and made again with the same bytes
+            assert run["fp8_freed"] == run["fp8_expected"] and all(n > 0 for n in run["fp8_freed"])
+            # what the KV sizing counts from the shapes: all of them, and all still to be made once dropped
+            assert run["fp8_counted"] == [(n, n) for n in run["fp8_expected"]]
+            assert run["fp8_same"] == [True] * (sc.STEPS + 1)
+            assert run["reference_same"] == [True] * (sc.STEPS + 1)  # the reference's bytes back from host memory
             assert [s["loss"] for s in run["steps"]] == [s["loss"] for s in plain["steps"]]
             assert [s["grad_norm"] for s in run["steps"]] == [s["grad_norm"] for s in plain["steps"]]
             assert run["params"].keys() == plain["params"].keys()
@@ -40,7 +47,15 @@ def test_offload_frees_what_it_says_and_trains_bit_for_bit(runs):
             assert len(run["adam"]) == len(plain["adam"]) > 0
             for ours, theirs in zip(run["adam"], plain["adam"]):
                 assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-        grads, full = rank["grads"]["freed"], rank["optimizer"]["freed"]
+        # a KV cache sized at the engine's start leaves the actor what it will still hold while the engine is awake:
+        # Adam's moments and the FP8 copies not made yet, less what the offload takes away then
+        for what, holds in (("none", lambda adam, policy, ref: adam + policy + ref), ("grads", lambda adam, policy, ref: adam + ref),
+                            ("optimizer", lambda adam, policy, ref: 0)):
+            counted, adam, policy, ref = rank[what]["to_come"]
+            assert adam > 0 and policy > 0 and ref > 0 and counted == holds(adam, policy, ref)
+        grads, ref = rank["grads"]["freed"], rank["optimizer"]["reference_fp8"]
+        full = [n - ref for n in rank["optimizer"]["freed"]]  # less the reference's FP8 bytes, copied out at every release
+        assert ref > 0
         assert grads[0] == grads[-1]  # the FP32 gradient buffers, the same every time
         if bf16:  # before the first step: + the FP32 main params (4 bytes a param); after it: + Adam's two moments (and step)
             assert full[0] - grads[0] > 0 and full[-1] - grads[-1] > 2.9 * (full[0] - grads[0])

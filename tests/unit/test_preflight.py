@@ -152,9 +152,10 @@ def test_qwen3_8b_on_one_80gib_gpu_is_refused_with_the_breakdown_and_the_fix():
     # the reference holds BF16 embeddings, lm_head and norms; its FP8 linears' BF16 weights wait in host memory
     assert parts["reference"] == pytest.approx(2 * (params - 36 * 193e6), rel=0.02)
     # one byte each: the policy's W and W^T and the reference's W of every FP8 linear (the frozen reference makes no W^T)
-    assert parts["FP8 weights"] == pytest.approx(3 * 36 * 193e6, rel=0.02)
+    assert parts["FP8 weights"] == pytest.approx(2 * 36 * 193e6, rel=0.02)
+    assert parts["reference FP8"] == pytest.approx(36 * 193e6, rel=0.02)
     with pytest.raises(ConfigError, match=r"the actor's state alone needs 159\.0 GiB per GPU \(parameters 15\.3, gradients 30\.5, "
-                                          r"optimizer 91\.5, reference 2\.3, FP8 weights 19\.4\) at parallel.tp=1 pp=1 dp=1, more "
+                                          r"optimizer 91\.5, reference 2\.3, FP8 weights 12\.9, reference FP8 6\.5\) at parallel.tp=1 pp=1 dp=1, more "
                                           r"than 90% of this GPU's 80\.0 GiB, before any activation: raise parallel.tp or "
                                           r"parallel.pp, or shard the optimizer state"):
         preflight.check_memory(cfg, 80 * GIB)
@@ -177,7 +178,8 @@ def test_the_four_gpu_layouts_of_qwen3_8b_fit_an_80gib_gpu(layout, gib):
 def test_what_the_estimate_counts_follows_the_settings():
     base = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2"))
     lean = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2", "model.fp8_weight_t=backward", "loss.kl_coef=0"))
-    assert lean["FP8 weights"] * 3 == base["FP8 weights"] and lean["reference"] == 0  # W alone; base: W, W^T, the reference's W
+    assert lean["FP8 weights"] * 2 == base["FP8 weights"] == 2 * base["reference FP8"]  # W alone; base: W and W^T
+    assert lean["reference"] == lean["reference FP8"] == 0
     assert preflight.actor_state_bytes(qwen3_8b("precision.mode=bf16"))["FP8 weights"] == 0
     sharded = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"))
     assert sharded["optimizer"] * 2 == base["optimizer"] and sharded["parameters"] == base["parameters"]
@@ -218,13 +220,15 @@ def test_an_out_of_memory_failure_names_what_to_lower(error):
 
 
 def test_pinning_the_optimizer_state_needs_host_memory_for_every_rank_of_the_node():
-    """rollout.offload=optimizer at Qwen3-8B TP 4: 4 ranks x 22.9 GiB of FP32 main params and moments; a node with 64 GiB
-    available is refused with the numbers and the fix, one with 512 GiB passes; grads and none pin nothing."""
+    """rollout.offload=optimizer at Qwen3-8B TP 4: 4 ranks x 24.5 GiB, FP32 main params and moments (22.9) and the
+    reference's FP8 bytes (1.6); a node with 64 GiB available is refused with the numbers and the fix, one with 512 GiB
+    passes; grads and none pin nothing."""
     cfg = qwen3_8b("rollout.offload=optimizer")
-    per_rank = preflight.actor_state_bytes(cfg)["optimizer"]
-    assert per_rank / 2**30 == pytest.approx(22.9, abs=0.1)
-    with pytest.raises(ConfigError, match=r"rollout.offload=optimizer pins 91.\d GiB of host memory on this node \(4 rank\(s\) "
-                                          r"x 22.9 GiB .*of its 64.0 GiB available: use rollout.offload=grads"):
+    parts = preflight.actor_state_bytes(cfg)
+    assert parts["optimizer"] / 2**30 == pytest.approx(22.9, abs=0.1)
+    assert parts["reference FP8"] / 2**30 == pytest.approx(1.6, abs=0.05)
+    with pytest.raises(ConfigError, match=r"rollout.offload=optimizer pins 98.\d GiB of host memory on this node \(4 rank\(s\) "
+                                          r"x 24.5 GiB .*of its 64.0 GiB available: use rollout.offload=grads"):
         preflight.check_host_memory(cfg, 64 << 30, 4)
     preflight.check_host_memory(cfg, 512 << 30, 4)
     preflight.check_host_memory(cfg, 0, 4)  # unknown: not refused

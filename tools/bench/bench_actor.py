@@ -436,24 +436,32 @@ class StepRun:
 
 
 def offload_round_trip(run, device) -> dict:
-    """What `rollout.offload` costs the GRPO step once per step, after the update: the release (gradients freed, the
-    optimizer's bytes copied to pinned host memory) and the copy back, each timed to the device's end (in GRPO the copy
-    back overlaps the logprob passes), with the GiB it frees; best of three."""
+    """What `rollout.offload` costs the GRPO step once per step: the release after the sync (gradients freed, the
+    optimizer's bytes copied to pinned host memory, the policy's FP8 weight copies dropped), the copy back, and the
+    FP8 copies made again by the next forward, each timed to the device's end (in GRPO the copy back overlaps the
+    logprob passes), with the GiB freed; best of three."""
+    from megatron_jetrl.actor.fp8_layers import fp8_weights
     from megatron_jetrl.actor.offload import TrainStateOffload
 
     off, times = TrainStateOffload(run.ddp, run.optimizer, run.cfg.rollout.offload), []
     for _ in range(3):
+        fp8_weights(run.ddp)  # the sync's stream makes the policy's FP8 copies
         _sync(device)
         t0 = time.perf_counter()
         freed = off.release()
+        dropped = off.drop_fp8_copies()
         _sync(device)
         t1 = time.perf_counter()
         off.restore()
         off.wait()
         _sync(device)
-        times.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
-    release, restore = min(times)
-    return {"offload_release_ms": release, "offload_restore_ms": restore, "offload_gib": freed / 2**30,
+        t2 = time.perf_counter()
+        fp8_weights(run.ddp)
+        _sync(device)
+        times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
+    release, restore, requantize = min(times)
+    return {"offload_release_ms": release, "offload_restore_ms": restore, "offload_requantize_ms": requantize,
+            "offload_gib": freed / 2**30, "fp8_dropped_gib": dropped / 2**30,
             "offload_gbps": 2 * freed / ((release + restore) / 1e3) / 1e9}
 
 
@@ -592,8 +600,9 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
             f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
             f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}" if "step_ms" in row else f"FAILED: {row.get('error')}")
-            + (f"  offload {row['offload_gib']:.2f} GiB: release {row['offload_release_ms']:.1f} ms, back "
-               f"{row['offload_restore_ms']:.1f} ms" if "offload_gib" in row else ""), flush=True)
+            + (f"  offload {row['offload_gib']:.2f} GiB + FP8 {row['fp8_dropped_gib']:.2f} GiB: release "
+               f"{row['offload_release_ms']:.1f} ms, back {row['offload_restore_ms']:.1f} ms, FP8 again "
+               f"{row['offload_requantize_ms']:.1f} ms" if "offload_gib" in row else ""), flush=True)
     del state
     _gc()
     return rows
@@ -707,12 +716,14 @@ def report_steps(out, arch):
             print(f"  {v:28s} {t:9.1f} ms  x{fit['bf16'] / t:.3f}  (per layer {out['extrapolated'][v]['per_layer_ms']:.1f} ms)")
     offloaded = [r for r in rows if "offload_gib" in r]
     if offloaded:
-        print("\n| layers | variant | offloaded GiB | release ms | copy back ms | GB/s both ways | vs step ms |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| layers | variant | offloaded GiB | FP8 dropped GiB | release ms | copy back ms | FP8 again ms | "
+              "GB/s both ways | vs step ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in offloaded:
-            both = r["offload_release_ms"] + r["offload_restore_ms"]
-            print(f"| {r['layers']} | {r['variant']} | {r['offload_gib']:.2f} | {r['offload_release_ms']:.1f} | "
-                  f"{r['offload_restore_ms']:.1f} | {r['offload_gbps']:.1f} | {both / r['step_ms']:.1%} |")
+            cost = r["offload_release_ms"] + r["offload_restore_ms"] + r["offload_requantize_ms"]
+            print(f"| {r['layers']} | {r['variant']} | {r['offload_gib']:.2f} | {r['fp8_dropped_gib']:.2f} | "
+                  f"{r['offload_release_ms']:.1f} | {r['offload_restore_ms']:.1f} | {r['offload_requantize_ms']:.1f} | "
+                  f"{r['offload_gbps']:.1f} | {cost / r['step_ms']:.1%} |")
     print_profiles(rows, "GPU kernel time of one step (torch.profiler, ms; GEMM includes the BF16 lm_head):")
     for r in rows:
         if r["mode"] == "jetrl" and r["variant"] == "jetrl" and "speedup_vs_bf16" in r:

@@ -21,9 +21,9 @@
 # ARGS (extra overrides for every run). Where the time of each phase goes: STEPS=4 ARGS="run.profile_step=3" profiles
 # the last step's eval and update on every rank (rl.profiling; <name>_profile_step3_rank<R>.json in $OUT; the report's
 # medians leave that step out; tools/profile_report.py compares the modes -> <stage>_<layout>_<len>_profile.md).
-# Issue-sized sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer); LEN=4096
-# (with ARGS="rollout.offload=optimizer": the actor's grads and optimizer state leave the GPU while the engine is awake,
-# and the KV cache a step of long rollouts needs gets that memory);
+# Larger sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer); LEN=4096
+# (with ARGS="rollout.offload=optimizer": the actor's grads, optimizer state and FP8 weight copies leave the GPU while
+# the engine is awake, and the KV cache a step of long rollouts needs gets that memory);
 # PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1 parallel.pp=4 rollout.tp=1"
 # with LEN=512 ARGS="grpo.micro_batch_size=8 grpo.logprob_micro_batch_size=16" (PP 1, 2 and 4 of the 36 layers, as in
 # BENCHMARKS.md: at PP 4 each GPU's engine holds the whole model beside a quarter of the actor's state, and the first
