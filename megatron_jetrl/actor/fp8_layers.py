@@ -208,6 +208,8 @@ class _FP8Weight:
         self._fp8_cache: tuple[tuple, QuantizedWeight] | None = None
         self.keep_weight_t = True  # DGrad's W^T bytes kept per weight version, or made per backward (`name_fp8_layers`)
         self.fp8_device: torch.device | None = None  # where the FP8 bytes live when the BF16 weight is in host memory
+        self.release_bf16 = False  # the BF16 weight's storage freed through each train step (`release_bf16_weights`)
+        self.bf16_released = False
 
     def forget_fp8(self) -> None:
         """Drop the cached FP8 weight: the next forward (or `fp8_weights`) re-quantizes the current weight."""
@@ -217,6 +219,8 @@ class _FP8Weight:
         """This rank's FP8 weight for the current version. In-place updates through the parameter itself
         invalidate it (version counter); megatron's mixed-precision optimizer writes the new BF16 weights
         through `param.data`, which the counter does not see, so `train_step` calls `requantize_weights`."""
+        if self.bf16_released:  # until the optimizer step these bytes are all this linear holds
+            return self._fp8_cache[1]
         w = self.weight
         key = _cache_key(w)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
@@ -344,13 +348,55 @@ def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, bat
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 
-def name_fp8_layers(model, weight_t: str = "step") -> None:
-    """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports, and where its
-    DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward)."""
+def name_fp8_layers(model, weight_t: str = "step", release_bf16: bool = False) -> None:
+    """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports, where its
+    DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward)
+    and whether train steps free its BF16 weight (`ActorOptions.bf16_linear_weights`, `release_bf16_weights`)."""
     for name, m in unwrap(model).named_modules():
         if isinstance(m, _FP8Weight):
             m.fp8_site = name
             m.keep_weight_t = weight_t == "step"
+            m.release_bf16 = release_bf16
+
+
+def release_bf16_weights(model) -> int:
+    """At a train step's start: each FP8 linear built to (`release_bf16`) quantizes its weight if not yet and frees its
+    BF16 weight's storage: its forwards and backwards read only the FP8 bytes, and the optimizer step writes the weight
+    again from its FP32 main param (`restore_bf16_weights` first). The linears then hold 2 bytes a parameter (W and W^T)
+    through the step, as BF16 training holds its weight. The bytes freed on this rank."""
+    freed = 0
+    for m in unwrap(model).modules():
+        if not isinstance(m, _FP8Weight) or not m.release_bf16 or m.bf16_released:
+            continue
+        w = m.weight
+        storage = w.untyped_storage()
+        if w.dtype not in (torch.bfloat16, torch.float16):
+            raise RuntimeError(f"{m.fp8_site}: its weight is {w.dtype}, which the optimizer steps in place (no main param "
+                               "writes it back): only BF16 weights can be freed; set model.bf16_linear_weights=keep, or "
+                               "optim.bf16=true")
+        if storage.nbytes() != w.numel() * w.element_size():
+            raise RuntimeError(f"{m.fp8_site}: its BF16 weight is a view into a larger buffer (megatron's distributed "
+                               "optimizer keeps the parameters in one): it cannot be freed alone; set "
+                               "model.bf16_linear_weights=keep, or optim.distributed=false")
+        m.quantized_weight()
+        m.bf16_released = True
+        freed += storage.nbytes()
+        storage.resize_(0)
+    return freed
+
+
+def restore_bf16_weights(model) -> bool:
+    """Before the optimizer step (or when a step stops early): the freed BF16 weights get their storage back, its
+    contents undefined until the optimizer's copy of the FP32 main params writes them, and the FP8 copies go (the
+    step makes new weights). Whether any weight was freed."""
+    restored = False
+    for m in unwrap(model).modules():
+        if isinstance(m, _FP8Weight) and m.bf16_released:
+            m.weight.untyped_storage().resize_(m.weight.numel() * m.weight.element_size())
+            m.bf16_released = False
+            m.forget_fp8()
+            restored = True
+    return restored
 
 
 def offload_frozen_weights(model, host: torch.device | str = "cpu") -> int:

@@ -48,6 +48,11 @@ class ActorOptions:
     fp8_weight_t: str = "step"
     """FP8 linears of the local spec: DGrad's W^T bytes kept from the first backward to the next optimizer step
     (`step`), or made in each backward and freed (`backward`: less memory, a transpose per micro-batch)."""
+    bf16_linear_weights: str = "keep"
+    """FP8 linears of the local spec: `release` frees each BF16 weight's storage from a train step's start to its
+    optimizer step, which writes it again from the FP32 main param (megatron's mixed-precision optimizer, not the
+    distributed one: that keeps the parameters in one buffer), so through forward and backward the linears hold
+    their FP8 bytes alone (`fp8_layers.release_bf16_weights`); `keep` holds both."""
     pp_last_layers: int = 0
     """Decoder layers of the last pipeline stage; 0: an even split (`models.mapping.stage_layers`, megatron's
     `num_layers_in_last_pipeline_stage`)."""
@@ -65,6 +70,8 @@ class ActorOptions:
             raise ValueError("batch_invariant=True needs spec='local' (TE layers run TE's own kernels)")
         if self.fp8_weight_t not in ("step", "backward"):
             raise ValueError(f"fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
+        if self.bf16_linear_weights not in ("keep", "release"):
+            raise ValueError(f"bf16_linear_weights must be 'keep' or 'release', got {self.bf16_linear_weights!r}")
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError("rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
                              "attention, lm_head and log-softmax by vLLM's kernels)")
@@ -157,7 +164,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     )
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer
 
-    name_fp8_layers(model, options.fp8_weight_t)
+    name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release")
     if options.batch_invariant:
         use_batch_invariant_output_layer(model)
     if options.rollout_kernels:

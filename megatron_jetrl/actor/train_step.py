@@ -100,6 +100,14 @@ def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
     return ddp, optimizer
 
 
+def copy_main_params_to_weights(optimizer) -> None:
+    """The BF16 weights written from the optimizer's FP32 main params, as megatron 0.16.1's mixed-precision optimizer
+    does after a step (its `_copy_main_params_to_model_params`): the bits the weights had, since each step leaves
+    weight = bf16(main param)."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        o._copy_main_params_to_model_params()
+
+
 def unallocated_state_bytes(optimizer) -> int:
     """Bytes that Adam's two moments will take on this rank when the first step allocates them (0 once they exist; this
     rank's ZeRO-1 shard under the distributed optimizer): memory free now that will not be free later, which a
@@ -214,21 +222,30 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_jetrl.actor.fp8_layers import requantize_weights
+    from megatron_jetrl.actor.fp8_layers import release_bf16_weights, requantize_weights, restore_bf16_weights
 
     micro = micro_batches(tokens, extras, micro_batch_size)
     ddp_model.train()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro), model=ddp_model,
-            num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=False,
-        )
-    problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)
-    if problem is not None:
-        return {"ok": False, "skipped": problem, "grad_norm": None}
-    ok, grad_norm, _ = optimizer.step()
+    release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (bf16_linear_weights)
+    try:
+        with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro),
+                model=ddp_model, num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,
+                forward_only=False,
+            )
+        problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)
+        if problem is not None:
+            return {"ok": False, "skipped": problem, "grad_norm": None}
+        rewrite = restore_bf16_weights(ddp_model)  # the step below writes them from the FP32 main params
+        ok, grad_norm, _ = optimizer.step()
+        if rewrite and not ok:  # megatron skipped the step and its copy
+            copy_main_params_to_weights(optimizer)
+    finally:
+        if restore_bf16_weights(ddp_model):  # a skipped step or an error: the weights as they were
+            copy_main_params_to_weights(optimizer)
     requantize_weights(ddp_model)  # the optimizer wrote the new weights through param.data
     result = {"ok": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm)}
     if out:

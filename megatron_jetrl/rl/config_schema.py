@@ -140,6 +140,13 @@ class ModelConfig:
     after each optimizer step and kept until the next (fastest; one more FP8 copy of every weight held through the
     step, rollout included); `backward`: made in each linear's backward and freed after its DGrad (a transpose per
     micro-batch; the actor holds one FP8 weight copy, not two). The bytes are the same."""
+    bf16_linear_weights: str = "auto"
+    """Local spec, FP8 training: whether the BF16 weights of the FP8 linears stay on the device through a train step.
+    `release`: each is freed at the step's start, once quantized, and written again by the optimizer step from its
+    FP32 main param (the bits it had), so forward and backward hold the FP8 bytes alone: 2 bytes a linear parameter
+    with W^T (as BF16 training holds its weight), 1 with `fp8_weight_t=backward`; the run is bit for bit the same.
+    Needs megatron's mixed-precision optimizer: `optim.bf16=true` and `optim.distributed=false` (the distributed
+    optimizer keeps the parameters in one buffer). `keep`: BF16 and FP8 both. `auto`: release where it applies."""
     spec: str = "local"
     """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
     bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE
@@ -156,6 +163,8 @@ class ModelConfig:
         _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
         _check(self.spec in ("local", "te"), f"model.spec must be 'local' or 'te', got {self.spec!r}")
         _check(self.fp8_weight_t in ("step", "backward"), f"model.fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
+        _check(self.bf16_linear_weights in ("auto", "keep", "release"),
+               f"model.bf16_linear_weights must be 'auto', 'keep' or 'release', got {self.bf16_linear_weights!r}")
         if self.spec == "te":
             from megatron_jetrl.fp8.te import INSTALL_HINT, te_installed
 
@@ -460,6 +469,14 @@ class JetRLConfig:
         _check(not self.run.eval_every or self.data.heldout > 0,
                f"run.eval_every={self.run.eval_every} scores the policy on held-out problems, but data.heldout=0 holds none "
                "out: set data.heldout (e.g. 128) or run.eval_every=0")
+        if self.model.bf16_linear_weights == "release":
+            _check(self.precision.train_fp8 and self.model.spec == "local",
+                   f"model.bf16_linear_weights=release frees the BF16 weights of the local spec's FP8 linears; mode "
+                   f"{self.precision.mode!r} with model.spec={self.model.spec} trains none: set it to auto or keep")
+            _check(self.optim.bf16 and not self.optim.distributed,
+                   "model.bf16_linear_weights=release needs megatron's mixed-precision optimizer (optim.bf16=true, "
+                   "optim.distributed=false): the distributed optimizer keeps the parameters in one buffer, and FP32 weights "
+                   "are the optimizer's own; set it to auto or keep")
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.model.hf_config:
@@ -468,6 +485,12 @@ class JetRLConfig:
                 self.parallel.stage_layers(arch.num_layers)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    def bf16_linears_released(self) -> bool:
+        """`model.bf16_linear_weights` resolved: `auto` releases wherever `release` is allowed."""
+        if self.model.bf16_linear_weights != "auto":
+            return self.model.bf16_linear_weights == "release"
+        return (self.precision.train_fp8 and self.model.spec == "local" and self.optim.bf16 and not self.optim.distributed)
 
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or

@@ -221,7 +221,8 @@ def build_session(cfg: JetRLConfig) -> Session:
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
                            batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs,
-                           fp8_weight_t=cfg.model.fp8_weight_t, pp_last_layers=cfg.parallel.pp_last_layers)
+                           fp8_weight_t=cfg.model.fp8_weight_t, pp_last_layers=cfg.parallel.pp_last_layers,
+                           bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep")
     model = build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)

@@ -522,7 +522,8 @@ def _actor(cfg, mode: str = "jetrl"):
 
     flow = PrecisionFlow(mode=mode, backend="emulated") if mode != "bf16" else PrecisionFlow(mode="bf16")
     torch.manual_seed(0)
-    model = build_model(cfg.arch(), flow, ActorOptions(params_dtype=torch.bfloat16))
+    release = "release" if mode == "jetrl" and cfg.bf16_linears_released() else "keep"  # the run's default in jetrl
+    model = build_model(cfg.arch(), flow, ActorOptions(params_dtype=torch.bfloat16, bf16_linear_weights=release))
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     return ddp, optimizer, flow
 

@@ -13,7 +13,8 @@ VOCAB = CONFIGS["qwen3"]["vocab_size"]
 LR, STEPS, MICRO = 1e-3, 3, 2
 
 
-def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = False):
+def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = False, bf16_linear_weights: str = "keep",
+           params_dtype: torch.dtype = torch.float32):
     from megatron_jetrl.actor.hf_import import load_hf_weights
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.fp8 import PrecisionFlow
@@ -21,7 +22,8 @@ def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = Fal
 
     arch = ModelArch.from_hf_config(CONFIGS[family])
     flow = PrecisionFlow(mode=mode, backend="emulated")
-    model = build_model(arch, flow, ActorOptions(sequence_parallel=sequence_parallel))
+    model = build_model(arch, flow, ActorOptions(sequence_parallel=sequence_parallel, bf16_linear_weights=bf16_linear_weights,
+                                                 params_dtype=params_dtype))
     load_hf_weights(model, arch, Path(ckpt_root) / family)
     return model, arch, flow
 
@@ -249,3 +251,63 @@ def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = 
         run["to_come"] = to_come
         out[what] = run
     return out
+
+
+def bf16_release_round_trips(ckpt_root: str) -> dict:
+    """jetrl train steps on qwen3 with the FP8 linears' BF16 weights kept and released (`bf16_linear_weights`): per
+    setting, the losses, grad norms, final params and Adam state of 3 steps, then a step whose loss is NaN (skipped)
+    and a step that raises in its loss callback; whether every FP8 linear's BF16 storage was empty while the loss ran,
+    the bytes each release freed against this rank's FP8 linears' BF16 weights, and whether the weights after the
+    skipped and the raising step are the ones before them."""
+    from megatron_jetrl.actor.fp8_layers import _FP8Weight, unwrap
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+
+    tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = {}
+    for release in ("keep", "release"):
+        model, _, _ = _build("qwen3", "jetrl", ckpt_root, bf16_linear_weights=release, params_dtype=torch.bfloat16)
+        ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0))
+        linears = [m for m in unwrap(model).modules() if isinstance(m, _FP8Weight)]
+        bf16_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        seen = []
+
+        def loss_fn(logprobs, extras, poison=None):
+            seen.append(all(m.weight.untyped_storage().nbytes() == 0 for m in linears))
+            if poison == "raise":
+                raise RuntimeError("the loss callback failed")
+            loss, metrics = grpo_like_loss(logprobs, extras)
+            return (loss * float("nan") if poison == "nan" else loss), metrics
+
+        step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": advantages})
+        run = {"steps": [train_step(ddp, optimizer, tokens, loss_fn, **step) for _ in range(STEPS)]}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        skipped = train_step(ddp, optimizer, tokens, lambda lp, ex: loss_fn(lp, ex, "nan"), on_nonfinite="skip", **step)
+        run["skipped_ok"] = skipped["ok"]
+        run["same_after_skip"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        try:
+            train_step(ddp, optimizer, tokens, lambda lp, ex: loss_fn(lp, ex, "raise"), **step)
+        except RuntimeError as e:
+            run["raised"] = str(e)
+        run["same_after_raise"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        run["released_in_loss"] = seen
+        run["bf16_bytes"] = bf16_bytes
+        run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        run["adam"] = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+                       for o in optimizer.chained_optimizers for st in o.optimizer.state.values()]
+        out[release] = run
+    return out
+
+
+def bf16_release_refused_under_the_distributed_optimizer(ckpt_root: str) -> str:
+    """The message of a release under megatron's distributed optimizer (its parameters are views of one buffer)."""
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+
+    model, _, _ = _build("qwen3", "jetrl", ckpt_root, bf16_linear_weights="release", params_dtype=torch.bfloat16)
+    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0, distributed=True))
+    try:
+        train_step(ddp, optimizer, tokens_for(CONFIGS["qwen3"], batch=4, seed=2), grpo_like_loss, vocab_size=VOCAB,
+                   micro_batch_size=MICRO, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+    except RuntimeError as e:
+        return str(e)
+    return "not refused"

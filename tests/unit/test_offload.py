@@ -68,3 +68,53 @@ def test_offload_names_its_choices():
 
     with pytest.raises(ValueError, match=r"offload must be one of \('grads', 'optimizer'\), got 'none'"):
         TrainStateOffload(None, None, "none")
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint():
+    with tempfile.TemporaryDirectory() as d:
+        write_hf_checkpoint(Path(d) / "qwen3", CONFIGS["qwen3"], hf_state(CONFIGS["qwen3"]), sharded=False)
+        yield d
+
+
+def test_releasing_the_bf16_linear_weights_trains_bit_for_bit_and_survives_a_skip_and_an_error(qwen3_checkpoint):
+    """`model.bf16_linear_weights=release` (jetrl's default where megatron's mixed-precision optimizer runs): while the
+    loss runs, every FP8 linear's BF16 weight storage is empty (freed: as many bytes as those weights hold); three
+    steps give the losses, grad norms, weights and Adam state of `keep` bit for bit; a step skipped for a NaN loss and a
+    step whose loss callback raises leave the weights as they were."""
+    (runs,) = spawn(1, 1, 1, sc.bf16_release_round_trips, qwen3_checkpoint)
+    keep, release = runs["keep"], runs["release"]
+    assert all(release["released_in_loss"]) and len(release["released_in_loss"]) == 2 * (sc.STEPS + 1) + 1
+    assert not any(keep["released_in_loss"]) and release["bf16_bytes"] > 0
+    assert [s["loss"] for s in release["steps"]] == [s["loss"] for s in keep["steps"]]
+    assert [s["grad_norm"] for s in release["steps"]] == [s["grad_norm"] for s in keep["steps"]]
+    for run in (keep, release):
+        assert run["skipped_ok"] is False and run["same_after_skip"] and run["same_after_raise"]
+        assert run["raised"] == "the loss callback failed"
+    assert all(torch.equal(release["params"][n], p) for n, p in keep["params"].items())
+    assert len(release["adam"]) == len(keep["adam"]) > 0
+    for ours, theirs in zip(release["adam"], keep["adam"]):
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_releasing_the_bf16_linear_weights_under_the_distributed_optimizer_is_refused(qwen3_checkpoint):
+    (message,) = spawn(1, 1, 1, sc.bf16_release_refused_under_the_distributed_optimizer, qwen3_checkpoint)
+    assert message.endswith("its BF16 weight is a view into a larger buffer (megatron's distributed optimizer keeps the "
+                            "parameters in one): it cannot be freed alone; set model.bf16_linear_weights=keep, or "
+                            "optim.distributed=false")
+
+
+def test_the_config_releases_where_it_applies_and_refuses_where_it_cannot():
+    from megatron_jetrl.rl.config import ConfigError, load_config
+
+    tiny = [str(Path(__file__).resolve().parents[2] / "configs/tiny.yaml")]
+    assert load_config(tiny, []).bf16_linears_released()  # jetrl, local spec, mixed-precision optimizer
+    for off in (["precision.mode=bf16"], ["optim.distributed=true"], ["optim.bf16=false"], ["model.bf16_linear_weights=keep"]):
+        assert not load_config(tiny, off).bf16_linears_released(), off
+    with pytest.raises(ConfigError, match=r"model.bf16_linear_weights=release needs megatron's mixed-precision optimizer "
+                                          r"\(optim.bf16=true, optim.distributed=false\)"):
+        load_config(tiny, ["model.bf16_linear_weights=release", "optim.distributed=true"])
+    with pytest.raises(ConfigError, match=r"mode 'bf16' with model.spec=local trains none: set it to auto or keep"):
+        load_config(tiny, ["model.bf16_linear_weights=release", "precision.mode=bf16"])
+    with pytest.raises(ConfigError, match=r"model.bf16_linear_weights must be 'auto', 'keep' or 'release', got 'sometimes'"):
+        load_config(tiny, ["model.bf16_linear_weights=sometimes"])
