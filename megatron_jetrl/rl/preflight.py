@@ -53,8 +53,9 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     parameters (BF16, or FP32 without optim.bf16), FP32 gradients (`main_grad`), the optimizer's FP32 main params
     and Adam moments (1/DP of them under optim.distributed), the frozen reference (loss.kl_coef > 0; in jetrl its FP8
     linears' BF16 weights wait in host memory), and in jetrl the FP8 weight copies (the policy's W, and W^T under
-    model.fp8_weight_t=step; the reference's W: it runs no backward). The colocated engine sleeps meanwhile; while it
-    is awake `rollout.offload` takes some of these off the GPU."""
+    model.fp8_weight_t=step, less the linears' BF16 weights they stand in for under model.bf16_linear_weights; the
+    reference's W: it runs no backward). The colocated engine sleeps meanwhile; while it is awake `rollout.offload`
+    takes some of these off the GPU."""
     arch, p = cfg.arch(), cfg.parallel
     heads = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     linear = arch.linear_params
@@ -76,7 +77,9 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     reference = cfg.loss.kl_coef > 0
     return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),
             "reference": int((params - fp8_linear) * weight) if reference else 0,  # its FP8 linears: bytes only
-            "FP8 weights": int(fp8_linear * (2 if cfg.model.fp8_weight_t == "step" else 1)),
+            # with model.bf16_linear_weights released, the FP8 copies stand in for the linears' BF16 weights in a step
+            "FP8 weights": int(max(0, fp8_linear * ((2 if cfg.model.fp8_weight_t == "step" else 1)
+                                                     - (weight if cfg.bf16_linears_released() else 0)))),
             "reference FP8": int(fp8_linear) if reference else 0}
 
 

@@ -181,6 +181,9 @@ def test_what_the_estimate_counts_follows_the_settings():
     assert lean["FP8 weights"] * 2 == base["FP8 weights"] == 2 * base["reference FP8"]  # W alone; base: W and W^T
     assert lean["reference"] == lean["reference FP8"] == 0
     assert preflight.actor_state_bytes(qwen3_8b("precision.mode=bf16"))["FP8 weights"] == 0
+    # the mixed-precision optimizer: W and W^T take the place of the linears' BF16 weights through a step
+    released = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2", "optim.distributed=false"))
+    assert released["FP8 weights"] == 0 and released["parameters"] == base["parameters"]
     sharded = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"))
     assert sharded["optimizer"] * 2 == base["optimizer"] and sharded["parameters"] == base["parameters"]
 
