@@ -567,6 +567,13 @@ class JetRLConfig:
                        "are too small to beat BF16's once quantized, and the step waits on the TP all-reduces; Qwen3-8B at TP 4 "
                        "measured 0.92-0.93x bf16's step, at TP 1 x PP 4 1.19x and 1.8-2.3x faster in both modes (BENCHMARKS.md): "
                        "where the model fits, use fewer TP ranks and more pipeline stages")
+        if (self.model.bf16_linear_weights == "auto" and self.precision.train_fp8 and self.model.spec == "local"
+                and self.optim.distributed and self.parallel.dp == 1 and self.model.hf_config):
+            arch = self.arch()
+            gib = arch.linear_params * max(self.parallel.stage_layers(arch.num_layers)) * 2 / self.parallel.tp / 2**30
+            out.append(f"optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 "
+                       f"linears' BF16 weights through every train step; optim.distributed=false frees them ({gib:.1f} GiB "
+                       "a GPU here, model.bf16_linear_weights)")
         if self.parallel.pp > 1 and not self.parallel.pp_last_layers and self.model.hf_config:
             last = balanced_last_layers(self.arch(), self.parallel.pp)
             if last:
