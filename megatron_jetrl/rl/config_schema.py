@@ -494,10 +494,12 @@ class JetRLConfig:
 
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or
-        2 (where equality and its cost were measured; beyond, the trainer's collectives would need vLLM's one-channel
-        NCCL settings) wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off: it would
+        2 without pipeline stages (where equality and its cost were measured; beyond TP 2, the trainer's collectives
+        would need vLLM's one-channel NCCL settings; under PP, where every layer runs the same kernels on the same rows
+        and the stages pass BF16 activations unchanged, `true` is allowed and `tests/gpu` checks it at PP 2, not yet
+        measured on a GPU) wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off: it would
         put vLLM in its process-wide batch-invariant mode (`precision.exact_logprobs=true` asks for that)."""
-        if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2:
+        if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2 or self.parallel.pp > 1:
             return False
         try:
             self._check_exact_logprobs()
@@ -520,8 +522,6 @@ class JetRLConfig:
         scaled = (self.model.hf_config or {}).get("rope_scaling")
         _check(not scaled, f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
                            f"which the trainer's glue does not replace: {fix}")
-        _check(self.parallel.pp == 1, f"precision.exact_logprobs runs at parallel.pp=1 (got {self.parallel.pp}): {fix} "
-                                      "or train without pipeline stages")
         _check(self.rollout.tp == self.parallel.tp,
                f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
                f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}")

@@ -119,13 +119,15 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
                        "tis_weight_mean": 1.0, "tis_weight_std": 0.0}, (r["step"], got)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer TP 2, rollout TP 2)")
-def test_grpo_at_tp2_has_mismatch_exactly_zero(tmp_path):
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer TP 2 and rollout TP 2, or PP 2)")
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "rollout.tp=2"], ["parallel.pp=2", "rollout.tp=1"]], ids=["tp2", "pp2"])
+def test_grpo_on_two_gpus_has_mismatch_exactly_zero(tmp_path, layout):
     """Trainer TP 2 and rollout TP 2: both sides add two BF16 partial outputs per row-parallel linear, an order-free
-    sum, so NCCL keeps its default settings on both."""
-    cmd = ["bash", "launch/train_grpo.sh", *QWEN3, "parallel.tp=2", "rollout.tp=2", "rollout.engine=vllm",
+    sum, so NCCL keeps its default settings on both. PP 2: each stage runs its layers with the engine's kernels and
+    passes BF16 activations on unchanged; every rank's engine holds the whole model at TP 1."""
+    cmd = ["bash", "launch/train_grpo.sh", *QWEN3, *layout, "rollout.engine=vllm",
            "precision.exact_logprobs=true", "rollout.max_new_tokens=128", "run.steps=3", "run.checkpoint=false",
-           "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=tp2"]
+           "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=two_gpus"]
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
