@@ -58,7 +58,6 @@ class TrainStateOffload:
         if what not in OFFLOAD_CHOICES[1:]:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES[1:]}, got {what!r}")
         self.ddp, self.optimizer, self.what, self.reference = ddp_model, optimizer, what, reference
-        self._weights = {p.untyped_storage().data_ptr() for p in ddp_model.module.parameters()}
         self.released = False
         self.freed = {"state": 0, "fp8": 0}
         self._host = {"reference": [], "optimizer": []}  # pinned host bytes, one per storage, kept from step to step
@@ -106,7 +105,7 @@ class TrainStateOffload:
         weight's: an FP32 param the optimizer steps in place is a weight the sync and rollout read)."""
         from megatron_jetrl.actor.fp8_layers import fp8_copy_storages
 
-        seen = set(self._weights)
+        seen = {p.untyped_storage().data_ptr() for p in self.ddp.module.parameters()}  # now: a train step may move them
         found = {"reference": [] if self.reference is None else fp8_copy_storages(self.reference),
                  "optimizer": [t.untyped_storage() for t in _optimizer_tensors(self.optimizer)]}
         for kind, storages in found.items():
