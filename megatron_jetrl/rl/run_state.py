@@ -28,6 +28,7 @@ APPLIED_ON_RESUME = frozenset({
     "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
     "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.offload", "rollout.max_model_len", "rollout.enforce_eager",
     "grpo.micro_batch_size", "grpo.logprob_micro_batch_size", "run.profile_step", "run.profile_phases",
+    "model.fp8_weight_t", "model.bf16_linear_weights",  # where the same bytes live: memory, not numbers
 })
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""
 IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})
@@ -116,7 +117,7 @@ def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     changes = changed_keys(saved, cfg)
-    identity = sorted(k for k in changes if k.split(".")[0] in ("model", "precision"))
+    identity = sorted(k for k in changes if k.split(".")[0] in ("model", "precision") and k not in APPLIED_ON_RESUME)
     if identity:
         raise ConfigError(f"{ckpt} was written by a run with another model or precision section ({', '.join(identity)}); "
                           f"resume with the same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)")

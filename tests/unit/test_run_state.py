@@ -55,6 +55,18 @@ def test_settings_a_resumed_run_may_change_are_applied_and_said(tmp_path):
                                         "run.steps 3 -> 5, run.timeout_s 300.0 -> 60.0")
 
 
+def test_where_the_fp8_weight_bytes_live_may_change_on_resume_the_model_may_not(tmp_path):
+    """model.fp8_weight_t and model.bf16_linear_weights move the same bytes between memory and time: a resume may change
+    them (applied and said); any other model key is another model."""
+    out = finished_run(tmp_path)
+    cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fp8_weight_t=backward", "model.bf16_linear_weights=keep"])
+    assert previous_run(cfg).resume_message(cfg) == (f"resuming {out} at step 3 of 5 (step_000003); applied: "
+                                                     "model.bf16_linear_weights 'auto' -> 'keep', model.fp8_weight_t 'step' -> "
+                                                     "'backward', run.steps 3 -> 5")
+    with pytest.raises(ConfigError, match=r"another model or precision section \(model.fused\)"):
+        previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fused=false"]))
+
+
 def test_a_refused_resume_writes_nothing(tmp_path, capsys):
     out = finished_run(tmp_path)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
