@@ -64,6 +64,7 @@ class RunRow:
     rollout: str = ""  # the rollout engine and its TP ("vllm tp2"), when the metrics say; "" for older runs
     mismatch: dict = field(default_factory=dict)  # "mean" / "k3" (medians over the timed steps), "max" (over all steps)
     peak_gib: float | None = None  # the most GPU memory any GPU held, from gpu_memory.csv (nvidia-smi samples), if present
+    phase_gib: dict = field(default_factory=dict)  # "rollout" / "update" -> the loop's own peak (memory/<phase>_gib), max over steps
 
     @property
     def status_text(self) -> str:
@@ -158,7 +159,15 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     row.mismatch = {"mean": _median(timed, "mismatch/mean_abs_diff"), "k3": _median(timed, "mismatch/k3_kl"),
                     "max": max(maxes) if maxes else None}
     row.peak_gib = _peak_gib(d / GPU_MEMORY)
+    for p in MEMORY_PHASES:
+        peaks = [r[f"memory/{p}_gib"] for r in rows if isinstance(r.get(f"memory/{p}_gib"), (int, float))]
+        row.phase_gib[p] = max(peaks) if peaks else None
     return row
+
+
+MEMORY_PHASES = ("rollout", "update")
+"""Phases whose peak (the loop's `memory/<phase>_gib`: torch's allocator, the most on any rank) the report shows: the
+engine awake, and the actor training."""
 
 
 GPU_MEMORY = "gpu_memory.csv"
@@ -206,7 +215,8 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 HEADER = ["TP", "mode", "rollout", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
-          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp", "peak GPU GiB"]
+          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp", "peak GPU GiB",
+          *(f"{p} GiB" for p in MEMORY_PHASES)]
 CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2, a profiled step "
            "when others remain): time per "
            "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
@@ -214,7 +224,8 @@ CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up w
            f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
            f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
            "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps. "
-           f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one.")
+           f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one; rollout and update "
+           "GiB: the most torch's allocator held in that phase on any rank, over all steps (the metrics' memory/*_gib).")
 
 
 def to_markdown(rows: list[RunRow]) -> str:
@@ -235,6 +246,7 @@ def to_markdown(rows: list[RunRow]) -> str:
             *speed,
             *(_cell(r.mismatch.get(k), ".4g") if has_times else "-" for k in ("mean", "k3", "max")),
             _cell(r.peak_gib, ".1f"),
+            *(_cell(r.phase_gib.get(p), ".1f") for p in MEMORY_PHASES),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + CAPTION + "\n"
@@ -245,7 +257,8 @@ def to_csv(rows: list[RunRow]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["tp", "mode", "rollout", "status", "reason", "directory", "steps_total", "steps_timed",
                 *(f"time_{p}" for p in PHASES), "tokens_per_s", "rollout_tokens_per_s",
-                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs", "peak_gpu_gib"])
+                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs", "peak_gpu_gib",
+                *(f"{p}_gib" for p in MEMORY_PHASES)])
 
     def num(v):
         return "" if v is None else repr(float(v))
@@ -255,7 +268,8 @@ def to_csv(rows: list[RunRow]) -> str:
                     r.steps_total, r.steps_timed, *(num(r.times.get(p)) for p in PHASES), num(r.tokens_per_s),
                     num(r.rollout_tokens_per_s),
                     *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES),
-                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max")), num(r.peak_gib)])
+                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max")), num(r.peak_gib),
+                    *(num(r.phase_gib.get(p)) for p in MEMORY_PHASES)])
     return buf.getvalue()
 
 

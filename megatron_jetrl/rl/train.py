@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     last_saved = None
     for step in range(start, cfg.run.steps):
         profiler = step_profiler(s, step)
-        t = Phases(profiler=profiler)
+        t = Phases(profiler=profiler, memory=True)
         with t("sync"):
             stats = sync(s)  # the engines serve the policy this step samples
         held = heldout_metrics(s, step)  # that policy on problems it never trains on
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = reference_logprobs(s, mine, first)
         with t("update"):
             update = update_policy(s, step, batch, mine, old, ref, first)
-        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held}
+        row = {"step": step, **step_metrics(s, batch, mine, old, update), **t, **stats, **pool_metrics(s), **held,
+               **memory_metrics(t)}
         row["time/step"] = sum(v for k, v in t.items())
         row["throughput/tokens_per_s"] = float(batch.response_lengths.sum()) / row["time/step"]
         if profiler is not None:
@@ -282,6 +283,20 @@ def sync(s) -> dict:
     if s.offload is not None:
         stats |= {"sync/offload_gib": s.offload.freed["state"] / 2**30, "sync/fp8_dropped_gib": s.offload.freed["fp8"] / 2**30}
     return stats
+
+
+def memory_metrics(t: Phases) -> dict:
+    """GPU memory of the step's phases, the most on any rank (GiB, collective): `memory/<phase>_gib`, what torch's
+    caching allocator had allocated at its peak in that phase (the colocated engine's weights and KV cache while it is
+    awake included), and `memory/reserved_gib`, the most it held from the device in the step; {} off CUDA."""
+    if not t.peaks:
+        return {}
+    names = list(t.peaks)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    peaks = torch.tensor([t.peaks[n][0] for n in names] + [max(r for _, r in t.peaks.values())], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return dict(zip([f"memory/{n}_gib" for n in names] + ["memory/reserved_gib"], (peaks / 2**30).tolist()))
 
 
 def pool_metrics(s) -> dict:

@@ -109,19 +109,27 @@ class Phases(dict):
     sync once CUDA is in use. The host issues kernels ahead of the GPU, so without it a phase's queued GPU work was
     billed to the next phase's first sync (in GRPO, the eval forward's to the update, whose reward check syncs first).
     Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts.
-    A `profiler` (`rl.profiling.StepProfiler`) profiles the phases it wants."""
+    A `profiler` (`rl.profiling.StepProfiler`) profiles the phases it wants. `memory=True` (the train loop's phases,
+    not nested ones: it resets torch's peak counters at each phase's start) also keeps, once CUDA is in use, the most
+    bytes torch's caching allocator had allocated and reserved during each phase (`peaks[name]`)."""
 
-    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None):
+    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None, memory: bool = False):
         super().__init__()
-        self.prefix, self.suffix, self.profiler = prefix, suffix, profiler
+        self.prefix, self.suffix, self.profiler, self.memory = prefix, suffix, profiler, memory
+        self.peaks: dict[str, tuple[int, int]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
+        if self.memory and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
         with self.profiler.phase(name) if self.profiler is not None and self.profiler.wants(name) else contextlib.nullcontext():
             yield
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
+            if self.memory:
+                before = self.peaks.get(name, (0, 0))
+                self.peaks[name] = (max(before[0], torch.cuda.max_memory_allocated()), max(before[1], torch.cuda.max_memory_reserved()))
         key = f"{self.prefix}{name}{self.suffix}"
         self[key] = self.get(key, 0.0) + time.perf_counter() - start
 

@@ -99,3 +99,40 @@ def test_phase_times_include_the_device_work_queued_in_the_phase(monkeypatch):
     with t("update"):
         pass
     assert synced == [1, 1] and "time/update" in t
+
+
+@pytest.fixture
+def one_rank():
+    from gloo import one_gloo_rank
+
+    yield from one_gloo_rank()
+
+
+def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_most_on_any_rank(monkeypatch, one_rank):
+    """`Phases(memory=True)` resets torch's peak counters as each phase starts and keeps the most allocated and reserved
+    bytes over its repeats; `memory_metrics` reports them in GiB (the max over ranks: one gloo rank here) with the step's
+    most reserved; a CPU run has none."""
+    import torch
+
+    from megatron_jetrl.rl.train import Phases, memory_metrics
+
+    allocated, reserved, resets = iter([3 << 30, 5 << 30, 2 << 30]), iter([6 << 30, 7 << 30, 8 << 30]), []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(reserved))
+    t = Phases(memory=True)
+    for name in ("eval", "eval", "update"):
+        with t(name):
+            pass
+    assert resets == [1, 1, 1] and t.peaks == {"eval": (5 << 30, 7 << 30), "update": (2 << 30, 8 << 30)}
+    assert memory_metrics(t) == {"memory/eval_gib": 5.0, "memory/update_gib": 2.0, "memory/reserved_gib": 8.0}
+    assert list(t) == ["time/eval", "time/update"]  # the step's time sums only times
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    cpu = Phases(memory=True)
+    with cpu("eval"):
+        pass
+    assert cpu.peaks == {} and memory_metrics(cpu) == {}
+    nested = Phases("sync/", "_s")  # a sync's parts leave the loop's counters alone
+    assert not nested.memory

@@ -215,9 +215,10 @@ def test_progress_lines_off_a_terminal_bar_on_one():
 
 
 def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None, summary=True, tokens=100.0,
-             rollout=("native", 1), mismatch=None, profiled=None):
+             rollout=("native", 1), mismatch=None, profiled=None, memory=None):
     """A run dir as the trainer + tp_sweep.sh leave it; times: per step {phase: seconds}; tokens: per step;
-    mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it); profiled: the step run.profile_step named."""
+    mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it); profiled: the step run.profile_step named;
+    memory: per step {phase: GiB} (the loop's memory/<phase>_gib)."""
     directory.mkdir(parents=True)
     if times is not None:
         with open(directory / "metrics.jsonl", "w") as f:
@@ -230,6 +231,8 @@ def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None
                 r["throughput/tokens_per_s"] = tokens / t["step"]
                 if i == profiled:
                     r["profiled"] = 1
+                if memory is not None:
+                    r |= {f"memory/{k}_gib": v for k, v in memory[i].items()}
                 f.write(json.dumps(r) + "\n")
     if summary:
         (directory / "summary.json").write_text("{}")
@@ -254,7 +257,8 @@ def sweep(tmp_path):
              mismatch=[0.5, 0.125])
     # TP2 with vLLM (rollout TP2): its own bf16 baseline, not the native engine's
     make_run(d / "multi_tp2_rtp2_bf16", 2, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5)], rollout=("vllm", 2), mismatch=[0.02, 0.02])
-    make_run(d / "multi_tp2_rtp2_jetrl", 2, "jetrl", [warm, phases(1.0, 0.5, 0.5, 0.5)], rollout=("vllm", 2), mismatch=[0.2, 0.1])
+    make_run(d / "multi_tp2_rtp2_jetrl", 2, "jetrl", [warm, phases(1.0, 0.5, 0.5, 0.5)], rollout=("vllm", 2), mismatch=[0.2, 0.1],
+             memory=[{"rollout": 50.25, "update": 40.5}, {"rollout": 51.0, "update": 39.0}])  # the most over all steps
     (d / "multi_tp2_rtp2_jetrl" / "gpu_memory.csv").write_text("0, 4\n1, 4\n0, 62976\n1, 60093\n0, 27049\n")  # nvidia-smi
     make_run(d / "sweep_tp1_bf16-train-fp8-rollout", 1, "bf16-train-fp8-rollout", [warm],
              status={"status": "failed", "tp": 1, "mode": "bf16-train-fp8-rollout", "rc": 3}, summary=False)
@@ -273,18 +277,18 @@ def sweep(tmp_path):
 
 
 EXPECTED_TABLE = """\
-| TP | mode | rollout | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup | mean abs dlogp | k3 KL | max abs dlogp | peak GPU GiB |
-|---:|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 1 | bf16 | native tp1 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | - | - | - | - |
-| 1 | bf16-train-fp8-rollout | native tp1 | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - | - | - | - | - |
-| 1 | jetrl | native tp1 | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x | 0.125 | 0.0125 | 5 | - |
-| 2 | bf16 | - | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
-| 2 | bf16-train-fp8-rollout | native tp1 | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - | - | - | - | - |
-| 2 | jetrl | native tp1 | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a | - | - | - | - |
-| 2 | bf16 | vllm tp2 | ok | 1 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | 0.02 | 0.002 | 0.2 | - |
-| 2 | jetrl | vllm tp2 | ok | 1 | 1.000 | 0.500 | 0.500 | 0.500 | 2.500 | 40.0 | 100.0 | 2.00x | 2.00x | 1.60x | 0.1 | 0.01 | 2 | 61.5 |
-| 4 | jetrl | - | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
-| 8 | jetrl | - | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| TP | mode | rollout | status | timed steps | rollout (s) | eval (s) | update (s) | sync (s) | step (s) | tokens/s | rollout tokens/s | rollout speedup | update speedup | step speedup | mean abs dlogp | k3 KL | max abs dlogp | peak GPU GiB | rollout GiB | update GiB |
+|---:|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1 | bf16 | native tp1 | ok | 3 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | - | - | - | - | - | - |
+| 1 | bf16-train-fp8-rollout | native tp1 | FAILED: exit code 3 | 1 | 9.000 | 9.000 | 9.000 | 9.000 | 36.000 | 2.8 | 11.1 | - | - | - | - | - | - | - | - | - |
+| 1 | jetrl | native tp1 | ok | 1 | 1.600 | 0.400 | 0.500 | 0.500 | 3.000 | 40.0 | 75.0 | 1.50x | 2.00x | 1.33x | 0.125 | 0.0125 | 5 | - | - | - |
+| 2 | bf16 | - | FAILED: run directory missing | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 2 | bf16-train-fp8-rollout | native tp1 | FAILED: no summary.json (run did not finish) | 1 | 1.000 | 0.100 | 0.100 | 0.100 | 1.300 | 76.9 | 100.0 | - | - | - | - | - | - | - | - | - |
+| 2 | jetrl | native tp1 | ok | 1 | 1.000 | 0.250 | 0.500 | 0.250 | 2.000 | 50.0 | 100.0 | n/a | n/a | n/a | - | - | - | - | - | - |
+| 2 | bf16 | vllm tp2 | ok | 1 | 2.000 | 0.500 | 1.000 | 0.500 | 4.000 | 25.0 | 50.0 | 1.00x | 1.00x | 1.00x | 0.02 | 0.002 | 0.2 | - | - | - |
+| 2 | jetrl | vllm tp2 | ok | 1 | 1.000 | 0.500 | 0.500 | 0.500 | 2.500 | 40.0 | 100.0 | 2.00x | 2.00x | 1.60x | 0.1 | 0.01 | 2 | 61.5 | 51.0 | 40.5 |
+| 4 | jetrl | - | skipped: needs 4 processes, 2 available | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
+| 8 | jetrl | - | invalid: config error: TP=8 does not divide 2 | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |
 """
 
 
@@ -312,6 +316,7 @@ def test_sweep_report_table(sweep, capsys):
     assert vllm["rollout"] == "vllm tp2" and float(vllm["speedup_step"]) == 1.6 and float(vllm["mismatch_mean_abs"]) == 0.1
     assert float(vllm["mismatch_max_abs"]) == 2.0 and float(jet1["mismatch_k3"]) == 0.0125
     assert float(vllm["peak_gpu_gib"]) == 61.5 and jet1["peak_gpu_gib"] == ""
+    assert (float(vllm["rollout_gib"]), float(vllm["update_gib"])) == (51.0, 40.5) and jet1["update_gib"] == ""
     assert sweep_report.main(dirs + ["--strict", "-o", str(d / "again")]) == 1
     assert (d / "again.md").read_text() == md
 
