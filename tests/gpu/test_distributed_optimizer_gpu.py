@@ -36,7 +36,8 @@ def _loss(logprobs, extras):
     return -(logprobs * extras["advantages"][:, None]).mean(), {}
 
 
-def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str = "jetrl", wgrad_fusion: bool = True):
+def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str = "jetrl", wgrad_fusion: bool = True,
+           bf16_linear_weights: str = "keep"):
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.actor.train_step import OptimConfig, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
@@ -44,7 +45,7 @@ def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str =
 
     arch, flow = ModelArch.from_hf_config(CONFIG), PrecisionFlow(mode=mode)
     torch.manual_seed(0)
-    model = build_model(arch, flow, ActorOptions(params_dtype=torch.bfloat16)).cuda()
+    model = build_model(arch, flow, ActorOptions(params_dtype=torch.bfloat16, bf16_linear_weights=bf16_linear_weights)).cuda()
     if init is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -192,3 +193,29 @@ def test_offload_frees_the_device_memory_and_brings_every_byte_back(one_rank, di
         losses += [train_step(ddp, optimizer, tokens, _loss, **step)["loss"] for _ in range(2)]
         runs[offload] = losses
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)  # two actors: the GPU backward need not repeat bit for bit
+
+
+def test_released_bf16_linear_weights_leave_the_step_and_train_as_kept(one_rank):
+    """`model.bf16_linear_weights=release` on CUDA: while the loss runs, the FP8 linears' BF16 weights hold no device
+    memory (torch's allocated bytes are lower by at least their size than with `keep` at the same point), the optimizer
+    step writes them again, and three steps match `keep`'s (two actors: within the GPU backward's run-to-run noise)."""
+    from megatron_jetrl.actor.fp8_layers import _FP8Weight, unwrap
+    from megatron_jetrl.actor.train_step import train_step
+
+    tokens, step, init = _batch_and_init(3)
+    runs = {}
+    for release in ("keep", "release"):
+        model, ddp, optimizer, _ = _actor(False, init, bf16_linear_weights=release)
+        linears = [m for m in unwrap(model).modules() if isinstance(m, _FP8Weight)]
+        held = []
+
+        def loss_fn(logprobs, extras):
+            held.append(torch.cuda.memory_allocated())
+            return _loss(logprobs, extras)
+
+        losses = [train_step(ddp, optimizer, tokens, loss_fn, **step)["loss"] for _ in range(3)]
+        assert all(m.weight.untyped_storage().nbytes() == m.weight.numel() * 2 for m in linears)  # written back
+        runs[release] = (losses, min(held), sum(m.weight.numel() * 2 for m in linears))
+    (keep, keep_held, bf16_bytes), (release, release_held, _) = runs["keep"], runs["release"]
+    assert keep_held - release_held >= bf16_bytes
+    assert release == pytest.approx(keep, rel=1e-3)
