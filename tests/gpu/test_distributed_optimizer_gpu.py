@@ -213,9 +213,10 @@ def test_released_bf16_linear_weights_leave_the_step_and_train_as_kept(one_rank)
             held.append(torch.cuda.memory_allocated())
             return _loss(logprobs, extras)
 
+        base = torch.cuda.memory_allocated()  # this actor before its first step (an earlier one may linger)
         losses = [train_step(ddp, optimizer, tokens, loss_fn, **step)["loss"] for _ in range(3)]
         assert all(m.weight.untyped_storage().nbytes() == m.weight.numel() * 2 for m in linears)  # written back
-        runs[release] = (losses, min(held), sum(m.weight.numel() * 2 for m in linears))
+        runs[release] = (losses, held[0] - base, sum(m.weight.numel() * 2 for m in linears))
     (keep, keep_held, bf16_bytes), (release, release_held, _) = runs["keep"], runs["release"]
-    assert keep_held - release_held >= bf16_bytes
+    assert keep_held - release_held >= bf16_bytes  # the first micro-batch's loss: the same activations and FP8 copies
     assert release == pytest.approx(keep, rel=1e-3)
