@@ -228,9 +228,9 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     ddp_model.train()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (bf16_linear_weights)
     try:
         with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
+            release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (quantized here)
             out = get_forward_backward_func()(
                 forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro),
                 model=ddp_model, num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,

@@ -290,6 +290,12 @@ def bf16_release_round_trips(ckpt_root: str) -> dict:
         except RuntimeError as e:
             run["raised"] = str(e)
         run["same_after_raise"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        with torch.no_grad():  # a NaN weight: quantized inside the step's finiteness watch (named there, no host sync each)
+            linears[0].weight[0, 0] = float("nan")
+        poisoned = train_step(ddp, optimizer, tokens, loss_fn, on_nonfinite="skip", **step)
+        run["nan_weight"] = poisoned.get("skipped") or "not skipped"
+        with torch.no_grad():
+            linears[0].weight[0, 0] = before[next(n for n, p in model.named_parameters() if p is linears[0].weight)][0, 0]
         run["released_in_loss"] = seen
         run["bf16_bytes"] = bf16_bytes
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -5,6 +5,7 @@ tensors: storages emptied, bytes counted, and the training bit for bit the train
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -81,10 +82,13 @@ def test_releasing_the_bf16_linear_weights_trains_bit_for_bit_and_survives_a_ski
     """`model.bf16_linear_weights=release` (jetrl's default where megatron's mixed-precision optimizer runs): while the
     loss runs, every FP8 linear's BF16 weight storage is empty (freed: as many bytes as those weights hold); three
     steps give the losses, grad norms, weights and Adam state of `keep` bit for bit; a step skipped for a NaN loss and a
-    step whose loss callback raises leave the weights as they were."""
+    step whose loss callback raises leave the weights as they were; a NaN weight is named by the step's finiteness check
+    (the release quantizes inside it)."""
     (runs,) = spawn(1, 1, 1, sc.bf16_release_round_trips, qwen3_checkpoint)
     keep, release = runs["keep"], runs["release"]
-    assert all(release["released_in_loss"]) and len(release["released_in_loss"]) == 2 * (sc.STEPS + 1) + 1
+    assert all(release["released_in_loss"]) and len(release["released_in_loss"]) == 2 * (sc.STEPS + 2) + 1
+    for run in (keep, release):  # a NaN weight is found by the step's one finiteness check, wherever it is quantized
+        assert re.search(r"the FP8 quantizer input decoder\.layers\.0\.\S+: weight \(NaN", run["nan_weight"]), run["nan_weight"]
     assert not any(keep["released_in_loss"]) and release["bf16_bytes"] > 0
     assert [s["loss"] for s in release["steps"]] == [s["loss"] for s in keep["steps"]]
     assert [s["grad_norm"] for s in release["steps"]] == [s["grad_norm"] for s in keep["steps"]]
