@@ -279,7 +279,9 @@ def sync(s) -> dict:
         pairs = s.offload.streamed(pairs)
     if s.pool is None:
         drain(pairs)
-    stats = {} if s.pool is None else s.pool.sync(pairs).as_metrics()
+        stats = {}
+    else:
+        stats = s.pool.sync(pairs).as_metrics()
     if s.offload is not None:
         stats |= {"sync/offload_gib": s.offload.freed["state"] / 2**30, "sync/fp8_dropped_gib": s.offload.freed["fp8"] / 2**30}
     return stats
