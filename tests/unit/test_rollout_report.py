@@ -97,12 +97,31 @@ def test_ceiling_bounds_the_fp8_step_by_the_fp8_weights_floor(tmp_path):
     text = out.read_text()
     assert "| 128 | n/a | n/a | n/a | 1 | 1 | 0 | 1.00x | n/a |" in text  # no --native: its columns read n/a
     assert "the FP8 linears' 6.00 GB read at 3000 GB/s take 2.000 ms; FP8 peak 1979 TFLOP/s" in text
-    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 8.000 | 3.000 (67%) | 1.000 | 2.000 (read) | "
-                                              "6.000 | **1.67x** | 1.25x | 2.692 ms (2.23 TB/s) |")
+    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 0.000 | 8.000 | 3.000 (67%) | 1.000 | "
+                                              "2.000 (read) | 6.000 | **1.67x** | 1.25x | 2.692 ms (2.23 TB/s) |")
     # a slow tensor core: 1.536 TFLOP at 500 TFLOP/s take 3.072 ms, above the read and above what 1.3x needs
     assert tool.main(["--vllm", *paths, "--fp8-tflops", "500", "-o", str(out)]) == 0
     assert out.read_text().rstrip().splitlines()[-1].endswith(
         "| 3.072 (FLOPs) | 7.072 | **1.41x** | 1.25x | 2.692 ms (2.23 TB/s): below the floor, unreachable |")
+
+
+def test_the_ceiling_at_rollout_tp_counts_one_ranks_share_and_its_all_reduces(tmp_path, capsys):
+    """Rollout TP 4 (`bench_vllm.py --tp 4`): a rank reads a quarter of the linears (`linear_GB` is its share: 1.5 GB at
+    3000 GB/s, 0.5 ms), and its BF16 step of 4 ms holds 1.5 ms of linear GEMMs and 1 ms of NCCL all-reduces that FP8
+    leaves as they are: the FP8 step is at least 4 - 1.5 + 0.5 = 3 ms, a 1.33x ceiling. Runs at another TP are refused."""
+    f8 = profiled("jetrl", 3.5, {"GEMM FP8": 0.75, "GEMM BF16": 0.25, "attention": 0.75, "NCCL": 1.0}, linear_GB=1.5,
+                  copy_GBps=3000.0, tp=4)
+    bf = profiled("bf16", 4.0, {"GEMM BF16": 1.75, "attention": 0.75, "NCCL": 1.0}, linear_GB=3.0, tp=4)
+    out = tmp_path / "r.md"
+    assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "x 36 layers, rollout TP 4 (one engine over 4 GPUs), prompt 256" in text
+    assert "the FP8 linears' 1.50 GB (one of 4 TP ranks' share) read at 3000 GB/s take 0.500 ms" in text
+    assert text.rstrip().splitlines()[-1].startswith("| 128 | 768 | 4.000 | 1.500 | 0.750 | 1.000 | 3.500 | 0.750 (67%) | 0.250 | "
+                                                     "0.500 (read) | 3.000 | **1.33x** | 1.14x |")
+    capsys.readouterr()
+    assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b1.json", dict(bf, tp=1))]) == 2
+    assert "the vLLM runs differ in" in capsys.readouterr().err
 
 
 def test_ceiling_needs_profiles_at_one_context(tmp_path, capsys):

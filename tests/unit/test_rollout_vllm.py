@@ -312,6 +312,22 @@ def test_bench_variants_set_only_what_they_measure(tmp_path):
     assert cat("_quantize_1x128_kernel") == "act quant" and cat("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "GEMM BF16"
     assert cat("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>") == "norm" and cat("_rope_fwd") == "rope"
     assert cat("void vllm::act_and_mul_kernel<...>") == "SiLU*mul" and cat("something_new") == "other"
+    assert cat("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "NCCL"  # rollout TP
+
+
+def test_bench_vllm_at_rollout_tp_runs_under_torchrun_one_process_per_gpu(monkeypatch, capsys):
+    """`--tp k` is one engine over k GPUs, one process each: refused, naming the torchrun line, in a process that
+    torchrun did not start with k ranks (before anything is imported or started)."""
+    bench = load_bench_vllm()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        bench.main(["--tp", "4"])
+    assert ("--tp 4 runs one process per GPU of the engine: start it as torchrun --nproc-per-node 4 "
+            "tools/bench/bench_vllm.py --tp 4 ... (this is 1 process(es))") in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        bench.main(["--tp", "4"])
+    assert "(this is 2 process(es))" in capsys.readouterr().err
 
 
 def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():

@@ -1,9 +1,12 @@
-"""vLLM 0.26.0 as the rollout engine on one GPU: engine start, on-device weight sync, decode tokens/s.
+"""vLLM 0.26.0 as the rollout engine on one GPU, or one engine over TP GPUs: engine start, on-device weight sync, decode tokens/s.
 
     python tools/bench/bench_vllm.py --mode jetrl [--layers 36] [--batches 64 128 256] [--prompt 256] [--new 512] --json out.json
     python tools/bench/bench_vllm.py --mode bf16 ...         # the same engine in BF16 (vLLM's own BF16 kernels)
+    torchrun --nproc-per-node 4 tools/bench/bench_vllm.py --tp 4 --mode jetrl ...   # rollout TP 4, as rollout.tp=4 runs it
 
-One engine per process (vLLM's external launcher on a one-rank NCCL group, as the trainer runs it), built by
+One engine per process (vLLM's external launcher on a one-rank NCCL group, as the trainer runs it), or with --tp one
+engine's TP rank per process (every rank passes the same prompts and seeds, as the colocated pool does; rank 0 prints
+and writes the JSON, with its own share of the linears as `linear_GB` and its NCCL time in the profile), built by
 `megatron_jetrl.rollout.vllm_engine.VllmEngine` with the shipped settings: the trainer's numerics pinned and checked
 at start-up, CUDA graphs + torch.compile unless --eager. Qwen3-8B shapes (hidden 4096, 32/8 heads, 12288 MLP,
 vocab 151936), random weights made on the device and quantized by the flow, as the trainer's FP8 bytes are.
@@ -163,8 +166,10 @@ def sampling_seed(variant: str) -> int | None:
     return None if variant == "unseeded" else 1
 
 
-DECODE_CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case. Attention
-    # first: FlashAttention 3's kernels are CUTLASS device kernels; quantizers before GEMMs (DeepGEMM's names say fp8)
+DECODE_CATEGORIES = (  # (category, kernel-name substrings), first match wins; names compared lower-case. NCCL first
+    # (rollout TP: the row-parallel all-reduces); attention next: FlashAttention 3's kernels are CUTLASS device kernels;
+    # quantizers before GEMMs (DeepGEMM's names say fp8)
+    ("NCCL", ("nccl",)),
     ("attention", ("flash", "fmha", "attn", "attention", "paged")),
     ("act quant", ("quant",)),
     ("GEMM FP8", ("fp8_gemm", "deep_gemm", "sm90_fp8", "w8a8", "scaled_mm", "blockwise")),
@@ -284,8 +289,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-context", type=int, default=None,
                     help="prompt length of the profiled generates (default: the timed runs' mean decode context, "
                          "prompt + new/2 - steps/2, so that the profiled steps' KV cache is the average one)")
+    ap.add_argument("--tp", type=int, default=1, help="one engine over this many GPUs (vLLM TP, as rollout.tp); run it "
+                                                      "under torchrun --nproc-per-node TP (default 1)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.tp < 1 or world != a.tp:
+        ap.error(f"--tp {a.tp} runs one process per GPU of the engine: start it as torchrun --nproc-per-node {a.tp} "
+                 f"tools/bench/bench_vllm.py --tp {a.tp} ... (this is {world} process(es))")
     try:
         extra, verify = variant_settings(a.variant, a.mode)
     except ValueError as e:
@@ -302,28 +313,32 @@ def main(argv=None) -> dict:
 
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         os.environ.setdefault(k, v)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", rank=rank, world_size=a.tp)
+    if rank:  # every rank runs the engine; rank 0 speaks
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
     flow = PrecisionFlow(a.mode)
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
-    res = {"mode": a.mode, "variant": a.variant, "layers": a.layers, "eager": a.eager, "device": torch.cuda.get_device_name(), "prompt": a.prompt,
-           "new_tokens": a.new, "deep_gemm_cache": str(deep_gemm_cache_dir()),
+    res = {"mode": a.mode, "variant": a.variant, "layers": a.layers, "tp": a.tp, "eager": a.eager, "device": torch.cuda.get_device_name(),
+           "prompt": a.prompt, "new_tokens": a.new, "deep_gemm_cache": str(deep_gemm_cache_dir()),
            "deep_gemm_cache_entries": len(list(deep_gemm_cache_dir().glob("**/*.cubin")))}
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()
-    engine = VllmEngine(model_dir, flow, eos_token_ids=[config["eos_token_id"]], seed=0,
+    engine = VllmEngine(model_dir, flow, tp=a.tp, tp_rank=rank, eos_token_ids=[config["eos_token_id"]], seed=0,
                         kv_cache_memory_bytes=int(a.kv_gb * 2**30), gpu_memory_utilization=0.9, enforce_eager=a.eager,
                         max_model_len=a.prompt + a.new + 16, verify_numerics=verify, **extra)
     res["start_s"] = time.perf_counter() - t0
     res["numerics"] = engine.numerics
     batch = device_stream(arch, flow)
     res["model_GB"] = sum(t.numel() * t.element_size() for t in batch.values()) / 1e9
-    res["linear_GB"] = linear_bytes(batch) / 1e9
+    res["linear_GB"] = linear_bytes(batch) / a.tp / 1e9  # one rank's share: TP splits every linear
     times = [timed(lambda: engine.update_weights(batch.items())) for _ in range(a.sync_reps)]
     res["sync_best_s"], res["sync_median_s"] = min(times), statistics.median(times)
     res["sync_GBps"] = res["model_GB"] / res["sync_best_s"]
     res["copy_GBps"] = copy_rate_gbps()
-    pool = ColocatedPool(engine)
+    pool = ColocatedPool(engine, rollout_tp=a.tp)
     pool.sleep()
     res["pool_cycle_s"] = timed(lambda: pool.sync(batch.items()))
     res["pool_cycle_parts"] = pool.last_sync.parts
@@ -347,7 +362,7 @@ def main(argv=None) -> dict:
         p = decode_profile(engine, prompts, steps=a.profile_steps, seed=sampling_seed(a.variant))
         res["decode_profiles"][str(b)] = p
         print_decode_profile(f"{a.mode} {a.variant}", p)
-    if a.json:
+    if a.json and rank == 0:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return res
 

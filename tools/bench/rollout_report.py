@@ -20,7 +20,9 @@ parameters; the parameters are the BF16 run's linear bytes / 2) at the FP8 tenso
 1979: H100 and H200 SXM, dense), with every FP8-only pass free. The ceiling is BF16's step over that; no FP8 GEMM
 kernel beats it with the trainer's numerics kept, up to reading somewhat above the copy rate (towards the memory's
 peak): the last column gives the FP8 GEMM time (and weight read rate) that 1.3x would need with today's FP8-only
-work, unreachable where it is below the floor. Steps are GPU-busy ms.
+work, unreachable where it is below the floor. Steps are GPU-busy ms. At rollout TP k (`bench_vllm.py --tp k` under
+torchrun) the same bound holds per rank: each reads its 1/k of the linears (`linear_GB` is that share), and the
+row-parallel all-reduces (the NCCL column) are the same work in both modes, so they lower the ceiling as attention does.
 
 Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
 """
@@ -57,7 +59,9 @@ def vllm_runs(paths: list[str]) -> dict[str, dict]:
         if run_key(r) in runs:
             raise ValueError(f"{path}: a second vLLM {run_key(r)} run; give one per mode and variant")
         runs[run_key(r)] = r
-    keys = ("layers", "prompt", "new_tokens")
+    for r in runs.values():
+        r.setdefault("tp", 1)  # (runs before --tp)
+    keys = ("layers", "prompt", "new_tokens", "tp")
     if len({tuple(r.get(k) for k in keys) for r in runs.values()}) > 1:
         raise ValueError("the vLLM runs differ in " + ", ".join(f"{m}: {dict((k, r.get(k)) for k in keys)}" for m, r in runs.items()))
     return runs
@@ -93,7 +97,8 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
     variants = [k for k in runs if k not in ("jetrl", "bf16") and not k.startswith("bf16 ")]
     base = {k: f"bf16 {k.split(' ', 1)[1]}" if f"bf16 {k.split(' ', 1)[1]}" in runs else "bf16" for k in variants}
     extra_head = "".join(f" vLLM {k} | vLLM {k} / {base[k]} |" for k in variants)
-    lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers, prompt {prompt}, {new} new tokens "
+    tp = f", rollout TP {ref['tp']} (one engine over {ref['tp']} GPUs)" if ref.get("tp", 1) > 1 else ""
+    lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers{tp}, prompt {prompt}, {new} new tokens "
              + (f"(native on {native['device']}, vLLM on {ref['device']})." if native["device"] else
                 f"(vLLM on {ref['device']}; the native engine not run)."), "",
              "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | "
@@ -144,17 +149,19 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
         need_rate = ("below zero: unreachable" if need <= 0 else f"{need:.3f} ms ({f8['linear_GB'] / need:.2f} TB/s)"
                      + (": below the floor, unreachable" if need < floor else ""))
         lines.append(f"| {b} | {B['context']:.0f} | {B['busy_ms']:.3f} | {lin_b:.3f} | {B['categories'].get('attention', 0.0):.3f} | "
+                     f"{B['categories'].get('NCCL', 0.0):.3f} | "
                      f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {extra:.3f} | "
                      f"{floor:.3f} ({'read' if read_f >= flops_f else 'FLOPs'}) | {best:.3f} | **{B['busy_ms'] / best:.2f}x** | "
                      f"{B['busy_ms'] / F['busy_ms']:.2f}x | {need_rate} |")
     if not lines:
         return ""
-    head = (f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB read at "
+    share = f" (one of {f8['tp']} TP ranks' share)" if f8.get("tp", 1) > 1 else ""
+    head = (f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB{share} read at "
             f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms; FP8 peak {fp8_tflops:.0f} TFLOP/s).\n\n"
-            "| batch | context | BF16 step | its linear GEMMs | attention | FP8 step | its FP8 GEMMs (copy-rate share) | "
+            "| batch | context | BF16 step | its linear GEMMs | attention | NCCL | FP8 step | its FP8 GEMMs (copy-rate share) | "
             "FP8's other extra work | FP8 GEMMs' floor | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 | "
             f"FP8 GEMMs for {GOAL}x with today's extra work |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     return "\n" + head + "\n" + "\n".join(lines) + "\n"
 
 

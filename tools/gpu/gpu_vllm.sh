@@ -11,7 +11,8 @@
 #   bench   tools/bench/bench_vllm.py once per run of $RUNS (default "jetrl bf16": --mode jetrl, --mode bf16; start, sync,
 #           decode at Qwen3-8B shapes) -> bench_MODE.json; a run MODE:VARIANT (e.g. RUNS="jetrl jetrl:vllm-glue jetrl:cutlass-gemm bf16:triton-attn",
 #           bench_vllm.py --variant: what vLLM's fused quant kernels or another attention backend would buy) ->
-#           bench_MODE_VARIANT.json. Split the runs over calls as the 10-minute limit needs; the same OUT collects them
+#           bench_MODE_VARIANT.json. Split the runs over calls as the 10-minute limit needs; the same OUT collects them.
+#           TP=4: one engine over 4 GPUs (rollout TP 4, torchrun; give it its own OUT: report compares runs of one TP)
 #   decode  tools/bench/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,
 #           512 new tokens, batches 64 128 256 unless BENCH_ARGS changed them: pass the same as NATIVE_ARGS), then
 #           tools/bench/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
@@ -61,7 +62,9 @@ for stage in "$@"; do
       for run in ${RUNS:-jetrl bf16}; do
         mode=${run%%:*}; variant=${run#*:}; [ "$variant" = "$run" ] && variant=shipped
         name=$mode; [ "$variant" = shipped ] || name=${mode}_$variant
-        python3 tools/bench/bench_vllm.py --mode "$mode" --variant "$variant" --json "$OUT/bench_$name.json" ${BENCH_ARGS:-} 2>&1 \
+        launcher=(python3); [ "${TP:-1}" -gt 1 ] && launcher=(python3 -m torch.distributed.run --standalone --nproc-per-node "$TP")
+        "${launcher[@]}" tools/bench/bench_vllm.py --tp "${TP:-1}" --mode "$mode" --variant "$variant" --json "$OUT/bench_$name.json" \
+          ${BENCH_ARGS:-} 2>&1 \
           | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/bench_$name.log" | grep -E "^\[|Error|error" ;
       done ;;
     decode)
