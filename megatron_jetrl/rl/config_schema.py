@@ -470,13 +470,8 @@ class JetRLConfig:
                f"run.eval_every={self.run.eval_every} scores the policy on held-out problems, but data.heldout=0 holds none "
                "out: set data.heldout (e.g. 128) or run.eval_every=0")
         if self.model.bf16_linear_weights == "release":
-            _check(self.precision.train_fp8 and self.model.spec == "local",
-                   f"model.bf16_linear_weights=release frees the BF16 weights of the local spec's FP8 linears; mode "
-                   f"{self.precision.mode!r} with model.spec={self.model.spec} trains none: set it to auto or keep")
-            _check(self.optim.bf16 and not self.optim.distributed,
-                   "model.bf16_linear_weights=release needs megatron's mixed-precision optimizer (optim.bf16=true, "
-                   "optim.distributed=false): the distributed optimizer keeps the parameters in one buffer, and FP32 weights "
-                   "are the optimizer's own; set it to auto or keep")
+            problem = self._bf16_release_problem()
+            _check(problem is None, f"{problem}: set it to auto or keep")
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.model.hf_config:
@@ -490,7 +485,18 @@ class JetRLConfig:
         """`model.bf16_linear_weights` resolved: `auto` releases wherever `release` is allowed."""
         if self.model.bf16_linear_weights != "auto":
             return self.model.bf16_linear_weights == "release"
-        return (self.precision.train_fp8 and self.model.spec == "local" and self.optim.bf16 and not self.optim.distributed)
+        return self._bf16_release_problem() is None
+
+    def _bf16_release_problem(self) -> str | None:
+        """Why the FP8 linears' BF16 weights cannot be freed through a train step here, or None."""
+        if not (self.precision.train_fp8 and self.model.spec == "local"):
+            return (f"model.bf16_linear_weights=release frees the BF16 weights of the local spec's FP8 linears; mode "
+                    f"{self.precision.mode!r} with model.spec={self.model.spec} trains none")
+        if not self.optim.bf16 or self.optim.distributed:
+            return ("model.bf16_linear_weights=release needs megatron's mixed-precision optimizer (optim.bf16=true, "
+                    "optim.distributed=false): the distributed optimizer keeps the parameters in one buffer, and FP32 "
+                    "weights are the optimizer's own")
+        return None
 
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or
@@ -567,8 +573,8 @@ class JetRLConfig:
                        "are too small to beat BF16's once quantized, and the step waits on the TP all-reduces; Qwen3-8B at TP 4 "
                        "measured 0.92-0.93x bf16's step, at TP 1 x PP 4 1.19x and 1.8-2.3x faster in both modes (BENCHMARKS.md): "
                        "where the model fits, use fewer TP ranks and more pipeline stages")
-        if (self.model.bf16_linear_weights == "auto" and self.precision.train_fp8 and self.model.spec == "local"
-                and self.optim.distributed and self.parallel.dp == 1 and self.model.hf_config):
+        if (self.model.bf16_linear_weights == "auto" and self.optim.distributed and self.parallel.dp == 1 and self.model.hf_config
+                and self.precision.train_fp8 and self.model.spec == "local" and self.optim.bf16):  # only the optimizer keeps them
             arch = self.arch()
             gib = arch.linear_params * max(self.parallel.stage_layers(arch.num_layers)) * 2 / self.parallel.tp / 2**30
             out.append(f"optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 "

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
-from megatron_jetrl.actor.parallel import from_last_stage
+from megatron_jetrl.actor.parallel import from_last_stage, group_device
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
 from megatron_jetrl.rl import faults, preflight
@@ -294,9 +294,8 @@ def memory_metrics(t: Phases) -> dict:
     if not t.peaks:
         return {}
     names = list(t.peaks)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     peaks = torch.tensor([t.peaks[n][0] for n in names] + [max(r for _, r in t.peaks.values())], dtype=torch.float64,
-                         device=device)
+                         device=group_device(None))
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return dict(zip([f"memory/{n}_gib" for n in names] + ["memory/reserved_gib"], (peaks / 2**30).tolist()))
 
