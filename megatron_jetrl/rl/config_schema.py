@@ -500,12 +500,12 @@ class JetRLConfig:
 
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default) turns it on: mode jetrl with vLLM at TP 1 or
-        2 without pipeline stages (where equality and its cost were measured; beyond TP 2, the trainer's collectives
-        would need vLLM's one-channel NCCL settings; under PP, where every layer runs the same kernels on the same rows
-        and the stages pass BF16 activations unchanged, `true` is allowed and `tests/gpu` checks it at PP 2, not yet
-        measured on a GPU) wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off: it would
-        put vLLM in its process-wide batch-invariant mode (`precision.exact_logprobs=true` asks for that)."""
-        if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2 or self.parallel.pp > 1:
+        2, with or without pipeline stages (where equality and its cost were measured: under PP every layer runs the
+        same kernels on the same rows and the stages pass BF16 activations unchanged; beyond TP 2 the trainer's
+        collectives would need vLLM's one-channel NCCL settings), wherever every requirement of `_check_exact_logprobs`
+        holds. Mode bf16 keeps it off: it would put vLLM in its process-wide batch-invariant mode
+        (`precision.exact_logprobs=true` asks for that)."""
+        if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2:
             return False
         try:
             self._check_exact_logprobs()

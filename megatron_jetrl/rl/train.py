@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     last_saved = None
     for step in range(start, cfg.run.steps):
         profiler = step_profiler(s, step)
-        t = Phases(profiler=profiler, memory=True)
+        t = Phases(profiler=profiler, memory=True, unmapped=s.pool.engine.unmapped_bytes if colocated(s) else None)
         with t("sync"):
             stats = sync(s)  # the engines serve the policy this step samples
         held = heldout_metrics(s, step)  # that policy on problems it never trains on
@@ -289,8 +289,9 @@ def sync(s) -> dict:
 
 def memory_metrics(t: Phases) -> dict:
     """GPU memory of the step's phases, the most on any rank (GiB, collective): `memory/<phase>_gib`, what torch's
-    caching allocator had allocated at its peak in that phase (the colocated engine's weights and KV cache while it is
-    awake included), and `memory/reserved_gib`, the most it held from the device in the step; {} off CUDA."""
+    caching allocator had allocated at its peak in that phase (the colocated engine's weights and KV cache while they
+    are mapped included, not while the engine sleeps: `Phases`), and `memory/reserved_gib`, the most it held from the
+    device in the step; {} off CUDA."""
     if not t.peaks:
         return {}
     names = list(t.peaks)

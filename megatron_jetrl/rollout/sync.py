@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -111,25 +111,33 @@ class Phases(dict):
     Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts.
     A `profiler` (`rl.profiling.StepProfiler`) profiles the phases it wants. `memory=True` (the train loop's phases,
     not nested ones: it resets torch's peak counters at each phase's start) also keeps, once CUDA is in use, the most
-    bytes torch's caching allocator had allocated and reserved during each phase (`peaks[name]`)."""
+    bytes torch's caching allocator had allocated and reserved during each phase (`peaks[name]`), less what a
+    sleeping colocated engine holds unmapped through the whole phase (`unmapped()`, sampled as the phase starts and
+    ends): vLLM's sleep unmaps its weights and KV cache but leaves their blocks in torch's counters, which would
+    otherwise count them while the actor trains (above the card's size at Qwen3-8B's PP 4)."""
 
-    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None, memory: bool = False):
+    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None, memory: bool = False,
+                 unmapped: Callable[[], int] | None = None):
         super().__init__()
-        self.prefix, self.suffix, self.profiler, self.memory = prefix, suffix, profiler, memory
+        self.prefix, self.suffix, self.profiler, self.memory, self.unmapped = prefix, suffix, profiler, memory, unmapped
         self.peaks: dict[str, tuple[int, int]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
-        if self.memory and torch.cuda.is_initialized():
+        counting = self.memory and torch.cuda.is_initialized()
+        if counting:
             torch.cuda.reset_peak_memory_stats()
+            asleep = self.unmapped() if self.unmapped is not None else 0
         with self.profiler.phase(name) if self.profiler is not None and self.profiler.wants(name) else contextlib.nullcontext():
             yield
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
-            if self.memory:
+            if counting:
+                asleep = min(asleep, self.unmapped() if self.unmapped is not None else 0)
                 before = self.peaks.get(name, (0, 0))
-                self.peaks[name] = (max(before[0], torch.cuda.max_memory_allocated()), max(before[1], torch.cuda.max_memory_reserved()))
+                self.peaks[name] = (max(before[0], torch.cuda.max_memory_allocated() - asleep),
+                                    max(before[1], torch.cuda.max_memory_reserved() - asleep))
         key = f"{self.prefix}{name}{self.suffix}"
         self[key] = self.get(key, 0.0) + time.perf_counter() - start
 

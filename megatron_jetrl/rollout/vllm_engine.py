@@ -611,6 +611,13 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
         return sum(data.handle[1] for data in CuMemAllocator.get_instance().pointer_to_data.values())
 
+    def unmapped_bytes(self) -> int:
+        """Device bytes of this engine's allocations that sleep now: unmapped, yet still counted by torch's caching
+        allocator (their tensors live on in vLLM's memory pool)."""
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        return sum(data.handle[1] for data in CuMemAllocator.get_instance().pointer_to_data.values() if data.is_asleep)
+
     def sleep(self) -> None:
         """Level 2: weights and KV cache are discarded (the next sync rewrites every weight)."""
         if not self.sleeping:

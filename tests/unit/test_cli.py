@@ -136,3 +136,27 @@ def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_
     assert cpu.peaks == {} and memory_metrics(cpu) == {}
     nested = Phases("sync/", "_s")  # a sync's parts leave the loop's counters alone
     assert not nested.memory
+
+
+def test_a_sleeping_engines_unmapped_bytes_leave_the_phases_peaks(monkeypatch):
+    """vLLM's sleep unmaps its memory but torch still counts the blocks: a phase the engine sleeps through (eval,
+    update) reports torch's peaks less the engine's unmapped bytes; a phase in which it wakes or falls asleep (sync,
+    rollout) keeps them, since its peak is the engine awake."""
+    import torch
+
+    from megatron_jetrl.rl.train import Phases
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 90 << 30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 95 << 30)
+    asleep = [20 << 30]
+    t = Phases(memory=True, unmapped=lambda: asleep[0])
+    with t("update"):  # asleep throughout
+        pass
+    with t("sync"):  # wakes
+        asleep[0] = 0
+    with t("rollout"):  # falls asleep at its end
+        asleep[0] = 20 << 30
+    assert t.peaks == {"update": (70 << 30, 75 << 30), "sync": (90 << 30, 95 << 30), "rollout": (90 << 30, 95 << 30)}

@@ -130,11 +130,12 @@ def test_auto_the_default_turns_it_on_where_it_holds_and_the_flow_says_which(ove
     assert load_config(GPU, [*overrides, f"precision.exact_logprobs={str(on).lower()}"]).precision == cfg.precision
 
 
-def test_pipeline_stages_take_it_when_asked_and_auto_leaves_it_off_there():
-    """Under PP every layer runs the same kernels on the same rows and the stages pass BF16 activations unchanged: an
-    explicit `true` loads (tests/gpu checks equality at PP 2); `auto` waits for that measurement."""
+def test_pipeline_stages_take_it_and_auto_turns_it_on_there():
+    """Under PP every layer runs the same kernels on the same rows and the stages pass BF16 activations unchanged
+    (tests/gpu checks equality at PP 2; BENCHMARKS measures PP 4): `auto` turns it on at TP 1 and 2, as without PP."""
     assert load_config(GPU, [*ON, "parallel.pp=2"]).precision.exact_logprobs
-    assert not load_config(GPU, ["rollout.engine=vllm", "parallel.pp=2"]).precision.exact_logprobs
+    assert load_config(GPU, ["rollout.engine=vllm", "parallel.pp=2"]).precision.exact_logprobs
+    assert not load_config(GPU, ["rollout.engine=vllm", "parallel.pp=2", "precision.mode=bf16"]).precision.exact_logprobs
 
 
 def test_auto_stays_off_beyond_tp_2():
