@@ -225,7 +225,8 @@ CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up w
            f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
            "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps. "
            f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one; rollout and update "
-           "GiB: the most torch's allocator held in that phase on any rank, over all steps (the metrics' memory/*_gib).")
+           "GiB: the most torch's allocator held in that phase on any rank, over all steps (the metrics' memory/*_gib; a "
+           "sleeping engine's unmapped bytes left out).")
 
 
 def to_markdown(rows: list[RunRow]) -> str:

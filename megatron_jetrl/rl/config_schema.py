@@ -571,7 +571,7 @@ class JetRLConfig:
         if self.precision.train_fp8 and hidden and self.parallel.tp > 1 and hidden // self.parallel.tp <= THIN_FP8_SHARD:
             out.append(f"parallel.tp={self.parallel.tp} leaves each rank {hidden // self.parallel.tp} of hidden_size={hidden}: its FP8 GEMMs "
                        "are too small to beat BF16's once quantized, and the step waits on the TP all-reduces; Qwen3-8B at TP 4 "
-                       "measured 0.92-0.93x bf16's step, at TP 1 x PP 4 1.19x and 1.8-2.3x faster in both modes (BENCHMARKS.md): "
+                       "measured 0.92-0.93x bf16's step, at TP 1 x PP 4 1.19-1.29x and 1.8-2.3x faster in both modes (BENCHMARKS.md): "
                        "where the model fits, use fewer TP ranks and more pipeline stages")
         if (self.model.bf16_linear_weights == "auto" and self.optim.distributed and self.parallel.dp == 1 and self.model.hf_config
                 and self.precision.train_fp8 and self.model.spec == "local" and self.optim.bf16):  # only the optimizer keeps them

@@ -21,7 +21,9 @@
 # ARGS (extra overrides for every run). Where the time of each phase goes: STEPS=4 ARGS="run.profile_step=3" profiles
 # the last step's eval and update on every rank (rl.profiling; <name>_profile_step3_rank<R>.json in $OUT; the report's
 # medians leave that step out; tools/profile_report.py compares the modes -> <stage>_<layout>_<len>_profile.md).
-# Larger sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer); LEN=4096
+# Larger sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer; with
+# ARGS="rollout.offload=optimizer grpo.micro_batch_size=4 grpo.logprob_micro_batch_size=16": without the offload the
+# first sync runs out of memory beside the TP 2 engines); LEN=4096
 # (with ARGS="rollout.offload=optimizer": the actor's grads, optimizer state and FP8 weight copies leave the GPU while
 # the engine is awake, and the KV cache a step of long rollouts needs gets that memory);
 # PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1 parallel.pp=4 rollout.tp=1"
