@@ -47,7 +47,9 @@ class OptimConfig:
     """megatron's DistributedOptimizer (ZeRO-1): gradients are reduce-scattered, each DP rank keeps the FP32 main
     params and Adam moments of its 1/DP of the parameters only, and the updated params are all-gathered. Same
     update as the replicated optimizer up to the grad-norm summation order; checkpoints hold the state gathered
-    in megatron's DP-size-independent `dp_zero` format."""
+    in megatron's DP-size-independent `dp_zero` format. A run config may say `auto` (the model presets do): on where
+    `parallel.dp > 1`; at DP 1 it would shard nothing, and megatron's mixed-precision optimizer lets jetrl free its
+    linears' BF16 weights through each step (`model.bf16_linear_weights`)."""
     fused: bool = True
     """On CUDA, step megatron's torch Adam (its choice without TE or apex) as torch's fused Adam: one kernel instead
     of seven passes over the FP32 state (`use_fused_adam`). False: the foreach Adam megatron builds. TE's and

@@ -139,15 +139,22 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def config_from_dict(data: dict) -> JetRLConfig:
-    """The run config; `precision.exact_logprobs: auto` (also when absent) resolves to whether it holds
-    (`JetRLConfig.exact_logprobs_holds`), so the flow every part reads says true or false."""
+    """The run config, its `auto` settings resolved, so that every part reads true or false:
+    `precision.exact_logprobs: auto` (also when absent) to whether it holds (`JetRLConfig.exact_logprobs_holds`), and
+    `optim.distributed: auto` to whether there are data-parallel ranks to shard over (`parallel.dp > 1`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config is a mapping of sections, got {type(data).__name__}")
     precision = data.get("precision") or {}
     auto = isinstance(precision, dict) and precision.get("exact_logprobs", "auto") == "auto"
     if auto:
         data = {**data, "precision": {**precision, "exact_logprobs": False}}
+    optim = data.get("optim") or {}
+    auto_zero1 = isinstance(optim, dict) and optim.get("distributed") == "auto"
+    if auto_zero1:
+        data = {**data, "optim": {**optim, "distributed": False}}
     cfg = _config(data)
+    if auto_zero1 and cfg.parallel.dp > 1:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=True))
     if auto and cfg.exact_logprobs_holds():
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, exact_logprobs=True))
     return cfg

@@ -102,17 +102,31 @@ def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
     assert balanced_last_layers(tiny.arch(), 2) == 0 and tiny.notices() == []
 
 
+def test_the_presets_shard_the_optimizer_only_over_data_parallel_ranks():
+    """`optim.distributed: auto` (the model presets): ZeRO-1 where parallel.dp > 1; at DP 1 megatron's mixed-precision
+    optimizer, under which jetrl frees its linears' BF16 weights; an explicit value stays."""
+    assert not load_config(E2E_8B).optim.distributed
+    assert load_config(E2E_8B, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=2"]).optim.distributed
+    assert load_config(E2E_8B, ["optim.distributed=true"]).optim.distributed
+    assert not load_config(E2E_8B, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "optim.distributed=false"]).optim.distributed
+    assert load_config(None, ["optim.distributed=auto", "parallel.dp=2"]).optim.distributed
+    assert load_config(E2E_8B, ["precision.mode=jetrl"]).model.bf16_linear_weights == "auto"
+    with pytest.raises(ConfigError, match="optim.distributed"):
+        load_config(E2E_8B, ["optim.distributed=sometimes"])
+
+
 def test_the_distributed_optimizer_at_dp_1_is_noted_with_the_memory_it_keeps():
-    """jetrl with the preset's optim.distributed=true at parallel.dp=1 keeps the FP8 linears' BF16 weights through each
-    train step (its parameter buffers): noted with the GiB that optim.distributed=false frees (the largest stage's linears,
+    """jetrl with optim.distributed=true at parallel.dp=1 keeps the FP8 linears' BF16 weights through each train step
+    (its parameter buffers): noted with the GiB that optim.distributed=false frees (the largest stage's linears,
     2 bytes a parameter, on one TP rank); not at DP 2, nor in bf16, nor where the setting is given."""
-    pp4 = load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6"]).notices()
+    zero1 = "optim.distributed=true"
+    pp4 = load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6", zero1]).notices()
     assert pp4 == ["optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 linears' "
                    "BF16 weights through every train step; optim.distributed=false frees them (3.6 GiB a GPU here, "
                    "model.bf16_linear_weights)"]  # 10 layers x 193M linear parameters x 2 bytes
-    assert any("(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4"]).notices())  # 36 x 193M x 2 / 4
+    assert any("(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4", zero1]).notices())  # 36 x 193M x 2 / 4
     for quiet in (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2"], ["precision.mode=bf16"], ["model.bf16_linear_weights=keep"]):
-        assert not any(n.startswith("optim.distributed=true") for n in load_config(E2E_8B, quiet).notices()), quiet
+        assert not any(n.startswith("optim.distributed=true") for n in load_config(E2E_8B, [zero1, *quiet]).notices()), quiet
 
 
 EIGHT_B = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "modes/jetrl.yaml"]
