@@ -150,11 +150,15 @@ def test_sleep_wake_sync_cycle_restores_the_same_generations(setup):
     before = [o.completions[0].token_ids for o in engine.generate(prompts(), greedy)]
     pool = ColocatedPool(engine)
     free_awake = torch.cuda.mem_get_info()[0]
+    assert engine.unmapped_bytes() == 0
     pool.sleep()
     freed = torch.cuda.mem_get_info()[0] - free_awake
     print(f"sleep(level=2) freed {freed / 2**30:.2f} GiB")
     assert freed > 0.9 * (2 << 30)  # at least the KV cache
+    # what the loop's memory peaks leave out while the engine sleeps: every allocation, all of it freed on the device
+    assert engine.unmapped_bytes() == engine.mapped_bytes() == pool.wake_bytes and freed >= 0.9 * pool.wake_bytes
     stats = pool.sync(batch.items())
+    assert engine.unmapped_bytes() == 0
     print(f"sync: {stats.tensors} tensors, {stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms")
     after = [o.completions[0].token_ids for o in pool.generate(prompts(), greedy)]
     assert after == before
