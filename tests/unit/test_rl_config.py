@@ -79,6 +79,7 @@ def test_a_rollout_split_other_than_the_trainers_is_noted_in_jetrl_only():
 
 
 E2E_8B = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "e2e_8b.yaml"]
+PP1 = ["parallel.pp=1", "parallel.pp_last_layers=0"]  # e2e_8b's own layout is TP 1 x PP 4; these take TP alone
 ND = "optim.distributed=false"  # (at parallel.dp=1 the preset's distributed optimizer has a note of its own)
 
 
@@ -88,16 +89,16 @@ def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
     by the GEMM count (`balanced_last_layers`); a given count, or PP 1, is not."""
     from megatron_jetrl.rl.config_schema import balanced_last_layers
 
-    tp4 = load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4", ND]).notices()
+    tp4 = load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", ND]).notices()
     assert len(tp4) == 1 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
-    assert load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
-    assert load_config(E2E_8B, ["parallel.tp=2", "rollout.tp=2", ND]).notices() == []
-    pp4 = load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", ND])
+    assert load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
+    assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "rollout.tp=2", ND]).notices() == []
+    pp4 = load_config(E2E_8B, ["parallel.pp_last_layers=0", ND])  # an even split
     assert [n.split("; ")[-1] for n in pp4.notices()] == ["parallel.pp_last_layers=6 evens the stages by the GEMM count"]
     # 36 layers, the output layer worth 151936 * 4096 / 193e6 = 3.2 layers: 10 + 10 + 10 + (6 + 3.2) against 9 + 9 + 9 + 12.2
     assert balanced_last_layers(pp4.arch(), 4) == 6 and balanced_last_layers(pp4.arch(), 2) == 16
     assert balanced_last_layers(pp4.arch(), 1) == 0
-    assert load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6", ND]).notices() == []
+    assert load_config(E2E_8B, [ND]).notices() == []  # e2e_8b itself: 6 on the last stage
     tiny = load_config(None, ["parallel.pp=2"])  # 2 layers: no other split exists
     assert balanced_last_layers(tiny.arch(), 2) == 0 and tiny.notices() == []
 
@@ -106,9 +107,9 @@ def test_the_presets_shard_the_optimizer_only_over_data_parallel_ranks():
     """`optim.distributed: auto` (the model presets): ZeRO-1 where parallel.dp > 1; at DP 1 megatron's mixed-precision
     optimizer, under which jetrl frees its linears' BF16 weights; an explicit value stays."""
     assert not load_config(E2E_8B).optim.distributed
-    assert load_config(E2E_8B, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=2"]).optim.distributed
+    assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2"]).optim.distributed
     assert load_config(E2E_8B, ["optim.distributed=true"]).optim.distributed
-    assert not load_config(E2E_8B, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "optim.distributed=false"]).optim.distributed
+    assert not load_config(E2E_8B, [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "optim.distributed=false"]).optim.distributed
     assert load_config(None, ["optim.distributed=auto", "parallel.dp=2"]).optim.distributed
     assert load_config(E2E_8B, ["precision.mode=jetrl"]).model.bf16_linear_weights == "auto"
     with pytest.raises(ConfigError, match="optim.distributed"):
@@ -120,12 +121,12 @@ def test_the_distributed_optimizer_at_dp_1_is_noted_with_the_memory_it_keeps():
     (its parameter buffers): noted with the GiB that optim.distributed=false frees (the largest stage's linears,
     2 bytes a parameter, on one TP rank); not at DP 2, nor in bf16, nor where the setting is given."""
     zero1 = "optim.distributed=true"
-    pp4 = load_config(E2E_8B, ["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6", zero1]).notices()
+    pp4 = load_config(E2E_8B, [zero1]).notices()
     assert pp4 == ["optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 linears' "
                    "BF16 weights through every train step; optim.distributed=false frees them (3.6 GiB a GPU here, "
                    "model.bf16_linear_weights)"]  # 10 layers x 193M linear parameters x 2 bytes
-    assert any("(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, ["parallel.tp=4", "rollout.tp=4", zero1]).notices())  # 36 x 193M x 2 / 4
-    for quiet in (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2"], ["precision.mode=bf16"], ["model.bf16_linear_weights=keep"]):
+    assert any("(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", zero1]).notices())  # 36 x 193M x 2 / 4
+    for quiet in ([*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2"], ["precision.mode=bf16"], ["model.bf16_linear_weights=keep"]):
         assert not any(n.startswith("optim.distributed=true") for n in load_config(E2E_8B, [zero1, *quiet]).notices()), quiet
 
 
