@@ -124,7 +124,8 @@ def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
     refused = {k: v for k, v in changes.items() if k not in APPLIED_ON_RESUME}
     if refused:
         what = "; ".join(f"{k}: trained with {old!r}, now {new!r}" for k, (old, new) in sorted(refused.items()))
+        keep = " ".join(f"{k}={json.dumps(old)}" for k, (old, _) in sorted(refused.items()))
         raise ConfigError(f"{cfg.run.directory} (step {step}) would resume with changed hyper-parameters ({what}): a resumed "
-                          f"run keeps its own; drop the override(s), or start a new run with another run.name "
-                          f"(e.g. run.name={cfg.run.directory.name}-2)")
+                          f"run keeps its own: drop the override(s) or pass {keep} (a config's auto may resolve otherwise "
+                          f"now), or start a new run with another run.name (e.g. run.name={cfg.run.directory.name}-2)")
     return PreviousRun(cfg.run.directory, ckpt, step, changes)

@@ -46,6 +46,17 @@ def test_a_changed_hyper_parameter_is_refused_naming_the_key(tmp_path, capsys):
         previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=9", "grpo.updates_per_step=2", "grpo.micro_batch_size=8"]))
 
 
+def test_a_setting_whose_auto_resolves_otherwise_now_is_refused_with_the_override_that_keeps_it(tmp_path):
+    """`optim.distributed: auto` follows parallel.dp, which a resume may change: a run trained with ZeRO-1 (DP 2) and
+    resumed at DP 1 keeps its optimizer only when told so, and the refusal says how."""
+    out = finished_run(tmp_path, 3, "optim.distributed=auto", "parallel.dp=2", "grpo.micro_batch_size=4")
+    with pytest.raises(ConfigError) as e:
+        previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=9", "optim.distributed=auto"]))
+    assert "optim.distributed: trained with True, now False" in str(e.value) and "pass optim.distributed=true" in str(e.value)
+    kept = previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=9", "optim.distributed=true"]))
+    assert kept.step == 3 and "parallel.dp" in kept.changes
+
+
 def test_settings_a_resumed_run_may_change_are_applied_and_said(tmp_path):
     out = finished_run(tmp_path)
     cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "run.save_every=1", "run.timeout_s=60"])
