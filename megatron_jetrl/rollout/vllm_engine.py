@@ -607,16 +607,12 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         releases and a full wake maps again. Read from the allocator, not from free memory: vLLM's sleep also runs
         `torch.cuda.empty_cache()`, which hands back the trainer's cached blocks too (5.4 GiB mapped against 14.5
         GiB more free memory at 1.5B, H100)."""
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        return sum(data.handle[1] for data in CuMemAllocator.get_instance().pointer_to_data.values())
+        return sum(data.handle[1] for data in _allocations())
 
     def unmapped_bytes(self) -> int:
         """Device bytes of this engine's allocations that sleep now: unmapped, yet still counted by torch's caching
         allocator (their tensors live on in vLLM's memory pool)."""
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        return sum(data.handle[1] for data in CuMemAllocator.get_instance().pointer_to_data.values() if data.is_asleep)
+        return sum(data.handle[1] for data in _allocations() if data.is_asleep)
 
     def sleep(self) -> None:
         """Level 2: weights and KV cache are discarded (the next sync rewrites every weight)."""
@@ -632,3 +628,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             self.sleeping -= set(tags)
             if "kv_cache" in tags:
                 self.llm.reset_prefix_cache()
+
+
+def _allocations():  # pragma: no cover - needs vLLM
+    """Every allocation of vLLM's sleep-mode allocator (one engine a process): its handle (size second) and state."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return CuMemAllocator.get_instance().pointer_to_data.values()
