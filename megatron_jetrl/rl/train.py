@@ -39,7 +39,7 @@ from megatron_jetrl.rl.warmup import warm_start
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 from megatron_jetrl.rollout.sampling import step_seed
-from megatron_jetrl.rollout.sync import Phases
+from megatron_jetrl.rollout.sync import ALLOCATOR_STALLS, Phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,17 +288,22 @@ def sync(s) -> dict:
 
 
 def memory_metrics(t: Phases) -> dict:
-    """GPU memory of the step's phases, the most on any rank (GiB, collective): `memory/<phase>_gib`, what torch's
-    caching allocator had allocated at its peak in that phase (the colocated engine's weights and KV cache while they
-    are mapped included, not while the engine sleeps: `Phases`), and `memory/reserved_gib`, the most it held from the
-    device in the step; {} off CUDA."""
+    """GPU memory of the step's phases, the most on any rank (collective): `memory/<phase>_gib`, what torch's caching
+    allocator had allocated at its peak in that phase (GiB; the colocated engine's weights and KV cache while they are
+    mapped included, not while the engine sleeps: `Phases`), `memory/reserved_gib`, the most it held from the device
+    in the step, and `memory/<phase>_<stall>` for each of `ALLOCATOR_STALLS` (retries after freeing the cache, cudaFree
+    calls: each synchronizes the device; where the update's are not 0, memory is near full and the host waits for the
+    GPU); {} off CUDA."""
     if not t.peaks:
         return {}
     names = list(t.peaks)
-    peaks = torch.tensor([t.peaks[n][0] for n in names] + [max(r for _, r in t.peaks.values())], dtype=torch.float64,
-                         device=group_device(None))
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return dict(zip([f"memory/{n}_gib" for n in names] + ["memory/reserved_gib"], (peaks / 2**30).tolist()))
+    stalls = [f"memory/{n}_{kind}" for n in names for kind in ALLOCATOR_STALLS]
+    values = torch.tensor([t.peaks[n][0] / 2**30 for n in names] + [max(r for _, r in t.peaks.values()) / 2**30]
+                          + [float(v) for n in names for v in t.stalls.get(n, (0,) * len(ALLOCATOR_STALLS))],
+                          dtype=torch.float64, device=group_device(None))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    keys = [f"memory/{n}_gib" for n in names] + ["memory/reserved_gib"] + stalls
+    return {k: int(v) if k in stalls else v for k, v in zip(keys, values.tolist())}
 
 
 def pool_metrics(s) -> dict:

@@ -104,6 +104,17 @@ def broadcast_bucket(flat: torch.Tensor | None, metas: list[TensorMeta] | None, 
     return unpack(flat, metas)
 
 
+ALLOCATOR_STALLS = {"alloc_retries": "num_alloc_retries", "cuda_frees": "num_device_free"}
+"""torch's caching-allocator counters (`torch.cuda.memory_stats`) of events that synchronize the device: an allocation
+that found no cached block and no free memory, freed the cache and retried; a block given back to the driver."""
+
+
+def allocator_stalls() -> tuple[int, ...]:
+    """The current values of `ALLOCATOR_STALLS`' counters on this process's device (0 where torch lacks one)."""
+    stats = torch.cuda.memory_stats()
+    return tuple(int(stats.get(key, 0)) for key in ALLOCATOR_STALLS.values())
+
+
 class Phases(dict):
     """Wall time per named phase (seconds, summed over repeats), the GPU's share included: a phase ends with a device
     sync once CUDA is in use. The host issues kernels ahead of the GPU, so without it a phase's queued GPU work was
@@ -114,13 +125,17 @@ class Phases(dict):
     bytes torch's caching allocator had allocated and reserved during each phase (`peaks[name]`), less what a
     sleeping colocated engine holds unmapped through the whole phase (`unmapped()`, sampled as the phase starts and
     ends): vLLM's sleep unmaps its weights and KV cache but leaves their blocks in torch's counters, which would
-    otherwise count them while the actor trains (above the card's size at Qwen3-8B's PP 4)."""
+    otherwise count them while the actor trains (above the card's size at Qwen3-8B's PP 4). With `memory`, `stalls[name]`
+    counts the allocator's device-wide stalls in each phase (summed over repeats): retries of an allocation after
+    freeing its cached blocks, and its cudaFree calls; each synchronizes the device, so the host stops running ahead of
+    the GPU (`ALLOCATOR_STALLS`)."""
 
     def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None, memory: bool = False,
                  unmapped: Callable[[], int] | None = None):
         super().__init__()
         self.prefix, self.suffix, self.profiler, self.memory, self.unmapped = prefix, suffix, profiler, memory, unmapped
         self.peaks: dict[str, tuple[int, int]] = {}
+        self.stalls: dict[str, tuple[int, ...]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -129,6 +144,7 @@ class Phases(dict):
         if counting:
             torch.cuda.reset_peak_memory_stats()
             asleep = self.unmapped() if self.unmapped is not None else 0
+            stalls = allocator_stalls()
         with self.profiler.phase(name) if self.profiler is not None and self.profiler.wants(name) else contextlib.nullcontext():
             yield
         if torch.cuda.is_initialized():
@@ -138,6 +154,8 @@ class Phases(dict):
                 before = self.peaks.get(name, (0, 0))
                 self.peaks[name] = (max(before[0], torch.cuda.max_memory_allocated() - asleep),
                                     max(before[1], torch.cuda.max_memory_reserved() - asleep))
+                so_far = self.stalls.get(name, (0,) * len(ALLOCATOR_STALLS))
+                self.stalls[name] = tuple(a + now - then for a, now, then in zip(so_far, allocator_stalls(), stalls))
         key = f"{self.prefix}{name}{self.suffix}"
         self[key] = self.get(key, 0.0) + time.perf_counter() - start
 

@@ -111,12 +111,16 @@ def one_rank():
 def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_most_on_any_rank(monkeypatch, one_rank):
     """`Phases(memory=True)` resets torch's peak counters as each phase starts and keeps the most allocated and reserved
     bytes over its repeats; `memory_metrics` reports them in GiB (the max over ranks: one gloo rank here) with the step's
-    most reserved; a CPU run has none."""
+    most reserved, and the allocator's device-synchronizing events (retries after freeing the cache, cudaFree calls)
+    counted per phase over its repeats; a CPU run has none."""
     import torch
 
     from megatron_jetrl.rl.train import Phases, memory_metrics
 
     allocated, reserved, resets = iter([3 << 30, 5 << 30, 2 << 30]), iter([6 << 30, 7 << 30, 8 << 30]), []
+    counters = iter([(0, 10), (1, 13), (1, 13), (1, 14), (1, 14), (4, 40)])  # (retries, frees) at each phase's start and end
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda: dict(zip(("num_alloc_retries", "num_device_free"), next(counters)), num_ooms=0))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
@@ -127,7 +131,10 @@ def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_
         with t(name):
             pass
     assert resets == [1, 1, 1] and t.peaks == {"eval": (5 << 30, 7 << 30), "update": (2 << 30, 8 << 30)}
-    assert memory_metrics(t) == {"memory/eval_gib": 5.0, "memory/update_gib": 2.0, "memory/reserved_gib": 8.0}
+    assert t.stalls == {"eval": (1, 4), "update": (3, 26)}
+    assert memory_metrics(t) == {"memory/eval_gib": 5.0, "memory/update_gib": 2.0, "memory/reserved_gib": 8.0,
+                                 "memory/eval_alloc_retries": 1, "memory/eval_cuda_frees": 4,
+                                 "memory/update_alloc_retries": 3, "memory/update_cuda_frees": 26}
     assert list(t) == ["time/eval", "time/update"]  # the step's time sums only times
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     cpu = Phases(memory=True)
@@ -151,6 +158,7 @@ def test_a_sleeping_engines_unmapped_bytes_leave_the_phases_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 90 << 30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 95 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})
     asleep = [20 << 30]
     t = Phases(memory=True, unmapped=lambda: asleep[0])
     with t("update"):  # asleep throughout
