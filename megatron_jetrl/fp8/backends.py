@@ -155,6 +155,24 @@ def deep_gemm_module():
     return None
 
 
+SMS_IN_USE = [0]
+"""The SM count last given to DeepGEMM's `set_num_sms` in this process (0: its own default, all of the device's)."""
+
+
+def limit_sms(n: int, device: torch.device) -> None:
+    """DeepGEMM's kernels use `n` SMs of `device` from now on, in this process (0: all of them): `PrecisionFlow.gemm_sms`."""
+    dg = deep_gemm_module()
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if n > total:
+        raise ValueError(f"precision.gemm_sms={n}, but {torch.cuda.get_device_name(device)} has {total} SMs: give at most "
+                         f"{total} (0: all of them)")
+    if not hasattr(dg, "set_num_sms"):
+        raise RuntimeError(f"precision.gemm_sms={n}: this DeepGEMM ({dg.__name__}) has no set_num_sms; use DeepGEMM 2.x "
+                           "(vLLM 0.26 bundles 2.5.0) or leave gemm_sms at 0")
+    dg.set_num_sms(n or total)
+    SMS_IN_USE[0] = n
+
+
 def deepgemm_takes(n: int) -> bool:
     """DeepGEMM stores D with TMA: its rows must be 16-byte aligned, N % 8 == 0 for BF16 (every model linear,
     all of whose dims are multiples of 128; `auto` passes other shapes to the next backend)."""

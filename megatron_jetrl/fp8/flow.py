@@ -50,6 +50,13 @@ class PrecisionFlow:
     """FP8 GEMM backend: `auto` (deepgemm > cublaslt > triton > emulated: the first the device has, see
     `megatron_jetrl.fp8.gemm.available_backends`), or one of those by name."""
 
+    gemm_sms: int = 0
+    """SMs DeepGEMM's persistent GEMM kernels may use in this process (the colocated vLLM engine's too): 0, all of the
+    device's. A communication kernel that runs beside a GEMM (a pipeline stage's posted send/recv, a reduction
+    overlapped with the backward) holds SMs that the GEMM's one-CTA-per-SM grid then waits for; fewer leave them
+    free. A tile's products and their order do not depend on it: the bytes are the same. DeepGEMM only (`backend`
+    auto or deepgemm)."""
+
     exact_logprobs: bool = False
     """vLLM rollouts (GPU): the actor's forward runs the rollout engine's own kernels wherever they are not already the
     same -- FlashAttention 3 with one KV split, DeepGEMM's BF16 GEMM for the lm_head (in vLLM too, through the
@@ -90,6 +97,11 @@ class PrecisionFlow:
             problems.append(f"check_finite must be one of {CHECK_MODES}, got {self.check_finite!r}{hint}")
         if self.backend not in GEMM_BACKENDS:
             problems.append(f"backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
+        if isinstance(self.gemm_sms, bool) or not isinstance(self.gemm_sms, int) or self.gemm_sms < 0:
+            problems.append(f"gemm_sms must be a whole number of SMs, 0 for all of the device's, got {self.gemm_sms!r}")
+        elif self.gemm_sms and self.backend not in ("auto", "deepgemm"):
+            problems.append(f"gemm_sms={self.gemm_sms} limits DeepGEMM's kernels, but backend={self.backend!r} never runs them: "
+                            "use backend auto or deepgemm, or leave gemm_sms at 0")
         if not isinstance(self.exact_logprobs, bool):
             problems.append(f"exact_logprobs must be true or false (a run config also takes auto, its default), got {self.exact_logprobs!r}")
         elif self.exact_logprobs and self.mode == "bf16-train-fp8-rollout":

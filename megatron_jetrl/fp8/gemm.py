@@ -90,11 +90,12 @@ def resolve_backend(name: str, device: torch.device, n: int | None = None) -> st
 
 
 def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bfloat16, backend="auto", acc=None,
-                   checked=False):
+                   checked=False, sms=None):
     """`dequant(a) @ dequant(b)^T` in `out_dtype` on the chosen backend, or added into `acc` (see module docstring).
 
     `checked=True`: the caller vouches for the operands (the FP8 linear passes what this package's quantizers made,
-    `b_block` a tuple), so only `acc`, which comes from outside (megatron's `main_grad`), is checked on the hot path."""
+    `b_block` a tuple), so only `acc`, which comes from outside (megatron's `main_grad`), is checked on the hot path.
+    `sms` (the flow's `gemm_sms`; None: as it is): the SMs DeepGEMM's kernels use from this call on, in this process."""
     if not checked:
         b_block = tuple(b_block)
         _check_operands(a_q, a_s, b_q, b_s, b_block, acc)
@@ -104,6 +105,8 @@ def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bf
     name = resolve_backend(backend, device, b_q.shape[0])
     if name in CHECKED_AT_FIRST_USE:
         backends.self_test(name, device)
+        if name == "deepgemm" and sms is not None and sms != backends.SMS_IN_USE[0]:
+            backends.limit_sms(sms, device)
     return backends.GEMMS[name](a_q, a_s, b_q, b_s, b_block, out_dtype, acc)
 
 

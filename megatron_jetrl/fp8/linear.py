@@ -94,7 +94,7 @@ def _quantize_input(x2d, flow: PrecisionFlow, site: str):
 
 def _fprop(x_q, x_s, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
     """FProp from the quantized input: X(1x128) . W(128x128)^T (+ bias), in `out_dtype`."""
-    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True)
+    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -251,7 +251,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
-            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True)
+            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
             if ctx.act is not None and ctx.handoff is not None:  # the up projection's operands, made here
                 h = ctx.handoff
                 dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
@@ -263,10 +263,10 @@ class _FP8LinearFunction(torch.autograd.Function):
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
-                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True)
+                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True, sms=flow.gemm_sms)
                 dw = _wgrad_done(weight)
             else:
-                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend, checked=True)
+                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None

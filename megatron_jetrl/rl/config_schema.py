@@ -462,6 +462,9 @@ class JetRLConfig:
                    "FP8 GEMMs: set warmup.batch_size accordingly")
             _check(self.run.device != "cpu", "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
                                              "run.device=cpu: set run.device=cuda (or auto) or model.spec=local")
+            _check(not self.precision.gemm_sms,
+                   f"precision.gemm_sms={self.precision.gemm_sms} limits DeepGEMM's kernels, but model.spec=te trains with "
+                   "Transformer Engine's GEMMs: leave precision.gemm_sms at 0 or use model.spec=local")
             _check(self.precision.eps == PrecisionFlow().eps,
                    f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
                    f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "

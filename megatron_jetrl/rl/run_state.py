@@ -29,6 +29,7 @@ APPLIED_ON_RESUME = frozenset({
     "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.offload", "rollout.max_model_len", "rollout.enforce_eager",
     "grpo.micro_batch_size", "grpo.logprob_micro_batch_size", "run.profile_step", "run.profile_phases",
     "model.fp8_weight_t", "model.bf16_linear_weights",  # where the same bytes live: memory, not numbers
+    "precision.gemm_sms",  # how many SMs compute the same bytes
 })
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""
 IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})

@@ -49,6 +49,10 @@ def test_vllm_env_stops_requantization_unless_scales_are_already_powers_of_two()
         (dict(eps=0.0), "eps must be"),
         (dict(eps=1), "eps must be"),
         (dict(backend="cutlass"), "backend must be"),
+        (dict(gemm_sms=-8), "gemm_sms must be a whole number"),
+        (dict(gemm_sms=True), "gemm_sms must be a whole number"),
+        (dict(gemm_sms=120.0), "gemm_sms must be a whole number"),
+        (dict(gemm_sms=120, backend="cublaslt"), "never runs them"),
     ],
 )
 def test_contradictory_or_unknown_settings_are_refused(kwargs, message):

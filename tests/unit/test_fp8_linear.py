@@ -265,6 +265,46 @@ def test_wgrad_lands_in_main_grad_in_fp32(under_ddp):
         assert fused.weight.grad is None
 
 
+def test_gemm_sms_limits_deepgemm_once_per_change_and_keeps_the_bytes(monkeypatch):
+    """precision.gemm_sms reaches DeepGEMM's set_num_sms at the first GEMM that runs with a new count (one call for
+    FProp, DGrad and WGrad), 0 gives back all of the device's SMs, the bytes are those of the default flow, and a count
+    above the device's is refused naming both. DeepGEMM and the device are stood in for by the emulated GEMM and a
+    132-SM H100."""
+    from types import SimpleNamespace
+
+    from megatron_jetrl.fp8 import backends, gemm
+
+    calls = []
+    monkeypatch.setattr(gemm, "resolve_backend", lambda name, device, n=None: "deepgemm")
+    monkeypatch.setattr(backends, "self_test", lambda name, device: None)
+    monkeypatch.setitem(backends.GEMMS, "deepgemm", backends.gemm_emulated)
+    monkeypatch.setattr(backends, "deep_gemm_module", lambda: SimpleNamespace(__name__="deep_gemm", set_num_sms=calls.append))
+    monkeypatch.setattr(backends, "SMS_IN_USE", [0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(130, 384, generator=g).to(torch.bfloat16)
+    dy = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+
+    def run(flow):
+        weight, inp = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y = fp8_linear(inp, weight, flow=flow)
+        y.backward(dy)
+        return y, inp.grad, weight.grad
+
+    want = run(PrecisionFlow(mode="jetrl", backend="emulated"))
+    assert calls == []
+    got = run(PrecisionFlow(mode="jetrl", gemm_sms=120))
+    assert calls == [120] and all(torch.equal(a, b) for a, b in zip(got, want))
+    run(PrecisionFlow(mode="jetrl", gemm_sms=120))
+    assert calls == [120]  # unchanged: no call
+    run(PrecisionFlow(mode="jetrl"))
+    assert calls == [120, 132] and backends.SMS_IN_USE == [0]
+    with pytest.raises(ValueError, match=r"precision.gemm_sms=200, but NVIDIA H100 80GB HBM3 has 132 SMs"):
+        run(PrecisionFlow(mode="jetrl", gemm_sms=200))
+
+
 def test_check_finite_step_names_the_layer_and_tensor_without_a_sync_per_quantization():
     from megatron_jetrl.fp8 import finite
 

@@ -67,13 +67,14 @@ def test_settings_a_resumed_run_may_change_are_applied_and_said(tmp_path):
 
 
 def test_where_the_fp8_weight_bytes_live_may_change_on_resume_the_model_may_not(tmp_path):
-    """model.fp8_weight_t and model.bf16_linear_weights move the same bytes between memory and time: a resume may change
-    them (applied and said); any other model key is another model."""
+    """model.fp8_weight_t and model.bf16_linear_weights move the same bytes between memory and time, precision.gemm_sms
+    computes them on fewer SMs: a resume may change them (applied and said); any other model key is another model."""
     out = finished_run(tmp_path)
-    cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fp8_weight_t=backward", "model.bf16_linear_weights=keep"])
+    cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fp8_weight_t=backward", "model.bf16_linear_weights=keep",
+                             "precision.gemm_sms=120"])
     assert previous_run(cfg).resume_message(cfg) == (f"resuming {out} at step 3 of 5 (step_000003); applied: "
                                                      "model.bf16_linear_weights 'auto' -> 'keep', model.fp8_weight_t 'step' -> "
-                                                     "'backward', run.steps 3 -> 5")
+                                                     "'backward', precision.gemm_sms 0 -> 120, run.steps 3 -> 5")
     with pytest.raises(ConfigError, match=r"another model or precision section \(model.fused\)"):
         previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fused=false"]))
 

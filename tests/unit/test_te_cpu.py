@@ -51,6 +51,7 @@ def test_te_spec_refused_without_te_with_the_install_line(monkeypatch):
     (["model.batch_invariant=true"], "set model.batch_invariant=false"),
     (["run.device=cpu"], r"model\.spec=te needs a GPU run"),
     (["precision.eps=1.0e-8"], r"leave precision\.eps at its default"),
+    (["precision.gemm_sms=120"], r"leave precision\.gemm_sms at 0 or use model\.spec=local"),
     (["grpo.micro_batch_size=4", "grpo.prompts_per_step=4", "rollout.n=4"], r"set grpo\.micro_batch_size and .* multiples of 8 \(got 4 and 4\)"),
     (["grpo.micro_batch_size=8", "grpo.logprob_micro_batch_size=4"], r"grpo\.logprob_micro_batch_size to multiples of 8 \(got 8 and 4\)"),
     (["run.device=cuda", "rollout.engine=vllm", "rollout.glue=trainer"], r"model\.spec=te trains with Transformer Engine's"),
