@@ -230,11 +230,12 @@ class _FP8Weight:
                                                              keep_t=keep_t))
         return self._fp8_cache[1]
 
-    def _fp8_gemm(self, x, weight, bias):
+    def _fp8_gemm(self, x, weight, bias, dgrad_group=None):
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported")
         return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site,
-                          gated_act=getattr(self, "gated_act", None), handoff=getattr(self, "grad_handoff", None))
+                          gated_act=getattr(self, "gated_act", None), handoff=getattr(self, "grad_handoff", None),
+                          dgrad_group=dgrad_group)
 
 
 class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
@@ -245,6 +246,8 @@ class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
         self._init_fp8(flow)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
+        if allreduce_dgrad and not sequence_parallel and self.flow.train_fp8:  # the all-reduce overlaps WGrad, as megatron's
+            return self._fp8_gemm(input, weight, bias, dgrad_group=self.tp_group)
         return self._fp8_gemm(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
 
 

@@ -219,7 +219,7 @@ class GatedGradHandoff:
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None,
-                handoff: GatedGradHandoff | None = None):
+                handoff: GatedGradHandoff | None = None, dgrad_group=None):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
         if act is None:
@@ -228,6 +228,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_s, x2d)
         y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
+        ctx.dgrad_group = dgrad_group
         if handoff is not None and act is None:  # the up projection: tell the down projection what to make
             handoff.rows, handoff.cols = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -259,6 +260,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dx = _gated_backward(saved[2], ctx.act, dx).reshape(ctx.x_shape)  # (empty_like keeps gate_up's strides)
             else:
                 dx = _unflat(dx, ctx.x_shape)
+        reduce = None
+        if need_dx and ctx.dgrad_group is not None:  # the input's gradient summed over the TP group while WGrad runs
+            reduce = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
@@ -269,7 +273,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None
+        if reduce is not None:
+            reduce.wait()
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -297,7 +303,7 @@ def _requantize_tokens(x_q, x_s, flow):
 
 
 def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None,
-               gated_act=None, handoff: GatedGradHandoff | None = None):
+               gated_act=None, handoff: GatedGradHandoff | None = None, dgrad_group=None):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
     Pass `weight_q` to reuse a weight quantized once per optimizer step; `site` names the layer in non-finite
@@ -305,8 +311,13 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     `gated_act`, `x` is a gated MLP's `[gate | up]` and the linear's input is `gated_act(gate) * up`, fused
     into the input quantization (the down projection of a SwiGLU MLP). One `handoff` given to both linears of
     such an MLP (up projection bias-free, its output feeding only the down projection) moves the quantization of
-    d[gate | up] into the down projection's backward (`GatedGradHandoff`).
+    d[gate | up] into the down projection's backward (`GatedGradHandoff`). With `dgrad_group` (a column-parallel
+    linear's TP group) the input's gradient is all-reduced over it in the backward, started as soon as DGrad has made it
+    and waited for after WGrad, which runs meanwhile (megatron's BF16 linear overlaps the two the same way).
     """
+    if not flow.train_fp8 and dgrad_group is not None:
+        raise ValueError(f"dgrad_group all-reduces an FP8 linear's input gradient; mode {flow.mode!r} trains in BF16: "
+                         "reduce the input's gradient outside (megatron's copy_to_tensor_model_parallel_region)")
     if not flow.train_fp8:
         if gated_act is not None:
             gate, up = x.chunk(2, dim=-1)
@@ -321,7 +332,7 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
         return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff)
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group)
 
 
 class FP8Linear(torch.nn.Module):

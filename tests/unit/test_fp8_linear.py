@@ -265,6 +265,76 @@ def test_wgrad_lands_in_main_grad_in_fp32(under_ddp):
         assert fused.weight.grad is None
 
 
+@pytest.fixture
+def one_rank():
+    from gloo import one_gloo_rank
+
+    yield from one_gloo_rank()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_dgrad_all_reduce_starts_before_wgrad_and_is_awaited_before_backward_returns(monkeypatch, one_rank, gated):
+    """With `dgrad_group` (a column-parallel linear's TP group) the input gradient's all-reduce is started right after
+    DGrad, WGrad runs while it is in flight, and it is awaited before the gradient goes back to autograd; the gradients
+    are those of the linear without it (one gloo rank: the sum over the group is the rank's own). An up projection that
+    takes its d[gate | up] from the down projection (`GatedGradHandoff`) does the same. BF16 training has no FP8
+    backward to carry the all-reduce: refused."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megatron_jetrl.fp8 import linear
+    from megatron_jetrl.fp8.linear import GatedGradHandoff
+
+    events = []
+    gemm, all_reduce = linear.blockwise_gemm, dist.all_reduce
+
+    class Handle:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def logged_gemm(*args, **kw):
+        events.append("wgrad" if kw.get("b_block") == linear.TOKENS_T else "gemm")
+        return gemm(*args, **kw)
+
+    def logged_all_reduce(tensor, group=None, async_op=False):
+        events.append("all_reduce")
+        work = all_reduce(tensor, group=group, async_op=async_op)
+        return Handle(work) if async_op else work
+
+    monkeypatch.setattr(linear, "blockwise_gemm", logged_gemm)
+    monkeypatch.setattr(dist, "all_reduce", logged_all_reduce)
+    g = torch.Generator().manual_seed(11)
+    w_up = (torch.randn(512, 256, generator=g) * 0.05).to(torch.bfloat16)
+    w_down = (torch.randn(256, 256, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    dy = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+
+    def run(group):
+        up, down, inp = (t.clone().requires_grad_(True) for t in (w_up, w_down, x))
+        if gated:  # the up projection's gradient operands come from the down projection's backward
+            handoff = GatedGradHandoff()
+            h = fp8_linear(inp, up, flow=JETRL, handoff=handoff, dgrad_group=group)
+            y = fp8_linear(h, down, flow=JETRL, gated_act=F.silu, handoff=handoff)
+        else:
+            y = fp8_linear(inp, up[:256], flow=JETRL, dgrad_group=group)
+        y.backward(dy)
+        return inp.grad, up.grad, down.grad
+
+    want = run(None)
+    assert "all_reduce" not in events
+    events.clear()
+    got = run(dist.group.WORLD)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+    up_backward = events[events.index("all_reduce") - 1:]
+    assert up_backward == ["gemm", "all_reduce", "wgrad", "wait"]  # DGrad, the reduce started, WGrad, then the wait
+    with pytest.raises(ValueError, match="trains in BF16: reduce the input's gradient outside"):
+        fp8_linear(x, w_up, flow=PrecisionFlow(mode="bf16"), dgrad_group=dist.group.WORLD)
+
+
 def test_gemm_sms_limits_deepgemm_once_per_change_and_keeps_the_bytes(monkeypatch):
     """precision.gemm_sms reaches DeepGEMM's set_num_sms at the first GEMM that runs with a new count (one call for
     FProp, DGrad and WGrad), 0 gives back all of the device's SMs, the bytes are those of the default flow, and a count
