@@ -449,6 +449,11 @@ def fp8_copy_storages(model) -> list[torch.UntypedStorage]:
     return found
 
 
+def trains_fp8_on_cuda(model) -> bool:
+    """Whether any of this model's linears trains through the FP8 GEMMs on a GPU (`fp8.gemm.token_multiple` matters)."""
+    return any(isinstance(m, _FP8Weight) and m.flow.train_fp8 and m.weight.is_cuda for m in unwrap(model).modules())
+
+
 def requantize_weights(model) -> None:
     """After an optimizer step: every FP8 linear re-quantizes its weight on next use (once per step)."""
     for m in unwrap(model).modules():

@@ -202,6 +202,20 @@ def micro_batches(tokens: torch.Tensor, extras: dict | None, micro_batch_size: i
     ]
 
 
+def pad_length(tokens: torch.Tensor, extras: dict | None, multiple: int) -> tuple[torch.Tensor, dict]:
+    """`tokens[B, S]` and the per-token extras (`[B, S-1]`: masks, logprobs) lengthened on the right to a multiple of
+    `multiple` (others as they are): the padding repeats each row's last token and is 0 in the extras, so a loss that
+    weighs tokens by the response mask never sees it, and under causal attention no real token's logprob changes."""
+    s = tokens.shape[1]
+    pad = -s % multiple
+    extras = extras or {}
+    if pad == 0:
+        return tokens, extras
+    tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
+    return tokens, {k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and v.shape[1] == s - 1 else v
+                    for k, v in extras.items()}
+
+
 def _actor_options(model):
     """The `ActorOptions` the GPTModel (under any wrappers) was built with, or None."""
     return getattr(unwrap(model), "actor_options", None)

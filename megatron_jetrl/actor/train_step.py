@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches
+from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length
 from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 from megatron_jetrl.fp8 import finite
+from megatron_jetrl.fp8.gemm import token_multiple
 from megatron_jetrl.patching import load_patch
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -214,7 +215,10 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
 
     `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
     micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
-    per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks.
+    per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks. Where FP8 linears train on a GPU
+    the sequences are first lengthened to whole 128-token blocks per micro-batch (`pad_length`, masked out of the loss;
+    `fp8.gemm.token_multiple`): WGrad, which reduces over tokens, then runs on the bytes the quantizers wrote, not a
+    padded copy, and the backward's quantizers on their CUDA tile kernel.
     Returns {"ok", "grad_norm", and on the last stage "loss" and each metric: the mean over micro-batches and
     DP ranks}. NaN/Inf in a returned loss/metric, in any gradient or at any FP8 quantizer input (found on the
     device, `megatron_jetrl.fp8.finite`; one host sync for all of it): `on_nonfinite="raise"` raises
@@ -224,8 +228,10 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_jetrl.actor.fp8_layers import release_bf16_weights, requantize_weights, restore_bf16_weights
+    from megatron_jetrl.actor.fp8_layers import release_bf16_weights, requantize_weights, restore_bf16_weights, trains_fp8_on_cuda
 
+    if trains_fp8_on_cuda(ddp_model):  # whole 128-token blocks per micro-batch: WGrad and the tile quantizers' fast paths
+        tokens, extras = pad_length(tokens, extras, token_multiple(micro_batch_size))
     micro = micro_batches(tokens, extras, micro_batch_size)
     ddp_model.train()
     ddp_model.zero_grad_buffer()

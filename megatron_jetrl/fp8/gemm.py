@@ -12,6 +12,7 @@ the WGrad kernel itself -- and `acc` is returned.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -22,6 +23,16 @@ from megatron_jetrl.fp8.quant import E4M3, scale_shape
 BACKENDS = ("auto", "emulated", "cublaslt", "deepgemm", "triton")
 B_BLOCKS = ((128, 128), (1, 128))
 CHECKED_AT_FIRST_USE = ("cublaslt", "deepgemm")
+K_BLOCK = 128
+"""cuBLASLt's and DeepGEMM's K granularity: a K that is not a whole number of blocks is padded by a zero-filled copy of
+both operands (`backends._pad_k`). WGrad's K is the micro-batch's tokens."""
+
+
+def token_multiple(micro_batch_size: int) -> int:
+    """The sequence-length multiple at which a micro-batch's tokens (`micro_batch_size` x length) are whole K blocks:
+    WGrad then reads its operands as the quantizers wrote them, and the backward's token-grouped quantizers (16-token
+    chunks, `cuda_tiles.takes`) stay on their CUDA tile kernel."""
+    return K_BLOCK // math.gcd(micro_batch_size, K_BLOCK)
 
 
 def _check_operands(a_q, a_s, b_q, b_s, b_block, acc) -> None:

@@ -549,6 +549,63 @@ def test_prompt_positions_get_no_logits(flow, checkpoints):
         compute_logprobs(ddp, tokens, vocab_size=vocab, micro_batch_size=MICRO, first=first.to("meta"))
 
 
+def test_token_multiple_fills_whole_k_blocks():
+    from megatron_jetrl.fp8.gemm import K_BLOCK, token_multiple
+
+    for micro, multiple in ((1, 128), (4, 32), (6, 64), (16, 8), (128, 1), (256, 1)):
+        assert token_multiple(micro) == multiple and (micro * multiple) % K_BLOCK == 0
+
+
+@pytest.mark.parametrize("flow", [BF16, JETRL], ids=["bf16", "jetrl"])
+def test_sequences_lengthened_for_fp8_blocks_train_as_the_unpadded_ones(flow, checkpoints, monkeypatch):
+    """Where FP8 linears train on a GPU, train_step lengthens the sequences to whole 128-token blocks per micro-batch
+    (stood in for here: the CPU's emulated GEMM needs none). The padding is masked: the loss is the unpadded one and
+    every main_grad is the same in BF16 (FP32 sums over a few more zero rows); in jetrl WGrad's 128-token groups start
+    at other tokens, so its gradients move by FP8 noise alone. `pad_length` lengthens the per-token extras only."""
+    from actor_scenario import MICRO
+    from megatron_jetrl.actor import fp8_layers
+    from megatron_jetrl.actor.logprobs import pad_length
+    from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
+    from megatron_jetrl.rl.loss import PolicyLossConfig, policy_loss
+
+    root, _ = checkpoints
+    tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=5), CONFIGS["qwen3"]["vocab_size"]
+    s = tokens.shape[1]
+    mask = torch.zeros(4, s - 1)
+    for row, p in enumerate((3, 5, 2, 7)):
+        mask[row, p:] = 1
+    extras = {"old": torch.full_like(mask, -3.0), "adv": torch.tensor([1.0, -1.0, 0.5, -0.5]), "mask": mask}
+    longer, padded = pad_length(tokens, extras, 24)
+    assert longer.shape == (4, 48) and torch.equal(longer[:, :s], tokens) and (longer[:, s:] == tokens[:, -1:]).all()
+    assert padded["mask"].shape == (4, 47) and not padded["mask"][:, s - 1:].any() and padded["adv"] is extras["adv"]
+    assert pad_length(tokens, extras, 8) == (tokens, extras)  # 32 tokens: nothing to add
+    cfg = PolicyLossConfig(kl_estimator="none")
+    seen = []
+
+    def loss_fn(lp, ex):
+        seen.append(lp.shape[1])
+        return policy_loss(lp, ex["old"], ex["adv"], ex["mask"], cfg=cfg, checked=True)
+
+    runs = {}
+    for fp8_gpu in (False, True):
+        monkeypatch.setattr(fp8_layers, "trains_fp8_on_cuda", lambda model: fp8_gpu)
+        monkeypatch.setattr("megatron_jetrl.actor.train_step.token_multiple", lambda micro: 24)
+        model, _ = _imported("qwen3", flow, root)
+        ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3))
+        out = train_step(ddp, optimizer, tokens, loss_fn, vocab_size=vocab, micro_batch_size=MICRO, extras=extras)
+        assert out["ok"]
+        runs[fp8_gpu] = out["loss"], {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    assert seen == [s - 1] * (4 // MICRO) + [47] * (4 // MICRO)
+    (loss, grads), (padded_loss, padded_grads) = runs[False], runs[True]
+    assert padded_loss == pytest.approx(loss, rel=1e-6)
+    for name, want in grads.items():
+        if flow.train_fp8:
+            err = float((padded_grads[name] - want).norm() / want.norm())
+            assert err < 0.05, (name, err)  # measured: at most 0.012
+        else:
+            torch.testing.assert_close(padded_grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=name)
+
+
 def test_megatron_patches_refuse_another_release(monkeypatch):
     from megatron.core import package_info
 
