@@ -52,8 +52,8 @@ class PrecisionFlow:
 
     gemm_sms: int = 0
     """SMs DeepGEMM's persistent GEMM kernels may use in this process (the colocated vLLM engine's too): 0, all of the
-    device's. A communication kernel that runs beside a GEMM (a pipeline stage's posted send/recv, a reduction
-    overlapped with the backward) holds SMs that the GEMM's one-CTA-per-SM grid then waits for; fewer leave them
+    device's. A communication kernel that runs beside a GEMM (under TP the input gradient's all-reduce during WGrad,
+    `fp8_linear`'s `dgrad_group`) holds SMs that the GEMM's one-CTA-per-SM grid then waits for; fewer leave them
     free. A tile's products and their order do not depend on it: the bytes are the same. DeepGEMM only (`backend`
     auto or deepgemm)."""
 

@@ -94,7 +94,8 @@ def _quantize_input(x2d, flow: PrecisionFlow, site: str):
 
 def _fprop(x_q, x_s, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
     """FProp from the quantized input: X(1x128) . W(128x128)^T (+ bias), in `out_dtype`."""
-    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
+    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True,
+                       sms=flow.gemm_sms)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -252,7 +253,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
-            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
+            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True,
+                                sms=flow.gemm_sms)
             if ctx.act is not None and ctx.handoff is not None:  # the up projection's operands, made here
                 h = ctx.handoff
                 dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
@@ -267,10 +269,12 @@ class _FP8LinearFunction(torch.autograd.Function):
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
-                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True, sms=flow.gemm_sms)
+                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True,
+                               sms=flow.gemm_sms)
                 dw = _wgrad_done(weight)
             else:
-                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms)
+                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend,
+                                    checked=True, sms=flow.gemm_sms)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
         if reduce is not None:
@@ -315,9 +319,10 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     linear's TP group) the input's gradient is all-reduced over it in the backward, started as soon as DGrad has made it
     and waited for after WGrad, which runs meanwhile (megatron's BF16 linear overlaps the two the same way).
     """
-    if not flow.train_fp8 and dgrad_group is not None:
-        raise ValueError(f"dgrad_group all-reduces an FP8 linear's input gradient; mode {flow.mode!r} trains in BF16: "
-                         "reduce the input's gradient outside (megatron's copy_to_tensor_model_parallel_region)")
+    if dgrad_group is not None and (not flow.train_fp8 or gated_act is not None):
+        why = f"mode {flow.mode!r} trains in BF16" if not flow.train_fp8 else "a gated (down) projection is row-parallel"
+        raise ValueError(f"dgrad_group all-reduces a column-parallel FP8 linear's input gradient; {why}: reduce the input's "
+                         "gradient outside (megatron's copy_to_tensor_model_parallel_region), if at all")
     if not flow.train_fp8:
         if gated_act is not None:
             gate, up = x.chunk(2, dim=-1)

@@ -278,7 +278,7 @@ def test_dgrad_all_reduce_starts_before_wgrad_and_is_awaited_before_backward_ret
     DGrad, WGrad runs while it is in flight, and it is awaited before the gradient goes back to autograd; the gradients
     are those of the linear without it (one gloo rank: the sum over the group is the rank's own). An up projection that
     takes its d[gate | up] from the down projection (`GatedGradHandoff`) does the same. BF16 training has no FP8
-    backward to carry the all-reduce: refused."""
+    backward to carry the all-reduce, and a gated (down) projection's input is not reduced: both refused."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -333,6 +333,8 @@ def test_dgrad_all_reduce_starts_before_wgrad_and_is_awaited_before_backward_ret
     assert up_backward == ["gemm", "all_reduce", "wgrad", "wait"]  # DGrad, the reduce started, WGrad, then the wait
     with pytest.raises(ValueError, match="trains in BF16: reduce the input's gradient outside"):
         fp8_linear(x, w_up, flow=PrecisionFlow(mode="bf16"), dgrad_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="a gated \\(down\\) projection is row-parallel"):
+        fp8_linear(torch.cat([x, x], dim=1), w_down, flow=JETRL, gated_act=F.silu, dgrad_group=dist.group.WORLD)
 
 
 def test_gemm_sms_limits_deepgemm_once_per_change_and_keeps_the_bytes(monkeypatch):
