@@ -155,6 +155,18 @@ def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, tra
     assert 40 <= len(items) <= 60  # pieces for 48 processes
 
 
+def test_the_backward_is_warmed_up_to_the_padded_micro_batch(monkeypatch):
+    """train_step lengthens a micro-batch's rows to whole 128-token blocks (4 rows of 1030 tokens train as 4 x 1056):
+    the backward's largest M is the padded one."""
+    from megatron_jetrl.fp8.gemm import token_multiple
+
+    cfg = gpu_config(monkeypatch, "precision.mode=jetrl", "rollout.max_model_len=1030", "grpo.micro_batch_size=4")
+    items = warm_gemms.work_items(cfg, num_sms=132, procs=8)
+    assert token_multiple(4) == 32
+    bwd = {m for it in items if it[3] == "train" for m in it[2]}
+    assert max(bwd) == 4 * 1056 and 4 * 1056 in warm_gemms.m_values(4 * 1056, 4096, 132)
+
+
 def test_shapes_per_rank_are_the_fused_linears_split_by_tp(monkeypatch):
     arch = gpu_config(monkeypatch).arch()
     assert warm_gemms.linear_shapes(arch, 4) == [("linear_qkv", 1536, 4096), ("linear_proj", 4096, 1024),
