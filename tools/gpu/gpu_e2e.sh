@@ -84,8 +84,9 @@ modes() {  # STAGE LAYOUT_TAG MODES OVERRIDES...
   [ ${#profiled[@]} -eq 0 ] || python3 tools/profile_report.py "${profiled[@]}" -o "$OUT/${stage}_${tag}_${LEN}_profile"
 }
 
-tag_of() {  # "parallel.tp=2 parallel.pp=2 rollout.tp=2" -> tp2pp2rtp2 ("... model.spec=te" -> tp2pp2rtp2te)
-  echo "$1" | sed 's/rollout\.tp=/rtp/; s/model\.spec=//; s/parallel\.//g; s/=//g; s/ //g'
+tag_of() {  # "parallel.tp=2 parallel.pp=2 rollout.tp=2" -> tp2pp2rtp2 ("... model.spec=te" -> tp2pp2rtp2te,
+  # "... precision.gemm_sms=116" -> tp2pp2rtp2gemm_sms116)
+  echo "$1" | sed 's/rollout\.tp=/rtp/; s/model\.spec=//; s/parallel\.//g; s/precision\.//g; s/=//g; s/ //g'
 }
 
 for stage in "$@"; do
