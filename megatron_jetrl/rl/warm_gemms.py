@@ -21,8 +21,9 @@ included) at every M where that choice can change, in `--procs` processes spread
   the actor and the engine run) at the same kind of M, up to the trainer's largest micro-batch.
 
 Largest call: the trainer's micro-batch (grpo.micro_batch_size, or for the forward grpo.logprob_micro_batch_size, x the
-longest sequence; a training micro-batch's rows lengthened to whole 128-token blocks, as `actor.train_step` does) or the engine's prefill chunk (PREFILL_TOKENS), whichever is larger. The kernels land in the cache the run reads (`run.jit_cache_dir`;
-`rl.jit_cache`). Kernels are cubins keyed by source, shape and flags, so a kernel another process is compiling at
+longest sequence; a training micro-batch's rows lengthened to whole 128-token blocks, as `actor.train_step` does) or
+the engine's prefill chunk (PREFILL_TOKENS), whichever is larger. The kernels land in the cache the run reads
+(`run.jit_cache_dir`; `rl.jit_cache`). Kernels are cubins keyed by source, shape and flags, so a kernel another process is compiling at
 the same moment is compiled twice and kept once. `rl.warm_cache` then runs two GRPO steps for everything else (CUDA
 graphs, Triton); after this tool its JIT part is a cache read. Exit 0 with nothing to do for a BF16 config or on a
 machine without a CUDA GPU (it says so); 1 if a GEMM failed (the first failure is printed); 2 for a bad config.
@@ -86,8 +87,9 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
     if flow.rollout_fp8:  # the native engine holds the whole model on one GPU
         tps.add(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
     max_len = cfg.rollout.max_model_len or min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
-    mbs = cfg.grpo.micro_batch_size  # a training micro-batch's rows are lengthened to whole 128-token blocks (train_step)
-    train_m, logprob_m = mbs * -(-max_len // token_multiple(mbs)) * token_multiple(mbs), cfg.grpo.logprob_batch * max_len
+    multiple = token_multiple(cfg.grpo.micro_batch_size)  # train_step lengthens the rows to whole 128-token blocks
+    train_m = cfg.grpo.micro_batch_size * -(-max_len // multiple) * multiple
+    logprob_m = cfg.grpo.logprob_batch * max_len
     fwd, bwd = {}, {}  # (N, K) -> M values; a shape two linears share (Qwen3-8B's TP 4 fc1 is its TP 1 QKV) once
     for tp in sorted(tps):
         for _, n, k in linear_shapes(arch, tp):
