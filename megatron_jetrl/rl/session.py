@@ -142,7 +142,7 @@ def start_vllm_pool(s: "Session") -> None:
     """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
     directory, with the KV cache its share of a step can use (at most a fraction of the memory free now); the sync
     that follows writes the actor's bytes."""
-    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_fits, kv_cache_need
+    from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need, sequences_at_once, turns_note
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
 
     r = s.cfg.rollout
@@ -163,9 +163,10 @@ def start_vllm_pool(s: "Session") -> None:
     kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(later, weights, r.kv_cache_fraction,
                                                       kv_cache_need(s.arch, seqs, max_len, r.tp))
     try:
-        note = kv_cache_fits(kv, s.arch, seqs, max_len, r.tp)
+        at_once = sequences_at_once(kv, s.arch, seqs, max_len, r.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    note = turns_note(kv, seqs, at_once, max_len)
     if note and s.is_main:
         print(f"note: {note}", file=sys.stderr)
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
@@ -173,6 +174,7 @@ def start_vllm_pool(s: "Session") -> None:
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
                         glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
     s.pool = ColocatedPool(engine, rollout_tp=r.tp)
+    s.pool.at_once = at_once
 
 
 def awake_state_to_come(s: "Session") -> int:

@@ -307,10 +307,19 @@ def memory_metrics(t: Phases) -> dict:
 
 
 def pool_metrics(s) -> dict:
-    """The colocated engine's sleep (inside the rollout phase): seconds, and the GiB it released."""
+    """The colocated engine's sleep (inside the rollout phase): seconds, and the GiB it released; the sequences rank 0's
+    engine holds at their full length (`rollout/fit_at_once`) and the ones vLLM preempted in this step's rollout, the
+    most on any rank (`rollout/preemptions`: each is recomputed from its tokens so far)."""
     if not colocated(s) or s.pool.sleep_seconds is None:
         return {}
-    return {"rollout/sleep_s": s.pool.sleep_seconds, "rollout/sleep_released_gib": (s.pool.wake_bytes or 0) / 2**30}
+    out = {"rollout/sleep_s": s.pool.sleep_seconds, "rollout/sleep_released_gib": (s.pool.wake_bytes or 0) / 2**30}
+    if s.pool.at_once:
+        out["rollout/fit_at_once"] = s.pool.at_once
+    if s.pool.preemptions is not None:
+        most = torch.tensor([s.pool.preemptions], dtype=torch.float64, device=group_device(None))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        out["rollout/preemptions"] = int(most.item())
+    return out
 
 
 def step_metrics(s, batch: RolloutBatch, mine: RolloutBatch, old: torch.Tensor, update: dict) -> dict:

@@ -77,9 +77,12 @@ def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: in
     return int(left * fraction) if need is None else min(int(left * fraction), need)
 
 
-def kv_cache_fits(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> str | None:
-    """None when an engine's KV cache holds its `seqs` sequences of `max_len` tokens at once; a note when it holds at
-    least one (vLLM queues the rest: a step takes more passes); ValueError, naming the settings, when not even one."""
+def sequences_at_once(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> int:
+    """How many of an engine's `seqs` sequences its KV cache of `kv_bytes` holds at their full `max_len` tokens (at
+    most `seqs`). Fewer than `seqs`: vLLM still starts them all while they are short, and once the cache is full it
+    preempts the newest (frees its blocks; it resumes later by recomputing its prompt and the tokens it has, a
+    prefill, and samples on: its logprobs are those of an uninterrupted decode, since the engine's rows do not depend on
+    their batch) -- the step runs in turns of about this many. ValueError, naming the settings, when not even one fits."""
     per_seq = -(-max_len // KV_ALIGN) * KV_ALIGN * kv_bytes_per_token(arch, tp)
     held = kv_bytes // per_seq
     if held < 1:
@@ -87,12 +90,19 @@ def kv_cache_fits(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> 
                          f"rollout.max_model_len={max_len} tokens ({per_seq / 2**30:.2f} GiB at rollout.tp={tp}): raise "
                          "rollout.kv_cache_gb or rollout.kv_cache_fraction, free the actor's state while the engine is awake "
                          "(rollout.offload=optimizer), lower rollout.max_new_tokens (or rollout.max_model_len), or raise rollout.tp")
-    if held < seqs:
-        return (f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {held} of the {seqs} sequences it "
-                f"samples a step at their full {max_len} tokens: vLLM queues the rest, so long steps take more passes "
-                "(for one pass: raise rollout.kv_cache_gb or rollout.kv_cache_fraction, or free the actor's state while "
-                "the engine is awake: rollout.offload=optimizer)")
-    return None
+    return min(held, seqs)
+
+
+def turns_note(kv_bytes: int, seqs: int, at_once: int, max_len: int) -> str | None:
+    """None when an engine's KV cache holds all its `seqs` at their full length; else the start-up line that says how
+    many it holds and what happens to the rest."""
+    if at_once >= seqs:
+        return None
+    return (f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {at_once} of the {seqs} sequences it "
+            f"samples a step at their full {max_len} tokens: the step runs in turns, vLLM preempting the newest sequences "
+            "once the cache is full and recomputing them later (counted per step: rollout/preemptions); for one turn, raise "
+            "rollout.kv_cache_gb or rollout.kv_cache_fraction, or free the actor's state while the engine is awake: "
+            "rollout.offload=optimizer")
 
 
 class ColocatedPool:
@@ -109,6 +119,8 @@ class ColocatedPool:
         self.last_sync: SyncStats | None = None
         self.sleep_seconds: float | None = None
         self.wake_bytes: int | None = None
+        self.at_once: int | None = None  # the sequences this rank's engine holds at their full length (`sequences_at_once`)
+        self.preemptions: int | None = None  # requests the engine preempted in the last generate (None: not counted)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
                  request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -117,6 +129,8 @@ class ColocatedPool:
         seeds = request_seeds_for(sampling, len(prompts)) if request_seeds is None else list(request_seeds)
         start, end = my_share(len(prompts), self.rank, self.world, self.rollout_tp)
         mine, error = [], None
+        counted = getattr(self.engine, "preemptions", lambda: None)
+        before = counted()
         if end > start:
             try:
                 mine = self.engine.generate(prompts[start:end], sampling,
@@ -127,6 +141,8 @@ class ColocatedPool:
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
         parts = [None] * self.world
         dist.all_gather_object(parts, (error, mine if self.rank % self.rollout_tp == 0 else None), group=self.group)
+        after = counted()
+        self.preemptions = None if before is None or after is None else after - before
         errors = [e for e, _ in parts if e is not None]
         if errors:  # every rank stops now, naming the engine that failed (not after run.timeout_s in the next collective)
             raise RuntimeError("the rollout engine failed during generate on " + "; ".join(errors))

@@ -503,6 +503,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         kwargs = llm_kwargs(model_dir, flow, tensor_parallel_size=tp, seed=seed, glue=glue, **llm_extra)
         self.llm = vllm.LLM(**kwargs)
         self.model = self.llm.collective_rpc(_driver_model)[0]
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # in-process (the external launcher's)
+        self.scheduler = getattr(core, "scheduler", None)
+        if self.scheduler is not None:
+            load_patch("vllm_0_26_0_preemption_count").apply(self.scheduler)
         if flow.exact_logprobs:
             vllm_glue.use_trainer_lm_head(self.model)
         compilation = self.llm.llm_engine.vllm_config.compilation_config
@@ -579,6 +583,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         for r, s in zip(results, seeds):
             r.request_seed = s
         return results
+
+    def preemptions(self) -> int | None:
+        """Requests the scheduler has preempted since the engine started (None: not an in-process engine core)."""
+        return getattr(self.scheduler, "jetrl_preemptions", None)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], phases: Phases | None = None) -> dict:
         """The whole model: validated first (nothing written if refused), copied on the device, bytes compared.

@@ -135,3 +135,35 @@ def test_grpo_on_two_gpus_has_mismatch_exactly_zero(tmp_path, layout):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["mismatch/tokens"] > 0 and r["mismatch/max_abs_diff"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r["step"]
+
+
+LONG = [*QWEN3, "model.hf_config.max_position_embeddings=4096", "rollout.max_new_tokens=2048", "rollout.max_model_len=2112",
+        "rollout.enforce_eager=false", "grpo.prompts_per_step=4", "grpo.micro_batch_size=4", "grpo.logprob_micro_batch_size=8"]
+
+
+@pytest.mark.parametrize("kv_cache_gb,fit", [(0.0, 32), (0.22, 12)], ids=["all-at-once", "in-turns"])
+def test_long_responses_have_mismatch_exactly_zero_and_sync_the_trainers_bytes(tmp_path, kv_cache_gb, fit):
+    """2048-token responses, 32 a step (4 prompts x 8). With a KV cache for 12 of them at their full 2112 tokens (2 layers
+    x 8 KiB a token, slabs of 2,304 tokens: 0.22 GiB), vLLM preempts sequences as the cache fills and recomputes them
+    later: a resumed sequence's logprobs are still the actor's bit for bit. Every sync ships every tensor the engine
+    holds."""
+    from megatron_jetrl.rl.config import load_config, split_args
+    from megatron_jetrl.rollout.native import expected_tensors
+
+    args = [*LONG, "precision.mode=jetrl", "precision.exact_logprobs=true", "rollout.engine=vllm",
+            f"rollout.kv_cache_gb={kv_cache_gb}", "run.steps=2", "run.checkpoint=false", "loss.tis_cap=2.0"]
+    cfg = load_config(*split_args(args))
+    want = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in expected_tensors(cfg.arch(), cfg.precision).values())
+    cmd = [sys.executable, "-m", "megatron_jetrl.rl.train", *args, f"run.out_dir={tmp_path}", "run.name=long"]
+    env = dict(os.environ, MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert ("holds 12 of the 32 sequences" in done.stderr) == (fit < 32), done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["response_length/mean"] > 1024 and r["mismatch/tokens"] > 32 * 1024, r["step"]
+        assert r["mismatch/mean_abs_diff"] == r["mismatch/max_abs_diff"] == r["mismatch/k3_kl"] == 0.0, r["step"]
+        assert r["sync/bytes"] == want, (r["sync/bytes"], want)
+        assert r["rollout/fit_at_once"] == fit
+        assert (r["rollout/preemptions"] > 0) == (fit < 32), r["rollout/preemptions"]

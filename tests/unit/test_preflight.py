@@ -191,21 +191,28 @@ def test_what_the_estimate_counts_follows_the_settings():
     assert sharded["optimizer"] * 2 == base["optimizer"] and sharded["parameters"] == base["parameters"]
 
 
-def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_noted():
+def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_said_to_run_in_turns():
     from megatron_jetrl.models.arch import ModelArch
-    from megatron_jetrl.rollout.colocated import kv_bytes_per_token, kv_cache_fits
+    from megatron_jetrl.rollout.colocated import kv_bytes_per_token, sequences_at_once, turns_note
 
     arch = ModelArch.from_hf_config(qwen3_8b().model.architecture())
     per_token = kv_bytes_per_token(arch, 1)
     assert per_token == 36 * 2 * 8 * 128 * 2  # K and V, BF16, every layer
-    assert kv_cache_fits(64 * 1536 * per_token, arch, 64, 1536) is None
-    note = kv_cache_fits(10 * 1536 * per_token, arch, 64, 1536)
-    assert note.startswith("the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step")
-    assert note.endswith("or free the actor's state while the engine is awake: rollout.offload=optimizer)")
+    assert sequences_at_once(64 * 1536 * per_token, arch, 64, 1536) == 64  # never more than the engine's share
+    assert sequences_at_once(100 * 1536 * per_token, arch, 64, 1536) == 64
+    assert turns_note(64 * 1536 * per_token, 64, 64, 1536) is None
+    # a sequence's cache is rounded up to whole 256-token slabs: 1500 tokens take 1536
+    assert sequences_at_once(10 * 1536 * per_token, arch, 64, 1500) == 10
+    assert sequences_at_once(10 * 1536 * per_token - 1, arch, 64, 1500) == 9
+    note = turns_note(10 * 1536 * per_token, 64, 10, 1536)
+    assert note.startswith("the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step "
+                           "at their full 1536 tokens: the step runs in turns, vLLM preempting the newest sequences once the "
+                           "cache is full and recomputing them later (counted per step: rollout/preemptions)")
+    assert note.endswith("or free the actor's state while the engine is awake: rollout.offload=optimizer")
     with pytest.raises(ValueError, match=r"cannot hold one sequence of rollout.max_model_len=5120 tokens \(0.70 GiB at "
                                          r"rollout.tp=1\): raise rollout.kv_cache_gb or rollout.kv_cache_fraction, free the "
                                          r"actor's state while the engine is awake \(rollout.offload=optimizer\)"):
-        kv_cache_fits(4096 * per_token, arch, 64, 5120)
+        sequences_at_once(4096 * per_token, arch, 64, 5120)
 
 
 @pytest.mark.parametrize("error", [

@@ -171,3 +171,63 @@ def test_the_trainers_cache_is_emptied_only_when_the_wake_would_not_fit(monkeypa
     cuda.free = 6 << 30  # the trainer grew into the memory the engine released
     pool.sync(weights)
     assert cuda.emptied == 2
+
+
+class PreemptingEngine(SeededEngine):
+    """Stands in for a vLLM engine whose scheduler preempted `per_call` requests in each generate."""
+
+    def __init__(self, per_call):
+        super().__init__()
+        self.count, self.per_call = 5, per_call  # the counter runs from engine start, not from the pool's
+
+    def generate(self, prompts, sampling, *, request_seeds=None):
+        self.count += self.per_call
+        return super().generate(prompts, sampling, request_seeds=request_seeds)
+
+    def preemptions(self):
+        return self.count
+
+
+def _preemption_scenario():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    counted = ColocatedPool(PreemptingEngine(per_call=3 + rank), rollout_tp=1)
+    plain = ColocatedPool(SeededEngine(), rollout_tp=1)
+    seen = []
+    for _ in range(2):
+        counted.generate([[1, 2], [3, 4]], SamplingParams(seed=7, max_new_tokens=2))
+        seen.append(counted.preemptions)
+    plain.generate([[1, 2]], SamplingParams(seed=7, max_new_tokens=2))
+    return rank, seen, plain.preemptions
+
+
+def test_pool_counts_the_preemptions_of_each_generate_and_none_for_an_engine_that_cannot():
+    results = dict((rank, (seen, plain)) for rank, seen, plain in spawn(2, 1, 1, _preemption_scenario))
+    assert results == {0: ([3, 3], None), 1: ([4, 4], None)}  # each generate's own, from a counter that started earlier
+
+
+def test_preemption_patch_counts_one_schedulers_preemptions_and_refuses_another_vllm(monkeypatch):
+    from megatron_jetrl.patching import load_patch
+
+    patch, sampling = load_patch("vllm_0_26_0_preemption_count"), load_patch("vllm_0_26_0_seeded_sampling")
+
+    class Scheduler:
+        def __init__(self):
+            self.preempted = []
+
+        def _preempt_request(self, request, timestamp):
+            self.preempted.append((request, timestamp))
+
+    monkeypatch.setattr(sampling, "installed_version", lambda: "0.27.0")
+    with pytest.raises(sampling.VllmVersionError, match=r"targets vllm==0.26.0 .* but vllm==0.27.0 is installed"):
+        patch.apply(Scheduler())
+    monkeypatch.setattr(sampling, "installed_version", lambda: "0.26.0")
+    one, other = Scheduler(), Scheduler()
+    patch.apply(one)
+    patch.apply(one)  # again: still one count per preemption
+    one._preempt_request("a", 1.0)
+    one._preempt_request("b", 2.0)
+    other._preempt_request("c", 3.0)
+    assert one.jetrl_preemptions == 2 and one.preempted == [("a", 1.0), ("b", 2.0)]
+    assert not hasattr(other, "jetrl_preemptions") and other.preempted == [("c", 3.0)]

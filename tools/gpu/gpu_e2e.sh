@@ -20,7 +20,7 @@
 # mismatch, peak GPU memory.
 #
 # Environment: OUT (default out/gpu_e2e), WORK (run directories, default /dev/shm/jetrl_e2e), STEPS (default 3),
-# LEN (1024), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
+# LEN (1024; above it configs/e2e_8b_long.yaml joins the configs: 128 sequences a step), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
 # ARGS (extra overrides for every run). Micro-batches follow LEN: about 4K response tokens each (4 x 1024: the first
 # of 4 pipeline stages keeps 4 in flight), the forward-only logprob passes twice that. Where the time of each phase
 # goes: STEPS=4 ARGS="run.profile_step=3" profiles the last step's eval and update on every rank (rl.profiling;
@@ -28,9 +28,9 @@
 # the modes -> <stage>_<layout>_<len>_profile.md).
 # Larger sweeps: LAYOUT="parallel.tp=2 parallel.dp=2 rollout.tp=2" (TP 2 x DP 2, distributed optimizer; with
 # ARGS="rollout.offload=optimizer grpo.logprob_micro_batch_size=16": without the offload the first sync runs out of
-# memory beside the TP 2 engines); LEN=4096 (with ARGS="rollout.offload=optimizer": the actor's grads, optimizer state
-# and FP8 weight copies leave the GPU while the engine is awake, and the KV cache a step of long rollouts needs gets
-# that memory); PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1
+# memory beside the TP 2 engines); LEN=4096 or 8192 (on an 80 GB card with ARGS="rollout.offload=optimizer": the
+# actor's grads, optimizer state and FP8 weight copies leave the GPU while the engine is awake, and the KV cache a step
+# of long rollouts needs gets that memory); PP_LAYOUTS="parallel.tp=4 rollout.tp=4;parallel.tp=2 parallel.pp=2 rollout.tp=2;parallel.tp=1
 # parallel.pp=4 rollout.tp=1" (PP 1, 2 and 4 of the 36 layers, as in BENCHMARKS.md: at PP 4 each GPU's engine holds the
 # whole model beside a quarter of the actor's state; bf16 peaked at 75.4 GiB there with 512-token responses. 48 layers,
 # 61 GiB of actor state by the preflight's count, leave a BF16 engine no room).
@@ -41,6 +41,7 @@ OUT=${OUT:-$repo/out/gpu_e2e}
 WORK=${WORK:-/dev/shm/jetrl_e2e}
 LEN=${LEN:-1024}
 CONFIGS=(configs/models/qwen3-8b-base.yaml configs/e2e_8b.yaml)
+[ "$LEN" -gt 1024 ] && CONFIGS+=(configs/e2e_8b_long.yaml)  # the long rollouts: 128 sequences a step
 mkdir -p "$OUT" "$WORK"
 [ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_e2e.sh STAGE... (setup | warm | e2e | pp | tests | jit-save)"; exit 2; }
 export PYTHONPATH=/tmp/mcore:$repo${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 PYTHONUNBUFFERED=1 \
