@@ -363,6 +363,28 @@ class RolloutConfig:
         _check(self.glue in ("auto", "vllm", "trainer"), f"rollout.glue must be 'auto', 'vllm' or 'trainer', got {self.glue!r}")
         _check(self.engine == "vllm" or self.tp == 1, f"rollout.tp={self.tp} is for rollout.engine=vllm (the native engine is not tensor parallel)")
 
+    def window(self, positions: int) -> int:
+        """The most tokens, prompt and response, a sequence may reach on a model of `positions` (its
+        max_position_embeddings): vLLM's max_model_len (0: 1024 prompt tokens + max_new_tokens, at most `positions`);
+        the native engine's is the model's."""
+        if self.engine == "vllm":
+            return self.max_model_len or min(positions, 1024 + self.max_new_tokens)
+        return positions
+
+    def check_positions(self, positions: int) -> None:
+        """What the engines refuse of a model with `positions` RoPE positions (max_position_embeddings): a vLLM engine
+        longer than the model (vLLM's own start-up check), or responses with no room left for a prompt (a sequence
+        past the model's positions: vLLM refuses the request, the native engine would run positions the model never
+        had). The prompts themselves are checked when the data is built (`rl.session.check_prompt_room`)."""
+        _check(self.max_model_len <= positions,
+               f"rollout.max_model_len={self.max_model_len} is longer than the model's max_position_embeddings={positions} "
+               f"(vLLM refuses an engine longer than the model): set rollout.max_model_len to at most {positions}")
+        _check(self.max_new_tokens < positions,
+               f"rollout.max_new_tokens={self.max_new_tokens} leaves no position for a prompt in the model's "
+               f"max_position_embeddings={positions} (a sequence may not pass them: vLLM refuses such a request, and the "
+               f"native engine would run RoPE positions the model never had): set rollout.max_new_tokens below {positions} "
+               "less the longest prompt")
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -479,6 +501,7 @@ class JetRLConfig:
             self._check_exact_logprobs()
         if self.model.hf_config:
             arch = self.arch()  # architecture problems surface here, before anything is built
+            self.rollout.check_positions(arch.max_position_embeddings)
             try:
                 self.parallel.stage_layers(arch.num_layers)
             except ValueError as e:

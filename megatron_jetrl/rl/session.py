@@ -30,8 +30,8 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
-from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, load_problems,
-                                   split_heldout)
+from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
+                                   load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint
 from megatron_jetrl.rollout.native import expected_tensors
@@ -157,7 +157,7 @@ def start_vllm_pool(s: "Session") -> None:
     free, total = torch.cuda.mem_get_info()
     later = free - awake_state_to_come(s)
     weights = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_tensors(s.arch, s.flow).values()) // r.tp
-    max_len = r.max_model_len or min(s.arch.max_position_embeddings, 1024 + r.max_new_tokens)
+    max_len = r.window(s.arch.max_position_embeddings)
     groups = dist.get_world_size() // r.tp
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
     kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(later, weights, r.kv_cache_fraction,
@@ -219,6 +219,7 @@ def build_session(cfg: JetRLConfig) -> Session:
         flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
     tokenizer = _tokenizer(cfg, arch)
     problems, heldout = problem_sets(cfg)
+    check_prompt_room(cfg, arch, tokenizer, problems, heldout)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
     options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
@@ -253,6 +254,27 @@ def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
         return task.problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed, exclude=questions(heldout)), heldout
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_prompt_room(cfg: JetRLConfig, arch: ModelArch, tokenizer, problems: list[Problem], heldout: list[Problem]) -> None:
+    """Every prompt, GRPO's and the held-out ones, as the rollout encodes it, has room for rollout.max_new_tokens inside
+    the sequence window (`RolloutConfig.window`): a longer one is refused here, when the data is built, naming it,
+    not in the middle of a step (vLLM refuses the request; the native engine would run positions the model never had)."""
+    window, new = cfg.rollout.window(arch.max_position_embeddings), cfg.rollout.max_new_tokens
+    named = [*problems, *heldout]
+    if not named:
+        return
+    lengths = [len(tokenizer.encode(format_prompt(p, cfg.data.template))) for p in named]
+    worst = max(range(len(named)), key=lengths.__getitem__)
+    if lengths[worst] + new > window:
+        over = sum(n + new > window for n in lengths)
+        kind = "held-out problem" if worst >= len(problems) else "problem"
+        limit = f"rollout.max_model_len={window}" if cfg.rollout.engine == "vllm" else f"max_position_embeddings={window}"
+        raise ConfigError(f"{over} of the {len(named)} prompts leave no room for rollout.max_new_tokens={new} within the "
+                          f"model's {limit}: the longest, {kind} {named[worst].id}, is {lengths[worst]} tokens; lower "
+                          f"rollout.max_new_tokens to {max(window - lengths[worst], 0)}"
+                          + (", raise rollout.max_model_len" if cfg.rollout.engine == "vllm" else "")
+                          + " or leave the longest prompts out of the data")
 
 
 def questions(problems: list[Problem]) -> frozenset[str]:

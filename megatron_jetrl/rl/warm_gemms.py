@@ -86,7 +86,7 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
     tps = {cfg.parallel.tp} if flow.train_fp8 else set()
     if flow.rollout_fp8:  # the native engine holds the whole model on one GPU
         tps.add(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
-    max_len = cfg.rollout.max_model_len or min(arch.max_position_embeddings, 1024 + cfg.rollout.max_new_tokens)
+    max_len = cfg.rollout.window(arch.max_position_embeddings)
     multiple = token_multiple(cfg.grpo.micro_batch_size)  # train_step lengthens the rows to whole 128-token blocks
     train_m = cfg.grpo.micro_batch_size * -(-max_len // multiple) * multiple
     logprob_m = cfg.grpo.logprob_batch * max_len

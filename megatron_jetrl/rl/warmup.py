@@ -8,6 +8,7 @@ import torch
 from megatron_jetrl.actor.parallel import from_last_stage
 from megatron_jetrl.actor.train_step import train_step
 from megatron_jetrl.rl import session as sess
+from megatron_jetrl.rl.config import ConfigError
 from megatron_jetrl.rl.metrics import progress
 
 
@@ -22,6 +23,11 @@ def warm_start(s) -> None:
     pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1, exclude=sess.questions(s.heldout))
     tok = s.tokenizer
     seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
+    longest = max(len(q) + len(a) for q, a in seqs)
+    if longest > s.arch.max_position_embeddings:  # before any step: positions the model never had
+        raise ConfigError(f"the warm-start's longest example is {longest} tokens, more than the model's "
+                          f"max_position_embeddings={s.arch.max_position_embeddings}: raise model.hf_config's "
+                          "max_position_embeddings, or shorten the task's examples (data.operand_max, data.multiplier_max)")
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     groups = s.optimizer.param_groups
     lrs = [g["lr"] for g in groups]

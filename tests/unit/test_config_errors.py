@@ -108,6 +108,15 @@ CASES = {
     "unknown weight-transpose policy": (["model.fp8_weight_t=never"], r"model.fp8_weight_t must be 'step' or 'backward', got 'never'"),
     "hf tokenizer without a path": (["model.tokenizer=hf"], r"model.tokenizer='hf' needs model.path"),
     "architecture field missing": (["model.hf_config={model_type: qwen2}"], r"model.hf_config lacks 'num_attention_heads'"),
+    # ---- what an engine refuses of the model's positions (the tiny model has 64)
+    "responses as long as the model": (["rollout.max_new_tokens=64"],
+                                       r"rollout.max_new_tokens=64 leaves no position for a prompt in the model's "
+                                       r"max_position_embeddings=64 .*vLLM refuses such a request.*set rollout.max_new_tokens below 64"),
+    "responses longer than the model, no warm-start": (["rollout.max_new_tokens=200", "warmup.steps=0"],
+                                                       r"rollout.max_new_tokens=200 leaves no position for a prompt"),
+    "a vLLM engine longer than the model": (["model.hf_config.max_position_embeddings=1024", "rollout.max_model_len=2048"],
+                                            r"rollout.max_model_len=2048 is longer than the model's max_position_embeddings=1024 "
+                                            r"\(vLLM refuses an engine longer than the model\): set rollout.max_model_len to at most 1024"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),
 }
 
@@ -139,6 +148,54 @@ def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():
         problem_sets(cfg)
     train, held = problem_sets(load_config(None, ["data.heldout=40"]))
     assert len(held) == 40 and len(train) == 4096 and not {p.question for p in held} & {p.question for p in train}
+
+
+class WordTokenizer:
+    """One token a word: prompt lengths a test can count."""
+
+    def encode(self, text):
+        return text.split()
+
+
+def test_a_prompt_without_room_for_the_responses_is_refused_when_the_data_is_built():
+    """Where the limit needs the data (a prompt's length), the session checks every prompt, GRPO's and the held-out
+    ones, once, before anything is built: the longest named, with the fix."""
+    from megatron_jetrl.rl.data import Problem, format_prompt
+    from megatron_jetrl.rl.session import check_prompt_room
+
+    def problems(*words, prefix="p"):
+        return [Problem(f"{prefix}/{i}", " ".join(["w"] * n), "1", "arithmetic") for i, n in enumerate(words)]
+
+    cfg = load_config(None, ["rollout.max_new_tokens=40"])
+    arch, tok = cfg.arch(), WordTokenizer()
+    template = len(tok.encode(format_prompt(Problem("x", "", "1", "arithmetic"), cfg.data.template)))
+    room = 64 - 40 - template  # the tiny model's 64 positions, less the responses and the template's own words
+    check_prompt_room(cfg, arch, tok, problems(1, room), problems(room))  # fits exactly
+    with pytest.raises(ConfigError, match=rf"1 of the 3 prompts leave no room for rollout.max_new_tokens=40 within the model's "
+                                          rf"max_position_embeddings=64: the longest, held-out problem h/1, is 25 tokens; "
+                                          rf"lower rollout.max_new_tokens to 39 or leave the longest prompts out of the data"):
+        check_prompt_room(cfg, arch, tok, problems(1), problems(room, room + 1, prefix="h"))
+    with pytest.raises(ConfigError, match=r"2 of the 3 prompts .*the longest, problem p/2, is 27 tokens"):
+        check_prompt_room(cfg, arch, tok, problems(1, room + 1, room + 3), [])
+    check_prompt_room(cfg, arch, tok, [], [])
+
+
+def test_a_warm_start_example_longer_than_the_model_is_refused_before_any_step():
+    from types import SimpleNamespace
+
+    from megatron_jetrl.rl.warmup import warm_start
+
+    class Wordy:  # every text is 40 tokens: question + answer + EOS = 81 > the tiny model's 64 positions
+        eos_id = 2
+
+        def encode(self, text):
+            return [5] * 40
+
+    cfg = load_config(None, ["warmup.steps=2"])
+    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), tokenizer=Wordy(), heldout=[])
+    with pytest.raises(ConfigError, match=r"the warm-start's longest example is 81 tokens, more than the model's "
+                                          r"max_position_embeddings=64: raise model.hf_config's max_position_embeddings"):
+        warm_start(s)
 
 
 def test_config_file_problems(tmp_path):
