@@ -117,6 +117,9 @@ CASES = {
     "a vLLM engine longer than the model": (["model.hf_config.max_position_embeddings=1024", "rollout.max_model_len=2048"],
                                             r"rollout.max_model_len=2048 is longer than the model's max_position_embeddings=1024 "
                                             r"\(vLLM refuses an engine longer than the model\): set rollout.max_model_len to at most 1024"),
+    "no positions": (["model.hf_config.max_position_embeddings=0"], r"sizes must be positive integers: max_position_embeddings=0"),
+    "RoPE base of zero": (["model.hf_config.rope_theta=0"], r"rope_theta must be a finite number > 0 .*got rope_theta=0.0"),
+    "RMSNorm without a floor": (["model.hf_config.rms_norm_eps=0"], r"rms_norm_eps in \(0, 1\), .*rms_norm_eps=0.0"),
     "unsupported family": (["model.hf_config={model_type: mistral, num_attention_heads: 2}"], r"model_type='mistral'; megatron-jetrl supports"),
 }
 
