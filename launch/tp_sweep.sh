@@ -77,7 +77,7 @@ overrides=("$@")
 
 py=$(bash "$repo/launch/python.sh")
 export PYTHON=$py
-command -v "$py" >/dev/null 2>&1 || die "python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv"
+command -v "$py" >/dev/null 2>&1 || die "python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/setup.sh' to create $repo/.venv"
 config_module=$(bash "$repo/launch/python.sh" modules | sed -n 2p)
 case $config_module in
   *.py) config_cmd=("$py" "$config_module") ;;

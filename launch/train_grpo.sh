@@ -99,17 +99,24 @@ main() {
 
   shown_args=""
   if [ $# -gt 0 ]; then shown_args=$(printf ' %q' "$@"); fi
-  if [ -z "${PYTHON:-}" ] && [ -z "${RANK:-}" ] && [ ! -x "$repo/.venv/bin/python" ]; then
-    echo "train_grpo.sh: first run: creating $repo/.venv (bash tools/setup.sh; about a minute)" >&2
-    bash "$repo/tools/setup.sh"
+  if [ -z "${PYTHON:-}" ] && [ -z "${RANK:-}" ]; then  # the repository's .venv, completed where it is not
+    mark=$(cat "$repo/tools/setup.sh" "$repo/requirements.txt" | sha256sum | cut -d' ' -f1)
+    if [ ! -x "$repo/.venv/bin/python" ]; then
+      echo "train_grpo.sh: first run: creating $repo/.venv (bash tools/setup.sh; about two minutes)" >&2
+    elif [ "$(cat "$repo/.venv/.jetrl-setup" 2>/dev/null)" != "$mark" ]; then
+      echo "train_grpo.sh: $repo/.venv is incomplete or older than requirements.txt (an interrupted first run?): completing it (bash tools/setup.sh)" >&2
+    fi
+    if [ "$(cat "$repo/.venv/.jetrl-setup" 2>/dev/null)" != "$mark" ]; then
+      bash "$repo/tools/setup.sh" || { echo "train_grpo.sh: error: bash tools/setup.sh failed (its error is above); run it again once that is fixed" >&2; exit 2; }
+    fi
     py=$repo/.venv/bin/python
   fi
   if ! command -v "$py" >/dev/null 2>&1; then
-    echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python or run 'bash tools/test.sh' to create $repo/.venv" >&2
+    echo "train_grpo.sh: error: python interpreter '$py' not found; set PYTHON=/path/to/python, or unset it to use $repo/.venv (made by bash tools/setup.sh)" >&2
     exit 2
   fi
-  if ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
-    echo "train_grpo.sh: error: '$py' has no torch; run 'bash tools/test.sh' to create $repo/.venv, or set PYTHON to an interpreter with the requirements installed" >&2
+  if ! "$py" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in ("torch", "yaml", "megatron.core")))' 2>/dev/null; then
+    echo "train_grpo.sh: error: '$py' lacks the requirements (torch, pyyaml, megatron-core, ...): install them into it (pip install torch==2.13.0 -r requirements.txt on a CPU box, or the README's 'Running on GPUs'), or unset PYTHON to use $repo/.venv" >&2
     exit 2
   fi
 
@@ -122,10 +129,12 @@ main() {
     get_rc=0
     get_err=$(mktemp "${TMPDIR:-/tmp}/jetrl-get.XXXXXX")
     nproc_run=$("$py" "${cmod[@]}" "$@" --get parallel.world_size 2>"$get_err") || get_rc=$?
-    if [ "$get_rc" -ne 0 ]; then
-      # the config module's own message last: it names the key and the fix
-      echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc);" \
-           "fix the config/overrides, or set JETRL_NPROC=<processes> to skip this question:" >&2
+    if [ "$get_rc" -eq 2 ]; then  # a config error: its own message (the key and the fix) is all there is to say
+      cat "$get_err" >&2
+      rm -f "$get_err"
+      exit 2
+    elif [ "$get_rc" -ne 0 ]; then  # the config module itself broke: what it printed, after what was asked of it
+      echo "train_grpo.sh: error: '$py ${cmod[*]}$shown_args --get parallel.world_size' failed (exit $get_rc):" >&2
       cat "$get_err" >&2
       rm -f "$get_err"
       exit "$get_rc"
