@@ -12,7 +12,7 @@ torchrun) and by the trainer (`rl/train.py`, before the process group).
   that is missing or holds no jsonl/parquet file;
 * the GPU's memory: an actor whose state alone (weights, gradients, optimizer, reference, FP8 copies) would not fit
   (`check_memory`); the host's, for the optimizer state `rollout.offload=optimizer` pins there (`check_host_memory`);
-* the run directory (`run_state.previous_run`): a checkpoint of another model/precision, `run.resume=never`,
+* the run directory: another live run holding it (`run_lock`); a checkpoint of another model/precision (`run_state.previous_run`), `run.resume=never`,
   or a changed hyper-parameter of a run that would resume.
 
 It returns the run it would resume (`run_state.PreviousRun`, or None for a fresh run); the trainer says what
@@ -31,8 +31,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 def check(cfg: JetRLConfig):
     """Every machine, input and run-directory check (ConfigError on the first problem); the previous run or None."""
+    from megatron_jetrl.rl import run_lock
     from megatron_jetrl.rl.run_state import previous_run
 
+    if os.environ.get("RANK", "0") == "0":  # the launchers' question, or the rank that takes the lock (rl/train.py)
+        run_lock.check(cfg.run.directory)
     device = cfg.run.device_type()
     check_gpus(device)
     check_vllm(cfg, device)

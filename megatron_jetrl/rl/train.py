@@ -24,7 +24,7 @@ from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
 from megatron_jetrl.actor.parallel import from_last_stage, group_device
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
-from megatron_jetrl.rl import faults, preflight
+from megatron_jetrl.rl import faults, preflight, run_lock
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(__doc__.strip())
         return 0
+    cfg = None
     try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
         cfg = load_config(*split_args(args))
         previous = preflight.check(cfg)  # machine, inputs and run directory, before anything is written or started
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(previous.complete_message(cfg))
             return 0
+        taken = run_lock.acquire(cfg.run.directory) if os.environ.get("RANK", "0") == "0" else None  # one run a directory
         sess.init_distributed(cfg)
         faults.watch(cfg)  # heartbeat + one-line failure report naming rank/step/phase
         if cfg.run.device_type() == "cuda" and int(os.environ["RANK"]) == 0:
@@ -64,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             sess.write_config(cfg)
             if previous is not None:
                 print(previous.resume_message(cfg), file=sys.stderr)
+            if taken:
+                print(f"note: {taken}", file=sys.stderr)
             for notice in cfg.notices():
                 print(f"note: {notice}", file=sys.stderr)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         faults.record_failure(f"config error: {e}")
+        if cfg is not None:
+            run_lock.release(cfg.run.directory)
         return 2
     start = state["step"] if state else 0
     if state is None:
@@ -122,6 +128,7 @@ def finish(s, last_saved) -> int:
         (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))
         print(format_summary(rows))
     dist.barrier()
+    run_lock.release(cfg.run.directory)
     return 0
 
 
