@@ -4,3 +4,7 @@ Rooms (dependencies point one way): `fp8` <- `models` <- `actor`, `convert`, `ro
 """
 
 __version__ = "0.1.0"
+
+from megatron_jetrl import third_party_logs
+
+third_party_logs.install()
