@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import difflib
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -176,9 +177,22 @@ def _config(data: dict) -> JetRLConfig:
         raise ConfigError(str(e)) from None
 
 
+def config_path(path: str | Path) -> Path:
+    """`path` as given where it exists; else, for a relative path, the same file in the project's configs (the
+    repository's `configs/`, or the copy an installed package carries), so `configs/models/qwen3-8b-base.yaml` or
+    `models/qwen3-8b-base.yaml` resolve from any directory."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute():
+        return path
+    inside = Path(*path.parts[1:]) if path.parts and path.parts[0] == "configs" else path
+    return next((d / inside for d in _CONFIGS if (d / inside).is_file()), path)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (configs/ holds tiny.yaml, models/ and modes/)")
+        here = next((d for d in _CONFIGS if d.is_dir()), _CONFIGS[0])
+        raise ConfigError(f"config file {path} does not exist, in {Path.cwd()} nor in {here} (which holds tiny.yaml, "
+                          "models/ and modes/)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -197,9 +211,18 @@ def load_config(paths: str | Path | list | None = None, overrides: list[str] = (
         paths = [paths]
     data: dict = {}
     for path in paths:
-        for section, values in _read_yaml(Path(path)).items():
+        for section, values in _read_yaml(config_path(path)).items():
             data.setdefault(section, {}).update(values or {})
     return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def sections_help() -> str:
+    """Every section and its keys, for `--help` (`python -m megatron_jetrl.rl.config --print` shows their values)."""
+    lines = ["config sections and their keys (section.key=value; --print in megatron_jetrl.rl.config shows the values):"]
+    for section, cls in typing.get_type_hints(JetRLConfig).items():
+        names = [f.name for f in dataclasses.fields(cls)]
+        lines.append(textwrap.fill(" ".join(names), width=118, initial_indent=f"  {section + ':':<11}", subsequent_indent=" " * 13))
+    return "\n".join(lines)
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -231,7 +254,8 @@ def _option_hint(argv: list[str], i: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.")
+    parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.",
+                                     epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml ...] [section.key=value ...]")
     parser.add_argument("--get", help="print one value, e.g. parallel.world_size (also refuses what this machine or the "
                                       "run directory cannot run: rl/preflight.py)")

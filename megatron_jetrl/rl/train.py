@@ -20,14 +20,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
+from megatron_jetrl.rl.extras import require_train_extras
+
+require_train_extras("megatron_jetrl.rl.train")  # a bare `pip install .`: one line naming what is missing, not a traceback
+
+from megatron_jetrl.actor.logprobs import compute_logprobs, response_start  # noqa: E402
 from megatron_jetrl.actor.parallel import from_last_stage, group_device
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream, drain
 from megatron_jetrl.rl import faults, preflight, run_lock
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
-from megatron_jetrl.rl.config import ConfigError, load_config, split_args
+from megatron_jetrl.rl.config import ConfigError, load_config, sections_help, split_args
 from megatron_jetrl.rl.data import format_prompt
 from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.loss import check_mask, policy_loss
@@ -45,7 +49,7 @@ from megatron_jetrl.rollout.sync import ALLOCATOR_STALLS, Phases
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
-        print(__doc__.strip())
+        print(__doc__.strip() + "\n\n" + sections_help())
         return 0
     cfg = None
     try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
