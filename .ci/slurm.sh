@@ -23,6 +23,7 @@
 # JETRL_CI_STEPS (train job steps, default 3), JETRL_CI_SWEEP_STEPS (default 2), JETRL_CI_JOB_MINUTES (time limit
 # of each job, default 30), JETRL_CI_KEEP=1 (keep the temp dir with logs and runs).
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"

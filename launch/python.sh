@@ -4,6 +4,7 @@
 #   bash launch/python.sh modules  two lines, TRAIN_MODULE and CONFIG_MODULE: $JETRL_TRAIN_MODULE (default megatron_jetrl.rl.train)
 #                                  and the module that loads and checks its config: $JETRL_CONFIG_MODULE, else
 #                                  megatron_jetrl.rl.config for the default trainer, else the trainer itself
+case ${1:-} in -h|--help) sed -n '2,/^repo=/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ "${1:-}" = modules ]; then
   train=${JETRL_TRAIN_MODULE:-megatron_jetrl.rl.train}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a CPU environment (idempotent) and run the test suite: bash tools/test.sh [pytest args...]
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 cd "$(dirname "$0")/.."
 venv=${JETRL_VENV:-.venv}
 bash tools/setup.sh                     # .venv: torch 2.13.0 CPU first, then requirements.txt

@@ -312,3 +312,17 @@ def test_tp_sweep_samples_gpu_memory_into_each_run_and_the_report(tmp_path):
     assert samples[:2] == ["0, 1024", "1, 63488"] and not (out / "sweep_tp1_bf16.gpu_memory.csv").exists()
     row = next(csv.DictReader(open(out / "sweep_report.csv")))
     assert float(row["peak_gpu_gib"]) == 62.0
+
+
+SHELL_SCRIPTS = sorted({*REPO.glob("launch/*.sh"), *REPO.glob("launch/slurm/*.sbatch"), *REPO.glob("tools/*.sh"),
+                        *REPO.glob("tools/gpu/*.sh"), REPO / ".ci/run", REPO / ".ci/slurm.sh"})
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_script_answers_help_with_its_header_and_runs_nothing(tmp_path, script):
+    r = subprocess.run(["bash", str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k not in CLEAN})
+    assert r.returncode == 0, r.stderr
+    header = [ln[2:] for ln in script.read_text().splitlines()[1:4] if ln.startswith("# ")][0]
+    assert r.stdout.splitlines()[0] == header and not r.stderr, (r.stdout[:300], r.stderr[:300])
+    assert not list(tmp_path.iterdir())  # nothing written where it was called

@@ -35,6 +35,7 @@
 # whole model beside a quarter of the actor's state; bf16 peaked at 75.4 GiB there with 512-token responses. 48 layers,
 # 61 GiB of actor state by the preflight's count, leave a BF16 engine no room).
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_e2e}

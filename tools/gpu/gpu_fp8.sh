@@ -25,6 +25,7 @@
 # Env: OUT (default out/gpu_fp8), TOTAL_TIMEOUT, SETUP_TIMEOUT (240), TESTS_TIMEOUT (150), BENCH_FP8_TIMEOUT (300),
 #      BENCH_ACTOR_TIMEOUT (240), TESTS_K, FP8_ARGS (extra bench_fp8.py args), ACTOR_ARGS (extra bench_actor.py args).
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_fp8}

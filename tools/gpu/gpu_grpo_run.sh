@@ -30,6 +30,7 @@
 #      max_position_embeddings: 128, eos_token_id: 2}' rollout.n=2 rollout.max_new_tokens=4 grpo.prompts_per_step=4 \
 #     grpo.micro_batch_size=4 warmup.steps=2
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"

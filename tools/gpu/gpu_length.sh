@@ -24,6 +24,7 @@
 # every run, e.g. "data.multiplier_max=120 rollout.max_new_tokens=1536" for shorter traces; in the SFT stages they come
 # before the stage's own settings, so an optim.lr meant for GRPO leaves the SFT export step at its vanishing lr).
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_length}

@@ -25,6 +25,7 @@
 # a stage gets what is left), TESTS_K, ARGS (extra overrides for every GRPO run).
 # vLLM stages need the vLLM kit unpacked first (shared/kits/README.md: two calls) and source /tmp/vllm-site/env.sh.
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_multi}

@@ -25,6 +25,7 @@
 # six runs fit in ~4 minutes; 1p5b: configs/gpu_1p5b.yaml's Qwen2.5-1.5B shapes, 4 steps, ~10 minutes), RUN_TIMEOUT
 # (per GRPO run, default 110 s small / 200 s 1p5b; grpo: 280 s, so two modes fit one 10-minute call), TRAIN_ARGS (extra overrides for every train and grpo run).
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_te}

@@ -35,6 +35,7 @@
 # this script checks the unpack is complete, installs .whl/ into /tmp/mcore and loads the carried DeepGEMM kernels.
 #   e.g.  OUT=$OUT RUNS="jetrl bf16" bash tools/gpu/gpu_vllm.sh tests bench jit-save
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_vllm}

@@ -14,6 +14,7 @@
 # ~/.cache/vllm/deep_gemm) and the trainer's (DeepGEMM's default, ~/.deep_gemm), both stored relative to $HOME.
 # A device call returns files of at most 16 MiB: `save` says so and writes nothing larger.
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dirs=(.cache/vllm/deep_gemm .deep_gemm)
 case ${1:-} in

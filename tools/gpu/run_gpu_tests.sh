@@ -4,6 +4,7 @@
 # From the repository root, with the machine's own python3 (torch + Triton); no install needed.
 # Exit status: pytest's; 2 when this machine has no CUDA GPU (or python3 lacks torch/Triton), said in one line.
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 cd "$(dirname "$0")/../.."
 python3 - <<'PY' || exit 2
 import importlib.util, sys
