@@ -47,7 +47,8 @@ class PreviousRun:
 
     def complete(self, cfg: JetRLConfig) -> bool:
         """Reached run.steps and wrote its summary (a run stopped during its export resumes to finish it)."""
-        return self.step >= cfg.run.steps and (self.directory / "summary.json").is_file()
+        return (self.step >= cfg.run.steps and (self.directory / "summary.json").is_file()
+                and manifest_problem(self.checkpoint) is None)
 
     def complete_message(self, cfg: JetRLConfig) -> str:
         d = self.directory
@@ -66,13 +67,47 @@ class PreviousRun:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The complete `step_XXXXXX` directories under `root` (they have their trainer_state.json), oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial") and (p / STATE_FILE).is_file())
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / STATE_FILE).is_file())
+
+
+def manifest_problem(ckpt: Path) -> str | None:
+    """What is wrong with checkpoint `ckpt` by its own manifests, read in milliseconds without torch (every file that
+    meta.json lists, in ckpt/ and in ckpt/ref/, there at the size it says; trainer_state.json readable and of this
+    step), or None. The sha256 of every byte is checked when the checkpoint is loaded (`actor.checkpoint`)."""
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        if not isinstance(state, dict) or state.get("step") != int(ckpt.name.split("_")[1]):
+            return f"{STATE_FILE} is not the trainer state of {ckpt.name}"
+        for directory in (ckpt, ckpt / "ref") if (ckpt / "ref").is_dir() else (ckpt,):
+            meta = json.loads((directory / "meta.json").read_text())
+            optimizer = meta.get("optimizer")
+            for entry in [*meta["shards"], *(optimizer if isinstance(optimizer, list) else [])]:
+                path = directory / entry["file"]
+                if not path.is_file():
+                    return f"{path.relative_to(ckpt.parent)} is missing"
+                if path.stat().st_size != entry["bytes"]:
+                    return f"{path.relative_to(ckpt.parent)} is {path.stat().st_size} bytes, its manifest says {entry['bytes']}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    return None
+
+
+def sound_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint under `root` whose manifests hold (`manifest_problem`), and the newer ones
+    skipped with why. Where none holds: the newest, whose load then names its damage, and no skipped list."""
+    done = complete_checkpoints(root)
+    skipped = []
+    for ckpt in reversed(done):
+        why = manifest_problem(ckpt)
+        if why is None:
+            return ckpt, skipped
+        skipped.append((ckpt, why))
+    return (done[-1] if done else None), []
 
 
 def newest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
+    """The checkpoint a run under `root` resumes from (`sound_checkpoint`), or None."""
+    return sound_checkpoint(root)[0]
 
 
 def _flat(config: dict) -> dict:

@@ -33,7 +33,7 @@ from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
                                    load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
-from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint
+from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint, sound_checkpoint
 from megatron_jetrl.rollout.native import expected_tensors
 
 SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
@@ -369,10 +369,20 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
 
 
 def resume(s: Session) -> dict | None:
-    """Load the newest complete checkpoint into the session; its trainer state, or None for a fresh run."""
-    ckpt = latest_checkpoint(s.cfg)
+    """Load the newest sound checkpoint into the session (`run_state.sound_checkpoint`: newer damaged ones are skipped,
+    said, and kept aside as `step_XXXXXX.damaged`); its trainer state, or None for a fresh run."""
+    ckpt, skipped = sound_checkpoint(checkpoint_root(s.cfg))
     if ckpt is None:
         return None
+    dist.barrier()  # every rank has chosen before one is moved aside
+    if skipped and dist.get_rank() == 0:
+        for bad, why in skipped:
+            aside = next(bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}") for i in range(100)
+                         if not bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}").exists())
+            bad.rename(aside)
+            print(f"note: skipped the damaged checkpoint {bad.name} ({why}); kept aside as {aside}, resuming from "
+                  f"{ckpt.name}", file=sys.stderr)
+    dist.barrier()
     if s.cfg.run.resume == "never":
         raise ConfigError(f"{s.cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
                           "choose another run.name / run.out_dir, or delete them")

@@ -567,6 +567,53 @@ def test_resume_of_an_intact_checkpoint(saved, tmp_path):
     assert _resume(saved, tmp_path, lambda ck: None)["step"] == 1
 
 
+def _newer(out: Path, step: int = 2) -> Path:
+    """A copy of step_000001 as a newer checkpoint (its trainer state at `step`)."""
+    from megatron_jetrl.rl.session import STATE_FILE
+
+    newer = out / "checkpoints" / f"step_{step:06d}"
+    shutil.copytree(out / "checkpoints" / "step_000001", newer)
+    _edit_json(newer / STATE_FILE, step=step)
+    return newer
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000), r"step_000002/tp00_pp000.safetensors is 1000 bytes, its manifest says \d+"),
+    (lambda ck: (ck / "optim_tp00_pp000.pt").unlink(), r"step_000002/optim_tp00_pp000.pt is missing"),
+    (lambda ck: (ck / "trainer_state.json").write_text('{"step": 2, "warm'), r"unreadable manifest \(JSONDecodeError"),
+], ids=["truncated shard", "deleted optimizer state", "damaged trainer state"])
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(saved, tmp_path, capsys, damage, why):
+    from megatron_jetrl.rl import session
+    from megatron_jetrl.rl.run_state import previous_run
+
+    out = tmp_path / "run"
+    shutil.copytree(saved.out, out)
+    damage(_newer(out))
+    (out / "summary.json").write_text("{}")  # the run had finished at step 2: its final checkpoint is checked first
+    cfg = _cfg(out, "loss.kl_coef=0", "run.steps=2")
+    previous = previous_run(cfg)
+    assert previous.step == 1 and not previous.complete(cfg)
+    s = SimpleNamespace(cfg=cfg, model=saved.ddp, optimizer=saved.optimizer, reference=None,
+                        sampler=SimpleNamespace(load_state_dict=lambda state: None))
+    assert session.resume(s)["step"] == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"note: skipped the damaged checkpoint step_000002 \({why}.*\); kept aside as "
+                     rf"{out}/checkpoints/step_000002.damaged, resuming from step_000001", err), err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002.damaged"]
+    assert session.latest_checkpoint(cfg) == out / "checkpoints" / "step_000001"
+
+
+def test_a_finished_run_with_a_sound_final_checkpoint_is_complete(saved, tmp_path):
+    from megatron_jetrl.rl.run_state import previous_run
+
+    out = tmp_path / "run"
+    shutil.copytree(saved.out, out)
+    _newer(out)
+    (out / "summary.json").write_text("{}")
+    cfg = _cfg(out, "loss.kl_coef=0", "run.steps=2")
+    assert previous_run(cfg).complete(cfg)
+
+
 CORRUPT = {
     "bit-flipped shard": (lambda ck: _flip(ck / "tp00_pp000.safetensors"), r"tp00_pp000.safetensors: sha256 differs from the manifest \(corrupt shard\)"),
     "truncated shard": (lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000),
