@@ -164,17 +164,36 @@ main() {
   export JETRL_EXIT_DIR
   trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
   echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
-  # torchrun runs in the background so that a SIGTERM/SIGINT/SIGHUP to this script reaches it at once (it then stops
-  # every rank) instead of leaving it running without its launcher.
-  "$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
+  # torchrun runs in its own session, in the background: a terminal's Ctrl-C reaches this script alone, which passes
+  # each SIGINT/SIGTERM/SIGUSR1 on to the ranks (their pids in $JETRL_EXIT_DIR): the first stops the run at the end of
+  # its step with a checkpoint, a second at once (megatron_jetrl/rl/interrupt.py); the ranks then leave with exit 0, so
+  # torchrun says nothing, and this script says where the run stopped and how to resume it. SIGHUP stops torchrun
+  # (and its ranks) outright.
+  setsid "$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
   torchrun_pid=$!
-  trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM INT HUP
+  interrupted=""
+  forward() {  # SIGNAL: to every rank that has said its pid (before that: to torchrun, which stops them)
+    interrupted=${interrupted:-$1}
+    local f sent=""
+    for f in "$JETRL_EXIT_DIR"/rank*.pid; do
+      [ -f "$f" ] && kill "-$1" "$(cat "$f")" 2>/dev/null && sent=1
+    done
+    [ -n "$sent" ] || kill -TERM "$torchrun_pid" 2>/dev/null || true
+  }
+  trap 'forward INT' INT
+  trap 'forward TERM' TERM
+  trap 'forward USR1' USR1
+  trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' HUP
   rc=0
   wait "$torchrun_pid" || rc=$?
-  while kill -0 "$torchrun_pid" 2>/dev/null; do  # interrupted by a signal: wait for torchrun to stop the ranks
+  while kill -0 "$torchrun_pid" 2>/dev/null; do  # interrupted by a signal: wait for the ranks to stop
     rc=0
     wait "$torchrun_pid" || rc=$?
   done
+  if [ -n "$interrupted" ] && [ -s "$JETRL_EXIT_DIR/interrupted" ]; then
+    echo "train_grpo.sh: $(head -n 1 "$JETRL_EXIT_DIR/interrupted"); resume: bash $(printf '%q' "$0")$shown_args" >&2
+    return $((128 + $(kill -l "$interrupted")))
+  fi
   read -r code rank < <(first_failure "$JETRL_EXIT_DIR" "$rc")
   if [ "$code" -ne 0 ]; then
     signal=""

@@ -33,6 +33,7 @@ from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.advantages import group_advantages
 from megatron_jetrl.rl.config import ConfigError, load_config, sections_help, split_args
 from megatron_jetrl.rl.data import format_prompt
+from megatron_jetrl.rl.interrupt import Interrupts
 from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.loss import check_mask, policy_loss
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(__doc__.strip() + "\n\n" + sections_help())
         return 0
+    interrupts = Interrupts()  # Ctrl-C / SIGTERM: stop at the end of the step, checkpointed (rl/interrupt.py)
+    interrupts.install()
     cfg = None
     try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
         cfg = load_config(*split_args(args))
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None and previous.complete(cfg):
             if int(os.environ.get("RANK", "0")) == 0:
                 print(previous.complete_message(cfg))
+            interrupts.restore()
             return 0
         taken = run_lock.acquire(cfg.run.directory) if os.environ.get("RANK", "0") == "0" else None  # one run a directory
         sess.init_distributed(cfg)
@@ -79,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         faults.record_failure(f"config error: {e}")
         if cfg is not None:
             run_lock.release(cfg.run.directory)
+        interrupts.restore()
         return 2
     start = state["step"] if state else 0
+    interrupts.where = "the warm-start (SFT)" if state is None and cfg.warmup.steps else "start-up"
     if state is None:
         warm_start(s)
         sess.freeze_reference(s)
@@ -91,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     writer = MetricsWriter(cfg.run.directory, enabled=s.is_main, resume_step=start)
     bar = progress(cfg.run.steps - start, f"GRPO {cfg.precision.mode}", enabled=s.is_main)
     last_saved = None
+    interrupts.graceful = True
     for step in range(start, cfg.run.steps):
+        interrupts.where = f"GRPO step {step}"
         profiler = step_profiler(s, step)
         t = Phases(profiler=profiler, memory=True, unmapped=s.pool.engine.unmapped_bytes if colocated(s) else None)
         with t("sync"):
@@ -117,9 +125,25 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1, reward=f"{row['reward/mean']:.3f}", mismatch=f"{row.get('mismatch/mean_abs_diff', 0):.2g}")
         if cfg.run.checkpoint and (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps):
             last_saved = sess.save(s, step + 1, warmup_done=True)
+        if interrupts.stop_requested(group_device(None)):
+            stop(s, interrupts, step, last_saved, bar, writer)
     bar.close()
     writer.close()
+    interrupts.restore()
     return finish(s, last_saved)
+
+
+def stop(s, interrupts: Interrupts, step: int, last_saved, bar, writer) -> None:
+    """The run stops after `step` on a signal (every rank agreed): checkpointed there, said in one line."""
+    cfg = s.cfg
+    bar.close()
+    writer.close()
+    if cfg.run.checkpoint and (last_saved is None or last_saved.name != f"step_{step + 1:06d}"):
+        last_saved = sess.save(s, step + 1, warmup_done=True)
+    saved = (f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}" if cfg.run.checkpoint
+             else "run.checkpoint=false: nothing saved, a restart begins anew")
+    dist.barrier()
+    interrupts.leave(f"stopped at the end of GRPO step {step}; {saved}")
 
 
 def finish(s, last_saved) -> int:

@@ -213,6 +213,59 @@ def assert_resumes_exactly(trainer, out: Path, reference: Path, from_step: int, 
     assert latest(out).name == f"step_{steps:06d}" and not list((out / "checkpoints").glob("*.partial"))
 
 
+# ---- multi-process: interrupts ----------------------------------------------------------------------------
+
+
+def interrupt_when_stepping(proc, out: Path, *signals, after_lines=1) -> None:
+    """The launcher gets `signals` (0.2 s apart) once `after_lines` GRPO steps are in metrics.jsonl."""
+    end = time.monotonic() + 180
+    while len(metrics(out)) < after_lines:
+        assert proc.poll() is None and time.monotonic() < end, "the run ended or stalled before it was interrupted"
+        time.sleep(0.05)
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_the_end_of_the_step_with_a_checkpoint_one_line_and_exit_130_then_resumes(trainer, tmp_path):
+    out = tmp_path / "ctrl_c"
+    proc = start(trainer, out, "run.save_every=0", tp=2, warmup=2, steps=30)  # a checkpoint at the end only: none yet
+    interrupt_when_stepping(proc, out, signal.SIGINT)
+    rc, output = finish(proc, timeout=120)
+    assert rc == 130, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    stopped = int(re.search(r"stopped at the end of GRPO step (\d+)", last).group(1))
+    assert last == (f"train_grpo.sh: interrupted (SIGINT): stopped at the end of GRPO step {stopped}; checkpoint "
+                    f"{out}/checkpoints/step_{stopped + 1:06d}: a restart resumes at step {stopped + 1} of 30; resume: bash "
+                    f"{LAUNCH} {' '.join(run_args(out, 'run.save_every=0', tp=2, warmup=2, steps=30))}"), last
+    assert sorted(metrics(out)) == list(range(stopped + 1)) and latest(out).name == f"step_{stopped + 1:06d}"
+    assert_intact(latest(out))
+    assert not (out / "run.lock").exists()
+    rc, output = launch(trainer, out, "run.save_every=0", tp=2, warmup=2, steps=stopped + 2)
+    assert rc == 0 and f"resuming {out} at step {stopped + 1} of {stopped + 2}" in output, output[-3000:]
+    assert sorted(metrics(out)) == list(range(stopped + 2))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_same_way_with_exit_143_and_a_second_ctrl_c_stops_at_once(trainer, tmp_path):
+    out = tmp_path / "term"
+    proc = start(trainer, out, warmup=2, steps=30)
+    interrupt_when_stepping(proc, out, signal.SIGTERM)
+    rc, output = finish(proc, timeout=120)
+    assert rc == 143 and "Traceback" not in output, output[-3000:]
+    assert re.search(r"train_grpo.sh: interrupted \(SIGTERM\): stopped at the end of GRPO step \d+; checkpoint ", output)
+    out = tmp_path / "twice"
+    proc = start(trainer, out, "run.save_every=0", warmup=2, steps=30)
+    interrupt_when_stepping(proc, out, signal.SIGINT, signal.SIGINT)
+    rc, output = finish(proc, timeout=60)
+    assert rc == 130 and "Traceback" not in output, output[-3000:]
+    assert re.search(r"train_grpo.sh: interrupted \(SIGINT\): stopped at once during GRPO step \d+: nothing saved since the "
+                     r"newest checkpoint, where a restart resumes; resume: bash ", output), output[-2000:]
+    assert latest(out) is None  # save_every=0: nothing was saved
+
+
 # ---- multi-process: a rank dies or freezes ----------------------------------------------------------------
 
 

@@ -1,0 +1,91 @@
+"""Interrupts of a run: Ctrl-C (SIGINT), SIGTERM (a scheduler's stop, SLURM's pre-emption) and SIGUSR1 (SLURM's
+`--signal` warning).
+
+The first signal asks the run to stop at the end of the GRPO step it is in: every rank agrees on it at that step's end
+(one all-reduce of a flag per step), the run writes a checkpoint there (with `run.checkpoint`) and stops with one line:
+where it stopped, the checkpoint it resumes from and the command that resumes it. A second signal, or one during
+start-up or the warm-start (before any GRPO step), stops it at once; it resumes from its newest checkpoint.
+
+Under `launch/train_grpo.sh` (JETRL_EXIT_DIR set) each rank writes its pid there, the launcher forwards the signal to
+the ranks (torchrun runs in its own session, so a terminal's Ctrl-C reaches only the launcher), the ranks leave with
+exit 0 (torchrun then stays quiet) after rank 0 wrote the line to `interrupted`, and the launcher prints it last and
+exits 128 + the signal (130 for SIGINT, 143 for SIGTERM). A rank started without the launcher prints the line itself
+and exits with that code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class Interrupts:
+    """This rank's signal handlers; `stop_requested` agrees over the ranks."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.graceful = False  # the GRPO loop is running: stop at the end of the step
+        self.where = "start-up"  # said by an immediate stop
+        self.previous: dict = {}
+        self.exit_dir = os.environ.get("JETRL_EXIT_DIR")
+
+    def install(self) -> None:
+        """Handle the signals in this process (the main thread only: where Python delivers signals)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        if self.exit_dir:
+            rank = os.environ.get("RANK", "0")
+            try:
+                Path(self.exit_dir, f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+            except OSError:
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None and self.graceful:
+            self.signum = signum
+            return
+        self.signum = self.signum or signum
+        self.leave(f"stopped at once during {self.where}: nothing saved since the newest checkpoint, where a restart resumes")
+
+    def restore(self) -> None:
+        """The handlers from before `install` (a run that ended: the process may go on, as in the tests)."""
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+    def stop_requested(self, device) -> bool:
+        """Collective: whether any rank got a signal (all ranks then stop after this step)."""
+        flag = torch.tensor([float(self.signum or 0)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = int(flag.item()) or None
+        return self.signum is not None
+
+    def leave(self, line: str) -> None:
+        """End this rank: rank 0 says `line` (to the launcher, or on stderr)."""
+        name = signal.Signals(self.signum).name
+        text = f"interrupted ({name}): {line}"
+        rank = os.environ.get("RANK", "0")
+        from megatron_jetrl.rl import run_lock
+
+        run_lock.release_all()  # (os._exit runs no atexit)
+        sys.stdout.flush()
+        if self.exit_dir:
+            if rank == "0":
+                try:
+                    Path(self.exit_dir, "interrupted").write_text(text + "\n")
+                except OSError:
+                    pass
+            sys.stderr.flush()
+            os._exit(0)  # torchrun stays quiet; the launcher exits 128 + the signal
+        if rank == "0":
+            print(text, file=sys.stderr, flush=True)
+        os._exit(128 + self.signum)
