@@ -80,8 +80,10 @@ world=""
 for mode in "${mode_list[@]}"; do
   extra=$(mode_args "$mode") || die "unknown mode '$mode': use bf16, bf16-train-fp8-rollout, jetrl or jetrl-exact"
   # shellcheck disable=SC2086  # the mode's overrides, word-split
-  w=$("$py" -m megatron_jetrl.rl.config "${config[@]}" "${overrides[@]}" warmup.steps=0 $extra --get parallel.world_size 2>"$out/config.err") ||
-    die "mode $mode: $(grep -v '^[[:space:]]*$' "$out/config.err" | tail -n 1)"
+  w_rc=0
+  w=$("$py" -m megatron_jetrl.rl.config "${config[@]}" "${overrides[@]}" warmup.steps=0 $extra --get parallel.world_size 2>"$out/config.err") || w_rc=$?
+  if [ "$w_rc" -eq 2 ]; then cat "$out/config.err" >&2; exit 2; fi  # a config error: its own message, nothing else
+  [ "$w_rc" -eq 0 ] || die "mode $mode: $(grep -v '^[[:space:]]*$' "$out/config.err" | tail -n 1)"
   w=$(tail -n 1 <<<"$w" | tr -d '[:space:]')
   [ -z "$world" ] || [ "$w" = "$world" ] || die "mode $mode needs $w processes, the others $world: give every mode one layout"
   world=$w

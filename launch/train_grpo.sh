@@ -28,6 +28,7 @@
 #   OMP_WAIT_POLICY      default PASSIVE: idle OpenMP threads sleep instead of spinning. On a CPU shared with other
 #                        work, spinning threads made a 2-thread matmul 10-20x slower than 1 thread (2-core CI box)
 #   PYTHONUNBUFFERED     default 1 (rank logs appear as they are written)
+if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi  # `sh launch/train_grpo.sh`: this script needs bash
 set -euo pipefail
 
 # `python -m MODULE` or `python FILE.py`
@@ -92,7 +93,7 @@ main() {
   # ---------------------------------------------------------------- launcher mode
   case ${1:-} in
     -h|--help)
-      sed -n '2,/^set -euo/p' "$script" | sed '$d' | sed 's/^# \{0,1\}//'
+      sed -n '2,/^if \[ -z "${BASH_VERSION/p' "$script" | sed '$d' | sed 's/^# \{0,1\}//'
       exit 0
       ;;
   esac

@@ -21,3 +21,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scratch_tmpdir():
+    """The processes the tests start (torchrun makes a torchelastic_* directory per launch, the launcher its exit
+    directories) write their temporary files under one directory, removed when the session ends; pytest's own
+    tmp_path directories are kept only for failed tests (pyproject.toml: tmp_path_retention_policy)."""
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="jetrl-tests-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = scratch
+    yield scratch
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(scratch, ignore_errors=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_jetrl.actor.offload import OFFLOAD_CHOICES
-from megatron_jetrl.actor.train_step import OptimConfig
+from megatron_jetrl.actor.optim_config import OptimConfig
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.loss import PolicyLossConfig
