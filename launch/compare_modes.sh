@@ -64,8 +64,7 @@ case ":${PYTHONPATH:-}:" in
   *":$repo:"*) ;;
   *) export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+out=$(realpath -m "$out")  # made once the modes' configs are checked: a refused comparison writes nothing
 sft=$out/sft
 
 mode_args() {  # MODE -> the overrides that make it
@@ -77,17 +76,20 @@ mode_args() {  # MODE -> the overrides that make it
   esac
 }
 world=""
+config_err=$(mktemp "${TMPDIR:-/tmp}/compare_modes-config.XXXXXX")
+trap 'rm -f "$config_err"' EXIT
 for mode in "${mode_list[@]}"; do
   extra=$(mode_args "$mode") || die "unknown mode '$mode': use bf16, bf16-train-fp8-rollout, jetrl or jetrl-exact"
   # shellcheck disable=SC2086  # the mode's overrides, word-split
   w_rc=0
-  w=$("$py" -m megatron_jetrl.rl.config "${config[@]}" "${overrides[@]}" warmup.steps=0 $extra --get parallel.world_size 2>"$out/config.err") || w_rc=$?
-  if [ "$w_rc" -eq 2 ]; then cat "$out/config.err" >&2; exit 2; fi  # a config error: its own message, nothing else
-  [ "$w_rc" -eq 0 ] || die "mode $mode: $(grep -v '^[[:space:]]*$' "$out/config.err" | tail -n 1)"
+  w=$("$py" -m megatron_jetrl.rl.config "${config[@]}" "${overrides[@]}" warmup.steps=0 $extra --get parallel.world_size 2>"$config_err") || w_rc=$?
+  if [ "$w_rc" -eq 2 ]; then cat "$config_err" >&2; exit 2; fi  # a config error: its own message, nothing else
+  [ "$w_rc" -eq 0 ] || die "mode $mode: $(grep -v '^[[:space:]]*$' "$config_err" | tail -n 1)"
   w=$(tail -n 1 <<<"$w" | tr -d '[:space:]')
   [ -z "$world" ] || [ "$w" = "$world" ] || die "mode $mode needs $w processes, the others $world: give every mode one layout"
   world=$w
 done
+mkdir -p "$out"
 if [ "$gpus" -gt 0 ]; then
   groups=$((gpus / world))
   [ "$groups" -ge 1 ] || die "each mode needs $world GPUs (parallel.world_size), this node has $gpus"

@@ -110,6 +110,18 @@ else
 fi
 [[ $max_procs =~ ^[1-9][0-9]*$ ]] || die "--max-procs '$max_procs' is not a positive integer"
 
+# The arguments every run shares, validated once (not the machine: that is each run's question below): a config error
+# there, such as a misspelt key, would refuse every run, so it is said alone, before anything is written.
+base_err=$(mktemp "${TMPDIR:-/tmp}/tp_sweep-config.XXXXXX")
+base_rc=0
+"${config_cmd[@]}" "${config[@]}" "${overrides[@]}" >/dev/null 2>"$base_err" || base_rc=$?
+if [ "$base_rc" -eq 2 ]; then
+  cat "$base_err" >&2
+  rm -f "$base_err"
+  exit 2
+fi
+rm -f "$base_err"
+
 mkdir -p "$out"
 echo "tp_sweep.sh: TP {${tp_list[*]}} x modes {${mode_list[*]}}, $steps step(s) each, up to $max_procs processes ($procs_source), out $out"
 

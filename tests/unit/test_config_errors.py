@@ -288,3 +288,29 @@ def test_config_error_after_the_process_group_exists_is_a_clean_exit_2(tmp_path,
     monkeypatch.setattr(faults, "watch", lambda cfg: None)
     assert train.main([f"run.out_dir={tmp_path}", "run.device=cuda"]) == 2
     assert capsys.readouterr().err.startswith("config error: run.device='cuda' but no CUDA device is visible")
+
+
+ENTRY_POINTS = {  # name: (command before the config arguments, extra environment)
+    "launcher": (["bash", "launch/train_grpo.sh"], {}),
+    "trainer": ([sys.executable, "-m", "megatron_jetrl.rl.train"], {}),
+    "config question": ([sys.executable, "-m", "megatron_jetrl.rl.config", "--get", "parallel.world_size"], {}),
+    "compare_modes.sh": (["bash", "launch/compare_modes.sh", "--modes", "bf16 jetrl", "--out", "{out}"], {}),
+    "tp_sweep.sh": (["bash", "launch/tp_sweep.sh", "--tp", "1 2", "--out", "{out}", "--"], {}),
+    "sbatch": (["bash", "launch/slurm/train_grpo.sbatch"], {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "JETRL_DRY_RUN": "1"}),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_gives_a_config_error_as_the_configs_message_alone(tmp_path, entry):
+    """A misspelt key from each way of starting a run: exit 2, the config's one line and nothing else, nothing written."""
+    command, extra = ENTRY_POINTS[entry]
+    out = tmp_path / "out"
+    command = [c.format(out=out) for c in command]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_", "JETRL_"))}
+    env.update(PYTHON=sys.executable, SLURM_SUBMIT_DIR=str(REPO), **extra)
+    start = time.monotonic()
+    r = subprocess.run([*command, str(TINY), f"run.out_dir={out}", "grpo.micro_batch_sise=4"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines() == ["config error: unknown key grpo.'micro_batch_sise' (did you mean 'micro_batch_size'?)"], r.stderr
+    assert not out.exists() and time.monotonic() - start < 60
