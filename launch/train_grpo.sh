@@ -191,9 +191,10 @@ main() {
     rc=0
     wait "$torchrun_pid" || rc=$?
   done
-  if [ -n "$interrupted" ] && [ -s "$JETRL_EXIT_DIR/interrupted" ]; then
+  if [ -s "$JETRL_EXIT_DIR/interrupted" ]; then  # a signal stopped the run (this script's, or one sent to a rank)
+    signame=$(sed -n 's/^interrupted (SIG\([A-Z0-9]*\)).*/\1/p' "$JETRL_EXIT_DIR/interrupted" | head -n 1)
     echo "train_grpo.sh: $(head -n 1 "$JETRL_EXIT_DIR/interrupted"); resume: bash $(printf '%q' "$0")$shown_args" >&2
-    return $((128 + $(kill -l "$interrupted")))
+    return $((128 + $(kill -l "${signame:-${interrupted:-TERM}}")))
   fi
   read -r code rank < <(first_failure "$JETRL_EXIT_DIR" "$rc")
   if [ "$code" -ne 0 ]; then

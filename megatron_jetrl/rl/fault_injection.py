@@ -10,8 +10,8 @@ in a production run imports it.
 step: the GRPO step (0-based, as in metrics.jsonl; for `save`, the checkpoint's step number); rank: the global
 rank (default: every rank). Each fault fires once per process.
 
-* `kill|stop|raise|exit @ rollout|eval|update|sync`: SIGKILL / SIGSTOP (a frozen rank) / a RuntimeError /
-  os._exit(3), before that phase of the step;
+* `kill|stop|raise|exit|int @ rollout|eval|update|sync`: SIGKILL / SIGSTOP (a frozen rank) / a RuntimeError /
+  os._exit(3) / SIGINT (Ctrl-C reaching this rank alone), before that phase of the step;
 * `kill|stop|raise|exit @ save`: the same, once the actor's shards and optimizer state of checkpoint `step` are
   staged and before its trainer_state.json is written;
 * `kill|stop|raise|exit @ export`: the same, once the export's first safetensors shard is written;
@@ -40,7 +40,7 @@ from megatron_jetrl.rl.faults import _rank, _say
 
 ENV = "JETRL_FAULT"
 PHASE_POINTS = ("rollout", "eval", "update", "sync", "save", "export")
-PROCESS_ACTIONS = ("kill", "stop", "raise", "exit")
+PROCESS_ACTIONS = ("kill", "stop", "raise", "exit", "int")
 POISON_ACTIONS = ("nan", "inf")
 ENGINE_ACTIONS = ("die", "malformed", "badtoken", "nanlogprob", "short")
 POINTS = {**{p: PROCESS_ACTIONS for p in PHASE_POINTS}, "reward": POISON_ACTIONS, "loss": POISON_ACTIONS,
@@ -109,6 +109,8 @@ def _act(fault: Fault, where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "int":  # Ctrl-C reaching this rank alone: the run stops at the end of the step
+        os.kill(os.getpid(), signal.SIGINT)
     elif fault.action == "exit":
         os._exit(3)
     elif fault.action == "raise":

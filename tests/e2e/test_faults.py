@@ -249,6 +249,18 @@ def test_ctrl_c_stops_at_the_end_of_the_step_with_a_checkpoint_one_line_and_exit
 
 
 @pytest.mark.slow
+def test_ctrl_c_reaching_one_rank_mid_step_stops_both_after_it_and_the_resume_is_exact(trainer, reference, tmp_path):
+    """SIGINT to rank 1 alone during step 0's update (TP 2): both ranks stop at the end of step 0 (they agree on it),
+    the launcher says so and exits 130, and the resumed run's metrics equal the uninterrupted run's."""
+    out = tmp_path / "int_rank1"
+    rc, output = launch(trainer, out, tp=2, warmup=5, fault="int@update:step=0:rank=1", timeout=180)
+    assert rc == 130 and "Traceback" not in output, output[-3000:]
+    assert f"interrupted (SIGINT): stopped at the end of GRPO step 0; checkpoint {out}/checkpoints/step_000001" in output
+    assert sorted(metrics(out)) == [0]
+    assert_resumes_exactly(trainer, out, reference, from_step=1)
+
+
+@pytest.mark.slow
 def test_sigterm_stops_the_same_way_with_exit_143_and_a_second_ctrl_c_stops_at_once(trainer, tmp_path):
     out = tmp_path / "term"
     proc = start(trainer, out, warmup=2, steps=30)
