@@ -166,23 +166,23 @@ main() {
   trap 'rm -rf "$JETRL_EXIT_DIR"' EXIT
   echo "train_grpo.sh: $nproc_run process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS OMP_WAIT_POLICY=$OMP_WAIT_POLICY, each: $py $(module_cmd "$train_module" | paste -sd' ')$shown_args" >&2
   # torchrun runs in its own session, in the background: a terminal's Ctrl-C reaches this script alone, which passes
-  # each SIGINT/SIGTERM/SIGUSR1 on to the ranks (their pids in $JETRL_EXIT_DIR): the first stops the run at the end of
-  # its step with a checkpoint, a second at once (megatron_jetrl/rl/interrupt.py); the ranks then leave with exit 0, so
-  # torchrun says nothing, and this script says where the run stopped and how to resume it. SIGHUP stops torchrun
-  # (and its ranks) outright.
+  # each SIGINT/SIGUSR1 on to the ranks (their pids in $JETRL_EXIT_DIR), and a SIGTERM as SIGUSR1 (a rank's own
+  # SIGTERM is torchrun's "stop now"): the first stops the run at the end of its step with a checkpoint, a second at
+  # once (megatron_jetrl/rl/interrupt.py); the ranks then leave with exit 0, so torchrun says nothing, and this script
+  # says where the run stopped and how to resume it. SIGHUP stops torchrun (and its ranks) outright.
   setsid "$py" -m torch.distributed.run "${torchrun_args[@]}" --no-python bash "$script" "$@" &
   torchrun_pid=$!
   interrupted=""
-  forward() {  # SIGNAL: to every rank that has said its pid (before that: to torchrun, which stops them)
+  forward() {  # SIGNAL [AS]: to every rank that has said its pid (before that: to torchrun, which stops them)
     interrupted=${interrupted:-$1}
     local f sent=""
     for f in "$JETRL_EXIT_DIR"/rank*.pid; do
-      [ -f "$f" ] && kill "-$1" "$(cat "$f")" 2>/dev/null && sent=1
+      [ -f "$f" ] && kill "-${2:-$1}" "$(cat "$f")" 2>/dev/null && sent=1
     done
     [ -n "$sent" ] || kill -TERM "$torchrun_pid" 2>/dev/null || true
   }
   trap 'forward INT' INT
-  trap 'forward TERM' TERM
+  trap 'forward TERM USR1' TERM
   trap 'forward USR1' USR1
   trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' HUP
   rc=0
@@ -192,9 +192,10 @@ main() {
     wait "$torchrun_pid" || rc=$?
   done
   if [ -s "$JETRL_EXIT_DIR/interrupted" ]; then  # a signal stopped the run (this script's, or one sent to a rank)
-    signame=$(sed -n 's/^interrupted (SIG\([A-Z0-9]*\)).*/\1/p' "$JETRL_EXIT_DIR/interrupted" | head -n 1)
-    echo "train_grpo.sh: $(head -n 1 "$JETRL_EXIT_DIR/interrupted"); resume: bash $(printf '%q' "$0")$shown_args" >&2
-    return $((128 + $(kill -l "${signame:-${interrupted:-TERM}}")))
+    IFS=$'\t' read -r ranksig line <"$JETRL_EXIT_DIR/interrupted"
+    sig=${interrupted:-${ranksig#SIG}}
+    echo "train_grpo.sh: interrupted (SIG$sig): $line; resume: bash $(printf '%q' "$0")$shown_args" >&2
+    return $((128 + $(kill -l "$sig")))
   fi
   read -r code rank < <(first_failure "$JETRL_EXIT_DIR" "$rc")
   if [ "$code" -ne 0 ]; then

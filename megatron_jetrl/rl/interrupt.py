@@ -1,16 +1,17 @@
-"""Interrupts of a run: Ctrl-C (SIGINT), SIGTERM (a scheduler's stop, SLURM's pre-emption) and SIGUSR1 (SLURM's
-`--signal` warning).
+"""Interrupts of a run: Ctrl-C (SIGINT) and SIGUSR1 (SLURM's `--signal` warning before a pre-emption; what the
+launcher sends the ranks when it gets SIGTERM).
 
 The first signal asks the run to stop at the end of the GRPO step it is in: every rank agrees on it at that step's end
 (one all-reduce of a flag per step), the run writes a checkpoint there (with `run.checkpoint`) and stops with one line:
 where it stopped, the checkpoint it resumes from and the command that resumes it. A second signal, or one during
-start-up or the warm-start (before any GRPO step), stops it at once; it resumes from its newest checkpoint.
+start-up or the warm-start (before any GRPO step), stops it at once; it resumes from its newest checkpoint. SIGTERM
+to a rank keeps its default, an immediate end: it is what torchrun sends the survivors when a rank fails.
 
-Under `launch/train_grpo.sh` (JETRL_EXIT_DIR set) each rank writes its pid there, the launcher forwards the signal to
-the ranks (torchrun runs in its own session, so a terminal's Ctrl-C reaches only the launcher), the ranks leave with
-exit 0 (torchrun then stays quiet) after rank 0 wrote the line to `interrupted`, and the launcher prints it last and
-exits 128 + the signal (130 for SIGINT, 143 for SIGTERM). A rank started without the launcher prints the line itself
-and exits with that code.
+Under `launch/train_grpo.sh` (JETRL_EXIT_DIR set) each rank writes its pid there and the launcher passes a signal it
+gets on to the ranks (torchrun runs in its own session, so a terminal's Ctrl-C reaches only the launcher; its SIGTERM
+goes on as SIGUSR1). The ranks leave with exit 0 (torchrun then stays quiet) after rank 0 wrote the signal and the line
+to `interrupted`, and the launcher prints it last and exits 128 + the signal it got (130 for SIGINT, 143 for SIGTERM).
+A rank started without the launcher prints the line itself and exits with that code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGINT, signal.SIGUSR1)
 
 
 class Interrupts:
@@ -72,7 +73,6 @@ class Interrupts:
     def leave(self, line: str) -> None:
         """End this rank: rank 0 says `line` (to the launcher, or on stderr)."""
         name = signal.Signals(self.signum).name
-        text = f"interrupted ({name}): {line}"
         rank = os.environ.get("RANK", "0")
         from megatron_jetrl.rl import run_lock
 
@@ -81,11 +81,11 @@ class Interrupts:
         if self.exit_dir:
             if rank == "0":
                 try:
-                    Path(self.exit_dir, "interrupted").write_text(text + "\n")
+                    Path(self.exit_dir, "interrupted").write_text(f"{name}\t{line}\n")
                 except OSError:
                     pass
             sys.stderr.flush()
             os._exit(0)  # torchrun stays quiet; the launcher exits 128 + the signal
         if rank == "0":
-            print(text, file=sys.stderr, flush=True)
+            print(f"interrupted ({name}): {line}", file=sys.stderr, flush=True)
         os._exit(128 + self.signum)
