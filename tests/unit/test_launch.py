@@ -227,11 +227,12 @@ def test_tp_sweep_runs_skips_and_reports(tmp_path):
     assert len((out / "sweep_tp1_bf16" / "metrics.jsonl").read_text().splitlines()) == 2
     r = run(["bash", SWEEP, "--tp", "0"], cwd=tmp_path)
     assert r.returncode == 2 and "TP size '0' is not a positive integer" in r.stderr
-    # nothing could run (e.g. a typo refused by the config at every size): a failure, not an empty success
-    r = run(["bash", SWEEP, "--tp", "1", "--modes", "jetrl", "--out", out, "paralel.tp=2"], cwd=tmp_path,
+    # a typo every run shares: the config's own message alone, exit 2, before anything is written
+    typo = tmp_path / "typo"
+    r = run(["bash", SWEEP, "--tp", "1 2", "--modes", "jetrl", "--out", typo, "paralel.tp=2"], cwd=tmp_path,
             JETRL_SWEEP_LAUNCH=f"{sys.executable} -m {STUB}")
-    assert r.returncode == 1 and "no run was started" in r.stderr
-    assert "invalid" in (out / "sweep_report.md").read_text()
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "'paralel'" in r.stderr, r.stderr
+    assert not typo.exists()
 
 
 SBATCH = REPO / "launch/slurm/train_grpo.sbatch"
