@@ -84,8 +84,17 @@ main() {
     if [ -z "${JETRL_EXIT_DIR:-}" ]; then
       exec "$py" "${mod[@]}" "$@"
     fi
+    # the trainer as a child that torchrun's SIGTERM (its stop for the survivors of a failed rank) reaches too: this
+    # wrapper is torchrun's worker and passes it on, so no rank outlives the run
     rc=0
-    "$py" "${mod[@]}" "$@" || rc=$?
+    "$py" "${mod[@]}" "$@" &
+    child=$!
+    trap 'kill -TERM "$child" 2>/dev/null || true' TERM
+    wait "$child" || rc=$?
+    while kill -0 "$child" 2>/dev/null; do
+      rc=0
+      wait "$child" || rc=$?
+    done
     printf '%s %s\n' "$rc" "$(date +%s%N)" >"$JETRL_EXIT_DIR/rank${RANK:-$LOCAL_RANK}.rc" || true
     exit "$rc"
   fi

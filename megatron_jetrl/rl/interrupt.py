@@ -70,22 +70,27 @@ class Interrupts:
         self.signum = int(flag.item()) or None
         return self.signum is not None
 
-    def leave(self, line: str) -> None:
-        """End this rank: rank 0 says `line` (to the launcher, or on stderr)."""
-        name = signal.Signals(self.signum).name
-        rank = os.environ.get("RANK", "0")
+    def announce(self, line: str) -> int:
+        """Rank 0 says `line` (to the launcher, or on stderr); the exit code this rank leaves with: 0 under the
+        launcher (torchrun then stays quiet; the launcher exits 128 + the signal), else 128 + the signal."""
         from megatron_jetrl.rl import run_lock
 
-        run_lock.release_all()  # (os._exit runs no atexit)
-        sys.stdout.flush()
-        if self.exit_dir:
-            if rank == "0":
+        name = signal.Signals(self.signum).name
+        rank = os.environ.get("RANK", "0")
+        run_lock.release_all()
+        if rank == "0":
+            if self.exit_dir:
                 try:
                     Path(self.exit_dir, "interrupted").write_text(f"{name}\t{line}\n")
                 except OSError:
                     pass
-            sys.stderr.flush()
-            os._exit(0)  # torchrun stays quiet; the launcher exits 128 + the signal
-        if rank == "0":
-            print(f"interrupted ({name}): {line}", file=sys.stderr, flush=True)
-        os._exit(128 + self.signum)
+            else:
+                print(f"interrupted ({name}): {line}", file=sys.stderr, flush=True)
+        return 0 if self.exit_dir else 128 + self.signum
+
+    def leave(self, line: str) -> None:
+        """End this rank at once (a second signal, or one before the GRPO loop): `announce`, then exit."""
+        code = self.announce(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -47,10 +47,12 @@ class Holder:
 
 
 def process_start(pid: int) -> str:
-    """The start time of process `pid` (clock ticks since boot) from /proc, or "" where it cannot be read."""
+    """The start time of process `pid` (clock ticks since boot) from /proc, "" where it cannot be read, "exited" for a
+    process that has ended but is not yet reaped (a zombie)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2:].split()[19]  # field 22: after the command name, which may hold spaces
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        return "exited" if fields[0] in ("Z", "X") else fields[19]  # field 3 (state), field 22 (start time)
     except (OSError, ValueError, IndexError):
         return ""
 

@@ -126,15 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.run.checkpoint and (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps):
             last_saved = sess.save(s, step + 1, warmup_done=True)
         if interrupts.stop_requested(group_device(None)):
-            stop(s, interrupts, step, last_saved, bar, writer)
+            return stop(s, interrupts, step, last_saved, bar, writer)
     bar.close()
     writer.close()
     interrupts.restore()
     return finish(s, last_saved)
 
 
-def stop(s, interrupts: Interrupts, step: int, last_saved, bar, writer) -> None:
-    """The run stops after `step` on a signal (every rank agreed): checkpointed there, said in one line."""
+def stop(s, interrupts: Interrupts, step: int, last_saved, bar, writer) -> int:
+    """The run stops after `step` on a signal (every rank agreed): checkpointed there, said in one line; the exit code
+    (`Interrupts.announce`)."""
     cfg = s.cfg
     bar.close()
     writer.close()
@@ -143,7 +144,8 @@ def stop(s, interrupts: Interrupts, step: int, last_saved, bar, writer) -> None:
     saved = (f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}" if cfg.run.checkpoint
              else "run.checkpoint=false: nothing saved, a restart begins anew")
     dist.barrier()
-    interrupts.leave(f"stopped at the end of GRPO step {step}; {saved}")
+    interrupts.restore()
+    return interrupts.announce(f"stopped at the end of GRPO step {step}; {saved}")
 
 
 def finish(s, last_saved) -> int:

@@ -1,6 +1,6 @@
 """A run started again: already complete, resumed with the changes it may take, or refused naming the changed
 key -- decided from the run directory before anything is written (rl/run_state.py, rl/preflight.py). The run
-directories here are written by hand (a checkpoint's trainer_state.json is all these checks read); the real
+directories here are written by hand (a checkpoint's trainer_state.json and manifest are all these checks read); the real
 trainer re-running a real run is tests/e2e/test_rerun.py."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def finished_run(tmp_path, step=3, *overrides, summary=True):
     ckpt = out / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "sampler": {}, "config": cfg.to_dict()}))
+    (ckpt / "tp00_pp000.safetensors").write_bytes(b"shard")  # what its manifest lists, at its size: a sound checkpoint
+    (ckpt / "meta.json").write_text(json.dumps({"shards": [{"file": "tp00_pp000.safetensors", "bytes": 5, "sha256": ""}]}))
     (out / "config.yaml").write_text("the original config.yaml\n")
     if summary:
         (out / "summary.json").write_text("{}")
