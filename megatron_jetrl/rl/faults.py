@@ -152,6 +152,33 @@ def _start_heartbeat(interval: float) -> None:
     atexit.register(join)
 
 
+def leave_together(timeout: float = 60.0) -> None:
+    """The end of a run of several processes, after its last collective: no rank leaves before every rank has
+    come out of that collective. A rank that exits closes its gloo connections; a peer still inside the last
+    barrier then fails with "Connection closed by peer" (gloo's barrier lets the first rank out before the
+    other has read all it was sent). Every rank counts itself out in the store and waits for all; rank 0, whose
+    process hosts the store when the ranks are started by hand, waits for the others to have seen the count.
+    A lost store or `timeout` ends the wait: the run's work is done either way."""
+    if _world() < 2:
+        return
+    try:
+        store = _store()
+        if store is None:
+            return
+        world, rank, end = _world(), _rank(), time.monotonic() + timeout
+        out, gone = _key("leave", "out"), _key("leave", "gone")
+        store.add(out, 1)
+        while store.add(out, 0) < world and time.monotonic() < end:
+            time.sleep(0.01)
+        if rank != 0:
+            store.add(gone, 1)
+            return
+        while store.add(gone, 0) < world - 1 and time.monotonic() < end:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001, S110 - the store's host left: nobody is waiting any more
+        pass
+
+
 # ---- the report -------------------------------------------------------------------------------------------
 
 

@@ -144,6 +144,7 @@ def stop(s, interrupts: Interrupts, step: int, last_saved, bar, writer) -> int:
     saved = (f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}" if cfg.run.checkpoint
              else "run.checkpoint=false: nothing saved, a restart begins anew")
     dist.barrier()
+    faults.leave_together()
     interrupts.restore()
     return interrupts.announce(f"stopped at the end of GRPO step {step}; {saved}")
 
@@ -158,6 +159,7 @@ def finish(s, last_saved) -> int:
         (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))
         print(format_summary(rows))
     dist.barrier()
+    faults.leave_together()
     run_lock.release(cfg.run.directory)
     return 0
 
