@@ -238,8 +238,10 @@ def convert(
     tokenizer_dir: str | Path | None = None,
     progress: bool = False,
     verify_sha256: bool = True,
+    on_shard=None,
 ) -> ConvertResult:
-    """Convert an actor checkpoint to an HF directory (see the module docstring and tools/convert_checkpoint.py)."""
+    """Convert an actor checkpoint to an HF directory (see the module docstring and tools/convert_checkpoint.py);
+    `on_shard(path)` is called as each safetensors shard is written."""
     start = time.perf_counter()
     output = Path(output).resolve()
     source = Path(checkpoint_dir).resolve()
@@ -261,7 +263,7 @@ def convert(
             raise ConversionError(f"{tokenizer_dir} holds none of the tokenizer files {list(TOKENIZER_FILES)}")
     p = plan(checkpoint_dir, dtype=dtype, rollout_tp=rollout_tp, verify_sha256=verify_sha256)
 
-    writer = HFCheckpointWriter(output, max_shard_bytes=max_bytes, overwrite=force)
+    writer = HFCheckpointWriter(output, max_shard_bytes=max_bytes, overwrite=force, on_shard=on_shard)
     bar = _progress(p.num_tensors, progress)
     count = 0
     try:

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -121,8 +122,11 @@ def _alive(pid: int) -> bool:
 class HFCheckpointWriter:
     """Sink for `(hf_name, tensor)` pairs -> an HF safetensors directory, built in a staging directory."""
 
-    def __init__(self, output: str | Path, *, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False):
+    def __init__(self, output: str | Path, *, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
+                 on_shard: Callable[[Path], None] | None = None):
+        """`on_shard(path)`: called once each shard is written (in the staging directory)."""
         self.output = Path(output).resolve()
+        self.on_shard = on_shard
         if self.output.exists() and not overwrite:
             raise OutputExistsError(f"{self.output} exists; pass --force to replace it (it is replaced only once the new one is complete)")
         if max_shard_bytes <= 0:
@@ -166,6 +170,8 @@ class HFCheckpointWriter:
         sha = write_safetensors(path, self._pending)
         self._shards.append({"file": path.name, "sha256": sha, "bytes": path.stat().st_size, "tensors": [n for n, _ in self._pending]})
         self._pending, self._pending_bytes = [], 0
+        if self.on_shard is not None:
+            self.on_shard(path)
 
     # -- other files ---------------------------------------------------------------------------
     def write_json(self, name: str, data: dict) -> None:

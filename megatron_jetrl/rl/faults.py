@@ -1,15 +1,18 @@
-"""How a GRPO run dies: one clear line naming the step, the phase and any lost rank (fault injection for the
-tests lives apart, in `rl/fault_injection.py`; RELIABILITY.md lists the faults tried).
+"""How a GRPO run dies: one clear line naming the step, the phase and any lost rank (RELIABILITY.md lists the faults
+tried, tests/fault_injection.py injects them); and how it ends together (`leave_together`).
 
-The trainer calls `watch(cfg)` once, right after the process group exists. It
+The trainer calls `watch(cfg, run)` once, right after the process group exists. It
 
+* subscribes to the run context (rl/context.py): each phase a rank enters is its position, written to
+  $JETRL_EXIT_DIR/rank<R>.where under the launcher (a rank killed without a word is named with its last step, phase
+  and pipeline stage) and read by the failure report;
 * starts a heartbeat: a daemon thread bumps the counter `jetrl/faults/beat/<rank>` in the c10d store
   every `interval` seconds (a separate TCPStore client on MASTER_ADDR:MASTER_PORT: torchrun's agent store,
   or rank 0's when the ranks are started by hand);
 * installs a `sys.excepthook` that, when a rank dies of an exception, publishes its own failure, waits
   3 heartbeats to see which peers stopped beating (killed, crashed, or frozen), and prints
 
-      jetrl: rank 0 failed at step 1 (update_policy): RuntimeError: ...Connection closed by peer...;
+      jetrl: rank 0 failed at step 1 (update): RuntimeError: ...Connection closed by peer...;
       lost rank(s) [1] (no heartbeat for 3.0 s: killed, crashed or frozen); newest complete checkpoint: <dir>
 
   (one line; also recorded for the launcher, `record_failure`, which repeats it as the last line the user
@@ -17,7 +20,7 @@ The trainer calls `watch(cfg)` once, right after the process group exists. It
   A collective that never returns is bounded by run.timeout_s (the process group's timeout): the hook
   explains the failure, it does not detect it. In a run of several processes the rank then leaves at once
   (`os._exit(1)`; metrics lines are already fsync'ed): interpreter shutdown would run the destructors of a
-  process group whose peer is lost, which took 1.4-7 s after the report here and over 9 s once in CI.
+  process group whose peer is lost, which takes seconds.
 
 `watch` is idempotent, and changes nothing a run computes.
 """
@@ -33,16 +36,13 @@ import shutil
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_jetrl.rl.context import RunContext
+
 PREFIX = "jetrl/faults"
-POSITION_TICKS = 4
-"""The main thread's position is recorded this many times per heartbeat (`_record_position`)."""
-WRAPPER_FILES = {__file__}
-"""Source files whose frames are wrappers, not trainer phases (rl/fault_injection.py adds itself)."""
 
 
 def _rank() -> int:
@@ -58,12 +58,16 @@ def _say(message: str) -> None:
 _WATCH: dict = {}
 
 
-def watch(cfg=None, *, interval: float = 1.0) -> None:
-    """Heartbeat + one-line failure report (see the module docstring). Call once the process group exists;
-    later calls do nothing."""
-    if _WATCH:
+def watch(cfg=None, run: RunContext | None = None, *, interval: float = 1.0) -> None:
+    """Heartbeat + one-line failure report (see the module docstring) for the run context `run` (a fresh one when
+    None). Call once the process group exists; a later call (another run in this process) only moves the report to
+    its config and context."""
+    run = RunContext() if run is None else run
+    run.subscribe(Position())
+    started = bool(_WATCH)
+    _WATCH.update(cfg=cfg, interval=interval, run=run)
+    if started:
         return
-    _WATCH.update(cfg=cfg, interval=interval)
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -92,10 +96,6 @@ def record_failure(line: str) -> None:
         Path(directory, f"rank{rank}.msg").write_text(line.strip().splitlines()[0] + "\n" if line.strip() else "")
     except OSError:
         pass
-
-
-def _is_trainer_main(code) -> bool:
-    return code.co_name == "main" and code.co_filename.endswith(os.path.join("rl", "train.py"))
 
 
 def _store():
@@ -128,16 +128,12 @@ def _start_heartbeat(interval: float) -> None:
     stop = threading.Event()
 
     def beat():
-        where, ticks = None, 0
         while not stop.is_set():
-            if ticks % POSITION_TICKS == 0:
-                try:
-                    store.add(_key("beat", rank), 1)
-                except Exception:  # noqa: BLE001 - the store went away (end of run, or its host died)
-                    return
-            where = _record_position(where)
-            ticks += 1
-            stop.wait(interval / POSITION_TICKS)
+            try:
+                store.add(_key("beat", rank), 1)
+            except Exception:  # noqa: BLE001 - the store went away (end of run, or its host died)
+                return
+            stop.wait(interval)
 
     thread = threading.Thread(target=beat, name="jetrl-heartbeat", daemon=True)
     thread.start()
@@ -153,12 +149,10 @@ def _start_heartbeat(interval: float) -> None:
 
 
 def leave_together(timeout: float = 60.0) -> None:
-    """The end of a run of several processes, after its last collective: no rank leaves before every rank has
-    come out of that collective. A rank that exits closes its gloo connections; a peer still inside the last
-    barrier then fails with "Connection closed by peer" (gloo's barrier lets the first rank out before the
-    other has read all it was sent). Every rank counts itself out in the store and waits for all; rank 0, whose
-    process hosts the store when the ranks are started by hand, waits for the others to have seen the count.
-    A lost store or `timeout` ends the wait: the run's work is done either way."""
+    """After the last collective of a run of several processes: no rank exits (closing its connections) while a peer
+    may still be inside that collective, which then fails with "Connection closed by peer". Every rank counts itself
+    out in the store and waits for all; rank 0, the store's host when ranks are started by hand, leaves last. A lost
+    store or `timeout` ends the wait: the run's work is done either way."""
     if _world() < 2:
         return
     try:
@@ -182,27 +176,24 @@ def leave_together(timeout: float = 60.0) -> None:
 # ---- the report -------------------------------------------------------------------------------------------
 
 
-def _record_position(last: str | None) -> str | None:
-    """Write where the main thread is (`_position`) to $JETRL_EXIT_DIR/rank<R>.where when it moved: a rank killed
-    without a word (SIGKILL, OOM killer) is named by the launcher with its last step, phase and pipeline stage."""
-    directory = os.environ.get("JETRL_EXIT_DIR")
-    main = sys._current_frames().get(threading.main_thread().ident)
-    if not directory or main is None:
-        return last
-    frames = []
-    while main is not None:
-        frames.append(main)
-        main = main.f_back
-    step, phase = _walk(reversed(frames))
-    now = _position(_rank(), step, phase)
-    if now != last and now:
+class Position:
+    """Subscriber: the phase this rank entered is its position, written to $JETRL_EXIT_DIR/rank<R>.where (when set)."""
+
+    def __init__(self):
+        self.directory = os.environ.get("JETRL_EXIT_DIR")
+        self.last = None
+
+    def on_phase(self, run: RunContext, name: str) -> None:
+        now = _position(_rank(), run.step, name)
+        if not self.directory or now == self.last:
+            return
+        self.last = now
         try:
-            path = Path(directory, f"rank{_rank()}.where")
+            path = Path(self.directory, f"rank{_rank()}.where")
             path.with_suffix(".tmp").write_text(now + "\n")
             os.replace(path.with_suffix(".tmp"), path)
         except OSError:
             pass
-    return now
 
 
 def _position(rank: int, step: int | None, phase: str | None) -> str:
@@ -210,23 +201,6 @@ def _position(rank: int, step: int | None, phase: str | None) -> str:
     here = f"at step {step}" + (f" ({phase})" if phase else "") if step is not None else (f"in {phase}" if phase else "")
     parts = [here, _stage(rank).strip(" ()")]
     return ", ".join(p.strip() for p in parts if p.strip())
-
-
-def _where(tb) -> tuple[int | None, str | None]:
-    """(GRPO step, phase function) of the trainer frame the exception went through."""
-    return _walk(frame for frame, _ in traceback.walk_tb(tb))
-
-
-def _walk(frames) -> tuple[int | None, str | None]:
-    """(GRPO step, phase function) along `frames`, outermost first: the trainer's main loop and the frame it called."""
-    step, phase, in_main = None, None, False
-    for frame in frames:
-        code = frame.f_code
-        if in_main and phase is None and code.co_filename not in WRAPPER_FILES:  # not the wrappers of armed faults
-            phase = code.co_name
-        if _is_trainer_main(code):
-            in_main, step = True, frame.f_locals.get("step")
-    return step, phase
 
 
 def lost_ranks(wait: float | None = None) -> tuple[list[int] | None, dict[int, str], str]:
@@ -280,8 +254,8 @@ def _stage(rank: int) -> str:
 
 def report(exc: BaseException, tb=None) -> str:
     """Print (and return) the one-line account of why this rank stops."""
-    cfg = _WATCH.get("cfg")
-    step, phase = _where(tb if tb is not None else exc.__traceback__)
+    cfg, run = _WATCH.get("cfg"), _WATCH.get("run")
+    step, phase = (run.step, run.current) if run is not None else (None, None)
     me = _rank()
     first_line = (str(exc).strip().splitlines() or [""])[0]
     line = f"rank {me}{_stage(me)} failed" + (f" at step {step}" if step is not None else "") + (f" ({phase})" if phase else "")

@@ -25,16 +25,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_jetrl.rl.context import RunContext
+
 SIGNALS = (signal.SIGINT, signal.SIGUSR1)
 
 
 class Interrupts:
     """This rank's signal handlers; `stop_requested` agrees over the ranks."""
 
-    def __init__(self):
+    def __init__(self, run: RunContext):
         self.signum: int | None = None
         self.graceful = False  # the GRPO loop is running: stop at the end of the step
-        self.where = "start-up"  # said by an immediate stop
+        self.run = run  # where an immediate stop says it stopped
         self.previous: dict = {}
         self.exit_dir = os.environ.get("JETRL_EXIT_DIR")
 
@@ -55,7 +57,8 @@ class Interrupts:
             self.signum = signum
             return
         self.signum = self.signum or signum
-        self.leave(f"stopped at once during {self.where}: nothing saved since the newest checkpoint, where a restart resumes")
+        where = f"GRPO step {self.run.step}" if self.run.step is not None else (self.run.current or "start-up")
+        self.leave(f"stopped at once during {where}: nothing saved since the newest checkpoint, where a restart resumes")
 
     def restore(self) -> None:
         """The handlers from before `install` (a run that ended: the process may go on, as in the tests)."""

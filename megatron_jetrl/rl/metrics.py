@@ -179,6 +179,13 @@ class MetricsWriter:
                     self._tb.add_scalar(key, float(value), global_step=step)
             self._tb.flush()
 
+    def on_step_end(self, run, row: Mapping[str, Any]) -> None:
+        """A subscriber of the run context (rl/context.py): each step's row is written."""
+        self.write(row)
+
+    def on_end(self, run) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -237,6 +244,13 @@ class Progress:
                 extra = "".join(f", {k}={v}" for k, v in shown.items())
                 print(f"{self.desc + ': ' if self.desc else ''}{self.done}/{self.total} steps, {elapsed:.0f} s{rate}{extra}",
                       file=self._stream, flush=True)
+
+    def on_step_end(self, run, row: Mapping[str, Any]) -> None:
+        """A subscriber of the run context (rl/context.py): one step, with its reward and train/rollout mismatch."""
+        self.update(1, reward=f"{row['reward/mean']:.3f}", mismatch=f"{row.get('mismatch/mean_abs_diff', 0):.2g}")
+
+    def on_end(self, run) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._bar is not None:

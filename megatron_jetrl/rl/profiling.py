@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -122,12 +123,35 @@ def _events(prof) -> list[tuple[str, str, int, int]]:
 
 class StepProfiler:
     """Profiles the phases `phases` of step `step` (`run.profile_step`, `run.profile_phases`) into `directory`/
-    profile_step<step>_rank<rank>.json; `Phases(profiler=...)` calls `phase(name)` around each phase."""
+    profile_step<step>_rank<rank>.json: `phase(name)` around a phase, or as a subscriber of the run context
+    (rl/context.py), which profiles the phases it wants of that step, marks its metrics row `profiled: 1`, writes the
+    JSON and (`announce`: rank 0) prints the table."""
 
-    def __init__(self, step: int, phases, directory, rank: int, device: torch.device):
+    def __init__(self, step: int, phases, directory, rank: int, device: torch.device, announce: bool = False):
         self.step, self.phases, self.directory, self.rank = step, tuple(phases), Path(directory), rank
         self.cuda = device.type == "cuda"
+        self.announce = announce
         self.results: dict[str, dict] = {}
+        self._open: list = []
+
+    def on_phase(self, run, name: str) -> None:
+        if run.step == self.step and self.wants(name):
+            cm = self.phase(name)
+            cm.__enter__()
+            self._open.append((name, cm))
+
+    def on_phase_end(self, run, name: str, error) -> None:
+        if self._open and self._open[-1][0] == name:
+            _, cm = self._open.pop()
+            cm.__exit__(*((None, None, None) if error is None else (type(error), error, error.__traceback__)))
+
+    def on_step_end(self, run, row: dict) -> None:
+        if run.step != self.step:
+            return
+        row["profiled"] = 1
+        path = self.write()
+        if self.announce:
+            print(f"profile of step {self.step} (rank 0; every rank's JSON beside {path}):\n{self.table()}", file=sys.stderr)
 
     def wants(self, name: str) -> bool:
         return name in self.phases

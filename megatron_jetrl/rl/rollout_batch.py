@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
 from megatron_jetrl.rollout.engine import RequestOutput
 
@@ -68,8 +67,9 @@ def check_outputs(outputs: list[RequestOutput], n: int, vocab_size: int) -> None
 
 
 def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: list[float], advantages: torch.Tensor,
-             pad_id: int) -> RolloutBatch:
-    """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each; `check_outputs` first)."""
+             pad_id: int, width: int | None = None) -> RolloutBatch:
+    """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each; `check_outputs` first),
+    `width` tokens wide (default: the longest prompt + response; a data-parallel rank's share passes the step's)."""
     seqs, lps, lengths, cut = [], [], [], []
     for prompt, out in zip(prompts, outputs, strict=True):
         for c in out.completions:
@@ -79,7 +79,10 @@ def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: li
             cut.append(c.finish_reason == "length")
     if len(seqs) != len(rewards):
         raise ValueError(f"{len(seqs)} completions but {len(rewards)} rewards")
-    width = max(len(p) + len(r) for p, r in seqs)
+    longest = max(len(p) + len(r) for p, r in seqs)
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"width={width} is shorter than the longest sequence ({longest} tokens)")
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), width - 1)
     rollout = torch.zeros(len(seqs), width - 1)
@@ -92,10 +95,39 @@ def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: li
                         torch.tensor(lengths), torch.tensor(cut))
 
 
-def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
-    """Rank `src` sends the batch (tensors pickled: it is small next to the model) to every rank."""
-    box = [batch]
-    dist.broadcast_object_list(box, src=src)
-    if box[0] is None:
-        raise RuntimeError(f"rank {src} broadcast no rollout batch (its rollout failed): see its error above")
-    return box[0]
+@dataclass
+class StepOutcome:
+    """What every rank knows of the whole step's completions (prompt-major rows, as in `RolloutBatch`)."""
+
+    rewards: torch.Tensor
+    """`[B]` float32."""
+    response_lengths: torch.Tensor
+    """`[B]` int64."""
+    truncated: torch.Tensor
+    """`[B]` bool."""
+
+    @classmethod
+    def of(cls, outputs: list[RequestOutput], rewards: torch.Tensor) -> "StepOutcome":
+        done = [c for o in outputs for c in o.completions]
+        if len(done) != len(rewards):
+            raise ValueError(f"{len(done)} completions but {len(rewards)} rewards")
+        return cls(rewards.float(), torch.tensor([len(c.token_ids) for c in done]),
+                   torch.tensor([c.finish_reason == "length" for c in done]))
+
+
+def response_aligned(*tensors: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """`[B, S-1]` per-token tensors, the last of them the response mask -> `[B, width]` float32 on the CPU with each
+    row's response tokens moved to its start (column j: the response's token j); the mask comes back the same way."""
+    *values, mask = (t.detach().float().cpu() for t in tensors)
+    keep = mask.bool()
+    lengths = keep.sum(1)
+    if len(lengths) and int(lengths.max()) > width:
+        raise ValueError(f"a response of {int(lengths.max())} tokens does not fit width={width}")
+    rows = torch.repeat_interleave(torch.arange(len(mask)), lengths)
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    out = []
+    for v in (*values, mask):
+        aligned = torch.zeros(len(mask), width)
+        aligned[rows, cols] = v[keep]
+        out.append(aligned)
+    return tuple(out)

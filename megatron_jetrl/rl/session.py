@@ -30,10 +30,12 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
+from megatron_jetrl.rl.context import RunContext
 from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
                                    load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint, sound_checkpoint
+from megatron_jetrl.rollout.engine import TrainerPool
 from megatron_jetrl.rollout.native import expected_tensors
 
 SFT_CORPUS = 20000  # arithmetic strings the tokenizer is trained on
@@ -60,7 +62,8 @@ class Session:
     model: object  # megatron DDP-wrapped GPTModel
     optimizer: object
     reference: object | None  # frozen GPTModel (KL term), None when loss.kl_coef == 0
-    pool: object | None  # RolloutPool on global rank 0 (None elsewhere), or a ColocatedPool on every rank
+    run: RunContext  # where the run is, and who watches it (rl/context.py)
+    pool: TrainerPool | None = None  # the rollout engines (`start_pool`, once the policy is warm)
     heldout: list[Problem] = field(default_factory=list)  # data.heldout problems, never trained on
     offload: TrainStateOffload | None = None  # rollout.offload: the actor's state off the GPU while the engine is awake
 
@@ -124,24 +127,32 @@ def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
     return tok
 
 
-def _native_pool(cfg: JetRLConfig, arch: ModelArch, flow: PrecisionFlow, device, batch_invariant: bool, tokenizer):
-    from megatron_jetrl.rollout.native import NativeEngine
-    from megatron_jetrl.rollout.pool import RolloutPool
-
-    engines = [NativeEngine(arch, flow, device=device, eos_token_ids=[tokenizer.eos_id], tokenizer=tokenizer,
-                            batch_invariant=batch_invariant) for _ in range(cfg.rollout.num_engines)]
-    return RolloutPool(engines, bucket_bytes=cfg.rollout.bucket_mb << 20)
-
-
 ENGINE_START_SPARE = 2 << 30
 """Free memory vLLM's start-up check may find missing against the measurement before it (its own NCCL communicators:
 0.2-0.3 GiB at rollout TP 2 measured): the KV cache is sized explicitly, so the utilization only passes that check."""
 
 
-def start_vllm_pool(s: "Session") -> None:
-    """One vLLM engine per rank (collective; `rollout.colocated`): it starts on dummy weights from a config-only
-    directory, with the KV cache its share of a step can use (at most a fraction of the memory free now); the sync
-    that follows writes the actor's bytes."""
+def start_pool(s: "Session") -> TrainerPool:
+    """The run's rollout engines (collective), as `s.pool`: rollout.engine=native, `rollout.num_engines` native engines on
+    global rank 0; vllm, one vLLM engine per rank (`vllm_pool`). The first sync writes the actor's weights into them."""
+    from megatron_jetrl.rollout.native import NativeEngine
+    from megatron_jetrl.rollout.pool import RankZeroPool, RolloutPool
+
+    cfg = s.cfg
+    if cfg.rollout.engine == "vllm":
+        s.pool = vllm_pool(s)
+    elif s.is_main:
+        engines = [NativeEngine(s.arch, s.flow, device=s.device, eos_token_ids=[s.tokenizer.eos_id], tokenizer=s.tokenizer,
+                                batch_invariant=s.batch_invariant) for _ in range(cfg.rollout.num_engines)]
+        s.pool = RankZeroPool(RolloutPool(engines, bucket_bytes=cfg.rollout.bucket_mb << 20))
+    else:
+        s.pool = RankZeroPool(None)
+    return s.pool
+
+
+def vllm_pool(s: "Session"):
+    """One vLLM engine per rank: it starts on dummy weights from a config-only directory, with the KV cache its share
+    of a step can use (at most a fraction of the memory free now)."""
     from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need, sequences_at_once, turns_note
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
 
@@ -173,8 +184,7 @@ def start_vllm_pool(s: "Session") -> None:
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=max(0.05, (free - ENGINE_START_SPARE) / total),
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
                         glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
-    s.pool = ColocatedPool(engine, rollout_tp=r.tp)
-    s.pool.at_once = at_once
+    return ColocatedPool(engine, rollout_tp=r.tp, at_once=at_once)
 
 
 def awake_state_to_come(s: "Session") -> int:
@@ -201,7 +211,7 @@ def check_exact_device(flow: PrecisionFlow, device: torch.device) -> None:
                           f"built here for Hopper (sm_90); this GPU is sm_{major}{minor}: set precision.exact_logprobs=false")
 
 
-def build_session(cfg: JetRLConfig) -> Session:
+def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
     from megatron_jetrl.actor.fp8_layers import offload_frozen_weights
     from megatron_jetrl.actor.hf_import import init_hf_weights, load_hf_weights
@@ -236,11 +246,9 @@ def build_session(cfg: JetRLConfig) -> Session:
         reference = build_model(arch, flow, options).eval().requires_grad_(False)
         offload_frozen_weights(reference)
     ddp, optimizer = wrap_for_training(model, cfg.optim)
-    native = cfg.rollout.engine == "native" and dist.get_rank() == 0
-    pool = _native_pool(cfg, arch, flow, device, batch_invariant, tokenizer) if native else None
     offload = None if cfg.rollout.offload == "none" else TrainStateOffload(ddp, optimizer, cfg.rollout.offload, reference)
-    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, pool, heldout,
-                   offload)
+    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, run, heldout=heldout,
+                   offload=offload)
 
 
 def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
@@ -343,6 +351,7 @@ def save(s: Session, step: int, warmup_done: bool) -> Path:
     hf_config = s.cfg.model.architecture()
     spec = s.cfg.model.spec  # the mapping naming of the parameters (TE fuses the norms into linear_qkv / linear_fc1)
     save_checkpoint(s.model, staging, hf_config=hf_config, flow=s.flow, iteration=step, spec=spec, optimizer=s.optimizer)
+    s.run.event("checkpoint_staged", step=step, directory=staging)
     if s.reference is not None:
         if s.is_main:
             (staging / "ref").mkdir()
@@ -421,6 +430,7 @@ def export(s: Session, ckpt: Path, out: Path | None = None) -> Path:
         if s.cfg.model.tokenizer != "hf":  # the embedded one: tokenizer.model + its tokenizer_config.json
             tokenizer = s.cfg.run.directory
             atomic_write_bytes(tokenizer / "tokenizer_config.json", json.dumps(s.tokenizer.hf_config(), indent=1).encode())
-        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True, tokenizer_dir=tokenizer)
+        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True, tokenizer_dir=tokenizer,
+                on_shard=lambda path: s.run.event("export_shard", path=path))
     dist.barrier()
     return out

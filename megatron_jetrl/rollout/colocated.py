@@ -106,11 +106,11 @@ def turns_note(kv_bytes: int, seqs: int, at_once: int, max_len: int) -> str | No
 
 
 class ColocatedPool:
-    """`RolloutEngine`-shaped pool over this rank's engine; every method is collective over the world."""
+    """The `TrainerPool` of one engine per rank; every method is collective over the world."""
 
-    colocated = True
+    weight_target = "all"
 
-    def __init__(self, engine, *, rollout_tp: int = 1, group=None):
+    def __init__(self, engine, *, rollout_tp: int = 1, group=None, at_once: int | None = None):
         self.engine = engine
         self.rollout_tp = rollout_tp
         self.group = group
@@ -119,7 +119,7 @@ class ColocatedPool:
         self.last_sync: SyncStats | None = None
         self.sleep_seconds: float | None = None
         self.wake_bytes: int | None = None
-        self.at_once: int | None = None  # the sequences this rank's engine holds at their full length (`sequences_at_once`)
+        self.at_once = at_once  # the sequences this rank's engine holds at their full length (`sequences_at_once`)
         self.preemptions: int | None = None  # requests the engine preempted in the last generate (None: not counted)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
@@ -192,3 +192,22 @@ class ColocatedPool:
 
     def wake(self) -> None:
         self.engine.wake()
+
+    def unmapped_bytes(self) -> int:
+        return self.engine.unmapped_bytes()
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's sleep after the last rollout: seconds, and the GiB it released; the sequences the engine holds
+        at their full length (`rollout/fit_at_once`) and the ones vLLM preempted in the last rollout, the most on any
+        rank (`rollout/preemptions`: each is recomputed from its tokens so far). Collective when preemptions are counted."""
+        if self.sleep_seconds is None:
+            return {}
+        out = {"rollout/sleep_s": self.sleep_seconds, "rollout/sleep_released_gib": (self.wake_bytes or 0) / 2**30}
+        if self.at_once:
+            out["rollout/fit_at_once"] = self.at_once
+        if self.preemptions is not None:
+            most = torch.tensor([self.preemptions], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device())
+                                if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            out["rollout/preemptions"] = int(most.item())
+        return out

@@ -1,4 +1,4 @@
-"""The `RolloutEngine` protocol and the plain data it speaks.
+"""The `RolloutEngine` and `TrainerPool` protocols and the plain data they speak.
 
 An engine turns prompts (token ids) into completions with the logprob of every sampled token, takes the
 trainer's weights as a stream of HF `(name, tensor)` pairs (exactly what `megatron_jetrl.models.hf_tensors`
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_jetrl.rollout.sync import SyncStats
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,38 @@ class RolloutEngine(Protocol):
         ...
 
     def wake(self) -> None:
+        ...
+
+
+@runtime_checkable
+class TrainerPool(Protocol):
+    """The rollout engines of a run, all of them together, as the GRPO loop uses them: every method is called by
+    every rank (collective), and the loop reaches for nothing else. Two kinds: the native engines served from global
+    rank 0 (`rollout.pool.RankZeroPool`) and one vLLM engine per rank (`rollout.colocated.ColocatedPool`)."""
+
+    weight_target: str
+    """Where the actor's weight stream goes: "rank0" (gathered there) or "all" (every rank's engine takes it)."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, request_seeds: Sequence[int] | None = None
+    ) -> list[RequestOutput]:
+        """Every rank gets the same outputs: one per prompt, in prompt order; an engine's error raises on every rank."""
+        ...
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """The actor's stream (this rank's share of it) into the engines, which are awake after it; time and bytes."""
+        ...
+
+    def sleep(self) -> None:
+        """The rollout is over: the engines give the trainer the device memory they can until the next `sync`."""
+        ...
+
+    def unmapped_bytes(self) -> int:
+        """Device bytes the sleeping engines no longer hold that torch's allocator counters still count."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The last rollout's pool metrics (`rollout/...`), the same on every rank; {} when there are none."""
         ...
 
 

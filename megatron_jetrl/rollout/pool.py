@@ -1,4 +1,5 @@
-"""A data-parallel pool of rollout engines that is itself a `RolloutEngine`.
+"""A data-parallel pool of rollout engines that is itself a `RolloutEngine`, and `RankZeroPool`: such a pool on
+global rank 0, served to every rank of a run (the `TrainerPool` of the native engines).
 
 Prompts are cut into contiguous, balanced shards (engine k gets prompts `[start_k, end_k)`), served
 concurrently, and the outputs come back in prompt order. Request seeds are global (`seed + prompt
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
 from megatron_jetrl.rollout.engine import RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.sync import SyncStats, stream_weights
@@ -82,3 +84,50 @@ class RolloutPool:
     def wake(self) -> None:
         for engine in self.engines:
             engine.wake()
+
+
+class RankZeroPool:
+    """A `TrainerPool` over a `RolloutPool` that lives on global rank 0 (`pool`: None on the other ranks).
+
+    `generate` runs there and hands every rank its outputs (one object broadcast; an engine's error is raised on
+    every rank, naming it); `sync` feeds rank 0's engines and lets the other ranks' share of the stream pass. The
+    native engines keep their weights between steps: `sleep` frees nothing."""
+
+    weight_target = "rank0"
+
+    def __init__(self, pool: RolloutPool | None):
+        self.pool = pool
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
+                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+        box = [None]
+        if self.pool is not None:
+            try:
+                box = [(None, self.pool.generate(prompts, sampling, request_seeds=request_seeds))]
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on this one
+                box = [(f"rank 0: {type(e).__name__}: {e}", None)]
+                failure = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        error, outputs = box[0]
+        if error is not None:
+            if self.pool is not None:
+                raise failure
+            raise RuntimeError(f"the rollout engine failed during generate on {error}")
+        return outputs
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        if self.pool is None:
+            for _ in weights:  # this rank's share of the collective gathers
+                pass
+            return SyncStats()
+        return self.pool.sync(weights)
+
+    def sleep(self) -> None:
+        pass
+
+    def unmapped_bytes(self) -> int:
+        return 0
+
+    def metrics(self) -> dict[str, float]:
+        return {}

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -120,7 +121,8 @@ class Phases(dict):
     sync once CUDA is in use. The host issues kernels ahead of the GPU, so without it a phase's queued GPU work was
     billed to the next phase's first sync (in GRPO, the eval forward's to the update, whose reward check syncs first).
     Keys are `prefix + name + suffix`: `time/rollout` for the train loop's phases, `sync/wake_kv_s` for a sync's parts.
-    A `profiler` (`rl.profiling.StepProfiler`) profiles the phases it wants. `memory=True` (the train loop's phases,
+    `around(name)`, a context manager, encloses each phase inside its timing (the train loop's: the run context's
+    `phase`, which its subscribers, the profiler among them, watch). `memory=True` (the train loop's phases,
     not nested ones: it resets torch's peak counters at each phase's start) also keeps, once CUDA is in use, the most
     bytes torch's caching allocator had allocated and reserved during each phase (`peaks[name]`), less what a
     sleeping colocated engine holds unmapped through the whole phase (`unmapped()`, sampled as the phase starts and
@@ -130,10 +132,10 @@ class Phases(dict):
     freeing its cached blocks, and its cudaFree calls; each synchronizes the device, so the host stops running ahead of
     the GPU (`ALLOCATOR_STALLS`)."""
 
-    def __init__(self, prefix: str = "time/", suffix: str = "", profiler=None, memory: bool = False,
-                 unmapped: Callable[[], int] | None = None):
+    def __init__(self, prefix: str = "time/", suffix: str = "", around: Callable[[str], Any] | None = None,
+                 memory: bool = False, unmapped: Callable[[], int] | None = None):
         super().__init__()
-        self.prefix, self.suffix, self.profiler, self.memory, self.unmapped = prefix, suffix, profiler, memory, unmapped
+        self.prefix, self.suffix, self.around, self.memory, self.unmapped = prefix, suffix, around, memory, unmapped
         self.peaks: dict[str, tuple[int, int]] = {}
         self.stalls: dict[str, tuple[int, ...]] = {}
 
@@ -145,7 +147,7 @@ class Phases(dict):
             torch.cuda.reset_peak_memory_stats()
             asleep = self.unmapped() if self.unmapped is not None else 0
             stalls = allocator_stalls()
-        with self.profiler.phase(name) if self.profiler is not None and self.profiler.wants(name) else contextlib.nullcontext():
+        with self.around(name) if self.around is not None else contextlib.nullcontext():
             yield
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()

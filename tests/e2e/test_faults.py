@@ -6,9 +6,8 @@ Two kinds of test:
 * multi-process (`slow`, about 3-4 minutes together on 2 cores): `launch/train_grpo.sh` on the tiny config, with
   ranks killed (`kill -9`) or frozen (SIGSTOP) mid-step, killed while writing a checkpoint, a full disk (a
   tmpfs in a user namespace), a read-only checkpoint directory, NaN/Inf rewards and gradients, a dying engine.
-  Faults are armed with `JETRL_FAULT` (megatron_jetrl/rl/fault_injection.py); the trainer runs as
-  `python -m megatron_jetrl.rl.fault_injection`, which is rl/train.py with `faults.watch(cfg)` called after
-  `init_distributed` -- the one line rl/train.py is to call itself.
+  Faults are armed with `JETRL_FAULT` by tests/fault_injection.py, a plugin of the trainer's run context
+  (`JETRL_PLUGINS=fault_injection:install`): the trainer is rl/train.py itself.
 
 Tests marked xfail(strict=True) are defects found here (RELIABILITY.md, "open defects"): each turns into a
 failure (XPASS) once fixed, so that its mark is removed.
@@ -48,13 +47,14 @@ INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 
 @pytest.fixture(scope="session")
 def trainer() -> str:
-    """The trainer module the runs use: rl/train.py with faults.watch(cfg) in place and JETRL_FAULT armed (rl/fault_injection.py main)."""
-    return "megatron_jetrl.rl.fault_injection"
+    """The trainer module the runs use (JETRL_FAULT is armed by the fault-injection plugin, `env_for`)."""
+    return "megatron_jetrl.rl.train"
 
 
 def env_for(trainer: str | None = None, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
-    env.update(PYTHON=sys.executable, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
+    env.update(PYTHON=sys.executable, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_WAIT_POLICY="PASSIVE",
+               JETRL_PLUGINS="fault_injection:install")
     if trainer is not None:
         env.update(JETRL_TRAIN_MODULE=trainer, JETRL_CONFIG_MODULE="megatron_jetrl.rl.config")
     env.update({k: str(v) for k, v in extra.items()})
@@ -487,7 +487,7 @@ def test_nan_reward_stops_the_run_before_the_update(trainer, tmp_path):
     assert rc == 1, output[-3000:]
     line = jetrl_line(output)
     print(line)
-    assert "rank 0 failed at step 1 (update_policy)" in line and "nan" in line, line
+    assert "rank 0 failed at step 1 (update)" in line and "nan" in line, line
     assert sorted(metrics(out)) == [0] and latest(out).name == "step_000001"  # no update was applied or saved
     assert_intact(latest(out))
 
@@ -778,7 +778,7 @@ def _tokens(cfg, batch=4, seq=12):
 
 
 def _loss(poison: str | None):
-    from megatron_jetrl.rl.fault_injection import PoisonGrad
+    from fault_injection import PoisonGrad
 
     def loss_fn(logprobs, extras):
         if poison == "grad":
@@ -861,19 +861,20 @@ def test_train_step_skip_under_fp8(one_rank, tmp_path):
 
 
 def test_update_policy_on_nonfinite(one_rank, tmp_path, monkeypatch, capsys):
-    """rl/train.py update_policy (jetrl): a NaN reward stops the run naming step and completion, or skips the update;
+    """rl/step.py update_policy (jetrl): a NaN reward stops the run naming step and completion, or skips the update;
     a NaN loss skips it naming rank and tensors. A skip is one line on rank 0 and the metrics' `skipped`."""
     from megatron_jetrl.actor.train_step import NonFiniteError
-    from megatron_jetrl.rl import train
+    from megatron_jetrl.rl import step as train
+    from megatron_jetrl.rl.context import RunContext
 
-    batch = _rollout(one_rank, tmp_path, None)
-    batch.rewards[5] = float("nan")
+    batch, outcome = _rollout(one_rank, tmp_path, None)
+    outcome.rewards[5] = float("nan")
     ddp, optimizer, _ = _actor(_cfg(tmp_path / "r"))
 
     def update(policy):
         cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8", f"run.on_nonfinite={policy}")
-        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True, offload=None)
-        return train.update_policy(s, 3, batch, batch, batch.rollout_logprobs, None)
+        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True, offload=None, run=RunContext())
+        return train.update_policy(s, 3, outcome, batch, batch.rollout_logprobs, None)
 
     with pytest.raises(NonFiniteError, match=r"step 3: non-finite reward nan of completion 5 \(prompt 1, sample 1; 1 non-finite "
                                              r"reward\(s\) in all\): check the reward function; the update was not applied.*on_nonfinite=skip"):
@@ -882,7 +883,7 @@ def test_update_policy_on_nonfinite(one_rank, tmp_path, monkeypatch, capsys):
     out = update("skip")
     assert out["skipped_updates"] == 1 and out["skipped"].startswith("non-finite reward nan of completion 5")
     assert capsys.readouterr().err.startswith("step 3: update skipped: non-finite reward nan of completion 5")
-    batch.rewards[5] = 1.0
+    outcome.rewards[5] = 1.0
     monkeypatch.setattr(train, "policy_loss", lambda logprobs, *a, **kw: (logprobs.sum() * float("nan"), {}))
     out = update("skip")
     assert out["skipped_updates"] == 1 and out["grad_norm"] is None
@@ -920,19 +921,23 @@ class FakeTokenizer:
 
 
 def _rollout(one_rank, tmp_path, breaks, **engine):
-    from megatron_jetrl.rl import train
+    from megatron_jetrl.rl.context import RunContext
     from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler
-    from megatron_jetrl.rollout.pool import RolloutPool
+    from megatron_jetrl.rl.step import rollout
+    from megatron_jetrl.rollout.pool import RankZeroPool, RolloutPool
 
     cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8")
-    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, offload=None, tokenizer=FakeTokenizer(), pool=RolloutPool([FakeEngine(breaks, **engine)]),
+    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, offload=None, tokenizer=FakeTokenizer(), run=RunContext(),
+                        pool=RankZeroPool(RolloutPool([FakeEngine(breaks, **engine)])), device=torch.device("cpu"),
                         sampler=PromptSampler(ArithmeticTask(high=5).problems(8, seed=0), 2, seed=0))
-    return train.rollout(s, 0)
+    return rollout(s, 0)
 
 
 def test_rollout_batch_of_a_sound_engine(one_rank, tmp_path):
-    batch = _rollout(one_rank, tmp_path, None)
+    batch, outcome = _rollout(one_rank, tmp_path, None)
     assert len(batch) == 8 and int(batch.mask.sum()) == 8 * 3
+    assert outcome.response_lengths.tolist() == [3] * 8 and bool(outcome.truncated.all())
+    assert torch.equal(outcome.rewards, batch.rewards)
 
 
 def _die():
@@ -984,7 +989,7 @@ def test_malformed_engine_output_is_refused(one_rank, tmp_path, case):
 
 
 def test_fault_spec_parsing():
-    from megatron_jetrl.rl.fault_injection import FaultSpecError, parse
+    from fault_injection import FaultSpecError, parse
 
     faults = parse("kill@update:step=1:rank=1, nan@reward,die@engine:step=0")
     assert [str(f) for f in faults] == ["kill@update:step=1:rank=1", "nan@reward", "die@engine:step=0"]

@@ -76,7 +76,7 @@ def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict
     """`launch/train_grpo.sh ARGS run.out_dir=out`: exit code, output and metrics rows."""
     cmd = ["bash", "launch/train_grpo.sh", *args, f"run.out_dir={out}", f"run.name={out.name}"]
     full = dict(os.environ, PYTHON=sys.executable, NCCL_NVLS_ENABLE="0", **(env or {}),
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
     return done.returncode, done.stdout + done.stderr, [json.loads(line) for line in lines]
@@ -160,7 +160,7 @@ def test_kill9_of_a_second_stage_rank_names_it_and_the_run_resumes_exactly(tmp_p
     args = [*SMALL, "parallel.tp=2", "parallel.pp=2", "rollout.tp=2", "rollout.engine=vllm", "rollout.enforce_eager=true",
             "precision.mode=bf16", "rollout.max_new_tokens=64", "grpo.prompts_per_step=8", "run.steps=3",
             "run.save_every=1", "run.checkpoint=true", "run.export=false"]
-    faulty = {"JETRL_TRAIN_MODULE": "megatron_jetrl.rl.fault_injection", "JETRL_CONFIG_MODULE": "megatron_jetrl.rl.config"}
+    faulty = {"JETRL_PLUGINS": "fault_injection:install"}  # tests/fault_injection.py, on the PYTHONPATH `launch` sets
     rc, output, reference = launch(tmp_path / "reference", *args, env=faulty)
     assert rc == 0, output[-4000:]
     out = tmp_path / "killed"

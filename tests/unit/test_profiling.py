@@ -77,10 +77,19 @@ def test_summarize_a_gpu_phase():
     assert p["top"][0] == ["deep_gemm::sm90_fp8_gemm_1d2d", pytest.approx(0.4)]
 
 
-def test_a_cpu_phase_is_profiled_through_phases(tmp_path):
-    """`Phases(profiler=...)` profiles the phases the profiler wants and times every phase as before."""
-    prof = StepProfiler(3, ("update",), tmp_path, rank=0, device=torch.device("cpu"))
-    t = Phases(profiler=prof)
+def test_a_cpu_phase_is_profiled_through_the_run_context(tmp_path, capsys):
+    """The profiler, a subscriber of the run context, profiles the phases it wants of its step; `Phases(around=...)`
+    times every phase as before; the step's row is marked and the table said (`announce`)."""
+    from megatron_jetrl.rl.context import RunContext
+
+    prof = StepProfiler(3, ("update",), tmp_path, rank=0, device=torch.device("cpu"), announce=True)
+    run = RunContext(step=2)
+    run.subscribe(prof)
+    with Phases(around=run.phase)("update"):  # step 2: not profiled
+        pass
+    assert not prof.results
+    run.step = 3
+    t = Phases(around=run.phase)
     x = torch.randn(256, 256)
     with t("eval"):
         x @ x
@@ -95,6 +104,9 @@ def test_a_cpu_phase_is_profiled_through_phases(tmp_path):
     assert saved["step"] == 3 and saved["rank"] == 0 and list(saved["phases"]) == ["update"]
     assert (tmp_path / "profile_step3_rank0.json").exists()
     assert prof.table().splitlines()[2].startswith("| update |")
+    row = {}
+    run.end_step(row)
+    assert row == {"profiled": 1} and "| update |" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides, message", [
