@@ -47,8 +47,9 @@ class PrecisionFlow:
     NaN propagate as NaN (never as a silent 448)."""
 
     backend: str = "auto"
-    """FP8 GEMM backend: `auto` (deepgemm > cublaslt > triton > emulated: the first the device has, see
-    `megatron_jetrl.fp8.gemm.available_backends`), or one of those by name."""
+    """FP8 GEMM backend: `auto`, a per-call dispatch policy (deepgemm > cublaslt > triton > emulated: the first the device
+    has for the GEMM's shape, `megatron_jetrl.fp8.gemm.available_backends`; `rl.resolve` pins it to `emulated` only in a
+    batch-invariant FP8 run), or one of those by name."""
 
     gemm_sms: int = 0
     """SMs DeepGEMM's persistent GEMM kernels may use in this process (the colocated vLLM engine's too): 0, all of the
@@ -68,8 +69,9 @@ class PrecisionFlow:
     (patches/vllm_0_26_0_one_split_attention.py); a BF16 rollout, whose linears vLLM makes batch-invariant only in its
     process-wide batch-invariant mode, runs in that mode (`VLLM_BATCH_INVARIANT=1`). Backward takes flash attention's
     gradient from FA3's output; only the forward must match. Not for `bf16-train-fp8-rollout`, whose two forwards
-    differ by design. A run config's default is `auto`, resolved when it loads (`JetRLConfig.exact_logprobs_holds`): on in
-    mode jetrl with vLLM at TP 1 and 2 wherever it can hold (4.4% of the step, BENCHMARKS.md), else off."""
+    differ by design. A run config's default is `auto`, resolved when it loads (`rl.resolve`, by
+    `JetRLConfig.exact_logprobs_holds`): on in mode jetrl with vLLM at TP 1 and 2 wherever it can hold (its cost in
+    the step: BENCHMARKS.md), else off."""
 
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""

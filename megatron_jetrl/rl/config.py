@@ -8,7 +8,9 @@ Sections and the classes they fill: `run` (RunConfig), `model` (ModelConfig), `p
 (`actor.train_step.OptimConfig`), `warmup` (WarmupConfig). Unknown sections or keys, wrong types and
 settings that do not fit together (batch sizes that do not divide, 128-block misalignment at the requested
 TP, ...) are refused with a message that names the key and the fix. The classes are defined in
-`rl/config_schema.py` and re-exported here; this module loads them and is the CLI, which calls `rl/preflight.py`.
+`rl/config_sections.py` (one per section) and `rl/config_schema.py` (`JetRLConfig`: how they fit together) and
+re-exported here; this module loads them and is the CLI, which calls `rl/preflight.py`.
+A loaded config is resolved (`rl/resolve.py`): every key a YAML file or override left at `auto` holds its value.
 
     python -m megatron_jetrl.rl.config configs/tiny.yaml parallel.tp=2 --get parallel.world_size
     python -m megatron_jetrl.rl.config configs/models/qwen3-8b-base.yaml configs/modes/jetrl.yaml --print
@@ -34,6 +36,7 @@ import yaml
 
 from megatron_jetrl.rl.config_schema import (ConfigError, DataConfig, GRPOConfig, JetRLConfig, ModelConfig,  # noqa: F401
                                              ParallelConfig, RolloutConfig, RunConfig, WarmupConfig)
+from megatron_jetrl.rl.resolve import BOOL_AUTOS, resolve
 
 _CONFIGS = [Path(__file__).resolve().parents[2] / "configs", Path(__file__).resolve().parents[1] / "_configs"]
 DEFAULT_CONFIG = next((d / "tiny.yaml" for d in _CONFIGS if (d / "tiny.yaml").is_file()), _CONFIGS[0] / "tiny.yaml")
@@ -48,13 +51,22 @@ _EXACT = {int: ("an integer", ""), bool: ("true or false", ""), str: ("a string"
 
 
 def _coerce(value, hint, where: str):
-    """`value` as type `hint` (int, float, str, bool, dict, tuple[...], X | None), or a ConfigError."""
+    """`value` as type `hint` (int, float, str, bool, dict, tuple[...], Literal[...], X | None, bool | Literal[...]), or a
+    ConfigError. A Literal of words takes any string (its class's check names the choices)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if value in words and not isinstance(value, bool):
+            return value
+        others = [a for a in args if a is not type(None) and typing.get_origin(a) is not typing.Literal]
+        if words and others == [bool] and not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true, false or {' or '.join(map(str, words))}, got {value!r}")
         return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if origin is typing.Literal:
+        return _coerce(value, str, where) if all(isinstance(a, str) for a in typing.get_args(hint)) else value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")
@@ -139,26 +151,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def config_from_dict(data: dict) -> JetRLConfig:
-    """The run config, its `auto` settings resolved, so that every part reads true or false:
-    `precision.exact_logprobs: auto` (also when absent) to whether it holds (`JetRLConfig.exact_logprobs_holds`), and
-    `optim.distributed: auto` to whether there are data-parallel ranks to shard over (`parallel.dp > 1`)."""
+def config_from_dict(data: dict, device: str | None = None) -> JetRLConfig:
+    """The run config of a mapping of sections, checked and resolved (`rl.resolve.resolve`: every `auto` turned into
+    its value; `device`, 'cpu' or 'cuda', is what `run.device: auto` stands for, None: this machine's)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config is a mapping of sections, got {type(data).__name__}")
-    precision = data.get("precision") or {}
-    auto = isinstance(precision, dict) and precision.get("exact_logprobs", "auto") == "auto"
-    if auto:
-        data = {**data, "precision": {**precision, "exact_logprobs": False}}
-    optim = data.get("optim") or {}
-    auto_zero1 = isinstance(optim, dict) and optim.get("distributed") == "auto"
-    if auto_zero1:
-        data = {**data, "optim": {**optim, "distributed": False}}
-    cfg = _config(data)
-    if auto_zero1 and cfg.parallel.dp > 1:
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=True))
-    if auto and cfg.exact_logprobs_holds():
-        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, exact_logprobs=True))
-    return cfg
+    autos = []
+    for key, absent_is_auto in BOOL_AUTOS.items():  # bool fields of classes outside rl/: held at false until resolved
+        section, name = key.split(".")
+        values = data.get(section) or {}
+        if isinstance(values, dict) and values.get(name, "auto" if absent_is_auto else False) == "auto":
+            data = {**data, section: {**values, name: False}}
+            autos.append(key)
+    return resolve(_config(data), device, autos=autos)
 
 
 def _config(data: dict) -> JetRLConfig:
@@ -202,9 +207,9 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def load_config(paths: str | Path | list | None = None, overrides: list[str] = ()) -> JetRLConfig:
-    """YAML files (default `configs/tiny.yaml`; later files override earlier ones key by key, e.g. a model
-    preset then a precision mode) plus overrides -> a validated JetRLConfig."""
+def raw_data(paths: str | Path | list | None = None, overrides: list[str] = ()) -> dict:
+    """The mapping of sections that YAML files (default `configs/tiny.yaml`; later files override earlier ones key by
+    key, e.g. a model preset then a precision mode) plus overrides give, as written: nothing checked or resolved."""
     if paths is None or paths == []:
         paths = [DEFAULT_CONFIG]
     elif isinstance(paths, (str, Path)):
@@ -213,7 +218,13 @@ def load_config(paths: str | Path | list | None = None, overrides: list[str] = (
     for path in paths:
         for section, values in _read_yaml(config_path(path)).items():
             data.setdefault(section, {}).update(values or {})
-    return config_from_dict(apply_overrides(data, list(overrides)))
+    return apply_overrides(data, list(overrides))
+
+
+def load_config(paths: str | Path | list | None = None, overrides: list[str] = (), device: str | None = None) -> JetRLConfig:
+    """YAML files plus overrides (`raw_data`) -> a validated, resolved JetRLConfig (`config_from_dict`; `device`:
+    what `run.device: auto` stands for, None: this machine's)."""
+    return config_from_dict(raw_data(paths, overrides), device)
 
 
 def sections_help() -> str:

@@ -6,17 +6,16 @@ The trainer calls `watch(cfg, run)` once, right after the process group exists. 
 * subscribes to the run context (rl/context.py): each phase a rank enters is its position, written to
   $JETRL_EXIT_DIR/rank<R>.where under the launcher (a rank killed without a word is named with its last step, phase
   and pipeline stage) and read by the failure report;
-* starts a heartbeat: a daemon thread bumps the counter `jetrl/faults/beat/<rank>` in the c10d store
-  every `interval` seconds (a separate TCPStore client on MASTER_ADDR:MASTER_PORT: torchrun's agent store,
-  or rank 0's when the ranks are started by hand);
+* starts a heartbeat: a daemon thread bumps the counter `jetrl/faults/beat/<rank>` in the c10d store every `interval`
+  seconds (its own client of MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's for ranks started by hand);
 * installs a `sys.excepthook` that, when a rank dies of an exception, publishes its own failure, waits
   3 heartbeats to see which peers stopped beating (killed, crashed, or frozen), and prints
 
       jetrl: rank 0 failed at step 1 (update): RuntimeError: ...Connection closed by peer...;
       lost rank(s) [1] (no heartbeat for 3.0 s: killed, crashed or frozen); newest complete checkpoint: <dir>
 
-  (one line; also recorded for the launcher, `record_failure`, which repeats it as the last line the user
-  sees). A failure in `save`/`export` or an OSError also reports the free space of the run directory.
+  (one line; also recorded for the launcher, `record_failure`, which repeats it last). A failure in `save`/`export`
+  or an OSError also reports the free space of the run directory.
   A collective that never returns is bounded by run.timeout_s (the process group's timeout): the hook
   explains the failure, it does not detect it. In a run of several processes the rank then leaves at once
   (`os._exit(1)`; metrics lines are already fsync'ed): interpreter shutdown would run the destructors of a

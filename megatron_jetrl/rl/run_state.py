@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
+from megatron_jetrl.rl.resolve import resolve_saved
 
 STATE_FILE = "trainer_state.json"
 APPLIED_ON_RESUME = frozenset({
@@ -130,7 +131,7 @@ def _defaults() -> dict:
 def changed_keys(saved: dict, cfg: JetRLConfig) -> dict:
     """{"section.key": (saved value, this config's value)} for every compared key that differs (a key the saved
     config lacks, e.g. one added since, counts as its default)."""
-    old, new = _flat(saved), _flat(cfg.to_dict())
+    old, new = _flat(resolve_saved(saved, cfg)), _flat(cfg.to_dict())
     defaults = _defaults()
     return {k: (old.get(k, defaults.get(k)), v) for k, v in new.items()
             if k not in IGNORED and old.get(k, defaults.get(k)) != v}

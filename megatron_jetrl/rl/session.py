@@ -31,6 +31,7 @@ from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.context import RunContext
+from megatron_jetrl.rl.resolve import resolve_saved
 from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
                                    load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
@@ -154,7 +155,7 @@ def vllm_pool(s: "Session"):
     """One vLLM engine per rank: it starts on dummy weights from a config-only directory, with the KV cache its share
     of a step can use (at most a fraction of the memory free now)."""
     from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need, sequences_at_once, turns_note
-    from megatron_jetrl.rollout.vllm_engine import VllmEngine, resolve_glue, write_model_dir
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
 
     r = s.cfg.rollout
     model_dir = s.cfg.run.directory / "rollout_model"
@@ -183,7 +184,7 @@ def vllm_pool(s: "Session"):
     engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
                         seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=max(0.05, (free - ENGINE_START_SPARE) / total),
                         enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
-                        glue=resolve_glue(r.glue, s.arch, s.cfg.model.spec), fused_quant=r.vllm_fused_quant)
+                        glue=r.glue, fused_quant=r.vllm_fused_quant)
     return ColocatedPool(engine, rollout_tp=r.tp, at_once=at_once)
 
 
@@ -215,18 +216,16 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
     from megatron_jetrl.actor.fp8_layers import offload_frozen_weights
     from megatron_jetrl.actor.hf_import import init_hf_weights, load_hf_weights
+    from megatron_jetrl.rl.resolve import resolve
 
     device = resolve_device(cfg)
     check_output_space(cfg)
     cfg.model.check_path_matches()
+    cfg = resolve(cfg, device.type)  # a no-op on load_config's config, resolved already (batch invariance, GEMM backend, ...)
     arch = cfg.arch()
     flow = cfg.precision
     check_exact_device(flow, device)
-    batch_invariant = device.type == "cpu" if cfg.model.batch_invariant is None else cfg.model.batch_invariant
-    if batch_invariant and flow.mode != "bf16" and flow.backend not in ("auto", "emulated"):
-        raise ConfigError(f"model.batch_invariant needs the emulated FP8 backend, got precision.backend={flow.backend!r}")
-    if batch_invariant and flow.backend == "auto" and flow.mode != "bf16":
-        flow = PrecisionFlow.from_dict({**flow.to_dict(), "backend": "emulated"})
+    batch_invariant = cfg.model.batch_invariant
     tokenizer = _tokenizer(cfg, arch)
     problems, heldout = problem_sets(cfg)
     check_prompt_room(cfg, arch, tokenizer, problems, heldout)
@@ -403,6 +402,7 @@ def resume(s: Session) -> dict | None:
             raise ValueError(f"step, sampler and config do not match a {ckpt.name}")
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{ckpt / STATE_FILE} is damaged ({e}): {elsewhere}") from None
+    state["config"] = resolve_saved(state["config"], s.cfg)  # compared resolved, as `run_state.changed_keys` does
     saved_model = state["config"].get("model")
     if isinstance(saved_model, dict):
         saved_model = {"spec": "local", **saved_model}  # written before model.spec existed: the local spec

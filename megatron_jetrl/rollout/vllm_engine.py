@@ -128,15 +128,16 @@ def write_model_dir(directory: str | Path, hf_config: dict, flow: PrecisionFlow)
 GLUES = ("auto", "vllm", "trainer")
 
 
-def resolve_glue(glue: str, arch: ModelArch, spec: str = "local") -> str:
-    """`auto`: the trainer's RMSNorm and RoPE (measured at hidden 2048: jetrl's mismatch 0.161 -> 0.044 in eager and in
-    full-decode-graph engines; the decode cost against vLLM's compiled glue is in BENCHMARKS.md), except vLLM's for a
-    scaled RoPE (llama3: vLLM builds another class, which `rollout.vllm_glue` does not replace) and for an actor of
-    `model.spec=te` (its norms are Transformer Engine's, not the local spec's)."""
+def resolve_glue(glue: str, arch: ModelArch | None, spec: str = "local") -> str:
+    """The rule of `rollout.glue: auto` (a run config's is resolved once, when it loads: `rl.resolve`; an engine built
+    with glue="auto" resolves here): the trainer's RMSNorm and RoPE, which cut jetrl's mismatch several times against
+    vLLM's (BENCHMARKS.md), except vLLM's for a scaled RoPE (llama3: vLLM builds another class, which
+    `rollout.vllm_glue` does not replace) and for an actor of `model.spec=te` (its norms are Transformer Engine's, not
+    the local spec's). `arch` None: not known here (no RoPE scaling read)."""
     if glue not in GLUES:
         raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
     if glue == "auto":
-        return "vllm" if arch.rope_scaling or spec == "te" else "trainer"
+        return "vllm" if (arch is not None and arch.rope_scaling) or spec == "te" else "trainer"
     return glue
 
 

@@ -249,7 +249,7 @@ def test_config_refuses_vllm_settings_that_cannot_run():
 
     ok = load_config("configs/gpu_1p5b.yaml", ["rollout.engine=vllm", "rollout.tp=1"])
     assert ok.rollout.kv_cache_fraction == 0.5 and ok.rollout.max_model_len == 0
-    assert ok.rollout.glue == "auto"
+    assert ok.rollout.glue == "trainer"  # auto, resolved when the config loads (rl.resolve)
     for overrides, message in [
         (["rollout.engine=vllm", "rollout.tp=2"], r"rollout.tp=2 must divide the number of ranks parallel.tp \* pp \* dp = 1"),
         (["rollout.engine=vllm", "run.device=cpu"], "rollout.engine=vllm needs a GPU run, not run.device=cpu"),

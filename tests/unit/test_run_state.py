@@ -70,22 +70,23 @@ def test_settings_a_resumed_run_may_change_are_applied_and_said(tmp_path):
 
 def test_where_the_fp8_weight_bytes_live_may_change_on_resume_the_model_may_not(tmp_path):
     """model.fp8_weight_t and model.bf16_linear_weights move the same bytes between memory and time, precision.gemm_sms
-    computes them on fewer SMs: a resume may change them (applied and said); any other model key is another model."""
-    out = finished_run(tmp_path)
+    computes them on fewer SMs: a resume may change them (applied and said); any other model key is another model.
+    (A GPU run: on the CPU the run is batch-invariant, and its emulated GEMM takes no gemm_sms.)"""
+    out = finished_run(tmp_path, 3, "run.device=cuda")
     cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fp8_weight_t=backward", "model.bf16_linear_weights=keep",
-                             "precision.gemm_sms=120"])
+                             "precision.gemm_sms=120", "run.device=cuda"])
     assert previous_run(cfg).resume_message(cfg) == (f"resuming {out} at step 3 of 5 (step_000003); applied: "
-                                                     "model.bf16_linear_weights 'auto' -> 'keep', model.fp8_weight_t 'step' -> "
+                                                     "model.bf16_linear_weights 'release' -> 'keep', model.fp8_weight_t 'step' -> "
                                                      "'backward', precision.gemm_sms 0 -> 120, run.steps 3 -> 5")
     with pytest.raises(ConfigError, match=r"another model or precision section \(model.fused\)"):
-        previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fused=false"]))
+        previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fused=false", "run.device=cuda"]))
 
 
 def test_a_refused_resume_writes_nothing(tmp_path, capsys):
     out = finished_run(tmp_path)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     assert train.main([f"run.out_dir={out}", "run.steps=6", "precision.mode=bf16"]) == 2
-    assert "another model or precision section (precision.mode)" in capsys.readouterr().err
+    assert "another model or precision section (precision.backend, precision.mode)" in capsys.readouterr().err  # jetrl's batch-invariant CPU run pins the emulated GEMM
     assert (out / "config.yaml").read_text() == "the original config.yaml\n"
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 

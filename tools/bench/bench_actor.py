@@ -389,7 +389,7 @@ class StepRun:
         self.arch = dataclasses.replace(arch, num_layers=layers)
         cuda = device.type == "cuda"
         optim = cfg.optim if cuda else dataclasses.replace(cfg.optim, bf16=False, distributed=False)  # CPU: FP32 params
-        release = dataclasses.replace(cfg, optim=optim).bf16_linears_released()  # model.bf16_linear_weights, as a run resolves it
+        release = cfg.bf16_linears_released() and optim.bf16 and not optim.distributed  # model.bf16_linear_weights, as a run resolves it
         self.options = ActorOptions(params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
                                     max_sequence_length=max(self.arch.max_position_embeddings, 1), fused=cfg.model.fused,
                                     fp8_weight_t=cfg.model.fp8_weight_t, bf16_linear_weights="release" if release else "keep")
