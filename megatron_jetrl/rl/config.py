@@ -4,7 +4,7 @@ completely before any heavy work starts.
 
 Sections and the classes they fill: `run` (RunConfig), `model` (ModelConfig), `precision`
 (`fp8.PrecisionFlow`, the one object trainer and rollout share), `parallel` (ParallelConfig), `data`
-(DataConfig), `rollout` (RolloutConfig), `grpo` (GRPOConfig), `loss` (`rl.loss.PolicyLossConfig`), `optim`
+(DataConfig), `rollout` (RolloutConfig), `grpo` (GRPOConfig), `loss` (`grpo.loss.PolicyLossConfig`), `optim`
 (`actor.train_step.OptimConfig`), `warmup` (WarmupConfig). Unknown sections or keys, wrong types and
 settings that do not fit together (batch sizes that do not divide, 128-block misalignment at the requested
 TP, ...) are refused with a message that names the key and the fix. The classes are defined in

@@ -18,7 +18,7 @@ from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.config_sections import (PROFILED_PHASES, ConfigError, DataConfig, GRPOConfig, ModelConfig,  # noqa: F401
                                                ParallelConfig, RolloutConfig, RunConfig, WarmupConfig, _check)
-from megatron_jetrl.rl.loss import PolicyLossConfig
+from megatron_jetrl.grpo.loss import PolicyLossConfig
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The GRPO config's sections: `ConfigError` and one frozen dataclass per section (`run`, `model`, `parallel`, `data`,
-`rollout`, `grpo`, `warmup`; `precision`, `loss` and `optim` are `fp8.PrecisionFlow`, `rl.loss.PolicyLossConfig` and
+`rollout`, `grpo`, `warmup`; `precision`, `loss` and `optim` are `fp8.PrecisionFlow`, `grpo.loss.PolicyLossConfig` and
 `actor.optim_config.OptimConfig`), each checking its own values. How the sections fit together is checked by
 `JetRLConfig` in `rl/config_schema.py`, which re-exports these names.
 
@@ -248,11 +248,11 @@ class DataConfig:
 
     source: Literal["arithmetic", "multiplication_trace", "gsm8k", "math", "deepmath"] = "arithmetic"
     """`arithmetic` (generated in-process, the embedded default), `multiplication_trace` (generated in-process: long
-    worked answers, `rl.data.MultiplicationTraceTask`), `gsm8k`, `math` or `deepmath`."""
+    worked answers, `grpo.data.MultiplicationTraceTask`), `gsm8k`, `math` or `deepmath`."""
     path: str = ""
     """Local jsonl/parquet file or directory of the dataset (not used by the generated sources)."""
     template: str = "arithmetic"
-    """Prompt template (`rl.data.PROMPT_TEMPLATES`)."""
+    """Prompt template (`grpo.data.PROMPT_TEMPLATES`)."""
     reward_style: Literal["number", "final", "gsm8k", "boxed"] = "number"
     """Answer extraction: `number` (arithmetic), `final` (multiplication_trace: the number after the last `=`),
     `gsm8k` (after `####`) or `boxed` (`\\boxed{}`)."""
@@ -270,8 +270,8 @@ class DataConfig:
 
     heldout: int = 0
     """Problems held out of training (GRPO prompts and the warm-start's SFT pairs), scored every run.eval_every steps:
-    of a generated task, this many distinct questions drawn with a fixed seed (`rl.data.HELDOUT_SEED`: the same set for
-    every run.seed); of a dataset, the distinct questions with the smallest SHA-256 (`rl.data.split_heldout`). 0: none."""
+    of a generated task, this many distinct questions drawn with a fixed seed (`grpo.data.HELDOUT_SEED`: the same set for
+    every run.seed); of a dataset, the distinct questions with the smallest SHA-256 (`grpo.data.split_heldout`). 0: none."""
 
     GENERATED = ("arithmetic", "multiplication_trace")
 

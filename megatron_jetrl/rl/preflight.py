@@ -191,7 +191,7 @@ def check_model_path(cfg: JetRLConfig) -> None:
 def check_data(cfg: JetRLConfig) -> None:
     if cfg.data.source in cfg.data.GENERATED:
         return
-    from megatron_jetrl.rl.data import data_files
+    from megatron_jetrl.grpo.data import data_files
 
     try:
         data_files(cfg.data.path)

@@ -32,7 +32,7 @@ from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.context import RunContext
 from megatron_jetrl.rl.resolve import resolve_saved
-from megatron_jetrl.rl.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
+from megatron_jetrl.grpo.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
                                    load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint, sound_checkpoint
@@ -113,7 +113,7 @@ def pin_vllm_environment(flow: PrecisionFlow, tp: int = 1) -> None:
 
 
 def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
-    from megatron_jetrl.rl.tokenizer import HFTokenizer, SentencePieceTokenizer, ensure_sentencepiece
+    from megatron_jetrl.grpo.tokenizer import HFTokenizer, SentencePieceTokenizer, ensure_sentencepiece
 
     if cfg.model.tokenizer == "hf":
         tok = HFTokenizer(cfg.model.path)

@@ -35,7 +35,7 @@ from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, r
 from megatron_jetrl.rl.profiling import StepProfiler
 from megatron_jetrl.rl.step import (actor_logprobs, heldout_metrics, memory_metrics, reference_logprobs, rollout, step_metrics,
                                     sync, update_policy)
-from megatron_jetrl.rl.warmup import warm_start
+from megatron_jetrl.rl.sft import sft_warm_start
 from megatron_jetrl.rollout.sync import Phases
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     start = state["step"] if state else 0
     if state is None:
         with run.phase("warm-start"):
-            warm_start(s)
+            sft_warm_start(s)
             sess.freeze_reference(s)
     if cfg.run.steps == 0:  # the warm-start alone: its checkpoint and export are what GRPO runs start from
         return finish(s, sess.save(s, 0, warmup_done=True) if cfg.run.checkpoint and state is None else None)

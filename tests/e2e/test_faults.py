@@ -922,7 +922,7 @@ class FakeTokenizer:
 
 def _rollout(one_rank, tmp_path, breaks, **engine):
     from megatron_jetrl.rl.context import RunContext
-    from megatron_jetrl.rl.data import ArithmeticTask, PromptSampler
+    from megatron_jetrl.grpo.data import ArithmeticTask, PromptSampler
     from megatron_jetrl.rl.step import rollout
     from megatron_jetrl.rollout.pool import RankZeroPool, RolloutPool
 

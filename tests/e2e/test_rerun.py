@@ -65,7 +65,7 @@ def test_keep_last_checkpoints_and_a_usable_export(run):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     from transformers import AutoTokenizer
 
-    from megatron_jetrl.rl.tokenizer import SentencePieceTokenizer
+    from megatron_jetrl.grpo.tokenizer import SentencePieceTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(run / "export"), local_files_only=True)
     sp = SentencePieceTokenizer(run / "tokenizer.model")

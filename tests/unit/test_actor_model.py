@@ -512,7 +512,7 @@ def test_prompt_positions_get_no_logits(flow, checkpoints):
     from actor_scenario import MICRO
     from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
-    from megatron_jetrl.rl.loss import PolicyLossConfig, policy_loss
+    from megatron_jetrl.grpo.loss import PolicyLossConfig, policy_loss
 
     root, _ = checkpoints
     tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=3), CONFIGS["qwen3"]["vocab_size"]
@@ -566,7 +566,7 @@ def test_sequences_lengthened_for_fp8_blocks_train_as_the_unpadded_ones(flow, ch
     from megatron_jetrl.actor import fp8_layers
     from megatron_jetrl.actor.logprobs import pad_length
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
-    from megatron_jetrl.rl.loss import PolicyLossConfig, policy_loss
+    from megatron_jetrl.grpo.loss import PolicyLossConfig, policy_loss
 
     root, _ = checkpoints
     tokens, vocab = tokens_for(CONFIGS["qwen3"], batch=4, seed=5), CONFIGS["qwen3"]["vocab_size"]

@@ -163,7 +163,7 @@ class WordTokenizer:
 def test_a_prompt_without_room_for_the_responses_is_refused_when_the_data_is_built():
     """Where the limit needs the data (a prompt's length), the session checks every prompt, GRPO's and the held-out
     ones, once, before anything is built: the longest named, with the fix."""
-    from megatron_jetrl.rl.data import Problem, format_prompt
+    from megatron_jetrl.grpo.data import Problem, format_prompt
     from megatron_jetrl.rl.session import check_prompt_room
 
     def problems(*words, prefix="p"):
@@ -186,7 +186,7 @@ def test_a_prompt_without_room_for_the_responses_is_refused_when_the_data_is_bui
 def test_a_warm_start_example_longer_than_the_model_is_refused_before_any_step():
     from types import SimpleNamespace
 
-    from megatron_jetrl.rl.warmup import warm_start
+    from megatron_jetrl.rl.sft import sft_warm_start
 
     class Wordy:  # every text is 40 tokens: question + answer + EOS = 81 > the tiny model's 64 positions
         eos_id = 2
@@ -198,7 +198,7 @@ def test_a_warm_start_example_longer_than_the_model_is_refused_before_any_step()
     s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), tokenizer=Wordy(), heldout=[])
     with pytest.raises(ConfigError, match=r"the warm-start's longest example is 81 tokens, more than the model's "
                                           r"max_position_embeddings=64: raise model.hf_config's max_position_embeddings"):
-        warm_start(s)
+        sft_warm_start(s)
 
 
 def test_config_file_problems(tmp_path):

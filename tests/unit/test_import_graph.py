@@ -141,3 +141,12 @@ def test_the_split_modules_import_downwards():
                       ("rl.config_schema", "rl.config"), ("rl.preflight", "rl.config"), ("rl.run_state", "rl.config"),
                       ("rl.config_schema", "rl.preflight"), ("rl.config_schema", "rl.run_state")]:
         assert f"{PACKAGE}.{high}" not in edges[f"{PACKAGE}.{low}"], f"{low} imports {high}"
+
+
+def test_the_algorithm_does_not_import_the_run():
+    """`grpo` (data, rewards, advantages, loss, batch) sits below `rl` (the run that drives it)."""
+    edges = graph()
+    algorithm = {m: e for m, e in edges.items() if m.startswith(f"{PACKAGE}.grpo")}
+    assert len(algorithm) >= 6, sorted(algorithm)
+    up = {m: sorted(t for t in e if t.startswith(f"{PACKAGE}.rl")) for m, e in algorithm.items()}
+    assert not any(up.values()), up

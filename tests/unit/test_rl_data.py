@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_jetrl.rl.data import (
+from megatron_jetrl.grpo.data import (
     PROMPT_TEMPLATES, TEMPLATE_ANSWER_STYLE, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
     load_deepmath, load_gsm8k, load_math, load_problems, split_heldout,
 )
-from megatron_jetrl.rl.rewards import compute_rewards
+from megatron_jetrl.grpo.rewards import compute_rewards
 
 GSM8K_ROWS = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to friends "
@@ -225,7 +225,7 @@ def test_log_multipliers_give_each_octave_the_same_share():
 
 
 def test_multiplication_trace_tokenizes_one_character_a_token_and_apart_as_together(tmp_path):
-    from megatron_jetrl.rl.tokenizer import UNK_ID, SentencePieceTokenizer, ensure_sentencepiece
+    from megatron_jetrl.grpo.tokenizer import UNK_ID, SentencePieceTokenizer, ensure_sentencepiece
 
     path = tmp_path / "tok.model"
     ensure_sentencepiece(path, ArithmeticTask().sft_corpus(2000, 0), 256)  # the tokenizer the trainer makes

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_jetrl.rl.advantages import group_advantages
-from megatron_jetrl.rl.loss import AGGREGATIONS, KL_ESTIMATORS, PolicyLossConfig, check_mask, policy_loss
+from megatron_jetrl.grpo.advantages import group_advantages
+from megatron_jetrl.grpo.loss import AGGREGATIONS, KL_ESTIMATORS, PolicyLossConfig, check_mask, policy_loss
 
 HYP = settings(max_examples=60, deadline=None)
 

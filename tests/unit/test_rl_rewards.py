@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megatron_jetrl.rl.rewards import compute_rewards, extract_answer, last_boxed, verify
+from megatron_jetrl.grpo.rewards import compute_rewards, extract_answer, last_boxed, verify
 
 GSM8K_COMPLETION = (
     "Janet's ducks lay 16 eggs per day. She eats 3 and bakes with 4, so 16 - 3 - 4 = 9 eggs are left.\n"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_jetrl.rl.data import ArithmeticTask
-from megatron_jetrl.rl.tokenizer import (
+from megatron_jetrl.grpo.data import ArithmeticTask
+from megatron_jetrl.grpo.tokenizer import (
     BOS_ID, EOS_ID, PAD_ID, UNK_ID, HFTokenizer, SentencePieceTokenizer, Tokenizer, ensure_sentencepiece,
     train_sentencepiece_bytes,
 )

@@ -9,7 +9,7 @@ Whole step (default). What the trainer runs for one GRPO update on one GPU: `act
 native spec, BF16 params) with Qwen3-8B-shaped layers (hidden 4096, intermediate 12288, 32/8 heads x 128, QK-norm,
 vocabulary 151936), `actor.train_step.wrap_for_training` (megatron DDP + megatron's mixed-precision optimizer as
 the preset sets it) and `actor.train_step.train_step` over `--micro-batches` micro-batches of
-`--micro-batch x --seq` tokens with the GRPO policy loss (`rl.loss.policy_loss`, the preset's clip/KL settings;
+`--micro-batch x --seq` tokens with the GRPO policy loss (`grpo.loss.policy_loss`, the preset's clip/KL settings;
 old = reference logprobs = the BF16 model's own, advantages random, the first quarter of each sequence masked as
 prompt, which gets no logits as in `rl.train`: `extras["first"]`), ending in the optimizer step and the FP8 weight re-quantization. Every precision is built the way the
 launcher builds it: `rl.config.load_config([--preset, configs/modes/<mode>.yaml], overrides)` and its
@@ -418,7 +418,7 @@ class StepRun:
 
     def step(self, tokens, extras, mb):
         from megatron_jetrl.actor.train_step import train_step
-        from megatron_jetrl.rl.loss import check_mask, policy_loss
+        from megatron_jetrl.grpo.loss import check_mask, policy_loss
 
         loss_cfg = self.cfg.loss
 

@@ -12,7 +12,7 @@ from megatron_jetrl.rl.config import ConfigError
 from megatron_jetrl.rl.metrics import progress
 
 
-def warm_start(s) -> None:
+def sft_warm_start(s) -> None:
     """Supervised warm-start on the synthetic task (a model that never answers gets no GRPO signal), never on a
     held-out question (data.heldout)."""
     w = s.cfg.warmup

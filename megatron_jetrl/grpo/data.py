@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_jetrl.rl.rewards import last_boxed
+from megatron_jetrl.grpo.rewards import last_boxed
 
 
 @dataclass(frozen=True)
