@@ -192,10 +192,10 @@ def _tracker_add(self, name, seed):
     """Track a CPU generator state seeded with ``seed`` under ``name`` (upstream semantics)."""
     self._is_initialized = True
     if seed in self.seeds_:
-        raise Exception('seed {} already exists'.format(seed))
+        raise Exception(f'seed {seed} already exists')
     self.seeds_.add(seed)
     if name in self.states_:
-        raise Exception('cpu rng state {} already exists'.format(name))
+        raise Exception(f'cpu rng state {name} already exists')
     orig_rng_state = torch.get_rng_state()
     torch.default_generator.manual_seed(seed)
     self.states_[name] = torch.get_rng_state()
@@ -207,7 +207,7 @@ def _make_tracker_fork(default_name: str):
     def fork(self, name=default_name):
         """Swap the CPU generator to the ``name`` stream, run, save it back and restore."""
         if name not in self.states_:
-            raise Exception('cpu rng state {} is not added'.format(name))
+            raise Exception(f'cpu rng state {name} is not added')
         orig_rng_state = torch.get_rng_state()
         orig_state_name = self._current_state_name
         if orig_state_name != "default-rng":

@@ -22,8 +22,15 @@ from megatron_jetrl.actor.fp8_layers import unwrap
 from megatron_jetrl.actor.gpt import pp_last_layers
 from megatron_jetrl.actor.train_step import adam_is_fused, use_fused_adam
 from megatron_jetrl.fp8 import PrecisionFlow
-from megatron_jetrl.models.shards import (CheckpointError, ShardedCheckpoint, file_entry, save_rank_shard, shard_name, write_meta,
-                                          writing)
+from megatron_jetrl.models.shards import (
+    CheckpointError,
+    ShardedCheckpoint,
+    file_entry,
+    save_rank_shard,
+    shard_name,
+    write_meta,
+    writing,
+)
 
 
 def _ranks():

@@ -61,7 +61,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.norm = ops.rms_norm if batch_invariant else fused_rms_norm if fused else rms_norm
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):
         return self.norm(x, self.weight, self.eps)

@@ -27,8 +27,10 @@ class NonFiniteError(FloatingPointError):
     """A NaN/Inf reached the loss or the gradients; the optimizer step was not taken."""
 
 
-def wrap_for_training(model, optim: OptimConfig = OptimConfig()):
-    """(megatron DDP-wrapped model, megatron optimizer) for `model` (a GPTModel of this stage)."""
+def wrap_for_training(model, optim: OptimConfig | None = None):
+    """(megatron DDP-wrapped model, megatron optimizer) for `model` (a GPTModel of this stage); `optim` defaults to
+    `OptimConfig()`."""
+    optim = OptimConfig() if optim is None else optim
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

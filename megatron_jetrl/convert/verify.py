@@ -196,7 +196,7 @@ def verify_checkpoint(directory: str | Path, *, rollout_tps=(1,), reference: str
         if ref_missing:
             problems.append(f"reference {reference} lacks {ref_missing[:4]}")
             return report
-    for name, (dtype, shape) in expected.items():
+    for name, (dtype, _shape) in expected.items():
         if dtype == torch.float32:
             continue
         t = ckpt.get(name)

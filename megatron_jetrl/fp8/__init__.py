@@ -87,7 +87,14 @@ jetrl                    FP8 FProp/DGrad/WGrad in training, the identical FP8 fo
 
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import available_backends, blockwise_gemm
-from megatron_jetrl.fp8.linear import FP8Linear, GatedGradHandoff, QuantizedWeight, fp8_linear, fp8_linear_forward, fp8_linears_forward
+from megatron_jetrl.fp8.linear import (
+    FP8Linear,
+    GatedGradHandoff,
+    QuantizedWeight,
+    fp8_linear,
+    fp8_linear_forward,
+    fp8_linears_forward,
+)
 from megatron_jetrl.fp8.quant import (
     BLOCKS,
     E4M3_MAX,

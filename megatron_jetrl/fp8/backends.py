@@ -148,7 +148,7 @@ def deep_gemm_module():
     for name in DEEP_GEMM_MODULES:
         try:
             module = importlib.import_module(name)
-        except Exception:  # absent, or present without its CUDA libraries: not usable here
+        except Exception:  # noqa: BLE001 - absent, or present without its CUDA libraries: not usable here
             continue
         if hasattr(module, "fp8_gemm_nt"):
             return module

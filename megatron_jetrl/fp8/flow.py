@@ -167,7 +167,7 @@ class PrecisionFlow:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PrecisionFlow":
+    def from_dict(cls, data: dict) -> PrecisionFlow:
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

@@ -36,7 +36,7 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False,
-                 keep_t: bool = True) -> "QuantizedWeight":
+                 keep_t: bool = True) -> QuantizedWeight:
         """Quantize `weight` once (per optimizer step). `transposed=True` also makes DGrad's W^T bytes now, in the
         same pass on CUDA; `keep_t=False` makes them at each DGrad instead and keeps none (less memory held). Non-finite weights: recorded under `check_finite="step"` inside a step's watch, else
         refused on the spot (outside a step a weight is quantized for export or sync, never per token)."""

@@ -33,10 +33,10 @@ class RolloutBatch:
     truncated: torch.Tensor
     """`[B]` bool: stopped at max_new_tokens."""
 
-    def rows(self, start: int, end: int) -> "RolloutBatch":
+    def rows(self, start: int, end: int) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     def __len__(self) -> int:
@@ -107,7 +107,7 @@ class StepOutcome:
     """`[B]` bool."""
 
     @classmethod
-    def of(cls, outputs: list[RequestOutput], rewards: torch.Tensor) -> "StepOutcome":
+    def of(cls, outputs: list[RequestOutput], rewards: torch.Tensor) -> StepOutcome:
         done = [c for o in outputs for c in o.completions]
         if len(done) != len(rewards):
             raise ValueError(f"{len(done)} completions but {len(rewards)} rewards")

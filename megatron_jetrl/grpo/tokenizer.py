@@ -123,7 +123,7 @@ class SentencePieceTokenizer:
                              "train it with SentencePieceTokenizer.train")
 
     @classmethod
-    def train(cls, lines: Iterable[str], out_path: str | Path, vocab_size: int = 256) -> "SentencePieceTokenizer":
+    def train(cls, lines: Iterable[str], out_path: str | Path, vocab_size: int = 256) -> SentencePieceTokenizer:
         """Train the tiny BPE model on `lines` (module docstring), write it atomically to `out_path`, load it."""
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)

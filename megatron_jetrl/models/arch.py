@@ -63,7 +63,7 @@ class ModelArch:
         return self.hidden_size * qkv + self.num_heads * self.head_dim * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelArch":
+    def from_hf_config(cls, config: dict) -> ModelArch:
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(
@@ -96,7 +96,7 @@ class ModelArch:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelArch":
+    def from_pretrained(cls, path: str | Path) -> ModelArch:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}: point at a local HF model directory")

@@ -39,7 +39,7 @@ class Entry:
     vocab: bool = False
     """Rows are the (padded) vocabulary."""
 
-    def at(self, local_layer: int, global_layer: int) -> "Entry":
+    def at(self, local_layer: int, global_layer: int) -> Entry:
         return Entry(
             self.megatron.format(i=local_layer), tuple(h.format(i=global_layer) for h in self.hf),
             self.fuse, self.tp_dim, self.fp8, self.vocab,

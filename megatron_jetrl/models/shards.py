@@ -139,7 +139,7 @@ class ShardedCheckpoint:
     meta: dict
 
     @classmethod
-    def open(cls, directory: str | Path, *, verify: bool = True) -> "ShardedCheckpoint":
+    def open(cls, directory: str | Path, *, verify: bool = True) -> ShardedCheckpoint:
         directory = Path(directory)
         meta_path = directory / META
         if not meta_path.is_file():

@@ -34,8 +34,17 @@ from pathlib import Path
 
 import yaml
 
-from megatron_jetrl.rl.config_schema import (ConfigError, DataConfig, GRPOConfig, JetRLConfig, ModelConfig,  # noqa: F401
-                                             ParallelConfig, RolloutConfig, RunConfig, WarmupConfig)
+from megatron_jetrl.rl.config_schema import (  # noqa: F401
+    ConfigError,
+    DataConfig,
+    GRPOConfig,
+    JetRLConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    WarmupConfig,
+)
 from megatron_jetrl.rl.resolve import BOOL_AUTOS, resolve
 
 _CONFIGS = [Path(__file__).resolve().parents[2] / "configs", Path(__file__).resolve().parents[1] / "_configs"]

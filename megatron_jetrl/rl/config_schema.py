@@ -15,10 +15,20 @@ from dataclasses import dataclass, field
 
 from megatron_jetrl.actor.optim_config import OptimConfig
 from megatron_jetrl.fp8 import PrecisionFlow
-from megatron_jetrl.models.arch import ModelArch
-from megatron_jetrl.rl.config_sections import (PROFILED_PHASES, ConfigError, DataConfig, GRPOConfig, ModelConfig,  # noqa: F401
-                                               ParallelConfig, RolloutConfig, RunConfig, WarmupConfig, _check)
 from megatron_jetrl.grpo.loss import PolicyLossConfig
+from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.rl.config_sections import (  # noqa: F401
+    PROFILED_PHASES,
+    ConfigError,
+    DataConfig,
+    GRPOConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    WarmupConfig,
+    _check,
+)
 
 
 @dataclass(frozen=True)

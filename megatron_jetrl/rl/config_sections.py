@@ -18,6 +18,7 @@ from typing import Literal
 
 from megatron_jetrl.actor.offload import OFFLOAD_CHOICES
 
+
 class ConfigError(ValueError):
     """A configuration problem, found before the run starts."""
 

@@ -194,7 +194,7 @@ class MetricsWriter:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -258,7 +258,7 @@ class Progress:
             self._bar = None
         self._log = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

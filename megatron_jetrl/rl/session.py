@@ -27,14 +27,22 @@ from megatron_jetrl.actor.offload import TrainStateOffload
 from megatron_jetrl.actor.provider import ActorOptions, build_model
 from megatron_jetrl.actor.train_step import unallocated_state_bytes, wrap_for_training
 from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.grpo.data import (
+    HELDOUT_SEED,
+    ArithmeticTask,
+    MultiplicationTraceTask,
+    Problem,
+    PromptSampler,
+    format_prompt,
+    load_problems,
+    split_heldout,
+)
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.context import RunContext
-from megatron_jetrl.rl.resolve import resolve_saved
-from megatron_jetrl.grpo.data import (HELDOUT_SEED, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
-                                   load_problems, split_heldout)
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
+from megatron_jetrl.rl.resolve import resolve_saved
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint, sound_checkpoint
 from megatron_jetrl.rollout.engine import TrainerPool
 from megatron_jetrl.rollout.native import expected_tensors
@@ -133,7 +141,7 @@ ENGINE_START_SPARE = 2 << 30
 0.2-0.3 GiB at rollout TP 2 measured): the KV cache is sized explicitly, so the utilization only passes that check."""
 
 
-def start_pool(s: "Session") -> TrainerPool:
+def start_pool(s: Session) -> TrainerPool:
     """The run's rollout engines (collective), as `s.pool`: rollout.engine=native, `rollout.num_engines` native engines on
     global rank 0; vllm, one vLLM engine per rank (`vllm_pool`). The first sync writes the actor's weights into them."""
     from megatron_jetrl.rollout.native import NativeEngine
@@ -151,7 +159,7 @@ def start_pool(s: "Session") -> TrainerPool:
     return s.pool
 
 
-def vllm_pool(s: "Session"):
+def vllm_pool(s: Session):
     """One vLLM engine per rank: it starts on dummy weights from a config-only directory, with the KV cache its share
     of a step can use (at most a fraction of the memory free now)."""
     from megatron_jetrl.rollout.colocated import ColocatedPool, kv_cache_bytes, kv_cache_need, sequences_at_once, turns_note
@@ -188,7 +196,7 @@ def vllm_pool(s: "Session"):
     return ColocatedPool(engine, rollout_tp=r.tp, at_once=at_once)
 
 
-def awake_state_to_come(s: "Session") -> int:
+def awake_state_to_come(s: Session) -> int:
     """Bytes of this rank's free memory now that the actor will hold while the engine is awake, so not the KV cache's:
     Adam's moments (made by the first update) and FP8 weight copies not made yet (the policy's at the first sync, the
     reference's at its first forward), less what `rollout.offload` takes off the GPU then."""

@@ -20,10 +20,10 @@ from megatron_jetrl.actor.parallel import from_last_stage, group_device
 from megatron_jetrl.actor.train_step import NonFiniteError, train_step
 from megatron_jetrl.actor.weight_stream import actor_weight_stream
 from megatron_jetrl.grpo.advantages import group_advantages
+from megatron_jetrl.grpo.batch import RolloutBatch, StepOutcome, assemble, check_outputs, response_aligned
 from megatron_jetrl.grpo.data import format_prompt
 from megatron_jetrl.grpo.loss import check_mask, policy_loss
 from megatron_jetrl.grpo.rewards import compute_rewards
-from megatron_jetrl.grpo.batch import RolloutBatch, StepOutcome, assemble, check_outputs, response_aligned
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 from megatron_jetrl.rollout.sampling import step_seed

@@ -33,9 +33,17 @@ from megatron_jetrl.rl.interrupt import Interrupts
 from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.profiling import StepProfiler
-from megatron_jetrl.rl.step import (actor_logprobs, heldout_metrics, memory_metrics, reference_logprobs, rollout, step_metrics,
-                                    sync, update_policy)
 from megatron_jetrl.rl.sft import sft_warm_start
+from megatron_jetrl.rl.step import (
+    actor_logprobs,
+    heldout_metrics,
+    memory_metrics,
+    reference_logprobs,
+    rollout,
+    step_metrics,
+    sync,
+    update_policy,
+)
 from megatron_jetrl.rollout.sync import Phases
 
 

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope
-from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward, scale_shape
+from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linears_forward
 from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.export import stream_layout
-from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.decode_graphs import DecodeGraphs
+from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator
 
 E4M3 = torch.float8_e4m3fn
@@ -141,7 +141,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     try:
         return load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for a lying header or a short file
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a lying header or a short file
         raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
@@ -238,7 +238,7 @@ class NativeEngine:
     # ---- loading -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, flow: PrecisionFlow | None = None, **kwargs) -> "NativeEngine":
+    def from_pretrained(cls, path: str | Path, flow: PrecisionFlow | None = None, **kwargs) -> NativeEngine:
         """Load a local HF directory (FP8 block checkpoint with quantization_config, or BF16)."""
         config, tensors = read_hf_checkpoint(path)
         qc = config.get("quantization_config")

@@ -28,7 +28,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from gloo import free_port, one_gloo_rank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -921,8 +920,8 @@ class FakeTokenizer:
 
 
 def _rollout(one_rank, tmp_path, breaks, **engine):
-    from megatron_jetrl.rl.context import RunContext
     from megatron_jetrl.grpo.data import ArithmeticTask, PromptSampler
+    from megatron_jetrl.rl.context import RunContext
     from megatron_jetrl.rl.step import rollout
     from megatron_jetrl.rollout.pool import RankZeroPool, RolloutPool
 

@@ -10,7 +10,6 @@ of the rounded intermediate, and no further from FP64 than eager's own roundings
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -697,7 +697,7 @@ def test_default_fp8_linear_on_gpu_matches_emulated_and_fills_main_grad():
 def test_default_fp8_linear_never_syncs_the_host_and_the_watch_names_the_layer():
     """Forward + backward with the shipped flow under CUDA's sync debug mode "error": no host sync per call.
     A NaN input is recorded on the device and named by the watch afterwards."""
-    from megatron_jetrl.fp8 import fp8_linear, finite
+    from megatron_jetrl.fp8 import finite, fp8_linear
 
     flow = PrecisionFlow(mode="jetrl")
     w = torch.randn(1024, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)

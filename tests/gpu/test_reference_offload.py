@@ -5,7 +5,6 @@ bytes); a new value loaded into it reaches its next forward, quantized on the de
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

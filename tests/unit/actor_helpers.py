@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-
 from gloo import free_port, one_gloo_rank  # noqa: F401  (re-exported for the actor tests)
+from safetensors.torch import save_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 32

@@ -6,7 +6,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
 from actor_helpers import CONFIGS, tokens_for
 
 VOCAB = CONFIGS["qwen3"]["vocab_size"]

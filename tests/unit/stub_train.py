@@ -54,7 +54,7 @@ DEFAULTS = {
 MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
 
 
-def usage_error(msg: str) -> "SystemExit":
+def usage_error(msg: str) -> SystemExit:
     print(f"stub_train: error: {msg}", file=sys.stderr)
     return SystemExit(2)
 

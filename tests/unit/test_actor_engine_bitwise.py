@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from actor_helpers import CONFIGS, hf_state, one_gloo_rank, spawn, write_hf_checkpoint
+
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models.arch import ModelArch
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from actor_helpers import spawn
 from gloo import one_gloo_rank
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 VOCAB, PADDED = 300, 384  # padded vocabulary: 84 columns that are not tokens
 

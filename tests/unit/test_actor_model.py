@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from actor_helpers import (
+    CONFIGS,
+    SEQ,
+    fp8_reference_linear,
+    hf_state,
+    one_gloo_rank,
+    reference_logits,
+    rounded_state,
+    tokens_for,
+    write_hf_checkpoint,
+)
 
-from actor_helpers import CONFIGS, SEQ, fp8_reference_linear, hf_state, one_gloo_rank, reference_logits, rounded_state, tokens_for, write_hf_checkpoint
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, fp8_linear, fp8_linear_forward
 from megatron_jetrl.models.arch import ModelArch
 
@@ -382,8 +392,8 @@ def test_hf_import_of_a_transformers_written_checkpoint(family, tmp_path):
     written = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
 
     arch = ModelArch.from_pretrained(tmp_path)
-    from megatron_jetrl.actor.hf_import import load_hf_weights
     from megatron_jetrl.actor.fp8_layers import _rotary
+    from megatron_jetrl.actor.hf_import import load_hf_weights
     from megatron_jetrl.actor.provider import build_model
 
     model = build_model(arch, BF16)
@@ -417,9 +427,9 @@ def test_fused_wgrad_accumulation_adds_what_ddp_adds(flow, checkpoints):
     backward: after a step of two micro-batches every main_grad equals the unfused run's within FP32 summation
     error (nothing added twice, nothing lost), and exactly megatron's own linears were switched (all in bf16 mode,
     the lm_head in jetrl, whose FP8 linears accumulate themselves)."""
+    from actor_scenario import MICRO, grpo_like_loss
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from actor_scenario import MICRO, grpo_like_loss
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 
@@ -464,10 +474,10 @@ def test_grad_clip_scales_in_place_bit_for_bit(checkpoints):
     place with one multi-tensor multiply, the same FP32 products as megatron's `dst.copy_(src * scale)` loop (signed
     zeros, subnormals, huge values, NaN/Inf included); wrap_for_training installs it, and a clipped train step
     leaves exactly the weights megatron's own loop leaves."""
+    from actor_scenario import MICRO, grpo_like_loss
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    from actor_scenario import MICRO, grpo_like_loss
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.patching import load_patch
 
@@ -510,6 +520,7 @@ def test_prompt_positions_get_no_logits(flow, checkpoints):
     layer then runs from its smallest one on. The logprobs from there on, the loss and every main_grad after a step
     equal the full computation's (FP32 rounding of shorter sums); the columns before are 0; a device tensor is refused."""
     from actor_scenario import MICRO
+
     from megatron_jetrl.actor.logprobs import compute_logprobs, response_start
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training
     from megatron_jetrl.grpo.loss import PolicyLossConfig, policy_loss
@@ -563,6 +574,7 @@ def test_sequences_lengthened_for_fp8_blocks_train_as_the_unpadded_ones(flow, ch
     every main_grad is the same in BF16 (FP32 sums over a few more zero rows); in jetrl WGrad's 128-token groups start
     at other tokens, so its gradients move by FP8 noise alone. `pad_length` lengthens the per-token extras only."""
     from actor_scenario import MICRO
+
     from megatron_jetrl.actor import fp8_layers
     from megatron_jetrl.actor.logprobs import pad_length
     from megatron_jetrl.actor.train_step import OptimConfig, train_step, wrap_for_training

@@ -30,10 +30,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import actor_scenario as sc
 import pytest
 import torch
-
-import actor_scenario as sc
 from actor_helpers import CONFIGS, hf_state, spawn, write_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU gloo layouts; GPU runs use NCCL")

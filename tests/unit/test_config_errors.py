@@ -174,9 +174,9 @@ def test_a_prompt_without_room_for_the_responses_is_refused_when_the_data_is_bui
     template = len(tok.encode(format_prompt(Problem("x", "", "1", "arithmetic"), cfg.data.template)))
     room = 64 - 40 - template  # the tiny model's 64 positions, less the responses and the template's own words
     check_prompt_room(cfg, arch, tok, problems(1, room), problems(room))  # fits exactly
-    with pytest.raises(ConfigError, match=rf"1 of the 3 prompts leave no room for rollout.max_new_tokens=40 within the model's "
-                                          rf"max_position_embeddings=64: the longest, held-out problem h/1, is 25 tokens; "
-                                          rf"lower rollout.max_new_tokens to 39 or leave the longest prompts out of the data"):
+    with pytest.raises(ConfigError, match=r"1 of the 3 prompts leave no room for rollout.max_new_tokens=40 within the model's "
+                                          r"max_position_embeddings=64: the longest, held-out problem h/1, is 25 tokens; "
+                                          r"lower rollout.max_new_tokens to 39 or leave the longest prompts out of the data"):
         check_prompt_room(cfg, arch, tok, problems(1), problems(room, room + 1, prefix="h"))
     with pytest.raises(ConfigError, match=r"2 of the 3 prompts .*the longest, problem p/2, is 27 tokens"):
         check_prompt_room(cfg, arch, tok, problems(1, room + 1, room + 3), [])

@@ -8,8 +8,8 @@ import pytest
 
 from megatron_jetrl.actor.provider import ActorOptions
 from megatron_jetrl.fp8 import PrecisionFlow
-from megatron_jetrl.rl.config import ConfigError, load_config
 from megatron_jetrl.patching import load_patch
+from megatron_jetrl.rl.config import ConfigError, load_config
 from megatron_jetrl.rollout.vllm_engine import engine_env, exact_problems, llm_kwargs
 
 GPU = ["configs/gpu_1p5b.yaml"]

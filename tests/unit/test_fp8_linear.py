@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_jetrl.fp8 import (
-    NonFiniteInputError,
     FP8Linear,
+    NonFiniteInputError,
     PrecisionFlow,
     QuantizedWeight,
     blockwise_gemm,

@@ -148,7 +148,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, tor
 def tensor_sets(draw):
     names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9_.]{0,20}", fullmatch=True), min_size=1, max_size=4, unique=True))
     out = {}
-    for i, name in enumerate(names):
+    for name in names:
         shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
         dtype = draw(st.sampled_from(DTYPES))
         g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))

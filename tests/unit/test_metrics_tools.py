@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_jetrl.rl.metrics import (METRIC_KEYS, MetricsWriter, format_summary, progress, read_metrics,
-                                       summarize)
+from megatron_jetrl.rl.metrics import METRIC_KEYS, MetricsWriter, format_summary, progress, read_metrics, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

@@ -9,10 +9,9 @@ import re
 import tempfile
 from pathlib import Path
 
+import actor_scenario as sc
 import pytest
 import torch
-
-import actor_scenario as sc
 from actor_helpers import CONFIGS, hf_state, spawn, write_hf_checkpoint
 
 

@@ -2,13 +2,13 @@
 
 import math
 
+import fp8_reference as ref
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fp8_reference as ref
 from megatron_jetrl.fp8 import (
     BLOCKS,
     NonFiniteInputError,

@@ -196,7 +196,8 @@ NUMBER = re.compile(r"\b\d+(\.\d+)?x\b|\b\d+(\.\d+)?%|\b0\.\d{2,}\b|\b\d+(\.\d+)
 
 
 def test_docstrings_and_notices_state_rules_not_measurements():
-    from megatron_jetrl.rl import config, config_schema, resolve as resolve_module
+    from megatron_jetrl.rl import config, config_schema
+    from megatron_jetrl.rl import resolve as resolve_module
 
     for module in (config, config_schema, resolve_module):
         text = Path(module.__file__).read_text()

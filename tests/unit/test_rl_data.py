@@ -9,8 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_jetrl.grpo.data import (
-    PROMPT_TEMPLATES, TEMPLATE_ANSWER_STYLE, ArithmeticTask, MultiplicationTraceTask, Problem, PromptSampler, format_prompt,
-    load_deepmath, load_gsm8k, load_math, load_problems, split_heldout,
+    PROMPT_TEMPLATES,
+    TEMPLATE_ANSWER_STYLE,
+    ArithmeticTask,
+    MultiplicationTraceTask,
+    Problem,
+    PromptSampler,
+    format_prompt,
+    load_deepmath,
+    load_gsm8k,
+    load_math,
+    load_problems,
+    split_heldout,
 )
 from megatron_jetrl.grpo.rewards import compute_rewards
 

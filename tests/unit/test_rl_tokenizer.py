@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from megatron_jetrl.grpo.data import ArithmeticTask
 from megatron_jetrl.grpo.tokenizer import (
-    BOS_ID, EOS_ID, PAD_ID, UNK_ID, HFTokenizer, SentencePieceTokenizer, Tokenizer, ensure_sentencepiece,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    ensure_sentencepiece,
     train_sentencepiece_bytes,
 )
 

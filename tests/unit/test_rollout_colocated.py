@@ -5,10 +5,17 @@ the KV cache after it. vLLM itself runs in tests/gpu/test_vllm.py."""
 
 import pytest
 import torch
-
 from actor_helpers import spawn
+
 from megatron_jetrl.models import ModelArch
-from megatron_jetrl.rollout.colocated import ColocatedPool, kv_bytes_per_token, kv_cache_bytes, kv_cache_need, my_share, rollout_groups
+from megatron_jetrl.rollout.colocated import (
+    ColocatedPool,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_cache_need,
+    my_share,
+    rollout_groups,
+)
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams
 
 

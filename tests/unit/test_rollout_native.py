@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight, dequantize_blockwise, fp8_linear_forward
 from megatron_jetrl.models import ModelArch, from_hf, hf_tensors, model_entries
-from megatron_jetrl.rollout import NativeEngine, SamplingParams, WeightUpdateError, expected_tensors
 from megatron_jetrl.models import batch_invariant_ops as ops
+from megatron_jetrl.rollout import NativeEngine, SamplingParams, WeightUpdateError, expected_tensors
 from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator, top_p_filter
 
 JETRL, BF16 = PrecisionFlow("jetrl"), PrecisionFlow("bf16")

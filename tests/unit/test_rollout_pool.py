@@ -1,13 +1,13 @@
 """Rollout pool (sharding, order, seeds) and live weight sync (buckets, uint8 wire, reports)."""
 
 import torch
+from test_rollout_native import JETRL, bf16_state, live_stream, make_engine, tiny_config
 
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout import NativeEngine, RequestOutput, SamplingParams
 from megatron_jetrl.rollout.engine import Completion, RolloutEngine
 from megatron_jetrl.rollout.pool import RolloutPool, shard_bounds
 from megatron_jetrl.rollout.sync import buckets, from_wire, pack, stream_weights, to_wire, unpack
-from test_rollout_native import JETRL, bf16_state, live_stream, make_engine, tiny_config
 
 
 class Echo:

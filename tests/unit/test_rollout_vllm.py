@@ -7,15 +7,30 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_rollout_native import BF16, JETRL, bf16_state, live_stream, tiny_config
 
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout import SamplingParams
 from megatron_jetrl.rollout.vllm_engine import (
-    UNFUSED, VLLM_VERSION, EngineConformanceError, apply_plan, copy_plan, engine_env, kernel_problems, llm_kwargs, parse_output,
-    pass_problems, pin_environment, probe_problems, probe_tensor, rank_piece, sampling_kwargs, vllm_target, write_model_dir,
+    UNFUSED,
+    VLLM_VERSION,
+    EngineConformanceError,
+    apply_plan,
+    copy_plan,
+    engine_env,
+    kernel_problems,
+    llm_kwargs,
+    parse_output,
+    pass_problems,
+    pin_environment,
+    probe_problems,
+    probe_tensor,
+    rank_piece,
+    sampling_kwargs,
+    vllm_target,
+    write_model_dir,
 )
-from test_rollout_native import BF16, JETRL, bf16_state, live_stream, tiny_config, write_checkpoint
 
 
 def test_vllm_is_not_imported_by_the_rollout_package():

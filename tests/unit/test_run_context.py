@@ -167,8 +167,8 @@ def test_the_loop_runs_on_a_pool_that_has_only_the_protocol(one_gloo_rank, tmp_p
 def one_gloo_rank(monkeypatch):
     """This process as a run's only rank, the trainer making its process group; all of it undone after."""
     import torch.distributed as dist
-
     from gloo import free_port
+
     from megatron_jetrl.actor.parallel import destroy_parallel
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_flow import load_te_recipe_module
 
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.fp8 import te as te_mod
@@ -13,7 +14,6 @@ from megatron_jetrl.fp8.linear import QuantizedWeight
 from megatron_jetrl.models import ModelArch, hf_tensors, model_entries
 from megatron_jetrl.models.mapping import to_hf
 from megatron_jetrl.rl.config import ConfigError, load_config
-from test_flow import load_te_recipe_module
 
 BLOCKS = [(1, 128), (128, 1), (128, 128)]
 QWEN = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

@@ -63,7 +63,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -381,9 +380,9 @@ class StepRun:
     def __init__(self, label, cfg, arch, layers, device, state=None):
         import dataclasses
 
+        from megatron_jetrl.actor.fp8_layers import unwrap
         from megatron_jetrl.actor.provider import ActorOptions, build_model
         from megatron_jetrl.actor.train_step import wrap_for_training
-        from megatron_jetrl.actor.fp8_layers import unwrap
 
         self.label, self.cfg, self.flow = label, cfg, cfg.precision
         self.arch = dataclasses.replace(arch, num_layers=layers)

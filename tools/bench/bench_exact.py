@@ -87,7 +87,7 @@ def bench_lm_head(rows):
         for m in rows:
             row[f"ms_M{m}"] = round(ms(lambda: fn(x[:m], w)), 4)
         ref = x[:64].double() @ w.double().t()
-        row["max_rel_err_vs_fp64"] = float(((full[:64].double() - ref).abs().max() / ref.abs().max()))
+        row["max_rel_err_vs_fp64"] = float((full[:64].double() - ref).abs().max() / ref.abs().max())
         table.append(row)
         print(row, flush=True)
     return table

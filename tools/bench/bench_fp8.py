@@ -69,7 +69,7 @@ def bench(fn, warmup=25, rep=100, grad_to_none=None):
 def l2_bytes():
     try:
         return torch.cuda.get_device_properties(0).L2_cache_size
-    except Exception:
+    except Exception:  # noqa: BLE001 - no device or no such property: H100's size
         return 60 << 20
 
 
@@ -237,7 +237,7 @@ def gemm_sweep(res):
                 ok = bool(torch.isfinite(c).all()) and err < 4e-3
                 ms = bench(lambda: K.gemm(a_q, a_s, b_q, b_s, b_block, torch.bfloat16, config=cfg, out=c))
                 tf = 2 * m * n * k / ms / 1e9
-            except Exception as e:  # a config that does not compile (shared memory) is skipped
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
                 ok, err, tf = False, float("nan"), 0.0
                 print(f"    {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             print(f"  {label:36s} {str(cfg):32s} {tf:7.0f} TFLOP/s err {err:.1e} ok={ok}", flush=True)
@@ -597,9 +597,9 @@ def linear_targets(res):
     s = tot.get("ours_ratio")
     each_ok = all(x is not None and x >= LINEAR_TARGETS["each"] for x in ratios)
     print(f"target: sum of the four linears >= {LINEAR_TARGETS['sum']}x with shipped defaults: "
-          f"{'%.2fx' % s if s else 'n/a'} -> {'MET' if s and s >= LINEAR_TARGETS['sum'] else 'NOT MET'}")
+          f"{f'{s:.2f}x' if s else 'n/a'} -> {'MET' if s and s >= LINEAR_TARGETS['sum'] else 'NOT MET'}")
     print(f"target: no single linear < {LINEAR_TARGETS['each']}x: "
-          + ", ".join(f"{r['linear']} {'%.2fx' % x if x else 'n/a'}" for r, x in zip(rows, ratios))
+          + ", ".join(f"{r['linear']} {f'{x:.2f}x' if x else 'n/a'}" for r, x in zip(rows, ratios))
           + f" -> {'MET' if each_ok else 'NOT MET'}")
     if tot.get("ceiling_ratio"):
         print(f"ceiling (DeepGEMM GEMMs only): {tot['ceiling_ratio']:.2f}x; shipped defaults reach "
@@ -894,7 +894,7 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
     shipped = row["variants"]["jetrl (shipped defaults)"]
     r = shipped.get("ratio")
     print(f"target: decoder layer fwd+bwd >= {LINEAR_TARGETS['layer']}x with shipped defaults: "
-          f"{'%.2fx' % r if r else 'n/a'} -> {'MET' if r and r >= LINEAR_TARGETS['layer'] else 'NOT MET'}", flush=True)
+          f"{f'{r:.2f}x' if r else 'n/a'} -> {'MET' if r and r >= LINEAR_TARGETS['layer'] else 'NOT MET'}", flush=True)
     res["layer"] = row
 
 
@@ -963,7 +963,7 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     backends = args.backends.split(",") if args.backends else [b for b in available_backends(DEV) if b != "emulated"]
     res = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -55,7 +55,7 @@ from megatron_jetrl.fp8.gemm import resolve_backend  # noqa: E402
 from megatron_jetrl.models import ModelArch  # noqa: E402
 from megatron_jetrl.rollout.decode_graphs import SPAN_STEP, DecodeGraphs  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
-from megatron_jetrl.rollout.native import E4M3, SCALE_SUFFIX, KVCache, NativeEngine, expected_tensors  # noqa: E402
+from megatron_jetrl.rollout.native import E4M3, SCALE_SUFFIX, KVCache, NativeEngine  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300)
@@ -246,7 +246,7 @@ def main(argv=None) -> dict:
     backend = resolve_backend(args.backend, device)
     fp8_flow = PrecisionFlow("jetrl", backend=backend, check_finite="sync" if args.check_finite else "off")
     res = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "command": " ".join(sys.argv) if argv is None else " ".join(argv),

@@ -54,11 +54,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron_jetrl.convert.layout import hf_shape  # noqa: E402
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.models import ModelArch, model_entries  # noqa: E402
 from megatron_jetrl.models.export import hf_tensors  # noqa: E402
 from megatron_jetrl.models.mapping import from_hf, padded_vocab_size, rank_slice  # noqa: E402
-from megatron_jetrl.convert.layout import hf_shape  # noqa: E402
 from megatron_jetrl.rollout.native import NativeEngine  # noqa: E402
 from megatron_jetrl.rollout.sync import stream_weights  # noqa: E402
 
