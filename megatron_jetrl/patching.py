@@ -36,5 +36,6 @@ def require_megatron_core(patch: str, target: str) -> None:
 
     found = str(package_info.__version__)
     if found != target:
-        raise RuntimeError(f"patches/{patch}.py targets megatron-core=={target}, found {found}: pin "
-                           f"megatron-core=={target} or port the patch")
+        raise RuntimeError(
+            f"patches/{patch}.py targets megatron-core=={target}, found {found}: pin megatron-core=={target} or port the patch"
+        )

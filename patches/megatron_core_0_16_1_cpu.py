@@ -192,10 +192,10 @@ def _tracker_add(self, name, seed):
     """Track a CPU generator state seeded with ``seed`` under ``name`` (upstream semantics)."""
     self._is_initialized = True
     if seed in self.seeds_:
-        raise Exception(f'seed {seed} already exists')
+        raise Exception(f"seed {seed} already exists")
     self.seeds_.add(seed)
     if name in self.states_:
-        raise Exception(f'cpu rng state {name} already exists')
+        raise Exception(f"cpu rng state {name} already exists")
     orig_rng_state = torch.get_rng_state()
     torch.default_generator.manual_seed(seed)
     self.states_[name] = torch.get_rng_state()
@@ -207,7 +207,7 @@ def _make_tracker_fork(default_name: str):
     def fork(self, name=default_name):
         """Swap the CPU generator to the ``name`` stream, run, save it back and restore."""
         if name not in self.states_:
-            raise Exception(f'cpu rng state {name} is not added')
+            raise Exception(f"cpu rng state {name} is not added")
         orig_rng_state = torch.get_rng_state()
         orig_state_name = self._current_state_name
         if orig_state_name != "default-rng":
@@ -219,8 +219,7 @@ def _make_tracker_fork(default_name: str):
         finally:
             if self._current_state_name != name:
                 raise Exception(
-                    f'current state name {self._current_state_name} is not the same as the '
-                    f'desired state name {name}.'
+                    f"current state name {self._current_state_name} is not the same as the desired state name {name}."
                 )
             self.states_[name] = torch.get_rng_state()
             if orig_state_name != "default-rng":
@@ -244,9 +243,7 @@ def _make_manual_seed(random_mod):
     ):
         """CPU version of megatron's ``model_parallel_cuda_manual_seed`` (same seeds/streams)."""
         if te_rng_tracker or use_cudagraphable_rng:
-            raise RuntimeError(
-                "megatron CPU patch: TE / cudagraph-safe RNG trackers are CUDA-only"
-            )
+            raise RuntimeError("megatron CPU patch: TE / cudagraph-safe RNG trackers are CUDA-only")
         if tp_rank is None:
             tp_rank = random_mod.get_tensor_model_parallel_rank()
         if ep_rank is None:
@@ -293,9 +290,7 @@ def _make_clip_grad_by_total_norm_fp32(clip_mod):
         clip_coeff = max_norm / (total_norm + 1.0e-6)
         if clip_coeff < 1.0:
             dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=_CPU)
-            clip_mod.multi_tensor_applier(
-                clip_mod.multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff
-            )
+            clip_mod.multi_tensor_applier(clip_mod.multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff)
 
     return clip_grad_by_total_norm_fp32
 
@@ -398,7 +393,11 @@ def apply() -> bool:
     _set(optimizer_mod, "clip_grad_by_total_norm_fp32", clip_fn)
     # 5. Tied embeddings across pipeline stages.
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
-    _set(language_module, "setup_embeddings_and_output_layer", _make_setup_embeddings(language_module.setup_embeddings_and_output_layer))
+    _set(
+        language_module,
+        "setup_embeddings_and_output_layer",
+        _make_setup_embeddings(language_module.setup_embeddings_and_output_layer),
+    )
 
     # 6. BF16 params with FP32 main params; the distributed optimizer.
     f16 = optimizer_mod.Float16OptimizerWithFloat16Params

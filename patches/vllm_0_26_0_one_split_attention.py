@@ -54,8 +54,10 @@ def apply() -> bool:
     sampling = load_patch("vllm_0_26_0_seeded_sampling")
     version = sampling.installed_version()
     if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(f"patches/vllm_0_26_0_one_split_attention.py targets vllm=={TARGET_VERSION} "
-                                        f"(it reads {MODULE} of that release), but vllm=={version} is installed")
+        raise sampling.VllmVersionError(
+            f"patches/vllm_0_26_0_one_split_attention.py targets vllm=={TARGET_VERSION} "
+            f"(it reads {MODULE} of that release), but vllm=={version} is installed"
+        )
     module = importlib.import_module(MODULE)
     if not isinstance(module.envs, _OneSplitEnvs):
         module.envs = _OneSplitEnvs(module.envs)

@@ -25,8 +25,10 @@ def apply(scheduler) -> None:
     sampling = load_patch("vllm_0_26_0_seeded_sampling")
     version = sampling.installed_version()
     if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(f"patches/vllm_0_26_0_preemption_count.py targets vllm=={TARGET_VERSION} "
-                                        f"(Scheduler._preempt_request of that release), but vllm=={version} is installed")
+        raise sampling.VllmVersionError(
+            f"patches/vllm_0_26_0_preemption_count.py targets vllm=={TARGET_VERSION} "
+            f"(Scheduler._preempt_request of that release), but vllm=={version} is installed"
+        )
     if hasattr(scheduler, "jetrl_preemptions"):
         return
     preempt = scheduler._preempt_request

@@ -128,7 +128,9 @@ class _Draws:
 DRAWS = _Draws()
 
 
-def seeded_random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator], use_fp64_gumbel: bool = False) -> torch.Tensor:
+def seeded_random_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], use_fp64_gumbel: bool = False
+) -> torch.Tensor:
     """vLLM's `random_sample` (the exponential race), its seeded rows' noise from `seeded_exponential`."""
     ops = importlib.import_module(MODULE)
     q = ops.empty_exponential_noise_like(probs, use_fp64_gumbel)
@@ -147,8 +149,10 @@ def apply() -> bool:
     global _APPLIED
     version = installed_version()
     if version != TARGET_VERSION:
-        raise VllmVersionError(f"patches/vllm_0_26_0_seeded_sampling.py targets vllm=={TARGET_VERSION} (it replaces "
-                               f"{MODULE}.random_sample of that release), but vllm=={version} is installed")
+        raise VllmVersionError(
+            f"patches/vllm_0_26_0_seeded_sampling.py targets vllm=={TARGET_VERSION} (it replaces "
+            f"{MODULE}.random_sample of that release), but vllm=={version} is installed"
+        )
     if not _APPLIED:
         importlib.import_module(MODULE).random_sample = seeded_random_sample
         _APPLIED = True

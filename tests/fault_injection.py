@@ -36,8 +36,13 @@ PHASE_POINTS = ("rollout", "eval", "update", "sync")
 PROCESS_ACTIONS = ("kill", "stop", "raise", "exit", "int")
 POISON_ACTIONS = ("nan", "inf")
 ENGINE_ACTIONS = ("die", "malformed", "badtoken", "nanlogprob", "short")
-POINTS = {**{p: PROCESS_ACTIONS for p in (*PHASE_POINTS, "save", "export")}, "reward": POISON_ACTIONS, "loss": POISON_ACTIONS,
-          "grad": POISON_ACTIONS, "engine": ENGINE_ACTIONS}
+POINTS = {
+    **{p: PROCESS_ACTIONS for p in (*PHASE_POINTS, "save", "export")},
+    "reward": POISON_ACTIONS,
+    "loss": POISON_ACTIONS,
+    "grad": POISON_ACTIONS,
+    "engine": ENGINE_ACTIONS,
+}
 POISON = {"nan": math.nan, "inf": math.inf}
 
 
@@ -93,7 +98,6 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-
 def _act(fault: Fault, where: str) -> None:
     _say(f"rank {_rank()}: injected fault {fault} fires {where}")
     if fault.action == "kill":
@@ -121,7 +125,9 @@ class Injector:
         if name in PHASE_POINTS:
             for f in self.of(name):
                 if f.due(run.step):
-                    _act(f, f"before the rollout of step {run.step}" if name == "rollout" else f"before {name} at step {run.step}")
+                    _act(
+                        f, f"before the rollout of step {run.step}" if name == "rollout" else f"before {name} at step {run.step}"
+                    )
 
     def on_event(self, run, name: str, info: dict) -> None:
         if name == "checkpoint_staged":

@@ -27,28 +27,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkpoint", help="actor checkpoint directory (meta.json + tpXX_ppYYY.safetensors)")
     parser.add_argument("output", help="HF output directory (must not exist unless --force)")
-    parser.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8",
-                        help="fp8: block-quantized rollout checkpoint (default); bf16: plain BF16 checkpoint")
-    parser.add_argument("--rollout-tp", type=int, default=1,
-                        help="refuse unless every per-rank q/k/v, gate/up partition and row-parallel input is a "
-                             "multiple of 128 at this rollout TP (vLLM's rule; default 1)")
-    parser.add_argument("--max-shard-size", default="5GB", help="size cap of each safetensors shard, e.g. 5GB, 500MiB (default 5GB)")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="fp8: block-quantized rollout checkpoint (default); bf16: plain BF16 checkpoint",
+    )
+    parser.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=1,
+        help="refuse unless every per-rank q/k/v, gate/up partition and row-parallel input is a "
+        "multiple of 128 at this rollout TP (vLLM's rule; default 1)",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="size cap of each safetensors shard, e.g. 5GB, 500MiB (default 5GB)"
+    )
     parser.add_argument("--tokenizer-dir", help="copy tokenizer files and generation_config.json from this HF directory")
     parser.add_argument("--force", action="store_true", help="replace an existing output (only after the new one is complete)")
-    parser.add_argument("--skip-sha256", action="store_true", help="do not re-hash the input shards against meta.json (sizes are still checked)")
+    parser.add_argument(
+        "--skip-sha256", action="store_true", help="do not re-hash the input shards against meta.json (sizes are still checked)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     from megatron_jetrl.convert import ConversionError, OutputExistsError, convert
 
     try:
-        result = convert(args.checkpoint, args.output, dtype=args.dtype, rollout_tp=args.rollout_tp,
-                         max_shard_size=args.max_shard_size, force=args.force, tokenizer_dir=args.tokenizer_dir,
-                         progress=not args.quiet, verify_sha256=not args.skip_sha256)
+        result = convert(
+            args.checkpoint,
+            args.output,
+            dtype=args.dtype,
+            rollout_tp=args.rollout_tp,
+            max_shard_size=args.max_shard_size,
+            force=args.force,
+            tokenizer_dir=args.tokenizer_dir,
+            progress=not args.quiet,
+            verify_sha256=not args.skip_sha256,
+        )
     except (ConversionError, OutputExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -56,8 +79,10 @@ def main(argv=None) -> int:
         print(f"error: converting {args.checkpoint} to {args.output}: {e}", file=sys.stderr)
         return 2
     shards = [f for f in result.files if f.endswith(".safetensors")]
-    print(f"wrote {result.output}: {result.num_tensors} tensors, {result.total_size / 2**20:.1f} MiB in {len(shards)} shard(s), "
-          f"{result.seconds:.1f} s")
+    print(
+        f"wrote {result.output}: {result.num_tensors} tensors, {result.total_size / 2**20:.1f} MiB in {len(shards)} shard(s), "
+        f"{result.seconds:.1f} s"
+    )
     return 0
 
 

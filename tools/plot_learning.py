@@ -31,12 +31,16 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from plot_length_mismatch import by_length, read_run  # noqa: E402
 
-PER_STEP = (("reward/mean", "reward (mean per step)", "linear"), ("heldout/accuracy", "held-out accuracy (greedy)", "linear"),
-            ("response_length/mean", "response length (tokens)", "linear"),
-            ("mismatch/mean_abs_diff", "mismatch: mean |logp train - rollout|", "symlog"),
-            (None, "sequence |log pi_train/pi_rollout| by response length", "symlog"),
-            ("mismatch/tis_weight_std", "TIS weight spread: std of min(r, cap)", "symlog"),
-            ("loss/clip_frac", "clip fraction", "linear"), ("mismatch/k3_kl", "mismatch: k3 KL", "symlog"))
+PER_STEP = (
+    ("reward/mean", "reward (mean per step)", "linear"),
+    ("heldout/accuracy", "held-out accuracy (greedy)", "linear"),
+    ("response_length/mean", "response length (tokens)", "linear"),
+    ("mismatch/mean_abs_diff", "mismatch: mean |logp train - rollout|", "symlog"),
+    (None, "sequence |log pi_train/pi_rollout| by response length", "symlog"),
+    ("mismatch/tis_weight_std", "TIS weight spread: std of min(r, cap)", "symlog"),
+    ("loss/clip_frac", "clip fraction", "linear"),
+    ("mismatch/k3_kl", "mismatch: k3 KL", "symlog"),
+)
 LINTHRESH = 1e-6  # symlog: linear below this, so that exactly 0 is drawn
 MIN_RESPONSES = 8
 
@@ -48,7 +52,7 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def moving_mean(values: list[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
 
 
 def plot(runs: list[tuple[str, list[dict]]], output: str, smooth: int) -> None:
@@ -64,8 +68,13 @@ def plot(runs: list[tuple[str, list[dict]]], output: str, smooth: int) -> None:
             color = colors[i % len(colors)]
             if key is None:
                 buckets = [b for b in by_length(rows).values() if b["responses"] >= MIN_RESPONSES]
-                ax.plot([b["tokens"] / b["responses"] for b in buckets], [b["seq_abs_log_ratio"] for b in buckets], "o-",
-                        color=color, label=label)
+                ax.plot(
+                    [b["tokens"] / b["responses"] for b in buckets],
+                    [b["seq_abs_log_ratio"] for b in buckets],
+                    "o-",
+                    color=color,
+                    label=label,
+                )
                 continue
             steps, values = series(rows, key)
             if key == "reward/mean":
@@ -97,31 +106,41 @@ def plot(runs: list[tuple[str, list[dict]]], output: str, smooth: int) -> None:
 
 def summary(rows: list[dict], smooth: int) -> dict[str, float | int | None]:
     """One run's row of the table (module docstring)."""
+
     def mean(key, part=slice(None)):
         values = series(rows, key)[1][part]
         return statistics.fmean(values) if values else None
 
     held = series(rows, "heldout/accuracy")[1]
     long = [b for b in by_length(rows).values() if b["responses"] >= MIN_RESPONSES]
-    return {"steps": len(rows), "reward_first": mean("reward/mean", slice(0, smooth)),
-            "reward_last": mean("reward/mean", slice(-smooth, None)),
-            "heldout_first": held[0] if held else None, "heldout_last": held[-1] if held else None,
-            "heldout_best": max(held) if held else None,
-            "mismatch": mean("mismatch/mean_abs_diff"), "k3": mean("mismatch/k3_kl"),
-            "seq_log_ratio_longest": long[-1]["seq_abs_log_ratio"] if long else None,
-            "longest_bucket_tokens": round(long[-1]["tokens"] / long[-1]["responses"]) if long else None,
-            "tis_std": mean("mismatch/tis_weight_std"), "clip_frac": mean("loss/clip_frac"),
-            "length_first": mean("response_length/mean", slice(0, smooth)),
-            "length_last": mean("response_length/mean", slice(-smooth, None)), "step_s": mean("time/step")}
+    return {
+        "steps": len(rows),
+        "reward_first": mean("reward/mean", slice(0, smooth)),
+        "reward_last": mean("reward/mean", slice(-smooth, None)),
+        "heldout_first": held[0] if held else None,
+        "heldout_last": held[-1] if held else None,
+        "heldout_best": max(held) if held else None,
+        "mismatch": mean("mismatch/mean_abs_diff"),
+        "k3": mean("mismatch/k3_kl"),
+        "seq_log_ratio_longest": long[-1]["seq_abs_log_ratio"] if long else None,
+        "longest_bucket_tokens": round(long[-1]["tokens"] / long[-1]["responses"]) if long else None,
+        "tis_std": mean("mismatch/tis_weight_std"),
+        "clip_frac": mean("loss/clip_frac"),
+        "length_first": mean("response_length/mean", slice(0, smooth)),
+        "length_last": mean("response_length/mean", slice(-smooth, None)),
+        "step_s": mean("time/step"),
+    }
 
 
 def table(runs: list[tuple[str, list[dict]]], smooth: int) -> str:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
 
-    lines = [f"| run | steps | reward (first -> last {smooth}) | held-out acc. (first -> last, best) | mean \\|dlogp\\| | "
-             "k3 KL | seq \\|log ratio\\|, longest bucket | TIS weight std | clip frac. | response length | step s |",
-             "|---" * 11 + "|"]
+    lines = [
+        f"| run | steps | reward (first -> last {smooth}) | held-out acc. (first -> last, best) | mean \\|dlogp\\| | "
+        "k3 KL | seq \\|log ratio\\|, longest bucket | TIS weight std | clip frac. | response length | step s |",
+        "|---" * 11 + "|",
+    ]
     for label, rows in runs:
         s = summary(rows, smooth)
         lines.append(
@@ -129,17 +148,23 @@ def table(runs: list[tuple[str, list[dict]]], smooth: int) -> str:
             f"{f(s['heldout_first'], '.3f')} -> {f(s['heldout_last'], '.3f')} ({f(s['heldout_best'], '.3f')}) | "
             f"{f(s['mismatch'], '.2e')} | {f(s['k3'], '.2e')} | {f(s['seq_log_ratio_longest'], '.3f')} "
             f"(~{f(s['longest_bucket_tokens'], 'd')} tokens) | {f(s['tis_std'], '.2e')} | {f(s['clip_frac'], '.4f')} | "
-            f"{f(s['length_first'], '.0f')} -> {f(s['length_last'], '.0f')} | {f(s['step_s'], '.2f')} |")
+            f"{f(s['length_first'], '.0f')} -> {f(s['length_last'], '.0f')} | {f(s['step_s'], '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("runs", nargs="+", help="LABEL=RUN (run directory or metrics.jsonl)")
     ap.add_argument("-o", "--output", required=True, help="PNG file to write")
     ap.add_argument("--table", help="also write the table of the runs to this markdown file")
-    ap.add_argument("--smooth", type=int, default=10, help="steps in the reward's moving mean and the first/last windows (default 10)")
+    ap.add_argument(
+        "--smooth", type=int, default=10, help="steps in the reward's moving mean and the first/last windows (default 10)"
+    )
     a = ap.parse_args(argv)
     try:
         if a.smooth < 1:

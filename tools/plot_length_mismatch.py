@@ -35,13 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_jetrl.rl.metrics import read_metrics  # noqa: E402
 
-PANELS = (("mean_abs_diff", "mean |logp train - rollout|"), ("k3_kl", "k3 KL"),
-          ("max_abs_diff", "max |logp diff|"), ("abs_diff_gt1_frac", "share of tokens with |logp diff| > 1"),
-          ("seq_abs_log_ratio", "sequence |log pi_train/pi_rollout|"))
+PANELS = (
+    ("mean_abs_diff", "mean |logp train - rollout|"),
+    ("k3_kl", "k3 KL"),
+    ("max_abs_diff", "max |logp diff|"),
+    ("abs_diff_gt1_frac", "share of tokens with |logp diff| > 1"),
+    ("seq_abs_log_ratio", "sequence |log pi_train/pi_rollout|"),
+)
 TOKEN_MEANS = ("mean_abs_diff", "k3_kl", "abs_diff_gt1_frac")
 FLOOR_COLORS = ("gray", "black", "brown")
-TABLE_STATS = (("mean_abs_diff", "mean \\|dlogp\\|", ".4f"), ("k3_kl", "k3 KL", ".2e"),
-               ("abs_diff_gt1_frac", "share \\|dlogp\\|>1", ".1e"), ("seq_abs_log_ratio", "seq \\|log ratio\\|", ".3f"))
+TABLE_STATS = (
+    ("mean_abs_diff", "mean \\|dlogp\\|", ".4f"),
+    ("k3_kl", "k3 KL", ".2e"),
+    ("abs_diff_gt1_frac", "share \\|dlogp\\|>1", ".1e"),
+    ("seq_abs_log_ratio", "seq \\|log ratio\\|", ".3f"),
+)
 BUCKET = re.compile(r"^mismatch/len(\d+)-(\d+)/tokens$")
 CONFIDENCE = re.compile(r"^mismatch/p([0-9.]+)-([0-9.]+)/tokens$")
 
@@ -63,8 +71,13 @@ def read_run(spec: str) -> tuple[str, list[dict]]:
     return label, rows
 
 
-def pooled(rows: list[dict], pattern: re.Pattern, token_means: tuple[str, ...], response_means: tuple[str, ...] = (),
-           maxes: tuple[str, ...] = ()) -> dict[tuple[str, ...], dict[str, float]]:
+def pooled(
+    rows: list[dict],
+    pattern: re.Pattern,
+    token_means: tuple[str, ...],
+    response_means: tuple[str, ...] = (),
+    maxes: tuple[str, ...] = (),
+) -> dict[tuple[str, ...], dict[str, float]]:
     """{bucket's edges as matched: {stat: value over all steps}} for the buckets whose `<tag>/tokens` keys match
     `pattern`: token-weighted means of `token_means`, response-weighted means of `response_means`, max of `maxes`."""
     stats = ("tokens", *(("responses",) if response_means else ()), *token_means, *response_means, *maxes)
@@ -129,8 +142,12 @@ def table(runs: list[tuple[str, list[dict]]]) -> str:
 
 def sparse_buckets(runs: list[tuple[str, list[dict]]], min_responses: int) -> list[str]:
     """'label lenLO-HI (N responses)' for every bucket that the curves leave out (fewer than min_responses)."""
-    return [f"{label} len{lo}-{hi} ({int(b['responses'])} responses)" for label, rows in runs
-            for (lo, hi), b in by_length(rows).items() if b["responses"] < min_responses]
+    return [
+        f"{label} len{lo}-{hi} ({int(b['responses'])} responses)"
+        for label, rows in runs
+        for (lo, hi), b in by_length(rows).items()
+        if b["responses"] < min_responses
+    ]
 
 
 def by_confidence(rows: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
@@ -146,8 +163,10 @@ def confidence_table(runs: list[tuple[str, list[dict]]]) -> str:
         return ""
     keys = sorted({k for _, b in per_run for k in b}, key=lambda k: float(k[0]))
     total = {label: sum(x["tokens"] for x in b.values()) for label, b in per_run}
-    head = ["p(sampled token), trainer", *(f"{label}: {name}" for name in ("share of tokens", "mean \\|dlogp\\|", "k3 KL")
-                                            for label, _ in per_run)]
+    head = [
+        "p(sampled token), trainer",
+        *(f"{label}: {name}" for name in ("share of tokens", "mean \\|dlogp\\|", "k3 KL") for label, _ in per_run),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in keys:
         cells = [f"{key[0]}-{key[1]}"]
@@ -168,8 +187,7 @@ def curve(rows: list[dict], stat: str, min_responses: int = 1) -> tuple[list[flo
     return [b["tokens"] / b["responses"] for b in buckets], [b[stat] for b in buckets]
 
 
-def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str,
-         min_responses: int = 1) -> None:
+def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]], output: str, min_responses: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,8 +212,14 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
     for label, rows in runs:
         axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], marker="o", label=label)
     for (label, rows), color in zip(floors, FLOOR_COLORS):
-        axes[-1].plot([r["step"] for r in rows], [r.get("reward/mean") for r in rows], ls="--", marker="x", color=color,
-                      label=f"floor: {label}")
+        axes[-1].plot(
+            [r["step"] for r in rows],
+            [r.get("reward/mean") for r in rows],
+            ls="--",
+            marker="x",
+            color=color,
+            label=f"floor: {label}",
+        )
     axes[-1].set_title("reward (mean)", fontsize=10)
     axes[-1].set_xlabel("GRPO step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -208,14 +232,23 @@ def plot(runs: list[tuple[str, list[dict]]], floors: list[tuple[str, list[dict]]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("runs", nargs="+", help="LABEL=RUN (run directory or metrics.jsonl)")
-    ap.add_argument("--floor", action="append", default=[], help="LABEL=RUN drawn dashed (a floor: bf16, or a second FP8 program)")
+    ap.add_argument(
+        "--floor", action="append", default=[], help="LABEL=RUN drawn dashed (a floor: bf16, or a second FP8 program)"
+    )
     ap.add_argument("-o", "--output", required=True, help="PNG file to write")
     ap.add_argument("--table", help="also write the per-bucket numbers of runs and floors to this markdown file")
-    ap.add_argument("--min-responses", type=int, default=8,
-                    help="draw only buckets with at least this many responses over all steps (default 8; the table keeps all)")
+    ap.add_argument(
+        "--min-responses",
+        type=int,
+        default=8,
+        help="draw only buckets with at least this many responses over all steps (default 8; the table keeps all)",
+    )
     a = ap.parse_args(argv)
     try:
         runs, floors = [read_run(s) for s in a.runs], [read_run(s) for s in a.floor]
@@ -228,8 +261,10 @@ def main(argv=None) -> int:
         if a.min_responses < 1:
             raise ValueError(f"--min-responses {a.min_responses}: give 1 or more (1 draws every bucket)")
         if not any(curve(rows, "tokens", a.min_responses)[0] for _, rows in runs):
-            raise ValueError(f"every length bucket of the runs has fewer than {a.min_responses} responses: "
-                             f"lower --min-responses (1 draws every bucket)")
+            raise ValueError(
+                f"every length bucket of the runs has fewer than {a.min_responses} responses: "
+                f"lower --min-responses (1 draws every bucket)"
+            )
     except ValueError as e:
         print(f"plot_length_mismatch: {e}", file=sys.stderr)
         return 2

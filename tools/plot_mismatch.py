@@ -15,7 +15,11 @@ import statistics
 import sys
 from pathlib import Path
 
-PANELS = [("mismatch/mean_abs_diff", "mean |logp diff|"), ("mismatch/k3_kl", "k3 KL"), ("mismatch/max_abs_diff", "max |logp diff|")]
+PANELS = [
+    ("mismatch/mean_abs_diff", "mean |logp diff|"),
+    ("mismatch/k3_kl", "k3 KL"),
+    ("mismatch/max_abs_diff", "max |logp diff|"),
+]
 
 
 def read(spec: str) -> tuple[str, list[dict]]:

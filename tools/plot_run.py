@@ -120,8 +120,15 @@ def plot(run_dirs: list[str], output: str, title: str | None = None) -> list[str
     legend_in = 0.28 * math.ceil(len(handles) / 3) + 0.1
     if title:
         fig.suptitle(title, y=1 - 0.08 / height, va="top", fontsize=12)
-    fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", ncol=min(len(handles), 3),
-               bbox_to_anchor=(0.5, 1 - title_in / height), fontsize=9, frameon=False)
+    fig.legend(
+        list(handles.values()),
+        list(handles.keys()),
+        loc="upper center",
+        ncol=min(len(handles), 3),
+        bbox_to_anchor=(0.5, 1 - title_in / height),
+        fontsize=9,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0, 1, 1 - (title_in + legend_in) / height))
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)
@@ -130,8 +137,11 @@ def plot(run_dirs: list[str], output: str, title: str | None = None) -> list[str
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl (or the files themselves)")
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
     parser.add_argument("--title", help="figure title")

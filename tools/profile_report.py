@@ -73,8 +73,10 @@ def layout(run: Path, step: int) -> dict:
 
         cfg = yaml.safe_load(config.read_text())
         grpo, n = cfg["grpo"], cfg["grpo"]["prompts_per_step"] * cfg["rollout"]["n"] // out["dp"]
-        out["microbatches"] = {"update": n // grpo["micro_batch_size"],
-                               "eval": n // (grpo.get("logprob_micro_batch_size") or grpo["micro_batch_size"])}
+        out["microbatches"] = {
+            "update": n // grpo["micro_batch_size"],
+            "eval": n // (grpo.get("logprob_micro_batch_size") or grpo["micro_batch_size"]),
+        }
     return out
 
 
@@ -104,23 +106,46 @@ def stage_rows(run: Path, mode: str, step: int) -> list[dict]:
             if not phases or any("busy_ms" not in p for p in phases):  # a stage without this phase, or a CPU profile
                 break
             mean = lambda f: sum(map(f, phases)) / len(phases)  # noqa: E731
-            stages.append({"phase": name, "run": run.name, "mode": mode, "stage": stage, "wall_ms": mean(lambda p: p["wall_ms"]),
-                           "work_ms": mean(lambda p: max(0.0, p["busy_ms"] - p2p_ms(p))), "p2p_ms": mean(p2p_ms),
-                           "idle_ms": mean(lambda p: p["idle_ms"])})
+            stages.append(
+                {
+                    "phase": name,
+                    "run": run.name,
+                    "mode": mode,
+                    "stage": stage,
+                    "wall_ms": mean(lambda p: p["wall_ms"]),
+                    "work_ms": mean(lambda p: max(0.0, p["busy_ms"] - p2p_ms(p))),
+                    "p2p_ms": mean(p2p_ms),
+                    "idle_ms": mean(lambda p: p["idle_ms"]),
+                }
+            )
         if len(stages) < pp:
             continue
         wall = max(st["wall_ms"] for st in stages)
         work = [st["work_ms"] for st in stages]
         m = shape.get("microbatches", {}).get(name)
         for st in stages:
-            st.update(bubble=1 - sum(work) / len(work) / wall, imbalance=1 - sum(work) / len(work) / max(work),
-                      schedule=(pp - 1) / (m + pp - 1) if m else None, busiest=st["work_ms"] == max(work))
+            st.update(
+                bubble=1 - sum(work) / len(work) / wall,
+                imbalance=1 - sum(work) / len(work) / max(work),
+                schedule=(pp - 1) / (m + pp - 1) if m else None,
+                busiest=st["work_ms"] == max(work),
+            )
         out.extend(stages)
     return out
 
 
-STAGE_HEADER = ["phase", "mode", "stage", "wall ms", "work ms", "send/recv ms", "idle ms", "bubble share", "imbalance",
-                "1F1B (p-1)/(m+p-1)"]
+STAGE_HEADER = [
+    "phase",
+    "mode",
+    "stage",
+    "wall ms",
+    "work ms",
+    "send/recv ms",
+    "idle ms",
+    "bubble share",
+    "imbalance",
+    "1F1B (p-1)/(m+p-1)",
+]
 
 
 def stage_table(rs: list[dict]) -> str:
@@ -128,17 +153,34 @@ def stage_table(rs: list[dict]) -> str:
     for r in rs:
         first = r["stage"] == 0  # the run's shares, once per phase
         share = (lambda v: "-" if v is None else f"{100 * v:.1f}%") if first else (lambda v: "")
-        lines.append("| " + " | ".join([r["phase"], r["mode"], f"{r['stage']}{' (busiest)' if r['busiest'] else ''}",
-                                        f"{r['wall_ms']:.1f}", f"{r['work_ms']:.1f}", f"{r['p2p_ms']:.1f}", f"{r['idle_ms']:.1f}",
-                                        share(r["bubble"]), share(r["imbalance"]), share(r["schedule"])]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["phase"],
+                    r["mode"],
+                    f"{r['stage']}{' (busiest)' if r['busiest'] else ''}",
+                    f"{r['wall_ms']:.1f}",
+                    f"{r['work_ms']:.1f}",
+                    f"{r['p2p_ms']:.1f}",
+                    f"{r['idle_ms']:.1f}",
+                    share(r["bubble"]),
+                    share(r["imbalance"]),
+                    share(r["schedule"]),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
-STAGE_CAPTION = ("Pipeline stages (ranks of a stage averaged). work: GPU busy time less pipeline send/recv (the stage's "
-                 "compute and TP collectives); send/recv: transfers plus the wait for the neighbouring stage; idle: no "
-                 "kernel running. bubble share: 1 - mean stage work / the phase's wall, the time the stages leave unused; "
-                 "imbalance: the part uneven stages explain (1 - mean work / the busiest stage's); 1F1B: the schedule's "
-                 "own bubble for p stages and m micro-batches a rank runs.")
+STAGE_CAPTION = (
+    "Pipeline stages (ranks of a stage averaged). work: GPU busy time less pipeline send/recv (the stage's "
+    "compute and TP collectives); send/recv: transfers plus the wait for the neighbouring stage; idle: no "
+    "kernel running. bubble share: 1 - mean stage work / the phase's wall, the time the stages leave unused; "
+    "imbalance: the part uneven stages explain (1 - mean work / the busiest stage's); 1F1B: the schedule's "
+    "own bubble for p stages and m micro-batches a rank runs."
+)
 
 
 def long_idle(phase: dict) -> float:
@@ -155,10 +197,16 @@ def rows(profiles: list[dict]) -> list[dict]:
             if ph is None:
                 continue
             cats = ph["categories"]
-            row = {"phase": name, "run": p["run"], "mode": p["mode"], "wall_ms": ph["wall_ms"], "busy_ms": ph.get("busy_ms"),
-                   "idle_long_ms": long_idle(ph) if "busy_ms" in ph else None,
-                   **{col[0]: sum(cats.get(c, 0.0) for c in col) for col in COLUMNS},
-                   "other_ms": ph["kernel_ms"] - sum(cats.get(c, 0.0) for col in COLUMNS for c in col)}
+            row = {
+                "phase": name,
+                "run": p["run"],
+                "mode": p["mode"],
+                "wall_ms": ph["wall_ms"],
+                "busy_ms": ph.get("busy_ms"),
+                "idle_long_ms": long_idle(ph) if "busy_ms" in ph else None,
+                **{col[0]: sum(cats.get(c, 0.0) for c in col) for col in COLUMNS},
+                "other_ms": ph["kernel_ms"] - sum(cats.get(c, 0.0) for col in COLUMNS for c in col),
+            }
             row["busy_share"] = row["busy_ms"] / ph["wall_ms"] if row["busy_ms"] is not None and ph["wall_ms"] else None
             row["bound"] = None if row["busy_share"] is None else ("host" if 1 - row["busy_share"] > HOST_BOUND_IDLE else "GPU")
             b = base["phases"].get(name) if base is not None else None
@@ -168,8 +216,18 @@ def rows(profiles: list[dict]) -> list[dict]:
     return out
 
 
-HEADER = ["phase", "mode", "wall ms", "GPU busy ms (share)", "idle > 20 us ms", *(c[0] + " ms" for c in COLUMNS), "other ms",
-          f"wall vs {BASELINE}", f"GPU work vs {BASELINE}", "bound"]
+HEADER = [
+    "phase",
+    "mode",
+    "wall ms",
+    "GPU busy ms (share)",
+    "idle > 20 us ms",
+    *(c[0] + " ms" for c in COLUMNS),
+    "other ms",
+    f"wall vs {BASELINE}",
+    f"GPU work vs {BASELINE}",
+    "bound",
+]
 
 
 def table(rs: list[dict]) -> str:
@@ -179,18 +237,34 @@ def table(rs: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rs:
         busy = "-" if r["busy_ms"] is None else f"{r['busy_ms']:.1f} ({100 * r['busy_share']:.0f}%)"
-        lines.append("| " + " | ".join([r["phase"], r["mode"], num(r["wall_ms"]), busy, num(r["idle_long_ms"]),
-                                        *(num(r[c[0]]) for c in COLUMNS), num(r["other_ms"]),
-                                        num(r["wall_ratio"], ".2f") + ("x" if r["wall_ratio"] else ""),
-                                        num(r["busy_ratio"], ".2f") + ("x" if r["busy_ratio"] else ""), r["bound"] or "-"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["phase"],
+                    r["mode"],
+                    num(r["wall_ms"]),
+                    busy,
+                    num(r["idle_long_ms"]),
+                    *(num(r[c[0]]) for c in COLUMNS),
+                    num(r["other_ms"]),
+                    num(r["wall_ratio"], ".2f") + ("x" if r["wall_ratio"] else ""),
+                    num(r["busy_ratio"], ".2f") + ("x" if r["busy_ratio"] else ""),
+                    r["bound"] or "-",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
-CAPTION = (f"One profiled step per run (run.profile_step), rank shown. GPU busy: the time some kernel ran (streams merged); "
-           f"idle > 20 us: the GPU waiting in gaps longer than 20 us. Kernel ms per category (rl.profiling.CATEGORIES; "
-           f"communication includes waiting for peers). wall vs {BASELINE}: {BASELINE} wall / mode wall (> 1: faster); GPU "
-           f"work vs {BASELINE}: the same for the busy times, what the phase gains where the GPU sets the pace. bound: host "
-           f"when the GPU idled for more than {100 * HOST_BOUND_IDLE:.0f}% of the phase, else GPU.")
+CAPTION = (
+    f"One profiled step per run (run.profile_step), rank shown. GPU busy: the time some kernel ran (streams merged); "
+    f"idle > 20 us: the GPU waiting in gaps longer than 20 us. Kernel ms per category (rl.profiling.CATEGORIES; "
+    f"communication includes waiting for peers). wall vs {BASELINE}: {BASELINE} wall / mode wall (> 1: faster); GPU "
+    f"work vs {BASELINE}: the same for the busy times, what the phase gains where the GPU sets the pace. bound: host "
+    f"when the GPU idled for more than {100 * HOST_BOUND_IDLE:.0f}% of the phase, else GPU."
+)
 
 
 def main(argv: list[str] | None = None) -> int:

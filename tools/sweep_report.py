@@ -64,7 +64,9 @@ class RunRow:
     rollout: str = ""  # the rollout engine and its TP ("vllm tp2"), when the metrics say; "" for older runs
     mismatch: dict = field(default_factory=dict)  # "mean" / "k3" (medians over the timed steps), "max" (over all steps)
     peak_gib: float | None = None  # the most GPU memory any GPU held, from gpu_memory.csv (nvidia-smi samples), if present
-    phase_gib: dict = field(default_factory=dict)  # "rollout" / "update" -> the loop's own peak (memory/<phase>_gib), max over steps
+    phase_gib: dict = field(
+        default_factory=dict
+    )  # "rollout" / "update" -> the loop's own peak (memory/<phase>_gib), max over steps
 
     @property
     def status_text(self) -> str:
@@ -89,8 +91,11 @@ def _int(value) -> int | None:
 
 
 def _median(rows: list[dict], key: str) -> float | None:
-    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
-            and math.isfinite(r[key])]
+    vals = [
+        float(r[key])
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])
+    ]
     return statistics.median(vals) if vals else None
 
 
@@ -144,8 +149,10 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
         row.status, row.reason = "failed", "no metrics.jsonl rows"
     elif summary is None:
         damaged = (d / "summary.json").exists()
-        row.status, row.reason = "failed", ("summary.json unreadable (truncated or corrupt)" if damaged
-                                            else "no summary.json (run did not finish)")
+        row.status, row.reason = (
+            "failed",
+            ("summary.json unreadable (truncated or corrupt)" if damaged else "no summary.json (run did not finish)"),
+        )
     timed = rows[warmup:] if len(rows) > warmup else rows
     timed = [r for r in timed if not r.get("profiled")] or timed  # a profiled step (run.profile_step) runs slower
     row.steps_timed = len(timed)
@@ -156,8 +163,11 @@ def load_run(directory: str | os.PathLike, warmup: int = 1) -> RunRow:
     if last.get("rollout_engine"):
         row.rollout = f"{last['rollout_engine']} tp{last.get('rollout_tp', 1)}"
     maxes = [r["mismatch/max_abs_diff"] for r in rows if isinstance(r.get("mismatch/max_abs_diff"), (int, float))]
-    row.mismatch = {"mean": _median(timed, "mismatch/mean_abs_diff"), "k3": _median(timed, "mismatch/k3_kl"),
-                    "max": max(maxes) if maxes else None}
+    row.mismatch = {
+        "mean": _median(timed, "mismatch/mean_abs_diff"),
+        "k3": _median(timed, "mismatch/k3_kl"),
+        "max": max(maxes) if maxes else None,
+    }
     row.peak_gib = _peak_gib(d / GPU_MEMORY)
     for p in MEMORY_PHASES:
         peaks = [r[f"memory/{p}_gib"] for r in rows if isinstance(r.get(f"memory/{p}_gib"), (int, float))]
@@ -195,10 +205,13 @@ def build_rows(directories: list[str], warmup: int = 1) -> list[RunRow]:
         row.speedup = {p: None for p in SPEEDUP_PHASES}
         if row.status != "ok":
             continue
-        base = next((b for b in rows if b.mode == BASELINE and (b.tp, b.rollout) == (row.tp, row.rollout)
-                     and b.status == "ok"), None)
+        base = next(
+            (b for b in rows if b.mode == BASELINE and (b.tp, b.rollout) == (row.tp, row.rollout) and b.status == "ok"), None
+        )
         if base is None:
-            row.baseline = f"no successful {BASELINE} run at TP {row.tp}" + (f" with rollout {row.rollout}" if row.rollout else "")
+            row.baseline = f"no successful {BASELINE} run at TP {row.tp}" + (
+                f" with rollout {row.rollout}" if row.rollout else ""
+            )
             continue
         for p in SPEEDUP_PHASES:
             if p == "rollout":  # throughput ratio, as the paper's Table 4
@@ -214,24 +227,41 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-HEADER = ["TP", "mode", "rollout", "status", "timed steps", *(f"{p} (s)" for p in PHASES), "tokens/s", "rollout tokens/s",
-          *(f"{p} speedup" for p in SPEEDUP_PHASES), "mean abs dlogp", "k3 KL", "max abs dlogp", "peak GPU GiB",
-          *(f"{p} GiB" for p in MEMORY_PHASES)]
-CAPTION = ("Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2, a profiled step "
-           "when others remain): time per "
-           "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
-           f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
-           f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
-           f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
-           "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps. "
-           f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one; rollout and update "
-           "GiB: the most torch's allocator held in that phase on any rank, over all steps (the metrics' memory/*_gib; a "
-           "sleeping engine's unmapped bytes left out).")
+HEADER = [
+    "TP",
+    "mode",
+    "rollout",
+    "status",
+    "timed steps",
+    *(f"{p} (s)" for p in PHASES),
+    "tokens/s",
+    "rollout tokens/s",
+    *(f"{p} speedup" for p in SPEEDUP_PHASES),
+    "mean abs dlogp",
+    "k3 KL",
+    "max abs dlogp",
+    "peak GPU GiB",
+    *(f"{p} GiB" for p in MEMORY_PHASES),
+]
+CAPTION = (
+    "Medians over the timed steps (the first step is skipped as warm-up when a run has at least 2, a profiled step "
+    "when others remain): time per "
+    "phase in seconds, tokens/s of the whole step and of the rollout. Speedup over the "
+    f"{BASELINE} run at the same TP (> 1: faster): rollout tokens/s ratio for the rollout (as the paper's "
+    f"Table 4), {BASELINE} time / mode time for the update and the whole step; n/a without a successful "
+    f"{BASELINE} run at that TP and rollout. Train/rollout mismatch on the response tokens (actor logprobs vs "
+    "the engine's): mean |dlogp| and k3 KL are medians over the timed steps, max |dlogp| the largest of all steps. "
+    f"Peak GPU memory: the largest per-GPU sample of the run's {GPU_MEMORY}, when it has one; rollout and update "
+    "GiB: the most torch's allocator held in that phase on any rank, over all steps (the metrics' memory/*_gib; a "
+    "sleeping engine's unmapped bytes left out)."
+)
 
 
 def to_markdown(rows: list[RunRow]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join(["---:", ":---", ":---", ":---"] + ["---:"] * (len(HEADER) - 4)) + "|"]
+    lines = [
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join(["---:", ":---", ":---", ":---"] + ["---:"] * (len(HEADER) - 4)) + "|",
+    ]
     for r in rows:
         if r.status == "ok":
             speed = [("n/a" if r.baseline else _cell(r.speedup[p], ".2f", "x")) for p in SPEEDUP_PHASES]
@@ -239,7 +269,10 @@ def to_markdown(rows: list[RunRow]) -> str:
             speed = ["-"] * len(SPEEDUP_PHASES)
         has_times = r.status not in ("skipped", "invalid") and r.steps_total > 0
         cells = [
-            "?" if r.tp is None else str(r.tp), r.mode or "?", r.rollout or "-", r.status_text,
+            "?" if r.tp is None else str(r.tp),
+            r.mode or "?",
+            r.rollout or "-",
+            r.status_text,
             str(r.steps_timed) if has_times else "-",
             *(_cell(r.times.get(p), ".3f") if has_times else "-" for p in PHASES),
             _cell(r.tokens_per_s, ".1f") if has_times else "-",
@@ -256,30 +289,65 @@ def to_markdown(rows: list[RunRow]) -> str:
 def to_csv(rows: list[RunRow]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["tp", "mode", "rollout", "status", "reason", "directory", "steps_total", "steps_timed",
-                *(f"time_{p}" for p in PHASES), "tokens_per_s", "rollout_tokens_per_s",
-                *(f"speedup_{p}" for p in SPEEDUP_PHASES), "mismatch_mean_abs", "mismatch_k3", "mismatch_max_abs", "peak_gpu_gib",
-                *(f"{p}_gib" for p in MEMORY_PHASES)])
+    w.writerow(
+        [
+            "tp",
+            "mode",
+            "rollout",
+            "status",
+            "reason",
+            "directory",
+            "steps_total",
+            "steps_timed",
+            *(f"time_{p}" for p in PHASES),
+            "tokens_per_s",
+            "rollout_tokens_per_s",
+            *(f"speedup_{p}" for p in SPEEDUP_PHASES),
+            "mismatch_mean_abs",
+            "mismatch_k3",
+            "mismatch_max_abs",
+            "peak_gpu_gib",
+            *(f"{p}_gib" for p in MEMORY_PHASES),
+        ]
+    )
 
     def num(v):
         return "" if v is None else repr(float(v))
 
     for r in rows:
-        w.writerow(["" if r.tp is None else r.tp, r.mode or "", r.rollout, r.status, r.reason or r.baseline, r.directory,
-                    r.steps_total, r.steps_timed, *(num(r.times.get(p)) for p in PHASES), num(r.tokens_per_s),
-                    num(r.rollout_tokens_per_s),
-                    *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES),
-                    *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max")), num(r.peak_gib),
-                    *(num(r.phase_gib.get(p)) for p in MEMORY_PHASES)])
+        w.writerow(
+            [
+                "" if r.tp is None else r.tp,
+                r.mode or "",
+                r.rollout,
+                r.status,
+                r.reason or r.baseline,
+                r.directory,
+                r.steps_total,
+                r.steps_timed,
+                *(num(r.times.get(p)) for p in PHASES),
+                num(r.tokens_per_s),
+                num(r.rollout_tokens_per_s),
+                *(num(r.speedup.get(p)) for p in SPEEDUP_PHASES),
+                *(num(r.mismatch.get(k)) for k in ("mean", "k3", "max")),
+                num(r.peak_gib),
+                *(num(r.phase_gib.get(p)) for p in MEMORY_PHASES),
+            ]
+        )
     return buf.getvalue()
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, summary.json, sweep_status.json)")
     parser.add_argument("-o", "--output", help="output prefix for .md and .csv (default: <common parent>/sweep_report)")
-    parser.add_argument("--warmup", type=int, default=1, help="leading steps left out of the medians when a run has more (default 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="leading steps left out of the medians when a run has more (default 1)"
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when a run failed")
     args = parser.parse_args(argv)
     if args.warmup < 0:

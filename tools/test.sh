@@ -26,4 +26,7 @@ if ! ls "$JETRL_WHEEL_CACHE"/triton-3.6.0-*.whl >/dev/null 2>&1; then  # 188 MB:
   "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps triton==3.6.0 -d "$JETRL_WHEEL_CACHE" \
     || echo "tools/test.sh: could not download triton==3.6.0; tests/unit/test_triton_kernels_source.py will be skipped" >&2
 fi
+# Lint and format first (pyproject.toml [tool.ruff]; `ruff format .` fixes the format, `ruff check --fix .` most lint).
+"$venv/bin/python" -m ruff check --quiet . || { echo "tools/test.sh: ruff check found the problems above" >&2; exit 1; }
+"$venv/bin/python" -m ruff format --check --quiet . || { echo "tools/test.sh: run 'ruff format .' (the files above)" >&2; exit 1; }
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

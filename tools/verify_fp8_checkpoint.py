@@ -27,10 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkpoint", help="HF checkpoint directory to verify")
-    parser.add_argument("--rollout-tp", type=int, nargs="+", default=[1], help="rollout TP size(s) to check alignment for (default 1)")
+    parser.add_argument(
+        "--rollout-tp", type=int, nargs="+", default=[1], help="rollout TP size(s) to check alignment for (default 1)"
+    )
     parser.add_argument("--reference", help="BF16 HF checkpoint of the same weights, for quantization error")
     parser.add_argument("--logits", action="store_true", help="compare FP8 vs --reference logits through transformers")
     parser.add_argument("--json", help="write the full report (every tensor) to this file")
@@ -53,10 +58,14 @@ def main(argv=None) -> int:
         for p in problems:
             print(f"    {p}")
     if report.tensors:
-        print(f"  {'layer':>5} {'linears':>7} {'rel_err_max':>11} {'rel_err_rms':>11} {'max_abs_err':>11} {'bound_ratio':>11} requant_equal")
+        print(
+            f"  {'layer':>5} {'linears':>7} {'rel_err_max':>11} {'rel_err_rms':>11} {'max_abs_err':>11} {'bound_ratio':>11} requant_equal"
+        )
         for row in report.layers():
-            print(f"  {row['layer']:>5} {row['linears']:>7} {row['rel_err_max']:>11.4g} {row['rel_err_rms']:>11.4g} "
-                  f"{row['max_abs_err']:>11.4g} {row['bound_ratio']:>11.4g} {row['requant_equal']}")
+            print(
+                f"  {row['layer']:>5} {row['linears']:>7} {row['rel_err_max']:>11.4g} {row['rel_err_rms']:>11.4g} "
+                f"{row['max_abs_err']:>11.4g} {row['bound_ratio']:>11.4g} {row['requant_equal']}"
+            )
     ok = report.ok
     if args.logits and ok:
         try:
@@ -65,9 +74,11 @@ def main(argv=None) -> int:
             print(f"  logits: skipped ({e}; pip install transformers accelerate)")
         else:
             lg = report.logits
-            print(f"  logits on {lg['prompts'][0]} prompts x {lg['prompts'][1]} tokens: rel_l2 {lg['rel_l2']:.4g} "
-                  f"(bound {lg.get('bound', float('nan')):.4g}), max_abs {lg['max_abs_diff']:.4g}, top-1 agreement "
-                  f"{lg['top1_agreement']:.3f}, equal to BF16 model on bf16(q*s) weights: {lg['exact_vs_dequantized_bf16']}")
+            print(
+                f"  logits on {lg['prompts'][0]} prompts x {lg['prompts'][1]} tokens: rel_l2 {lg['rel_l2']:.4g} "
+                f"(bound {lg.get('bound', float('nan')):.4g}), max_abs {lg['max_abs_diff']:.4g}, top-1 agreement "
+                f"{lg['top1_agreement']:.3f}, equal to BF16 model on bf16(q*s) weights: {lg['exact_vs_dequantized_bf16']}"
+            )
             ok = ok and lg["exact_vs_dequantized_bf16"] and lg.get("within_bound", True)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))

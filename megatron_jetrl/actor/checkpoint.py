@@ -36,8 +36,13 @@ from megatron_jetrl.models.shards import (
 def _ranks():
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank())
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_rank(),
+    )
 
 
 def optimizer_file(tp_rank: int, pp_rank: int) -> str:
@@ -66,7 +71,8 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
     if bool(sharded) != saved_distributed:
         raise CheckpointError(
             f"{where} holds the state of a {'distributed' if saved_distributed else 'replicated'} optimizer and this run's is "
-            f"{'distributed' if sharded else 'replicated'}: resume with optim.distributed={str(saved_distributed).lower()}")
+            f"{'distributed' if sharded else 'replicated'}: resume with optim.distributed={str(saved_distributed).lower()}"
+        )
     fused = adam_is_fused(optimizer)  # this run's choice (OptimConfig.fused): the state loaded brings the saver's
     if not sharded:
         optimizer.load_state_dict(state)
@@ -94,8 +100,9 @@ def _load_optimizer_state(optimizer, state, where: str) -> None:
     use_fused_adam(optimizer, fused)
 
 
-def save_checkpoint(model, directory: str | Path, *, hf_config: dict, flow: PrecisionFlow, iteration: int,
-                    spec: str = "local", optimizer=None) -> None:
+def save_checkpoint(
+    model, directory: str | Path, *, hf_config: dict, flow: PrecisionFlow, iteration: int, spec: str = "local", optimizer=None
+) -> None:
     """Collective: every rank calls it. `hf_config`: the model's config.json dict; `spec`: mapping naming."""
     tp_rank, tp, pp_rank, pp, dp_rank = _ranks()
     optimizer_state = _optimizer_state(optimizer) if optimizer is not None else None
@@ -113,10 +120,20 @@ def save_checkpoint(model, directory: str | Path, *, hf_config: dict, flow: Prec
     if dist.get_rank() == 0:
         manifests = [m for m in manifests if m is not None]
         last = pp_last_layers(model)
-        write_meta(directory, iteration=iteration, tp=tp, pp=pp, spec=spec, hf_config=hf_config, flow=flow.to_dict(),
-                   shards=[m["shard"] for m in manifests],
-                   extra={"optimizer": [m["optimizer"] for m in manifests] if optimizer is not None else False,
-                          **({"pp_last_layers": last} if last else {})})
+        write_meta(
+            directory,
+            iteration=iteration,
+            tp=tp,
+            pp=pp,
+            spec=spec,
+            hf_config=hf_config,
+            flow=flow.to_dict(),
+            shards=[m["shard"] for m in manifests],
+            extra={
+                "optimizer": [m["optimizer"] for m in manifests] if optimizer is not None else False,
+                **({"pp_last_layers": last} if last else {}),
+            },
+        )
     dist.barrier()
 
 
@@ -125,15 +142,21 @@ def load_checkpoint(model, directory: str | Path, *, optimizer=None, verify: boo
     tp_rank, tp, pp_rank, pp, _ = _ranks()
     ckpt = ShardedCheckpoint.open(directory, verify=verify)
     if (ckpt.tp, ckpt.pp) != (tp, pp):
-        raise CheckpointError(f"{directory} was saved at TP={ckpt.tp} x PP={ckpt.pp}; this run is TP={tp} x PP={pp} (reshard with the converter)")
+        raise CheckpointError(
+            f"{directory} was saved at TP={ckpt.tp} x PP={ckpt.pp}; this run is TP={tp} x PP={pp} (reshard with the converter)"
+        )
     if ckpt.meta.get("pp_last_layers", 0) != pp_last_layers(model):
-        raise CheckpointError(f"{directory} was saved with parallel.pp_last_layers={ckpt.meta.get('pp_last_layers', 0)}; this "
-                              f"run has {pp_last_layers(model)}: resume with the split it was saved with (0: even)")
+        raise CheckpointError(
+            f"{directory} was saved with parallel.pp_last_layers={ckpt.meta.get('pp_last_layers', 0)}; this "
+            f"run has {pp_last_layers(model)}: resume with the split it was saved with (0: even)"
+        )
     params = dict(unwrap(model).named_parameters())
     with safe_open(Path(directory) / shard_name(tp_rank, pp_rank), framework="pt") as f, torch.no_grad():
         names = set(f.keys())
         if names != set(params):
-            raise CheckpointError(f"shard {shard_name(tp_rank, pp_rank)} holds {sorted(names ^ set(params))} not matching the model")
+            raise CheckpointError(
+                f"shard {shard_name(tp_rank, pp_rank)} holds {sorted(names ^ set(params))} not matching the model"
+            )
         for name, p in params.items():
             p.copy_(f.get_tensor(name))
     if optimizer is not None:
@@ -143,8 +166,10 @@ def load_checkpoint(model, directory: str | Path, *, optimizer=None, verify: boo
         name = optimizer_file(tp_rank, pp_rank)
         entry = next((e for e in files if e["file"] == name), None) if isinstance(files, list) else None
         if entry is None:
-            raise CheckpointError(f"{directory}/meta.json has no sha256 of {name} (a damaged meta.json, or a checkpoint "
-                                  "written before optimizer files were hashed): resume from another checkpoint")
+            raise CheckpointError(
+                f"{directory}/meta.json has no sha256 of {name} (a damaged meta.json, or a checkpoint "
+                "written before optimizer files were hashed): resume from another checkpoint"
+            )
         path = ckpt.check_file(entry, verify=verify, what="optimizer state")  # before unpickling it
         _load_optimizer_state(optimizer, torch.load(path, weights_only=False), f"{directory}/{name}")
     return ckpt.meta

@@ -73,13 +73,26 @@ class BatchInvariantAttention(torch.nn.Module):
     sets `position_embedding_type="none"`), so q/k arrive here after megatron's q/k norms, un-rotated.
     Megatron layout in and out: q `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
-                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        arch: ModelArch,
+    ):
         super().__init__()
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"BatchInvariantAttention is causal only, got attn_mask_type={attn_mask_type}")
-        if softmax_scale not in (None, arch.head_dim ** -0.5):
-            raise ValueError(f"BatchInvariantAttention scales by 1/sqrt(head_dim); softmax_scale={softmax_scale} is not supported")
+        if softmax_scale not in (None, arch.head_dim**-0.5):
+            raise ValueError(
+                f"BatchInvariantAttention scales by 1/sqrt(head_dim); softmax_scale={softmax_scale} is not supported"
+            )
         self.arch = arch
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -140,8 +153,20 @@ class SDPAttention(torch.nn.Module):
     61 of a Qwen3-8B layer's 85 ms (H200) and most of its memory. Megatron layout in and out, as
     `BatchInvariantAttention`; megatron passes no mask for causal self-attention, so `is_causal` is the mask."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
-                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch, fused: bool = True):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        arch: ModelArch,
+        fused: bool = True,
+    ):
         super().__init__()
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention is causal only, got attn_mask_type={attn_mask_type}")
@@ -226,16 +251,28 @@ class _FP8Weight:
         if self._fp8_cache is None or self._fp8_cache[0] != key:
             keep_t = self.keep_weight_t and w.requires_grad  # a frozen weight (the KL reference) has no DGrad: no W^T bytes
             source = w if self.fp8_device is None else w.detach().to(self.fp8_device)  # (`offload_frozen_weights`)
-            self._fp8_cache = (key, QuantizedWeight.quantize(source, self.flow, site=self.fp8_site, transposed=keep_t,
-                                                             keep_t=keep_t))
+            self._fp8_cache = (
+                key,
+                QuantizedWeight.quantize(source, self.flow, site=self.fp8_site, transposed=keep_t, keep_t=keep_t),
+            )
         return self._fp8_cache[1]
 
     def _fp8_gemm(self, x, weight, bias, dgrad_group=None):
         if weight is not self.weight:
-            raise RuntimeError(f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported")
-        return fp8_linear(x, weight, bias, flow=self.flow, weight_q=self.quantized_weight(), site=self.fp8_site,
-                          gated_act=getattr(self, "gated_act", None), handoff=getattr(self, "grad_handoff", None),
-                          dgrad_group=dgrad_group)
+            raise RuntimeError(
+                f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported"
+            )
+        return fp8_linear(
+            x,
+            weight,
+            bias,
+            flow=self.flow,
+            weight_q=self.quantized_weight(),
+            site=self.fp8_site,
+            gated_act=getattr(self, "gated_act", None),
+            handoff=getattr(self, "grad_handoff", None),
+            dgrad_group=dgrad_group,
+        )
 
 
 class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
@@ -272,11 +309,16 @@ class FP8GatedMLP(MLP):
 
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        unsupported = {"gated_linear_unit": not config.gated_linear_unit, "glu_linear_offset": config.glu_linear_offset != 0,
-                       "activation_func_clamp_value": config.activation_func_clamp_value is not None}
+        unsupported = {
+            "gated_linear_unit": not config.gated_linear_unit,
+            "glu_linear_offset": config.glu_linear_offset != 0,
+            "activation_func_clamp_value": config.activation_func_clamp_value is not None,
+        }
         if any(unsupported.values()):
-            raise ValueError(f"FP8GatedMLP fuses a plain gated unit act(gate) * up; unsupported config: "
-                             f"{[k for k, v in unsupported.items() if v]}")
+            raise ValueError(
+                f"FP8GatedMLP fuses a plain gated unit act(gate) * up; unsupported config: "
+                f"{[k for k, v in unsupported.items() if v]}"
+            )
         if not isinstance(self.linear_fc2, FP8RowParallelLinear):
             raise TypeError(f"FP8GatedMLP needs FP8RowParallelLinear as linear_fc2, got {type(self.linear_fc2).__name__}")
         self.linear_fc2.gated_act = config.activation_func
@@ -284,7 +326,9 @@ class FP8GatedMLP(MLP):
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:
             raise NotImplementedError("FP8GatedMLP has no per-token (MoE expert) scales")
-        handoff = GatedGradHandoff() if self.linear_fc1.bias is None and isinstance(self.linear_fc1, FP8ColumnParallelLinear) else None
+        handoff = (
+            GatedGradHandoff() if self.linear_fc1.bias is None and isinstance(self.linear_fc1, FP8ColumnParallelLinear) else None
+        )
         self.linear_fc1.grad_handoff = self.linear_fc2.grad_handoff = handoff
         try:
             gate_up, bias = self.linear_fc1(hidden_states)
@@ -300,16 +344,19 @@ def _linears(flow: PrecisionFlow, batch_invariant: bool):
         if batch_invariant:
             return BatchInvariantColumnParallelLinear, BatchInvariantRowParallelLinear
         return ColumnParallelLinear, RowParallelLinear
-    return (ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": flow}),
-            ModuleSpec(module=FP8RowParallelLinear, params={"flow": flow}))
+    return (
+        ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": flow}),
+        ModuleSpec(module=FP8RowParallelLinear, params={"flow": flow}),
+    )
 
 
 def _norm(batch_invariant: bool, fused: bool):
     return ModuleSpec(module=RMSNorm, params={"batch_invariant": batch_invariant, "fused": fused})
 
 
-def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False, fused: bool = True,
-                      core=None, bf16_linears=None) -> ModuleSpec:
+def native_layer_spec(
+    flow: PrecisionFlow, arch: ModelArch, batch_invariant: bool = False, fused: bool = True, core=None, bf16_linears=None
+) -> ModuleSpec:
     """megatron's local GPT layer (RMSNorm, GQA self-attention, gated MLP) with the flow's linears; its core attention
     applies RoPE (build GPTModel without RoPE). `batch_invariant`: the engine's norms, RoPE and attention; else
     `fused`: norms and RoPE as one kernel each on CUDA (`actor.fused`). `core` and `bf16_linears` (column, row) replace
@@ -335,14 +382,23 @@ def native_layer_spec(flow: PrecisionFlow, arch: ModelArch, batch_invariant: boo
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=FP8GatedMLP if flow.train_fp8 else MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp=ModuleSpec(
+                module=FP8GatedMLP if flow.train_fp8 else MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)
+            ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def native_block_spec(flow: PrecisionFlow, arch: ModelArch, num_layers: int, batch_invariant: bool = False, fused: bool = True,
-                      core=None, bf16_linears=None):
+def native_block_spec(
+    flow: PrecisionFlow,
+    arch: ModelArch,
+    num_layers: int,
+    batch_invariant: bool = False,
+    fused: bool = True,
+    core=None,
+    bf16_linears=None,
+):
     """The decoder of one pipeline stage: `num_layers` native layers (`native_layer_spec`) and this module's RMSNorm as
     final norm (megatron would otherwise pick its torch-norm fallback, which refuses sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -374,13 +430,17 @@ def release_bf16_weights(model) -> int:
         w = m.weight
         storage = w.untyped_storage()
         if w.dtype not in (torch.bfloat16, torch.float16):
-            raise RuntimeError(f"{m.fp8_site}: its weight is {w.dtype}, which the optimizer steps in place (no main param "
-                               "writes it back): only BF16 weights can be freed; set model.bf16_linear_weights=keep, or "
-                               "optim.bf16=true")
+            raise RuntimeError(
+                f"{m.fp8_site}: its weight is {w.dtype}, which the optimizer steps in place (no main param "
+                "writes it back): only BF16 weights can be freed; set model.bf16_linear_weights=keep, or "
+                "optim.bf16=true"
+            )
         if storage.nbytes() != w.numel() * w.element_size():
-            raise RuntimeError(f"{m.fp8_site}: its BF16 weight is a view into a larger buffer (megatron's distributed "
-                               "optimizer keeps the parameters in one): it cannot be freed alone; set "
-                               "model.bf16_linear_weights=keep, or optim.distributed=false")
+            raise RuntimeError(
+                f"{m.fp8_site}: its BF16 weight is a view into a larger buffer (megatron's distributed "
+                "optimizer keeps the parameters in one): it cannot be freed alone; set "
+                "model.bf16_linear_weights=keep, or optim.distributed=false"
+            )
         m.quantized_weight()
         m.bf16_released = True
         freed += storage.nbytes()
@@ -469,6 +529,8 @@ def fp8_weights(model) -> dict[str, QuantizedWeight]:
     here (after each optimizer step, for the weight sync) are checked for NaN/Inf together, one host sync, not one
     per weight (`check_finite="step"`); the error names the first bad weight."""
     with finite.watch() as watch:
-        weights = {f"{name}.weight": m.quantized_weight() for name, m in unwrap(model).named_modules() if isinstance(m, _FP8Weight)}
+        weights = {
+            f"{name}.weight": m.quantized_weight() for name, m in unwrap(model).named_modules() if isinstance(m, _FP8Weight)
+        }
     watch.check()
     return weights

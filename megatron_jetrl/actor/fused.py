@@ -44,7 +44,8 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def on_cuda_compiled(fn):
     """`fn` compiled by Inductor (shapes dynamic, one graph) for CUDA tensors; eager for anything else."""
     compiled = torch._dynamo.config.patch(recompile_limit=64)(
-        torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}))
+        torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    )
 
     @functools.wraps(fn)
     def run(x, *args):
@@ -53,9 +54,11 @@ def on_cuda_compiled(fn):
         try:
             return compiled(x, *args)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no C compiler or Triton on this node
-            raise RuntimeError(f"torch.compile could not build the fused {fn.__name__} kernel ({type(e.inner_exception).__name__}: "
-                               f"{e.inner_exception}); run with model.fused=false (ActorOptions(fused=False)) for megatron's "
-                               "eager ops, or fix the Inductor/Triton install") from e
+            raise RuntimeError(
+                f"torch.compile could not build the fused {fn.__name__} kernel ({type(e.inner_exception).__name__}: "
+                f"{e.inner_exception}); run with model.fused=false (ActorOptions(fused=False)) for megatron's "
+                "eager ops, or fix the Inductor/Triton install"
+            ) from e
 
     return run
 
@@ -72,8 +75,16 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def _kernel_tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the RoPE kernel takes `t` `[s, b, heads, d]` on CUDA with these tables: megatron's, contiguous FP32
     `[rows, 1, 1, d]`, d even."""
-    return (t.is_cuda and t.dim() == 4 and t.shape[-1] % 2 == 0 and cos.dtype == sin.dtype == torch.float32
-            and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1:] == (1, 1, t.shape[-1]))
+    return (
+        t.is_cuda
+        and t.dim() == 4
+        and t.shape[-1] % 2 == 0
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape
+        and cos.shape[1:] == (1, 1, t.shape[-1])
+    )
 
 
 def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,7 +111,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def fused_rope_at(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Inference: `rope(t, cos[positions], sin[positions])` for tables `[max_positions, 1, 1, d]`; on CUDA the kernel
     reads the table rows at `positions` itself (`actor.glue_kernels.rope_at`: no gather kernels)."""
-    if not (_kernel_tables(t, cos, sin) and positions.dim() == 1 and positions.shape[0] == t.shape[0] and positions.is_contiguous()):
+    if not (
+        _kernel_tables(t, cos, sin) and positions.dim() == 1 and positions.shape[0] == t.shape[0] and positions.is_contiguous()
+    ):
         return rope(t, cos[positions], sin[positions])
     from megatron_jetrl.actor.glue_kernels import rope_at
 

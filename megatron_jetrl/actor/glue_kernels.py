@@ -33,9 +33,32 @@ def _k():
     _, scale_of, to_e4m3, _ = quant_math()
 
     @triton.jit
-    def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, res_ptr, h_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, eps,
-                 q_ptr, s_ptr, stride_sm, stride_sg, q_eps,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
+    def _rms_fwd(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        r_ptr,
+        res_ptr,
+        h_ptr,
+        n_rows,
+        N,
+        inv_n,
+        B,
+        C,
+        sa,
+        sb,
+        sc,
+        eps,
+        q_ptr,
+        s_ptr,
+        stride_sm,
+        stride_sg,
+        q_eps,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        QUANT: tl.constexpr,
+    ):
         # torch's mean multiplies the sum by 1/N (no division); the rest is the eager formula's op order.
         # HAS_RES (inference): the row normalized is x + residual rounded to x's dtype (torch's add), written to h_ptr
         # QUANT (inference): y as stored (rounded to its dtype) is also quantized in 1x128 groups, the FP8 quantizer's
@@ -74,8 +97,28 @@ def _k():
             tl.store(s_ptr + row.to(tl.int64) * stride_sm + grp * stride_sg, s, mask=ok)
 
     @triton.jit
-    def _rms_bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, N, inv_n, B, C, sa, sb, sc, da, db, dc, iters,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _rms_bwd(
+        x_ptr,
+        w_ptr,
+        r_ptr,
+        dy_ptr,
+        dx_ptr,
+        dw_ptr,
+        n_rows,
+        N,
+        inv_n,
+        B,
+        C,
+        sa,
+        sb,
+        sc,
+        da,
+        db,
+        dc,
+        iters,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         # autograd of y = w * (h * r).to(dtype), r = rsqrt(mean(h^2) + eps), h = x.float(), in its op order:
         # dn = (dy * w) rounded to x's dtype; dh = dn * r + (-0.5 * sum(dn * h) * r^3) / N * 2 h;
         # dw: (dy * n) rounded to dy's dtype, summed over rows (this program's rows here, the programs' sums after)
@@ -104,8 +147,24 @@ def _k():
         tl.store(dw_ptr + pid * N + cols, dw, mask=cmask)
 
     @triton.jit
-    def _rope(t_ptr, cos_ptr, sin_ptr, y_ptr, pos_ptr, n_rows, HALF, B, C, sa, sb, sc, SIGN: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_POS: tl.constexpr):
+    def _rope(
+        t_ptr,
+        cos_ptr,
+        sin_ptr,
+        y_ptr,
+        pos_ptr,
+        n_rows,
+        HALF,
+        B,
+        C,
+        sa,
+        sb,
+        sc,
+        SIGN: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        HAS_POS: tl.constexpr,
+    ):
         # forward (SIGN=1): y1 = t1 cos1 - t2 sin1, y2 = t2 cos2 + t1 sin2 (rotate-half, FP32, one rounding);
         # backward (SIGN=-1, t = dy): dt1 = dy1 cos1 + dy2 sin2, dt2 = dy2 cos2 - dy1 sin1.
         # The table row of row r is its leading index a = r // (B C), or with HAS_POS positions[a]
@@ -168,9 +227,33 @@ class RMSNorm(torch.autograd.Function):
         r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block_r, block_n, warps = _blocks(n)
         if n_rows:
-            _k()["rms_fwd"][(-(-n_rows // block_r),)](x4, weight, y, r, x4, x4, n_rows, n, 1.0 / n, b, c, sa, sb, sc, float(eps),
-                                                      y, r, 0, 0, 0.0,
-                                                      BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=False, QUANT=False, num_warps=warps)
+            _k()["rms_fwd"][(-(-n_rows // block_r),)](
+                x4,
+                weight,
+                y,
+                r,
+                x4,
+                x4,
+                n_rows,
+                n,
+                1.0 / n,
+                b,
+                c,
+                sa,
+                sb,
+                sc,
+                float(eps),
+                y,
+                r,
+                0,
+                0,
+                0.0,
+                BLOCK_R=block_r,
+                BLOCK_N=block_n,
+                HAS_RES=False,
+                QUANT=False,
+                num_warps=warps,
+            )
         ctx.save_for_backward(x4, weight, r)
         ctx.x_strides = (sa, sb, sc)
         return y
@@ -187,8 +270,29 @@ class RMSNorm(torch.autograd.Function):
         programs = max(1, min(blocks, 4 * _sms(x4.device.index)))
         partial = torch.empty(programs, n, dtype=torch.float32, device=x4.device)
         if n_rows:
-            _k()["rms_bwd"][(programs,)](x4, weight, r, dy4, dx, partial, n_rows, n, 1.0 / n, b, c, sa, sb, sc, da, db, dc,
-                                         -(-blocks // programs), BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+            _k()["rms_bwd"][(programs,)](
+                x4,
+                weight,
+                r,
+                dy4,
+                dx,
+                partial,
+                n_rows,
+                n,
+                1.0 / n,
+                b,
+                c,
+                sa,
+                sb,
+                sc,
+                da,
+                db,
+                dc,
+                -(-blocks // programs),
+                BLOCK_R=block_r,
+                BLOCK_N=block_n,
+                num_warps=warps,
+            )
         else:
             partial.zero_()
         return dx, partial.sum(0).to(weight.dtype), None
@@ -212,9 +316,25 @@ def _rope(t, cos, sin, sign: int, positions=None):
     y = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     block_r, block_h, warps = _blocks(half)
     if n_rows:
-        _k()["rope"][(-(-n_rows // block_r),)](t4, cos, sin, y, cos if positions is None else positions, n_rows, half, b, c,
-                                               sa, sb, sc, SIGN=sign, BLOCK_R=block_r, BLOCK_H=block_h,
-                                               HAS_POS=positions is not None, num_warps=warps)
+        _k()["rope"][(-(-n_rows // block_r),)](
+            t4,
+            cos,
+            sin,
+            y,
+            cos if positions is None else positions,
+            n_rows,
+            half,
+            b,
+            c,
+            sa,
+            sb,
+            sc,
+            SIGN=sign,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            HAS_POS=positions is not None,
+            num_warps=warps,
+        )
     return y
 
 
@@ -232,8 +352,10 @@ def rms_norm_quant(x, residual, weight, eps: float, quant_eps: float | None = No
     column-major with `scale_rows` (>= rows; vLLM's DeepGEMM wants a multiple of 4) between columns; else q, s are
     None. x, residual `[..., N]` of one dtype and shape, residual contiguous; N % 128 == 0 to quantize."""
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"add_rms_norm takes a contiguous residual of x's shape and dtype, got {tuple(residual.shape)} "
-                         f"{residual.dtype} (contiguous: {residual.is_contiguous()}) for x {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"add_rms_norm takes a contiguous residual of x's shape and dtype, got {tuple(residual.shape)} "
+            f"{residual.dtype} (contiguous: {residual.is_contiguous()}) for x {tuple(x.shape)} {x.dtype}"
+        )
     x4, n_rows, b, c, (sa, sb, sc) = _rows4(x)
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -243,17 +365,41 @@ def rms_norm_quant(x, residual, weight, eps: float, quant_eps: float | None = No
     if quant_eps is not None:
         scale_rows = n_rows if scale_rows is None else scale_rows
         if n % 128 or scale_rows < n_rows:
-            raise ValueError(f"rms_norm_quant quantizes rows of a multiple of 128 with scale_rows >= rows; got N={n}, "
-                             f"{n_rows} rows, scale_rows={scale_rows}")
+            raise ValueError(
+                f"rms_norm_quant quantizes rows of a multiple of 128 with scale_rows >= rows; got N={n}, "
+                f"{n_rows} rows, scale_rows={scale_rows}"
+            )
         q = torch.empty((n_rows, n), dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty_strided((n_rows, n // 128), (1, scale_rows), dtype=torch.float32, device=x.device)
     block_r, block_n, warps = _blocks(n)
     if n_rows:
         _k()["rms_fwd"][(-(-n_rows // block_r),)](
-            x4, weight, y, r, x4 if h is None else residual, x4 if h is None else h, n_rows, n, 1.0 / n, b, c, sa, sb, sc,
-            float(eps), y if q is None else q, r if s is None else s, 0 if s is None else s.stride(0),
-            0 if s is None else s.stride(1), 0.0 if quant_eps is None else float(quant_eps),
-            BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=h is not None, QUANT=q is not None, num_warps=warps)
+            x4,
+            weight,
+            y,
+            r,
+            x4 if h is None else residual,
+            x4 if h is None else h,
+            n_rows,
+            n,
+            1.0 / n,
+            b,
+            c,
+            sa,
+            sb,
+            sc,
+            float(eps),
+            y if q is None else q,
+            r if s is None else s,
+            0 if s is None else s.stride(0),
+            0 if s is None else s.stride(1),
+            0.0 if quant_eps is None else float(quant_eps),
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+            HAS_RES=h is not None,
+            QUANT=q is not None,
+            num_warps=warps,
+        )
     return y, h, q, s
 
 

@@ -20,7 +20,9 @@ def rope_kwargs(arch: ModelArch) -> dict:
     kind = scaling.get("rope_type", scaling.get("type"))
     odd = {k: scaling.get(k) for k, v in LLAMA3_ROPE_DEFAULTS.items() if float(scaling.get(k, v)) != v}
     if kind != "llama3" or odd:
-        raise ValueError(f"rope_scaling {scaling} is not supported: megatron-core 0.16 implements llama3 scaling with {LLAMA3_ROPE_DEFAULTS} only")
+        raise ValueError(
+            f"rope_scaling {scaling} is not supported: megatron-core 0.16 implements llama3 scaling with {LLAMA3_ROPE_DEFAULTS} only"
+        )
     return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 
@@ -44,9 +46,13 @@ def stage_entries(model, arch: ModelArch, *, pp_rank: int | None = None, spec: s
 
     from megatron_jetrl.models.mapping import model_entries
 
-    return model_entries(arch, pp_rank=ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank,
-                         pp_size=ps.get_pipeline_model_parallel_world_size(), spec=spec or model_spec(model),
-                         last_layers=pp_last_layers(model))
+    return model_entries(
+        arch,
+        pp_rank=ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank,
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        spec=spec or model_spec(model),
+        last_layers=pp_last_layers(model),
+    )
 
 
 def pp_last_layers(model) -> int:

@@ -46,7 +46,9 @@ def _tp_all_reduce(t: torch.Tensor, op) -> None:
         torch.distributed.all_reduce(t, op=op, group=ps.get_tensor_model_parallel_group())
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """`logits[..., V/tp]` (this TP rank's vocab shard), `targets[...]` -> FP32 log p(targets) `[...]`, differentiable."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -108,13 +110,16 @@ class _FusedLogprobs(torch.autograd.Function):
         return _compiled_grad_logits(logits, targets, top, total, grad, *ctx.shard), None, None, None
 
 
-def fused_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                  temperature: float = 1.0) -> torch.Tensor:
+def fused_vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """`vocab_parallel_logprobs`'s arithmetic without its FP32 copies of the logits (module docstring), differentiable."""
     return _FusedLogprobs.apply(logits, targets, vocab_size, temperature)
 
 
-def batch_invariant_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def batch_invariant_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """`vocab_parallel_logprobs` with `models.batch_invariant_ops.log_softmax`'s arithmetic (at TP1 its exact bits), differentiable."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -173,8 +178,15 @@ def exact_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
     return _ExactLogprobs.apply(flat, targets.reshape(-1), vocab_size).view(targets.shape)
 
 
-def shifted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                     batch_invariant: bool = False, fused: bool = False, rollout_kernels: bool = False) -> torch.Tensor:
+def shifted_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    batch_invariant: bool = False,
+    fused: bool = False,
+    rollout_kernels: bool = False,
+) -> torch.Tensor:
     """GPTModel output `[b, s, V/tp]` for `tokens[b, s]` -> log p(tokens[:, t+1] | tokens[:, :t+1]), `[b, s-1]`.
 
     The fused path runs on all `s` rows (the last one's target is token 0 and its logprob is dropped): slicing the
@@ -212,8 +224,9 @@ def pad_length(tokens: torch.Tensor, extras: dict | None, multiple: int) -> tupl
     if pad == 0:
         return tokens, extras
     tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
-    return tokens, {k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and v.shape[1] == s - 1 else v
-                    for k, v in extras.items()}
+    return tokens, {
+        k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and v.shape[1] == s - 1 else v for k, v in extras.items()
+    }
 
 
 def _actor_options(model):
@@ -249,8 +262,10 @@ def _start(extras: dict) -> int:
     if first is None or first.numel() == 0:
         return 0
     if first.device.type != "cpu":
-        raise ValueError(f"extras['first'] must be a CPU tensor (it decides the logits' shape on the host, with no "
-                         f"sync), got one on {first.device}: pass response_start(mask)")
+        raise ValueError(
+            f"extras['first'] must be a CPU tensor (it decides the logits' shape on the host, with no "
+            f"sync), got one on {first.device}: pass response_start(mask)"
+        )
     return int(first.min())
 
 
@@ -286,8 +301,15 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
 
 
 @torch.no_grad()
-def compute_logprobs(model, tokens: torch.Tensor, *, vocab_size: int, micro_batch_size: int, temperature: float = 1.0,
-                     first: torch.Tensor | None = None):
+def compute_logprobs(
+    model,
+    tokens: torch.Tensor,
+    *,
+    vocab_size: int,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    first: torch.Tensor | None = None,
+):
     """log p(tokens[:, 1:]) `[B, S-1]` FP32 on the last pipeline stage (None on other stages).
 
     `tokens[B, S]` must be the same on every TP/PP rank of this DP replica; `model` the GPTModel (or its DDP
@@ -301,8 +323,13 @@ def compute_logprobs(model, tokens: torch.Tensor, *, vocab_size: int, micro_batc
     micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
     out = get_forward_backward_func()(
-        forward_step_func=forward_step_func(vocab_size, temperature), data_iterator=iter(micro), model=model,
-        num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=True,
+        forward_step_func=forward_step_func(vocab_size, temperature),
+        data_iterator=iter(micro),
+        model=model,
+        num_microbatches=len(micro),
+        seq_length=tokens.shape[1],
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
     )
     if not ps.is_pipeline_last_stage():
         return None

@@ -70,8 +70,11 @@ class TrainStateOffload:
         if self.released:
             return 0
         self.wait()
-        freed = sum(b.grad_data.untyped_storage().nbytes() for b in self.ddp.buffers + self.ddp.expert_parallel_buffers
-                    if b.grad_data is not None)
+        freed = sum(
+            b.grad_data.untyped_storage().nbytes()
+            for b in self.ddp.buffers + self.ddp.expert_parallel_buffers
+            if b.grad_data is not None
+        )
         self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
         if self.what == "optimizer":
             for kind, storages in self._storages().items():
@@ -106,8 +109,10 @@ class TrainStateOffload:
         from megatron_jetrl.actor.fp8_layers import fp8_copy_storages
 
         seen = {p.untyped_storage().data_ptr() for p in self.ddp.module.parameters()}  # now: a train step may move them
-        found = {"reference": [] if self.reference is None else fp8_copy_storages(self.reference),
-                 "optimizer": [t.untyped_storage() for t in _optimizer_tensors(self.optimizer)]}
+        found = {
+            "reference": [] if self.reference is None else fp8_copy_storages(self.reference),
+            "optimizer": [t.untyped_storage() for t in _optimizer_tensors(self.optimizer)],
+        }
         for kind, storages in found.items():
             unique = []
             for storage in storages:

@@ -73,8 +73,10 @@ class ActorOptions:
         if self.bf16_linear_weights not in ("keep", "release"):
             raise ValueError(f"bf16_linear_weights must be 'keep' or 'release', got {self.bf16_linear_weights!r}")
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
-            raise ValueError("rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
-                             "attention, lm_head and log-softmax by vLLM's kernels)")
+            raise ValueError(
+                "rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
+                "attention, lm_head and log-softmax by vLLM's kernels)"
+            )
 
 
 def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int, options: ActorOptions = ActorOptions()):
@@ -92,32 +94,63 @@ def transformer_config(arch: ModelArch, flow: PrecisionFlow, *, tp: int, pp: int
 
         te_kwargs = te_config_kwargs(flow)
     return TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
-        gated_linear_unit=True, activation_func=ops.silu if options.batch_invariant else F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=_fused_swiglu(options), masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=arch.qk_norm,
+        gated_linear_unit=True,
+        activation_func=ops.silu if options.batch_invariant else F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=_fused_swiglu(options),
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=options.sequence_parallel,
         num_layers_in_last_pipeline_stage=options.pp_last_layers or None,
         # no device-wide sync after each batched pipeline send/recv: megatron keeps it for PyTorch before the fix of
         # batch_isend_irecv's stream recording (pytorch#82450, 2022); waiting on the requests orders the streams, and the
         # sync stopped the host at every micro-batch boundary (upstream removed it for torch>=2.6: Megatron-LM#6919)
         batch_p2p_sync=False,
-        params_dtype=options.params_dtype, pipeline_dtype=options.params_dtype, bf16=options.params_dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(), **te_kwargs,
+        params_dtype=options.params_dtype,
+        pipeline_dtype=options.params_dtype,
+        bf16=options.params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **te_kwargs,
     )
 
 
 def _fused_swiglu(options: ActorOptions) -> bool:
     """megatron's fused SwiGLU (`bias_swiglu_impl`, compiled by its `jit_fuser`) for the local spec's BF16 MLP on
     CUDA; the FP8 MLP fuses SwiGLU into its quantization instead (`FP8GatedMLP`)."""
-    return (options.fused and options.spec == "local" and not options.batch_invariant and not options.rollout_kernels
-            and torch.cuda.is_available())
+    return (
+        options.fused
+        and options.spec == "local"
+        and not options.batch_invariant
+        and not options.rollout_kernels
+        and torch.cuda.is_available()
+    )
 
 
-def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, layers: int, batch_invariant: bool = False, fused: bool = True,
-               rollout_kernels: bool = False):
+def layer_spec(
+    arch: ModelArch,
+    flow: PrecisionFlow,
+    spec: str,
+    layers: int,
+    batch_invariant: bool = False,
+    fused: bool = True,
+    rollout_kernels: bool = False,
+):
     """The decoder spec: TE's layer spec (megatron builds the stage's layers), or the native block (this stage's `layers`
     layers + RMSNorm final norm), with the vLLM engine's attention and BF16 linears under `rollout_kernels`."""
     if spec == "te":
@@ -130,8 +163,10 @@ def layer_spec(arch: ModelArch, flow: PrecisionFlow, spec: str, layers: int, bat
     if rollout_kernels:
         from megatron_jetrl.actor import rollout_kernels as rk
 
-        overrides = {"core": partial(rk.FA3Attention, arch=arch),
-                     "bf16_linears": (rk.RolloutColumnParallelLinear, rk.RolloutRowParallelLinear)}
+        overrides = {
+            "core": partial(rk.FA3Attention, arch=arch),
+            "bf16_linears": (rk.RolloutColumnParallelLinear, rk.RolloutRowParallelLinear),
+        }
     return native_block_spec(flow, arch, layers, batch_invariant, fused, **overrides)
 
 
@@ -146,14 +181,22 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
 
         require_te()
         if not torch.cuda.is_available():
-            raise RuntimeError("the TE layer spec needs a CUDA device (Transformer Engine has no CPU kernels): "
-                               "run on a GPU or use spec='local'")
+            raise RuntimeError(
+                "the TE layer spec needs a CUDA device (Transformer Engine has no CPU kernels): run on a GPU or use spec='local'"
+            )
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, flow, tp=tp, pp=pp, options=options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, flow, options.spec, stage_layers(arch.num_layers, pp, options.pp_last_layers)[
-            ps.get_pipeline_model_parallel_rank()], options.batch_invariant, options.fused, options.rollout_kernels),
+        transformer_layer_spec=layer_spec(
+            arch,
+            flow,
+            options.spec,
+            stage_layers(arch.num_layers, pp, options.pp_last_layers)[ps.get_pipeline_model_parallel_rank()],
+            options.batch_invariant,
+            options.fused,
+            options.rollout_kernels,
+        ),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=options.max_sequence_length or arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -182,8 +225,12 @@ def copy_weights(src, dst, arch: ModelArch, *, src_spec: str, dst_spec: str) -> 
     through the one mapping table (`models.mapping.model_entries`: both specs hold the same HF tensors); returns the
     destination names. E.g. a TE-spec actor starts from the weights the local spec draws for the same seed."""
     spec_name = {"native": "local"}
-    pairs = list(zip(stage_entries(dst, arch, spec=spec_name.get(src_spec, src_spec)),
-                     stage_entries(dst, arch, spec=spec_name.get(dst_spec, dst_spec))))
+    pairs = list(
+        zip(
+            stage_entries(dst, arch, spec=spec_name.get(src_spec, src_spec)),
+            stage_entries(dst, arch, spec=spec_name.get(dst_spec, dst_spec)),
+        )
+    )
     src_params, dst_params = dict(unwrap(src).named_parameters()), dict(unwrap(dst).named_parameters())
     missing = sorted({d.megatron for _, d in pairs} ^ set(dst_params)) + sorted({s.megatron for s, _ in pairs} ^ set(src_params))
     if missing:

@@ -64,10 +64,20 @@ class _FA3(torch.autograd.Function):
 
         b, s, heads, d = q.shape
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        out, lse = flash_attn_varlen_func(q.reshape(b * s, heads, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
-                                          max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu,
-                                          softmax_scale=scale, causal=True, fa_version=FA_VERSION, num_splits=1,
-                                          return_softmax_lse=True)
+        out, lse = flash_attn_varlen_func(
+            q.reshape(b * s, heads, d),
+            k.reshape(b * s, -1, d),
+            v.reshape(b * s, -1, d),
+            max_seqlen_q=s,
+            cu_seqlens_q=cu,
+            max_seqlen_k=s,
+            cu_seqlens_k=cu,
+            softmax_scale=scale,
+            causal=True,
+            fa_version=FA_VERSION,
+            num_splits=1,
+            return_softmax_lse=True,
+        )
         out = out.view(b, s, heads, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -80,7 +90,8 @@ class _FA3(torch.autograd.Function):
         lse = lse.view(heads, b, s).transpose(0, 1).contiguous()  # varlen [heads, tokens] -> batched [b, heads, s]
         none = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, None, None, s, s, 0.0, True, none, none, scale=ctx.scale)
+            grad.contiguous(), q, k, v, out, lse, None, None, s, s, 0.0, True, none, none, scale=ctx.scale
+        )
         return dq, dk, dv, None
 
 
@@ -95,16 +106,29 @@ class FA3Attention(torch.nn.Module):
     causal sequence of the micro-batch's length, so a token never sees the padding after it. Megatron layout in and
     out, as `SDPAttention`."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None,
-                 cp_comm_type=None, pg_collection=None, *, arch: ModelArch):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        arch: ModelArch,
+    ):
         super().__init__()
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"FA3Attention is causal only, got attn_mask_type={attn_mask_type}")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("FA3Attention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
-        self.scale = arch.head_dim ** -0.5  # vLLM's Qwen2/Qwen3/Llama attention: self.scaling = head_dim ** -0.5
+        self.scale = arch.head_dim**-0.5  # vLLM's Qwen2/Qwen3/Llama attention: self.scaling = head_dim ** -0.5
         if softmax_scale not in (None, self.scale):
-            raise ValueError(f"FA3Attention scales by 1/sqrt(head_dim) as vLLM does; softmax_scale={softmax_scale} is not supported")
+            raise ValueError(
+                f"FA3Attention scales by 1/sqrt(head_dim) as vLLM does; softmax_scale={softmax_scale} is not supported"
+            )
         self.head_dim = arch.head_dim
         self.rope_kwargs = rope_key(arch)
 
@@ -125,8 +149,10 @@ def lm_head_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     dg = deep_gemm_module()
     if dg is None or not hasattr(dg, "bf16_gemm_nt"):
-        raise RuntimeError("precision.exact_logprobs computes the lm_head with DeepGEMM's bf16_gemm_nt, which this "
-                           "process cannot import (vLLM 0.26's vllm.third_party.deep_gemm): install the vLLM kit")
+        raise RuntimeError(
+            "precision.exact_logprobs computes the lm_head with DeepGEMM's bf16_gemm_nt, which this "
+            "process cannot import (vLLM 0.26's vllm.third_party.deep_gemm): install the vLLM kit"
+        )
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     dg.bf16_gemm_nt(x.contiguous(), weight.contiguous(), y)
     return y

@@ -38,8 +38,10 @@ def te_config_kwargs(flow: PrecisionFlow) -> dict:
     if not flow.train_fp8:
         return {}
     if flow.eps != PrecisionFlow().eps:
-        raise ValueError(f"the TE spec's quantizer factories use eps={PrecisionFlow().eps} (vLLM's); got eps={flow.eps}: "
-                         "leave precision.eps at its default or use the local spec")
+        raise ValueError(
+            f"the TE spec's quantizer factories use eps={PrecisionFlow().eps} (vLLM's); got eps={flow.eps}: "
+            "leave precision.eps at its default or use the local spec"
+        )
     return {"fp8": "e4m3", "fp8_recipe": "custom", "fp8_quantizer_factory": f"{__name__}.{_FACTORIES[flow.scale_mode]}"}
 
 
@@ -49,9 +51,11 @@ def te_layer_spec(qk_norm: bool):
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     if not HAVE_TE:
-        raise RuntimeError("megatron-core could not import Transformer Engine (megatron.core.extensions.transformer_engine."
-                           "HAVE_TE is False) although it is installed: import transformer_engine in this environment to "
-                           "see why (after `source .kits/te/bin/env.sh` on the GPU machine)")
+        raise RuntimeError(
+            "megatron-core could not import Transformer Engine (megatron.core.extensions.transformer_engine."
+            "HAVE_TE is False) although it is installed: import transformer_engine in this environment to "
+            "see why (after `source .kits/te/bin/env.sh` on the GPU machine)"
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -63,9 +67,13 @@ def te_linears(model) -> dict[str, torch.nn.Module]:
 
     from megatron_jetrl.actor.gpt import unwrap
 
-    return {name: m for name, m in unwrap(model).named_modules()
-            if isinstance(m, TransformerEngineBaseModule) and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2}
+    return {
+        name: m
+        for name, m in unwrap(model).named_modules()
+        if isinstance(m, TransformerEngineBaseModule)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.dim() == 2
+    }
 
 
 def te_fp8_weights(model, flow: PrecisionFlow) -> dict:
@@ -79,8 +87,10 @@ def te_fp8_weights(model, flow: PrecisionFlow) -> dict:
     from megatron_jetrl.fp8.te import make_block_quantizer, te_weight
 
     if not flow.train_fp8:
-        raise ValueError(f"mode={flow.mode!r} trains the TE layers in BF16: their FP8 export is the flow's quantizer "
-                         "(models.export.quantize_ranks), not TE's")
+        raise ValueError(
+            f"mode={flow.mode!r} trains the TE layers in BF16: their FP8 export is the flow's quantizer "
+            "(models.export.quantize_ranks), not TE's"
+        )
     quantizer = make_block_quantizer(flow, "weight", rowwise=True, columnwise=False)
     out = {}
     with torch.no_grad():

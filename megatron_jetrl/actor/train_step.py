@@ -36,18 +36,27 @@ def wrap_for_training(model, optim: OptimConfig | None = None):
 
     config = model.config
     ddp = DistributedDataParallel(
-        config=config, module=model,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=optim.distributed),
+        config=config,
+        module=model,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.distributed
+        ),
     )
     config.finalize_model_grads_func = finalize_model_grads
     load_patch("megatron_core_0_16_1_grad_clip_scale").apply()  # clipping scales the gradients in place, in one pass
     if optim.wgrad_fusion and torch.cuda.is_available():
         fuse_wgrad_accumulation(ddp)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
-                        adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=optim.bf16,
-                        use_distributed_optimizer=optim.distributed),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            clip_grad=optim.clip_grad,
+            bf16=optim.bf16,
+            use_distributed_optimizer=optim.distributed,
+        ),
         [ddp],
     )
     use_fused_adam(optimizer, optim.fused)
@@ -146,9 +155,11 @@ def _check_finite(ddp_model, out: list[dict], on_nonfinite: str, watch) -> str |
     local = sorted({k for o in out for k, v in o.items() if not bool(torch.isfinite(v).all())})
     bad = [name for name, g in grads if not bool(torch.isfinite(g).all())]
     quantizer = watch.first_problem()
-    parts = ([f"{local} from the loss callback"] if local else []) + \
-        ([f"the gradients of {bad[:3]}{' ...' if len(bad) > 3 else ''}"] if bad else []) + \
-        ([f"the FP8 quantizer input {quantizer}"] if quantizer else [])
+    parts = (
+        ([f"{local} from the loss callback"] if local else [])
+        + ([f"the gradients of {bad[:3]}{' ...' if len(bad) > 3 else ''}"] if bad else [])
+        + ([f"the FP8 quantizer input {quantizer}"] if quantizer else [])
+    )
     mine = f"rank {torch.distributed.get_rank()}: NaN/Inf in {' and in '.join(parts)}" if parts else None
     reports = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(reports, mine)  # only on this rare path: every rank names every bad rank
@@ -160,8 +171,18 @@ def _check_finite(ddp_model, out: list[dict], on_nonfinite: str, watch) -> str |
     return where
 
 
-def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, vocab_size: int, micro_batch_size: int,
-               extras: dict | None = None, temperature: float = 1.0, on_nonfinite: str = "raise") -> dict:
+def train_step(
+    ddp_model,
+    optimizer,
+    tokens: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    vocab_size: int,
+    micro_batch_size: int,
+    extras: dict | None = None,
+    temperature: float = 1.0,
+    on_nonfinite: str = "raise",
+) -> dict:
     """Forward/backward over this DP rank's `tokens[B, S]` in micro-batches, then one optimizer step.
 
     `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
@@ -191,8 +212,12 @@ def train_step(ddp_model, optimizer, tokens: torch.Tensor, loss_fn: LossFn, *, v
         with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
             release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (quantized here)
             out = get_forward_backward_func()(
-                forward_step_func=forward_step_func(vocab_size, temperature, loss_fn), data_iterator=iter(micro),
-                model=ddp_model, num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,
+                forward_step_func=forward_step_func(vocab_size, temperature, loss_fn),
+                data_iterator=iter(micro),
+                model=ddp_model,
+                num_microbatches=len(micro),
+                seq_length=tokens.shape[1],
+                micro_batch_size=micro_batch_size,
                 forward_only=False,
             )
         problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)

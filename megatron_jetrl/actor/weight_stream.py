@@ -71,16 +71,22 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     mine = hf_tensors(arch, flow, stage_entries(model, arch), fetch, fetch_fp8)
-    pairs = mine if pp == 1 else _across_stages(mine, stage, pp, [
-        stream_layout(arch, flow, stage_entries(model, arch, pp_rank=source)) for source in range(pp)])
+    pairs = (
+        mine
+        if pp == 1
+        else _across_stages(
+            mine, stage, pp, [stream_layout(arch, flow, stage_entries(model, arch, pp_rank=source)) for source in range(pp)]
+        )
+    )
     if to == "all" or dist.get_rank() == 0:
         yield from pairs
     else:
         drain(pairs)
 
 
-def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int,
-                   layouts: list[list[tuple[str, tuple[int, ...], torch.dtype]]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _across_stages(
+    mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int, layouts: list[list[tuple[str, tuple[int, ...], torch.dtype]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's pairs on every rank of this pipeline group, stage by stage: the PP 1 stream's order (embedding,
     layers, final norm, lm_head). Each rank knows every stage's names, shapes and dtypes from the mapping table
     (`layouts`, per stage), so only bytes travel: one broadcast per tensor from the stage that holds it (FP8 as
@@ -96,9 +102,15 @@ def _across_stages(mine: Iterator[tuple[str, torch.Tensor]], stage: int, pp: int
         for name, shape, dtype in layout:
             if sending:
                 got, tensor = next(it, (None, None))
-                if (got, tuple(tensor.shape) if tensor is not None else None, getattr(tensor, "dtype", None)) != (name, shape, dtype):
-                    raise RuntimeError(f"pipeline stage {stage} streams {got!r} {getattr(tensor, 'shape', None)} "
-                                       f"{getattr(tensor, 'dtype', None)} where the mapping table has {name!r} {shape} {dtype}")
+                if (got, tuple(tensor.shape) if tensor is not None else None, getattr(tensor, "dtype", None)) != (
+                    name,
+                    shape,
+                    dtype,
+                ):
+                    raise RuntimeError(
+                        f"pipeline stage {stage} streams {got!r} {getattr(tensor, 'shape', None)} "
+                        f"{getattr(tensor, 'dtype', None)} where the mapping table has {name!r} {shape} {dtype}"
+                    )
                 wire = tensor.detach().contiguous()
             else:
                 wire = torch.empty(shape, dtype=dtype, device=device)

@@ -34,8 +34,11 @@ def fuse_wgrad_accumulation(ddp) -> int:
     kinds = {(m.weight.device, m.weight.dtype, m.weight.main_grad.dtype) for m in layers}
     problems = [p for p in (_check(*kind) for kind in kinds) if p]
     if problems:
-        warnings.warn(f"gradient accumulation fusion stays off ({'; '.join(problems)}): megatron adds each linear's "
-                      "weight gradient into main_grad separately", stacklevel=2)
+        warnings.warn(
+            f"gradient accumulation fusion stays off ({'; '.join(problems)}): megatron adds each linear's "
+            "weight gradient into main_grad separately",
+            stacklevel=2,
+        )
         return 0
     if layers:
         load_patch(PATCH).apply()

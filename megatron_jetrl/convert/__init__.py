@@ -10,6 +10,13 @@ from megatron_jetrl.convert.converter import ConversionError, ConvertResult, Pla
 from megatron_jetrl.convert.hf_writer import HFCheckpointWriter, OutputExistsError, parse_size, verify_manifest
 
 __all__ = [
-    "ConversionError", "ConvertResult", "HFCheckpointWriter", "OutputExistsError", "Plan", "convert", "parse_size",
-    "plan", "verify_manifest",
+    "ConversionError",
+    "ConvertResult",
+    "HFCheckpointWriter",
+    "OutputExistsError",
+    "Plan",
+    "convert",
+    "parse_size",
+    "plan",
+    "verify_manifest",
 ]

@@ -29,8 +29,15 @@ from megatron_jetrl.models.shards import CheckpointError, ShardedCheckpoint, sha
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 IGNORED_SUFFIXES = ("._extra_state",)  # TE/Megatron FP8 metadata, not parameters
 DTYPES = ("fp8", "bf16")
@@ -80,8 +87,13 @@ class Plan:
         """The (hf_name, tensor) stream of the whole model, pipeline stage after pipeline stage."""
         for pp_rank, entries in enumerate(self.stages):
             fetch = self.checkpoint.fetch(pp_rank)
-            yield from hf_tensors(self.arch, self.flow, entries, fetch,
-                                  quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS, self.weight_quantizer()))
+            yield from hf_tensors(
+                self.arch,
+                self.flow,
+                entries,
+                fetch,
+                quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS, self.weight_quantizer()),
+            )
 
     def weight_quantizer(self):
         """`QuantizedWeight.quantize`, or for a TE-spec checkpoint trained in FP8 `fp8.te.te_quantize_weight`: TE's
@@ -110,7 +122,9 @@ def quantize_ranks_in_rows(fetch, flow: PrecisionFlow, rows: int = QUANT_ROWS, q
         if weight.shape[0] <= rows:
             return quantize_weight(weight, flow)
         parts = [quantize_weight(weight[i : i + rows], flow) for i in range(0, weight.shape[0], rows)]
-        return QuantizedWeight(torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn), torch.cat([p.s for p in parts]))
+        return QuantizedWeight(
+            torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn), torch.cat([p.s for p in parts])
+        )
 
     return lambda name: [quantize(t) for t in fetch(name)]
 
@@ -281,10 +295,13 @@ def convert(
         if gen is not None and gen.is_file():
             writer.copy_file(gen)
         else:
-            writer.write_json("generation_config.json", {
-                "_from_model_config": True,
-                **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None},
-            })
+            writer.write_json(
+                "generation_config.json",
+                {
+                    "_from_model_config": True,
+                    **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None},
+                },
+            )
         for src in copies:
             writer.copy_file(src)
         meta = p.checkpoint.meta
@@ -295,9 +312,15 @@ def convert(
                 "quantization_config": p.flow.quantization_config(),
                 "flow": p.flow.to_dict(),
                 "rollout_tp_checked": rollout_tp,
-                "source": {"directory": str(source), "iteration": meta.get("iteration"), "tp": meta["tp"], "pp": meta["pp"],
-                           "spec": meta["spec"], "flow": meta["flow"],
-                           "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]]},
+                "source": {
+                    "directory": str(source),
+                    "iteration": meta.get("iteration"),
+                    "tp": meta["tp"],
+                    "pp": meta["pp"],
+                    "spec": meta["spec"],
+                    "flow": meta["flow"],
+                    "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]],
+                },
             },
         )
     except BaseException:

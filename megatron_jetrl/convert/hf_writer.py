@@ -122,13 +122,21 @@ def _alive(pid: int) -> bool:
 class HFCheckpointWriter:
     """Sink for `(hf_name, tensor)` pairs -> an HF safetensors directory, built in a staging directory."""
 
-    def __init__(self, output: str | Path, *, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
-                 on_shard: Callable[[Path], None] | None = None):
+    def __init__(
+        self,
+        output: str | Path,
+        *,
+        max_shard_bytes: int = 5 * 10**9,
+        overwrite: bool = False,
+        on_shard: Callable[[Path], None] | None = None,
+    ):
         """`on_shard(path)`: called once each shard is written (in the staging directory)."""
         self.output = Path(output).resolve()
         self.on_shard = on_shard
         if self.output.exists() and not overwrite:
-            raise OutputExistsError(f"{self.output} exists; pass --force to replace it (it is replaced only once the new one is complete)")
+            raise OutputExistsError(
+                f"{self.output} exists; pass --force to replace it (it is replaced only once the new one is complete)"
+            )
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.max_shard_bytes = max_shard_bytes
@@ -168,7 +176,9 @@ class HFCheckpointWriter:
         index = len(self._shards) + 1
         path = self.staging / f"shard-{index:05d}.safetensors"
         sha = write_safetensors(path, self._pending)
-        self._shards.append({"file": path.name, "sha256": sha, "bytes": path.stat().st_size, "tensors": [n for n, _ in self._pending]})
+        self._shards.append(
+            {"file": path.name, "sha256": sha, "bytes": path.stat().st_size, "tensors": [n for n, _ in self._pending]}
+        )
         self._pending, self._pending_bytes = [], 0
         if self.on_shard is not None:
             self.on_shard(path)
@@ -198,7 +208,9 @@ class HFCheckpointWriter:
             shard["file"] = final
             for name in shard["tensors"]:
                 weight_map[name] = final
-        self.write_json(INDEX_NAME, {"metadata": {"total_size": self.total_size, **(index_metadata or {})}, "weight_map": weight_map})
+        self.write_json(
+            INDEX_NAME, {"metadata": {"total_size": self.total_size, **(index_metadata or {})}, "weight_map": weight_map}
+        )
         files = [{"file": s["file"], "sha256": s["sha256"], "bytes": s["bytes"]} for s in self._shards]
         for path in sorted(self.staging.iterdir()):
             if path.is_file() and not path.name.startswith(".") and path.name not in {s["file"] for s in self._shards}:
@@ -208,7 +220,9 @@ class HFCheckpointWriter:
         old = None
         if self.output.exists():
             if not self.overwrite:
-                raise OutputExistsError(f"{self.output} appeared during the conversion; the new checkpoint is left in {self.staging}")
+                raise OutputExistsError(
+                    f"{self.output} appeared during the conversion; the new checkpoint is left in {self.staging}"
+                )
             old = self.output.with_name(f"{self.output.name}.old-{os.getpid()}")
             os.replace(self.output, old)
         os.replace(self.staging, self.output)

@@ -30,7 +30,9 @@ def local_shapes(arch: ModelArch, entry: Entry, tp: int) -> list[tuple[int, ...]
 
     padded = padded_vocab_size(arch.vocab_size, tp)
     full = {name: torch.empty(hf_shape(arch, name), device="meta") for name in entry.hf}
-    return [tuple(from_hf(entry, arch, {n: rank_slice(entry, full[n], r, tp, padded) for n in entry.hf}).shape) for r in range(tp)]
+    return [
+        tuple(from_hf(entry, arch, {n: rank_slice(entry, full[n], r, tp, padded) for n in entry.hf}).shape) for r in range(tp)
+    ]
 
 
 def rollout_tp_problems(shapes: dict[str, tuple[int, ...]], tp: int, block: int = BLOCK) -> list[str]:

@@ -19,10 +19,22 @@ from megatron_jetrl.models.shards import save_rank_shard, write_meta
 
 def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     """hidden 256, head_dim 128, 4 heads, 2 kv heads, intermediate 512, 2 layers, vocab 300."""
-    config = dict(model_type=model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2)
+    config = dict(
+        model_type=model_type,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=300,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config.update(overrides)
     return config
 
@@ -42,9 +54,19 @@ def random_hf_state(arch: ModelArch, seed: int = 0, std: float = 0.05) -> dict[s
     return state
 
 
-def save_synthetic_checkpoint(directory: str | Path, hf_config: dict, *, tp: int = 1, pp: int = 1, flow: PrecisionFlow | None = None,
-                              spec: str = "local", seed: int = 0, hf_state: dict | None = None, iteration: int = 0,
-                              pp_last_layers: int = 0) -> dict:
+def save_synthetic_checkpoint(
+    directory: str | Path,
+    hf_config: dict,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    flow: PrecisionFlow | None = None,
+    spec: str = "local",
+    seed: int = 0,
+    hf_state: dict | None = None,
+    iteration: int = 0,
+    pp_last_layers: int = 0,
+) -> dict:
     """Write a sealed TP x PP actor checkpoint of `hf_state` (default: random; `pp_last_layers`: an uneven pipeline
     split, as `parallel.pp_last_layers`) and return the HF state."""
     arch = ModelArch.from_hf_config(hf_config)
@@ -54,10 +76,20 @@ def save_synthetic_checkpoint(directory: str | Path, hf_config: dict, *, tp: int
     for p in range(pp):
         entries = model_entries(arch, pp_rank=p, pp_size=pp, spec=spec, last_layers=pp_last_layers)
         for r in range(tp):
-            local = {e.megatron: from_hf(e, arch, {n: rank_slice(e, hf[n], r, tp, padded) for n in e.hf}).clone() for e in entries}
+            local = {
+                e.megatron: from_hf(e, arch, {n: rank_slice(e, hf[n], r, tp, padded) for n in e.hf}).clone() for e in entries
+            }
             shards.append(save_rank_shard(directory, local, r, p))
             del local
-    write_meta(directory, iteration=iteration, tp=tp, pp=pp, spec=spec, hf_config=hf_config,
-               flow=(flow or PrecisionFlow()).to_dict(), shards=shards,
-               extra={"pp_last_layers": pp_last_layers} if pp_last_layers else None)
+    write_meta(
+        directory,
+        iteration=iteration,
+        tp=tp,
+        pp=pp,
+        spec=spec,
+        hf_config=hf_config,
+        flow=(flow or PrecisionFlow()).to_dict(),
+        shards=shards,
+        extra={"pp_last_layers": pp_last_layers} if pp_last_layers else None,
+    )
     return hf

@@ -123,20 +123,30 @@ class Report:
             by_layer.setdefault(m.group(1) if m else "-", []).append(t)
         rows = []
         for layer, ts in sorted(by_layer.items(), key=lambda kv: (kv[0] == "-", int(kv[0]) if kv[0].isdigit() else 0)):
-            rows.append({
-                "layer": layer, "linears": len(ts),
-                "rel_err_max": max(t["rel_err"] for t in ts),
-                "rel_err_rms": math.sqrt(sum(t["rel_err"] ** 2 for t in ts) / len(ts)),
-                "max_abs_err": max(t["max_abs_err"] for t in ts),
-                "bound_ratio": max(t["bound_ratio"] for t in ts),
-                "requant_equal": all(t["requant_equal"] for t in ts),
-            })
+            rows.append(
+                {
+                    "layer": layer,
+                    "linears": len(ts),
+                    "rel_err_max": max(t["rel_err"] for t in ts),
+                    "rel_err_rms": math.sqrt(sum(t["rel_err"] ** 2 for t in ts) / len(ts)),
+                    "max_abs_err": max(t["max_abs_err"] for t in ts),
+                    "bound_ratio": max(t["bound_ratio"] for t in ts),
+                    "requant_equal": all(t["requant_equal"] for t in ts),
+                }
+            )
         return rows
 
     def to_dict(self) -> dict:
-        return {"directory": self.directory, "fp8": self.fp8, "ok": self.ok, "problems": self.problems,
-                "rollout_tp": {str(k): v for k, v in self.rollout_tp.items()}, "layers": self.layers(),
-                "tensors": self.tensors, "logits": self.logits}
+        return {
+            "directory": self.directory,
+            "fp8": self.fp8,
+            "ok": self.ok,
+            "problems": self.problems,
+            "rollout_tp": {str(k): v for k, v in self.rollout_tp.items()},
+            "layers": self.layers(),
+            "tensors": self.tensors,
+            "logits": self.logits,
+        }
 
 
 def verify_checkpoint(directory: str | Path, *, rollout_tps=(1,), reference: str | Path | None = None) -> Report:
@@ -213,8 +223,10 @@ def verify_checkpoint(directory: str | Path, *, rollout_tps=(1,), reference: str
             if ref is not None:
                 report.tensors.append(_quant_error(name, t, s, ref.get(name), scale_mode))
                 if report.tensors[-1]["bound_ratio"] > 1.0:
-                    problems.append(f"{name}: dequantized weight exceeds the E4M3 rounding bound of the reference "
-                                    f"(ratio {report.tensors[-1]['bound_ratio']:.3g}): scales or bytes do not belong to it")
+                    problems.append(
+                        f"{name}: dequantized weight exceeds the E4M3 rounding bound of the reference "
+                        f"(ratio {report.tensors[-1]['bound_ratio']:.3g}): scales or bytes do not belong to it"
+                    )
         elif ref is not None:
             r = ref.get(name)
             if r.shape != t.shape or not torch.equal(r.to(t.dtype).view(torch.int16), t.view(torch.int16)):
@@ -265,7 +277,9 @@ def default_prompts(directory: Path, vocab_size: int, n: int = 4, length: int = 
     return torch.randint(0, vocab_size, (n, length), generator=torch.Generator().manual_seed(1234))
 
 
-def compare_logits(fp8_dir: str | Path, bf16_dir: str | Path, report: Report | None = None, prompts: torch.Tensor | None = None) -> dict:
+def compare_logits(
+    fp8_dir: str | Path, bf16_dir: str | Path, report: Report | None = None, prompts: torch.Tensor | None = None
+) -> dict:
     """Logits of the FP8 checkpoint (transformers FineGrainedFP8, dequantized) vs the BF16 checkpoint.
 
     Two numbers and two criteria:
@@ -294,7 +308,9 @@ def compare_logits(fp8_dir: str | Path, bf16_dir: str | Path, report: Report | N
         c = mb(ids).logits.float()
     rel = float((a - b).norm() / b.norm())
     out = {
-        "prompts": list(ids.shape), "max_abs_diff": float((a - b).abs().max()), "rel_l2": rel,
+        "prompts": list(ids.shape),
+        "max_abs_diff": float((a - b).abs().max()),
+        "rel_l2": rel,
         "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
         "exact_vs_dequantized_bf16": bool(torch.equal(a, c)),
     }

@@ -83,6 +83,7 @@ def _pad_k(q: torch.Tensor) -> torch.Tensor:
 
 # ---- cuBLASLt ---------------------------------------------------------------------------------------
 
+
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
     """[R, L] scales stored column-major: strides (1, R) (no copy when they already are)."""
     if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0]):
@@ -164,11 +165,15 @@ def limit_sms(n: int, device: torch.device) -> None:
     dg = deep_gemm_module()
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if n > total:
-        raise ValueError(f"precision.gemm_sms={n}, but {torch.cuda.get_device_name(device)} has {total} SMs: give at most "
-                         f"{total} (0: all of them)")
+        raise ValueError(
+            f"precision.gemm_sms={n}, but {torch.cuda.get_device_name(device)} has {total} SMs: give at most "
+            f"{total} (0: all of them)"
+        )
     if not hasattr(dg, "set_num_sms"):
-        raise RuntimeError(f"precision.gemm_sms={n}: this DeepGEMM ({dg.__name__}) has no set_num_sms; use DeepGEMM 2.x "
-                           "(vLLM 0.26 bundles 2.5.0) or leave gemm_sms at 0")
+        raise RuntimeError(
+            f"precision.gemm_sms={n}: this DeepGEMM ({dg.__name__}) has no set_num_sms; use DeepGEMM 2.x "
+            "(vLLM 0.26 bundles 2.5.0) or leave gemm_sms at 0"
+        )
     dg.set_num_sms(n or total)
     SMS_IN_USE[0] = n
 
@@ -181,8 +186,10 @@ def deepgemm_takes(n: int) -> bool:
 
 def gemm_deepgemm(a_q, a_s, b_q, b_s, b_block, out_dtype, acc=None):
     if not deepgemm_takes(b_q.shape[0]):
-        raise ValueError(f"DeepGEMM needs N % 8 == 0 (a TMA store of the output rows), got N={b_q.shape[0]}: "
-                         "use backend='auto' (which passes such shapes on), 'cublaslt' or 'triton'")
+        raise ValueError(
+            f"DeepGEMM needs N % 8 == 0 (a TMA store of the output rows), got N={b_q.shape[0]}: "
+            "use backend='auto' (which passes such shapes on), 'cublaslt' or 'triton'"
+        )
     dg = deep_gemm_module()
     a, b = _pad_k(a_q), _pad_k(b_q)
     m, n = a.shape[0], b.shape[0]

@@ -520,13 +520,17 @@ def source(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, block128: bool = F
 
 
 @functools.cache
-def _kernel(fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile", block128: bool = False):
+def _kernel(
+    fp8_in: bool, rows: bool, cols: bool, ue8m0: bool, device_index: int, name: str = "quant_tile", block128: bool = False
+):
     """The compiled kernel `name` (NVRTC through torch, once per variant and device); `.func` is its CUfunction."""
     with torch.cuda.device(device_index):
         kern = torch.cuda._compile_kernel(source(fp8_in, rows, cols, ue8m0, block128), name)
     if getattr(kern, "func", None) is None:
-        raise RuntimeError(f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
-                           "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels")
+        raise RuntimeError(
+            f"torch {torch.__version__}: torch.cuda._compile_kernel returned no CUfunction (.func); "
+            "set megatron_jetrl.fp8.kernels.QUANT_CFG['dual']['mode'] = 'split' to use the Triton kernels"
+        )
     return kern
 
 
@@ -588,8 +592,12 @@ def quantize(x, x_scale, q, s, qt, st, eps: float, ue8m0: bool, block128: bool =
     device_index = x.get_device()  # (a CUDA tensor: its device index, without building a device object)
     _make_context_current(device_index)  # before the first compile too: loading the module needs a current context
     kern = _kernel(fp8_in, q is not None, qt is not None, ue8m0, device_index, "quant_tile", block128)
-    _launch(kern.func, device_index, (-(-t // TILE) * -(-n // TILE), 1),
-            *_arguments(x, xs, [t, n, x.stride(0), xs.stride(0), xs.stride(1)], q, s, qt, st, eps))
+    _launch(
+        kern.func,
+        device_index,
+        (-(-t // TILE) * -(-n // TILE), 1),
+        *_arguments(x, xs, [t, n, x.stride(0), xs.stride(0), xs.stride(1)], q, s, qt, st, eps),
+    )
 
 
 def _arguments(a, b, head: list[int], q, s, qt, st, eps: float):
@@ -598,8 +606,10 @@ def _arguments(a, b, head: list[int], q, s, qt, st, eps: float):
     rows, cols = q is not None, qt is not None
     q_, s_ = (q, s) if rows else (qt, st)
     qt_, st_ = (qt, st) if cols else (q, s)
-    return ([a.data_ptr(), b.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
-            [*head, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1), _float_bits(eps)])
+    return (
+        [a.data_ptr(), b.data_ptr(), q_.data_ptr(), s_.data_ptr(), qt_.data_ptr(), st_.data_ptr()],
+        [*head, q_.stride(0), s_.stride(0), s_.stride(1), qt_.stride(0), st_.stride(0), st_.stride(1), _float_bits(eps)],
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -616,7 +626,12 @@ def takes_swiglu(gate_up: torch.Tensor, d_out: torch.Tensor) -> bool:
     t, i = d_out.shape
     if tuple(gate_up.shape) != (t, 2 * i) or t == 0 or i == 0 or t % 16 or i % TILE or t >= 2**31 or 2 * i >= 2**31:
         return False
-    return gate_up.dtype == d_out.dtype == torch.bfloat16 and gate_up.device == d_out.device and _aligned(gate_up, 8) and _aligned(d_out, 8)
+    return (
+        gate_up.dtype == d_out.dtype == torch.bfloat16
+        and gate_up.device == d_out.device
+        and _aligned(gate_up, 8)
+        and _aligned(d_out, 8)
+    )
 
 
 def quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, eps: float, ue8m0: bool) -> None:
@@ -626,5 +641,9 @@ def quantize_swiglu_backward(gate_up, d_out, q, s, qt, st, eps: float, ue8m0: bo
     device_index = gate_up.get_device()
     _make_context_current(device_index)
     kern = _kernel(False, q is not None, qt is not None, ue8m0, device_index, "swiglu_bwd_tile")
-    _launch(kern.func, device_index, (-(-t // TILE), i // TILE),
-            *_arguments(gate_up, d_out, [t, i, gate_up.stride(0), d_out.stride(0), 0], q, s, qt, st, eps))
+    _launch(
+        kern.func,
+        device_index,
+        (-(-t // TILE), i // TILE),
+        *_arguments(gate_up, d_out, [t, i, gate_up.stride(0), d_out.stride(0), 0], q, s, qt, st, eps),
+    )

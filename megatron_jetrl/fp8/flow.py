@@ -83,15 +83,21 @@ class PrecisionFlow:
         if self.mode not in MODES:
             problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.fmt != "e4m3":
-            problems.append(f"fmt {self.fmt!r} is not supported: the rollout format is E4M3 for weights and activations; use fmt='e4m3'")
+            problems.append(
+                f"fmt {self.fmt!r} is not supported: the rollout format is E4M3 for weights and activations; use fmt='e4m3'"
+            )
         if self.act_group != 128:
-            problems.append(f"act_group must be 128 (1x128 groups align with the 128x128 weight blocks DGrad reuses), got {self.act_group}")
+            problems.append(
+                f"act_group must be 128 (1x128 groups align with the 128x128 weight blocks DGrad reuses), got {self.act_group}"
+            )
         if weight_block != (128, 128):
             problems.append(f"weight_block must be (128, 128) (vLLM's and DeepGEMM's block), got {weight_block}")
         if self.scale_mode not in SCALE_MODES:
             problems.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
         elif self.mode == "bf16" and self.scale_mode != "fp32":
-            problems.append("scale_mode='ue8m0' has no effect in mode='bf16' (nothing is quantized): pick an FP8 mode or leave scale_mode='fp32'")
+            problems.append(
+                "scale_mode='ue8m0' has no effect in mode='bf16' (nothing is quantized): pick an FP8 mode or leave scale_mode='fp32'"
+            )
         if not (isinstance(self.eps, float) and math.isfinite(self.eps) and 0 < self.eps < 1e-3):
             problems.append(f"eps must be a small positive float (vLLM uses 1e-10), got {self.eps!r}")
         if self.check_finite not in CHECK_MODES:
@@ -102,13 +108,19 @@ class PrecisionFlow:
         if isinstance(self.gemm_sms, bool) or not isinstance(self.gemm_sms, int) or self.gemm_sms < 0:
             problems.append(f"gemm_sms must be a whole number of SMs, 0 for all of the device's, got {self.gemm_sms!r}")
         elif self.gemm_sms and self.backend not in ("auto", "deepgemm"):
-            problems.append(f"gemm_sms={self.gemm_sms} limits DeepGEMM's kernels, but backend={self.backend!r} never runs them: "
-                            "use backend auto or deepgemm, or leave gemm_sms at 0")
+            problems.append(
+                f"gemm_sms={self.gemm_sms} limits DeepGEMM's kernels, but backend={self.backend!r} never runs them: "
+                "use backend auto or deepgemm, or leave gemm_sms at 0"
+            )
         if not isinstance(self.exact_logprobs, bool):
-            problems.append(f"exact_logprobs must be true or false (a run config also takes auto, its default), got {self.exact_logprobs!r}")
+            problems.append(
+                f"exact_logprobs must be true or false (a run config also takes auto, its default), got {self.exact_logprobs!r}"
+            )
         elif self.exact_logprobs and self.mode == "bf16-train-fp8-rollout":
-            problems.append("exact_logprobs cannot hold in mode 'bf16-train-fp8-rollout': it trains in BF16 and samples in "
-                            "FP8, two forwards by design; use mode 'jetrl' (or 'bf16') with exact_logprobs")
+            problems.append(
+                "exact_logprobs cannot hold in mode 'bf16-train-fp8-rollout': it trains in BF16 and samples in "
+                "FP8, two forwards by design; use mode 'jetrl' (or 'bf16') with exact_logprobs"
+            )
         if problems:
             raise ValueError("invalid PrecisionFlow: " + "; ".join(problems))
         object.__setattr__(self, "gemms", GEMMS if self.mode == "jetrl" else ())
@@ -173,4 +185,3 @@ class PrecisionFlow:
         if unknown:
             raise ValueError(f"unknown PrecisionFlow keys {sorted(unknown)}; known keys: {sorted(known)}")
         return cls(**data)
-

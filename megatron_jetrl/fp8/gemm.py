@@ -52,8 +52,10 @@ def _check_operands(a_q, a_s, b_q, b_s, b_block, acc) -> None:
 
 def _check_acc(acc, m: int, n: int) -> None:
     if acc.dtype != torch.float32 or acc.shape != (m, n) or not acc.is_contiguous():
-        raise ValueError(f"acc must be a contiguous FP32 [{m}, {n}] buffer (megatron DDP's main_grad needs "
-                         f"grad_reduce_in_fp32), got {acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
+        raise ValueError(
+            f"acc must be a contiguous FP32 [{m}, {n}] buffer (megatron DDP's main_grad needs "
+            f"grad_reduce_in_fp32), got {acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -100,8 +102,9 @@ def resolve_backend(name: str, device: torch.device, n: int | None = None) -> st
     return name
 
 
-def blockwise_gemm(a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bfloat16, backend="auto", acc=None,
-                   checked=False, sms=None):
+def blockwise_gemm(
+    a_q, a_s, b_q, b_s, *, b_block=(128, 128), out_dtype=torch.bfloat16, backend="auto", acc=None, checked=False, sms=None
+):
     """`dequant(a) @ dequant(b)^T` in `out_dtype` on the chosen backend, or added into `acc` (see module docstring).
 
     `checked=True`: the caller vouches for the operands (the FP8 linear passes what this package's quantizers made,

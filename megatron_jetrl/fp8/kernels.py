@@ -97,9 +97,7 @@ def quant_math():
 
     @triton.jit
     def div_rn(a, b):
-        return tl.inline_asm_elementwise(
-            "div.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
-        )
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def scale_of(amax, has_nan, eps, UE8M0: tl.constexpr):
@@ -159,11 +157,25 @@ def _k():
 
     @triton.jit
     def _quant_1x128(
-        x_ptr, q_ptr, s_ptr, M, K,
-        stride_xm, stride_qm, stride_sm, stride_sk,
-        eps, p_ptr, stride_pm,
-        BLOCK_M: tl.constexpr, G: tl.constexpr, UE8M0: tl.constexpr, SWIGLU: tl.constexpr, EVEN: tl.constexpr,
-        PRODUCT: tl.constexpr, DIV: tl.constexpr,
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        M,
+        K,
+        stride_xm,
+        stride_qm,
+        stride_sm,
+        stride_sk,
+        eps,
+        p_ptr,
+        stride_pm,
+        BLOCK_M: tl.constexpr,
+        G: tl.constexpr,
+        UE8M0: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        EVEN: tl.constexpr,
+        PRODUCT: tl.constexpr,
+        DIV: tl.constexpr,
     ):
         # one program: BLOCK_M rows x G consecutive 128-groups; PRODUCT (with SWIGLU): the BF16 product is stored too
         pid_m = tl.program_id(0)
@@ -210,10 +222,24 @@ def _k():
 
     @triton.jit
     def _quant_cols(
-        x_ptr, xs_ptr, qt_ptr, st_ptr, T, N,
-        stride_xt, stride_xst, stride_xsn, stride_qtn, stride_stn, stride_stt,
+        x_ptr,
+        xs_ptr,
+        qt_ptr,
+        st_ptr,
+        T,
+        N,
+        stride_xt,
+        stride_xst,
+        stride_xsn,
+        stride_qtn,
+        stride_stn,
+        stride_stt,
         eps,
-        BLOCK_N: tl.constexpr, FP8_IN: tl.constexpr, UE8M0: tl.constexpr, EVEN: tl.constexpr, TRANS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        FP8_IN: tl.constexpr,
+        UE8M0: tl.constexpr,
+        EVEN: tl.constexpr,
+        TRANS: tl.constexpr,
         TMA: tl.constexpr,
     ):
         # 128x1 groups along T of a [128, BLOCK_N] tile, written transposed ([N, T], T contiguous). TMA: `qt_ptr` is a
@@ -231,7 +257,8 @@ def _k():
         if FP8_IN:
             xs = tl.load(
                 xs_ptr + offs_t[:, None].to(tl.int64) * stride_xst + (offs_n[None, :] // 128) * stride_xsn,
-                mask=mask, other=1.0,
+                mask=mask,
+                other=1.0,
             )
             x = x * xs
         amax = tl.max(tl.abs(x), axis=0)
@@ -259,11 +286,28 @@ def _k():
 
     @triton.jit
     def _quant_dual(
-        x_ptr, xs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, T, N,
-        stride_xt, stride_xst, stride_xsn, stride_qt, stride_st, stride_sn,
-        stride_qtn, stride_stn, stride_stt,
+        x_ptr,
+        xs_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        T,
+        N,
+        stride_xt,
+        stride_xst,
+        stride_xsn,
+        stride_qt,
+        stride_st,
+        stride_sn,
+        stride_qtn,
+        stride_stn,
+        stride_stt,
         eps,
-        FP8_IN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, UE8M0: tl.constexpr,
+        FP8_IN: tl.constexpr,
+        ROWS: tl.constexpr,
+        COLS: tl.constexpr,
+        UE8M0: tl.constexpr,
         EVEN: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
@@ -307,10 +351,23 @@ def _k():
 
     @triton.jit
     def _quant_128x128(
-        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-        stride_xm, stride_qm, stride_sm, stride_sk, stride_qtk, stride_stk, stride_stm,
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        M,
+        K,
+        stride_xm,
+        stride_qm,
+        stride_sm,
+        stride_sk,
+        stride_qtk,
+        stride_stk,
+        stride_stm,
         eps,
-        UE8M0: tl.constexpr, TRANSPOSED: tl.constexpr,
+        UE8M0: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -353,10 +410,29 @@ def _k():
 
     @triton.jit
     def _gemm_ptr(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
-        stride_am, stride_bn, stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
-        B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACC: tl.constexpr,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        as_ptr,
+        bs_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_bn,
+        stride_cm,
+        stride_cn,
+        stride_asm,
+        stride_ask,
+        stride_bsn,
+        stride_bsk,
+        B_TILE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        ACC: tl.constexpr,
     ):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -392,10 +468,28 @@ def _k():
 
     @triton.jit
     def _gemm_tma(
-        a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K,
-        stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
-        B_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_STAGES: tl.constexpr, LOOKAHEAD: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr,
+        a_desc,
+        b_desc,
+        c_ptr,
+        as_ptr,
+        bs_ptr,
+        M,
+        N,
+        K,
+        stride_cm,
+        stride_cn,
+        stride_asm,
+        stride_ask,
+        stride_bsn,
+        stride_bsk,
+        B_TILE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        LOOKAHEAD: tl.constexpr,
+        WS: tl.constexpr,
+        ACC: tl.constexpr,
     ):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -453,8 +547,16 @@ def _k():
 
     @triton.jit
     def _swiglu_bwd(
-        gu_ptr, dy_ptr, d_ptr, M, I, stride_gm, stride_dym, stride_dm,
-        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+        gu_ptr,
+        dy_ptr,
+        d_ptr,
+        M,
+        I,
+        stride_gm,
+        stride_dym,
+        stride_dm,
+        BLOCK_M: tl.constexpr,
+        BLOCK_I: tl.constexpr,
     ):
         # d[gate | up] of silu(gate) * up in autograd's own roundings (torch 2.11 CUDA kernels, opmath FP32):
         # MulBackward d_up = dy * silu(gate) and dy * up, each rounded to the dtype; SiluBackward
@@ -483,10 +585,15 @@ def _k():
         # one program: a BLOCK x BLOCK tile of src [N, K] -> dst [K, N] (E4M3 bytes as uint8: no value is touched)
         offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         offs_k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        tile = tl.load(src_ptr + offs_n[:, None].to(tl.int64) * stride_s + offs_k[None, :],
-                       mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
-        tl.store(dst_ptr + offs_k[:, None].to(tl.int64) * stride_d + offs_n[None, :], tl.trans(tile),
-                 mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
+        tile = tl.load(
+            src_ptr + offs_n[:, None].to(tl.int64) * stride_s + offs_k[None, :],
+            mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+        )
+        tl.store(
+            dst_ptr + offs_k[:, None].to(tl.int64) * stride_d + offs_n[None, :],
+            tl.trans(tile),
+            mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
+        )
 
     kernels = {
         "transpose_bytes": _transpose_bytes,
@@ -504,19 +611,24 @@ def _k():
 # ----------------------------------------------------------------------------------------------------
 # Quantizer wrappers
 
+
 def swiglu_backward(gate_up: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
     """d[gate | up] `[M, 2I]` of `silu(gate) * up` for gate_up `[M, 2I]` and d_out `[M, I]` (2-D, unit stride along
     the last dim): one pass, the bits of torch's autograd of `F.silu(gate) * up` (tests/gpu/test_kernels.py)."""
     m, i = d_out.shape
     if gate_up.shape != (m, 2 * i) or gate_up.stride(-1) != 1 or d_out.stride(-1) != 1:
-        raise ValueError(f"swiglu_backward takes gate_up [M, 2I] and d_out [M, I] with unit last stride, got "
-                         f"{tuple(gate_up.shape)} (strides {gate_up.stride()}) and {tuple(d_out.shape)} (strides {d_out.stride()})")
+        raise ValueError(
+            f"swiglu_backward takes gate_up [M, 2I] and d_out [M, I] with unit last stride, got "
+            f"{tuple(gate_up.shape)} (strides {gate_up.stride()}) and {tuple(d_out.shape)} (strides {d_out.stride()})"
+        )
     d = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     if m and i:
         bm, bi = 8, 512
         _k()["swiglu_bwd"][(triton_cdiv(m, bm), triton_cdiv(i, bi))](
-            gate_up, d_out, d, m, i, gate_up.stride(0), d_out.stride(0), d.stride(0), BLOCK_M=bm, BLOCK_I=bi, num_warps=4)
+            gate_up, d_out, d, m, i, gate_up.stride(0), d_out.stride(0), d.stride(0), BLOCK_M=bm, BLOCK_I=bi, num_warps=4
+        )
     return d
+
 
 # ----------------------------------------------------------------------------------------------------
 
@@ -581,8 +693,20 @@ QUANT_CFG = {
 }
 
 
-def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=False, block_m=None, num_warps=None, groups=None,
-                   mode=None, product=None, scale=None):
+def quantize_1x128(
+    x,
+    scale_mode="fp32",
+    *,
+    eps=EPS,
+    check_finite=True,
+    swiglu=False,
+    block_m=None,
+    num_warps=None,
+    groups=None,
+    mode=None,
+    product=None,
+    scale=None,
+):
     """1x128 quantization of `x[..., K]` (bytes of `quantize_blockwise(x, (1, 128))`).
 
     Returns `(q, s)`: q `[..., K]` E4M3, s `[..., ceil(K/128)]` FP32; for 2-D input s has strides
@@ -600,9 +724,13 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
             raise ValueError(f"swiglu quantization needs an even last dim ([gate | up]), got {k}")
         k //= 2
     kb = -(-k // GROUP)
-    if product is not None and (not swiglu or tuple(product.shape) != (m, k) or product.dtype != x.dtype or product.stride(-1) != 1):
-        raise ValueError(f"product must be a [{m}, {k}] {x.dtype} tensor with unit stride along its last dim, for swiglu "
-                         f"quantization; got {tuple(product.shape)} {product.dtype} (swiglu={swiglu})")
+    if product is not None and (
+        not swiglu or tuple(product.shape) != (m, k) or product.dtype != x.dtype or product.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"product must be a [{m}, {k}] {x.dtype} tensor with unit stride along its last dim, for swiglu "
+            f"quantization; got {tuple(product.shape)} {product.dtype} (swiglu={swiglu})"
+        )
     if scale is not None and (len(shape) != 2 or tuple(scale.shape) != (m, kb) or scale.dtype != torch.float32):
         raise ValueError(f"scale must be a [{m}, {kb}] float32 tensor for 2-D input, got {tuple(scale.shape)} {scale.dtype}")
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
@@ -618,9 +746,26 @@ def quantize_1x128(x, scale_mode="fp32", *, eps=EPS, check_finite=True, swiglu=F
     elif m and k:
         p = q if product is None else product
         _k()["quant_1x128"][(triton_cdiv(m, bm), triton_cdiv(kb, g))](
-            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps), p, p.stride(0),
-            BLOCK_M=bm, G=g, UE8M0=scale_mode == "ue8m0", SWIGLU=swiglu, EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
-            PRODUCT=product is not None, DIV=division_steps(x.dtype, eps), num_warps=num_warps or cfg["num_warps"],
+            x2,
+            q,
+            s,
+            m,
+            k,
+            x2.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            float(eps),
+            p,
+            p.stride(0),
+            BLOCK_M=bm,
+            G=g,
+            UE8M0=scale_mode == "ue8m0",
+            SWIGLU=swiglu,
+            EVEN=(m % bm == 0 and k % (g * GROUP) == 0),
+            PRODUCT=product is not None,
+            DIV=division_steps(x.dtype, eps),
+            num_warps=num_warps or cfg["num_warps"],
         )
     out_shape = shape[:-1] + (k,)
     if check_finite and not bool(torch.isfinite(s).all()):
@@ -650,13 +795,42 @@ def _quant_cols(x2, xs, qt, st, t, n, eps, fp8_in, ue8m0, block_n=None, num_warp
 
         qt_arg = TensorDescriptor.from_tensor(qt, [bn, GROUP])
     _k()["quant_cols"][grid](
-        x2, xs, qt_arg, st, t, n, x2.stride(0), xs.stride(0), xs.stride(1), qt.stride(0), st.stride(0), st.stride(1), float(eps),
-        BLOCK_N=bn, FP8_IN=fp8_in, UE8M0=ue8m0, EVEN=even, TRANS=cfg["trans"] if trans is None else trans, TMA=use_tma,
+        x2,
+        xs,
+        qt_arg,
+        st,
+        t,
+        n,
+        x2.stride(0),
+        xs.stride(0),
+        xs.stride(1),
+        qt.stride(0),
+        st.stride(0),
+        st.stride(1),
+        float(eps),
+        BLOCK_N=bn,
+        FP8_IN=fp8_in,
+        UE8M0=ue8m0,
+        EVEN=even,
+        TRANS=cfg["trans"] if trans is None else trans,
+        TMA=use_tma,
         num_warps=warps,
     )
 
 
-def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True, cols=True, x_scale=None, num_warps=None, mode=None, cols_cfg=None):
+def quantize_dual(
+    x,
+    scale_mode="fp32",
+    *,
+    eps=EPS,
+    check_finite=True,
+    rows=True,
+    cols=True,
+    x_scale=None,
+    num_warps=None,
+    mode=None,
+    cols_cfg=None,
+):
     """One pass over a 2-D `x[T, N]`: 1x128 groups along N and 128x1 groups along T, the latter transposed.
 
     Returns `(q, s, qt, st)`: q `[T, N]` and s `[T, ceil(N/128)]` (strides (1, T)) are
@@ -695,12 +869,29 @@ def quantize_dual(x, scale_mode="fp32", *, eps=EPS, check_finite=True, rows=True
         _quant_cols(x2, x_scale if fp8_in else st, qt, st, t, n, eps, fp8_in, ue8m0, **(cols_cfg or {}))
     elif t and n and (rows or cols):
         _k()["quant_dual"][(tb, nb)](
-            x2, xs, q if rows else dummy8, s if rows else dummy32, qt if cols else dummy8, st if cols else dummy32, t, n,
-            x2.stride(0), xs.stride(0), xs.stride(1),
-            (q if rows else dummy8).stride(0), (s if rows else dummy32).stride(0), (s if rows else dummy32).stride(1),
-            (qt if cols else dummy8).stride(0), (st if cols else dummy32).stride(0), (st if cols else dummy32).stride(1),
+            x2,
+            xs,
+            q if rows else dummy8,
+            s if rows else dummy32,
+            qt if cols else dummy8,
+            st if cols else dummy32,
+            t,
+            n,
+            x2.stride(0),
+            xs.stride(0),
+            xs.stride(1),
+            (q if rows else dummy8).stride(0),
+            (s if rows else dummy32).stride(0),
+            (s if rows else dummy32).stride(1),
+            (qt if cols else dummy8).stride(0),
+            (st if cols else dummy32).stride(0),
+            (st if cols else dummy32).stride(1),
             float(eps),
-            FP8_IN=fp8_in, ROWS=rows, COLS=cols, UE8M0=scale_mode == "ue8m0", EVEN=(t % GROUP == 0 and n % GROUP == 0),
+            FP8_IN=fp8_in,
+            ROWS=rows,
+            COLS=cols,
+            UE8M0=scale_mode == "ue8m0",
+            EVEN=(t % GROUP == 0 and n % GROUP == 0),
             num_warps=num_warps or QUANT_CFG["dual"]["num_warps"],
         )
     if check_finite:
@@ -732,7 +923,9 @@ def swiglu_backward_dual(gate_up, d_out, scale_mode="fp32", *, eps=EPS, rows=Tru
 def _dual_outputs(t: int, n: int, rows: bool, cols: bool, device):
     """`quantize_dual`'s empty outputs for a [T, N] input: (q, s) if rows, (qt, st) if cols, else Nones."""
     q, s = (torch.empty(t, n, dtype=E4M3, device=device), _outer_major_empty(t, -(-n // GROUP), device)) if rows else (None, None)
-    qt, st = (torch.empty(n, t, dtype=E4M3, device=device), _outer_major_empty(n, -(-t // GROUP), device)) if cols else (None, None)
+    qt, st = (
+        (torch.empty(n, t, dtype=E4M3, device=device), _outer_major_empty(n, -(-t // GROUP), device)) if cols else (None, None)
+    )
     return q, s, qt, st
 
 
@@ -751,18 +944,26 @@ def _check_fused_swiglu(device, scale_mode: str, eps: float, rows: bool, cols: b
     gate_up = (torch.randn(144, 512, device=device, generator=g) * 4).to(torch.bfloat16)
     d_out = torch.randn(144, 256, device=device, generator=g).to(torch.bfloat16)
     special = [0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, 90.0, -90.0, 1e-38, -1e-38, float("inf"), -float("inf"), float("nan")]
-    gate_up[0, :len(special)] = torch.tensor(special)
-    gate_up[1, 256:256 + len(special)] = torch.tensor(special)
+    gate_up[0, : len(special)] = torch.tensor(special)
+    gate_up[1, 256 : 256 + len(special)] = torch.tensor(special)
     d_out[2, :4] = torch.tensor([1e-38, -1e4, 3e38, float("nan")])
     fused = _swiglu_dual_cuda(gate_up, d_out, scale_mode, eps, rows, cols)
     split = quantize_dual(swiglu_backward(gate_up, d_out), scale_mode, eps=eps, check_finite=False, rows=rows, cols=cols)
-    bad = [name for name, a, b in zip(("rows", "row scales", "columns", "column scales"), fused, split)
-           if a is not None and not torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a.view(torch.int32),
-                              b.view(torch.uint8) if b.dtype == E4M3 else b.view(torch.int32))]
+    bad = [
+        name
+        for name, a, b in zip(("rows", "row scales", "columns", "column scales"), fused, split)
+        if a is not None
+        and not torch.equal(
+            a.view(torch.uint8) if a.dtype == E4M3 else a.view(torch.int32),
+            b.view(torch.uint8) if b.dtype == E4M3 else b.view(torch.int32),
+        )
+    ]
     if bad:
-        raise RuntimeError(f"the fused SwiGLU-backward quantizer (fp8/cuda_tiles.py swiglu_bwd_tile) differs from "
-                           f"swiglu_backward + quantize_dual on {device} ({scale_mode} scales) in its {', '.join(bad)}; "
-                           "set megatron_jetrl.fp8.kernels.QUANT_CFG['swiglu_bwd']['mode'] = 'split' and report it")
+        raise RuntimeError(
+            f"the fused SwiGLU-backward quantizer (fp8/cuda_tiles.py swiglu_bwd_tile) differs from "
+            f"swiglu_backward + quantize_dual on {device} ({scale_mode} scales) in its {', '.join(bad)}; "
+            "set megatron_jetrl.fp8.kernels.QUANT_CFG['swiglu_bwd']['mode'] = 'split' and report it"
+        )
 
 
 def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
@@ -777,7 +978,9 @@ def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
     out = torch.empty(k, n, dtype=torch.uint8, device=q.device)
     if n and k:
         block = 64
-        _k()["transpose_bytes"][(-(-n // block), -(-k // block))](src, out, n, k, src.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _k()["transpose_bytes"][(-(-n // block), -(-k // block))](
+            src, out, n, k, src.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out.view(q.dtype)
 
 
@@ -801,12 +1004,37 @@ def quantize_128x128(w, scale_mode="fp32", *, eps=EPS, check_finite=True, transp
     if mode not in ("cuda", "triton"):
         raise ValueError(f"quantize_128x128 mode must be 'cuda' or 'triton', got {mode!r}")
     if mode == "cuda" and cuda_tiles.takes(w2, None, cols=transposed):
-        cuda_tiles.quantize(w2, None, q, s, qt if transposed else None, st if transposed else None, float(eps),
-                            scale_mode == "ue8m0", block128=True)
+        cuda_tiles.quantize(
+            w2,
+            None,
+            q,
+            s,
+            qt if transposed else None,
+            st if transposed else None,
+            float(eps),
+            scale_mode == "ue8m0",
+            block128=True,
+        )
     elif n and k:
         _k()["quant_128x128"][(nb, kb)](
-            w2, q, s, qt, st, n, k, w2.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
-            float(eps), UE8M0=scale_mode == "ue8m0", TRANSPOSED=transposed, num_warps=8,
+            w2,
+            q,
+            s,
+            qt,
+            st,
+            n,
+            k,
+            w2.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            qt.stride(0),
+            st.stride(0),
+            st.stride(1),
+            float(eps),
+            UE8M0=scale_mode == "ue8m0",
+            TRANSPOSED=transposed,
+            num_warps=8,
         )
     _finite_or_raise(w, s, (128, 128), check_finite)
     return (q, s, qt, st) if transposed else (q, s)
@@ -881,17 +1109,56 @@ def gemm(a_q, a_s, b_q, b_s, b_block=(128, 128), out_dtype=torch.bfloat16, *, co
         a_desc = TensorDescriptor.from_tensor(a_q, [bm, 128])
         b_desc = TensorDescriptor.from_tensor(b_q, [bn, 128])
         kern["gemm_tma"][grid](
-            a_desc, b_desc, c, a_s, b_s, m, n, k, c.stride(0), c.stride(1),
-            a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, NUM_STAGES=stages, LOOKAHEAD=lookahead, WS=ws,
-            ACC=accumulate, num_warps=warps,
+            a_desc,
+            b_desc,
+            c,
+            a_s,
+            b_s,
+            m,
+            n,
+            k,
+            c.stride(0),
+            c.stride(1),
+            a_s.stride(0),
+            a_s.stride(1),
+            b_s.stride(0),
+            b_s.stride(1),
+            B_TILE=b_tile,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            GROUP_M=gm,
+            NUM_STAGES=stages,
+            LOOKAHEAD=lookahead,
+            WS=ws,
+            ACC=accumulate,
+            num_warps=warps,
         )
     else:
         kern["gemm_ptr"][grid](
-            a_q, b_q, c, a_s, b_s, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0), c.stride(1),
-            a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-            B_TILE=b_tile, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, EVEN_K=(k % 128 == 0), NUM_STAGES=stages,
-            ACC=accumulate, num_warps=warps,
+            a_q,
+            b_q,
+            c,
+            a_s,
+            b_s,
+            m,
+            n,
+            k,
+            a_q.stride(0),
+            b_q.stride(0),
+            c.stride(0),
+            c.stride(1),
+            a_s.stride(0),
+            a_s.stride(1),
+            b_s.stride(0),
+            b_s.stride(1),
+            B_TILE=b_tile,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            GROUP_M=gm,
+            EVEN_K=(k % 128 == 0),
+            NUM_STAGES=stages,
+            ACC=accumulate,
+            num_warps=warps,
         )
     return c
 

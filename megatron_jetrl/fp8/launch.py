@@ -59,7 +59,9 @@ def _hooks_active() -> bool:
     """Whether a Triton launch hook is registered (Triton 3.6 keeps them in `HookChain`s, empty by default)."""
     from triton import knobs
 
-    return any(bool(getattr(h, "calls", h is not None)) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    return any(
+        bool(getattr(h, "calls", h is not None)) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    )
 
 
 class Launcher:
@@ -111,8 +113,10 @@ def _direct_ok() -> bool:
     if _DIRECT is None:
         choice = os.environ.get(ENV, "direct")
         if choice not in ("direct", "triton"):
-            raise ValueError(f"{ENV}={choice!r}: use 'direct' (the default: cached direct launches, checked once) or 'triton' "
-                             "(every launch through JITFunction.run)")
+            raise ValueError(
+                f"{ENV}={choice!r}: use 'direct' (the default: cached direct launches, checked once) or 'triton' "
+                "(every launch through JITFunction.run)"
+            )
         if choice == "triton":
             _DIRECT = False
             return False
@@ -122,8 +126,12 @@ def _direct_ok() -> bool:
             _DIRECT = _probe()
         except Exception as e:  # noqa: BLE001 -- any surprise in Triton's internals: use Triton's own path
             _DIRECT = False
-            warnings.warn(f"Triton launches go through JITFunction.run: the direct-launch probe failed ({type(e).__name__}: "
-                          f"{str(e)[:200]})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"Triton launches go through JITFunction.run: the direct-launch probe failed ({type(e).__name__}: "
+                f"{str(e)[:200]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return _DIRECT
 
 
@@ -144,7 +152,9 @@ def _probe() -> bool:
                     got = torch.full((n,), float("nan"), device="cuda")
                     fast.launch((-(-n // 256),), (x, y, got, n, stride, 0.5), {"SCALE": 2.0, "BLOCK": 256}, direct=True)
                     if not torch.equal(got, want):
-                        raise RuntimeError(f"the direct launch wrote other values than Triton's (offset {off}, n {n}, stride {stride})")
+                        raise RuntimeError(
+                            f"the direct launch wrote other values than Triton's (offset {off}, n {n}, stride {stride})"
+                        )
     return True
 
 

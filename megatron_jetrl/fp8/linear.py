@@ -35,8 +35,9 @@ class QuantizedWeight:
     """Whether `transposed()` keeps the W^T bytes it makes (False: made anew at each call and left to the caller)."""
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False,
-                 keep_t: bool = True) -> QuantizedWeight:
+    def quantize(
+        cls, weight: torch.Tensor, flow: PrecisionFlow, *, site: str | None = None, transposed: bool = False, keep_t: bool = True
+    ) -> QuantizedWeight:
         """Quantize `weight` once (per optimizer step). `transposed=True` also makes DGrad's W^T bytes now, in the
         same pass on CUDA; `keep_t=False` makes them at each DGrad instead and keeps none (less memory held). Non-finite weights: recorded under `check_finite="step"` inside a step's watch, else
         refused on the spot (outside a step a weight is quantized for export or sync, never per token)."""
@@ -94,8 +95,9 @@ def _quantize_input(x2d, flow: PrecisionFlow, site: str):
 
 def _fprop(x_q, x_s, weight: QuantizedWeight, bias, flow: PrecisionFlow, out_dtype):
     """FProp from the quantized input: X(1x128) . W(128x128)^T (+ bias), in `out_dtype`."""
-    y = blockwise_gemm(x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True,
-                       sms=flow.gemm_sms)
+    y = blockwise_gemm(
+        x_q, x_s, weight.q, weight.s, b_block=WEIGHT, out_dtype=out_dtype, backend=flow.backend, checked=True, sms=flow.gemm_sms
+    )
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -109,8 +111,9 @@ def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
     return y if len(like) == 2 else y.view(*like[:-1], y.shape[-1])
 
 
-def fp8_linear_forward(x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None,
-                       gated_act=None) -> torch.Tensor:
+def fp8_linear_forward(
+    x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None, gated_act=None
+) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
     `x` is a gated MLP's `[gate | up]` (as in `fp8_linear`)."""
     x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
@@ -210,17 +213,29 @@ class GatedGradHandoff:
         if self._grads is None:
             return None
         if any(dy.stride()) or dy.untyped_storage().data_ptr() != self._token.untyped_storage().data_ptr():
-            raise RuntimeError("the gated MLP's up projection received a gradient other than the down projection's "
-                               "FP8 handoff: an op between the two changed d[gate | up]. Build the MLP without "
-                               "GatedGradHandoff when its [gate | up] output is used elsewhere")
+            raise RuntimeError(
+                "the gated MLP's up projection received a gradient other than the down projection's "
+                "FP8 handoff: an op between the two changed d[gate | up]. Build the MLP without "
+                "GatedGradHandoff when its [gate | up] output is used elsewhere"
+            )
         grads, self._grads, self._token = self._grads, None, None
         return grads
 
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight: QuantizedWeight, flow: PrecisionFlow, site: str, act=None,
-                handoff: GatedGradHandoff | None = None, dgrad_group=None):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        qweight: QuantizedWeight,
+        flow: PrecisionFlow,
+        site: str,
+        act=None,
+        handoff: GatedGradHandoff | None = None,
+        dgrad_group=None,
+    ):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
         if act is None:
@@ -253,8 +268,17 @@ class _FP8LinearFunction(torch.autograd.Function):
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
-            dx = blockwise_gemm(dy_q, dy_s, wt_q, wt_s, b_block=WEIGHT, out_dtype=ctx.x_dtype, backend=flow.backend, checked=True,
-                                sms=flow.gemm_sms)
+            dx = blockwise_gemm(
+                dy_q,
+                dy_s,
+                wt_q,
+                wt_s,
+                b_block=WEIGHT,
+                out_dtype=ctx.x_dtype,
+                backend=flow.backend,
+                checked=True,
+                sms=flow.gemm_sms,
+            )
             if ctx.act is not None and ctx.handoff is not None:  # the up projection's operands, made here
                 h = ctx.handoff
                 dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
@@ -269,12 +293,30 @@ class _FP8LinearFunction(torch.autograd.Function):
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
-                blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, backend=flow.backend, acc=main_grad, checked=True,
-                               sms=flow.gemm_sms)
+                blockwise_gemm(
+                    dyt_q,
+                    dyt_s,
+                    xt_q,
+                    xt_s,
+                    b_block=TOKENS_T,
+                    backend=flow.backend,
+                    acc=main_grad,
+                    checked=True,
+                    sms=flow.gemm_sms,
+                )
                 dw = _wgrad_done(weight)
             else:
-                dw = blockwise_gemm(dyt_q, dyt_s, xt_q, xt_s, b_block=TOKENS_T, out_dtype=weight.dtype, backend=flow.backend,
-                                    checked=True, sms=flow.gemm_sms)
+                dw = blockwise_gemm(
+                    dyt_q,
+                    dyt_s,
+                    xt_q,
+                    xt_s,
+                    b_block=TOKENS_T,
+                    out_dtype=weight.dtype,
+                    backend=flow.backend,
+                    checked=True,
+                    sms=flow.gemm_sms,
+                )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(weight.dtype)
         if reduce is not None:
@@ -306,8 +348,18 @@ def _requantize_tokens(x_q, x_s, flow):
     return q.t(), s.t()
 
 
-def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: QuantizedWeight | None = None, site: str | None = None,
-               gated_act=None, handoff: GatedGradHandoff | None = None, dgrad_group=None):
+def fp8_linear(
+    x,
+    weight,
+    bias=None,
+    *,
+    flow: PrecisionFlow,
+    weight_q: QuantizedWeight | None = None,
+    site: str | None = None,
+    gated_act=None,
+    handoff: GatedGradHandoff | None = None,
+    dgrad_group=None,
+):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
     Pass `weight_q` to reuse a weight quantized once per optimizer step; `site` names the layer in non-finite
@@ -321,8 +373,10 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     """
     if dgrad_group is not None and (not flow.train_fp8 or gated_act is not None):
         why = f"mode {flow.mode!r} trains in BF16" if not flow.train_fp8 else "a gated (down) projection is row-parallel"
-        raise ValueError(f"dgrad_group all-reduces a column-parallel FP8 linear's input gradient; {why}: reduce the input's "
-                         "gradient outside (megatron's copy_to_tensor_model_parallel_region), if at all")
+        raise ValueError(
+            f"dgrad_group all-reduces a column-parallel FP8 linear's input gradient; {why}: reduce the input's "
+            "gradient outside (megatron's copy_to_tensor_model_parallel_region), if at all"
+        )
     if not flow.train_fp8:
         if gated_act is not None:
             gate, up = x.chunk(2, dim=-1)
@@ -332,8 +386,10 @@ def fp8_linear(x, weight, bias=None, *, flow: PrecisionFlow, weight_q: Quantized
     if weight_q is None:
         weight_q = QuantizedWeight.quantize(weight, flow, site=site, transposed=True)
     if handoff is not None and gated_act is None and bias is not None:
-        raise ValueError(f"{site}: a GatedGradHandoff needs a bias-free up projection (its bias gradient needs the BF16 "
-                         "d[gate | up], which the handoff never makes); pass handoff=None")
+        raise ValueError(
+            f"{site}: a GatedGradHandoff needs a bias-free up projection (its bias gradient needs the BF16 "
+            "d[gate | up], which the handoff never makes); pass handoff=None"
+        )
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
         return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act)

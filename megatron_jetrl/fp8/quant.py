@@ -123,7 +123,9 @@ def dequantize_blockwise(q: torch.Tensor, s: torch.Tensor, block) -> torch.Tenso
         raise TypeError(f"dequantize_blockwise expects float32 scales, got {s.dtype}")
     expected = scale_shape(q.shape, block)
     if tuple(s.shape) != expected:
-        raise ValueError(f"scale shape {tuple(s.shape)} does not match data {tuple(q.shape)} in {block} blocks: expected {expected}")
+        raise ValueError(
+            f"scale shape {tuple(s.shape)} does not match data {tuple(q.shape)} in {block} blocks: expected {expected}"
+        )
     if q.dim() == 1:
         return q.to(torch.float32) * s.repeat_interleave(bk)[: q.shape[0]]
     m, k = q.shape[-2:]
@@ -151,7 +153,11 @@ def check_shard_alignment(size: int, parts: int, *, what: str, block: int = 128)
     raise ValueError(
         f"{what}: a dimension of {size} split {parts} ways gives shards of {size / parts:g}, "
         f"not a multiple of the {block}-wide FP8 block; "
-        + (f"TP sizes that keep whole blocks: {fits}" if fits else f"no TP size keeps whole blocks ({size} % {block} = {size % block})")
+        + (
+            f"TP sizes that keep whole blocks: {fits}"
+            if fits
+            else f"no TP size keeps whole blocks ({size} % {block} = {size % block})"
+        )
     )
 
 

@@ -70,16 +70,21 @@ from megatron_jetrl.fp8.quant import E4M3, E4M3_MAX, EPS, UE8M0_FLOOR, scale_sha
 TE_VERSION = "2.20.2"
 INSTALL_LINE = "bash .kits/te/bin/build.sh 2.20.2 .kits/te/v2.20.2/base .kits/te/v2.20.2/core-sm90 && source .kits/te/bin/env.sh"
 """How TE gets onto the GPU machine (shared/kits/README.md, after `cp -r shared/kits .kits`)."""
-INSTALL_HINT = (f"Transformer Engine {TE_VERSION} is not importable here (transformer_engine and transformer_engine_torch). "
-                f"On the GPU machine install it from the kit: `{INSTALL_LINE}` (shared/kits/te/README.md); or use the "
-                "local spec (model.spec=local), which runs anywhere")
+INSTALL_HINT = (
+    f"Transformer Engine {TE_VERSION} is not importable here (transformer_engine and transformer_engine_torch). "
+    f"On the GPU machine install it from the kit: `{INSTALL_LINE}` (shared/kits/te/README.md); or use the "
+    "local spec (model.spec=local), which runs anywhere"
+)
 
 QUANTIZED_ROLES = {"input": 1, "weight": 2, "grad_output": 1}  # tensor -> block scaling dim (1: 1x128, 2: 128x128)
 UE8M0_TE_DIFFERS_AT_OR_BELOW = E4M3_MAX * 2.0 ** math.floor(math.log2(UE8M0_FLOOR))
 """ue8m0: exactly the groups with max(amax, eps) <= 448 * 2**-34 (2.6e-8) get another scale from TE (2**ceil(log2(amax/448)),
 below 2**-33) than from vLLM (floored at 1e-10, i.e. 2**-33); see above."""
-_INPUT_MAX = {torch.bfloat16: torch.finfo(torch.bfloat16).max, torch.float16: torch.finfo(torch.float16).max,
-              torch.float32: torch.finfo(torch.float32).max}
+_INPUT_MAX = {
+    torch.bfloat16: torch.finfo(torch.bfloat16).max,
+    torch.float16: torch.finfo(torch.float16).max,
+    torch.float32: torch.finfo(torch.float32).max,
+}
 
 
 @functools.cache
@@ -155,8 +160,13 @@ def role_tensor_type(role) -> str | None:
 def quantizer_kwargs(flow: PrecisionFlow, tensor_type: str) -> dict:
     """Keyword arguments of TE's `Float8BlockQuantizer` for one operand (besides `fp8_dtype`)."""
     _require_fp8_training(flow)
-    return {"rowwise": True, "columnwise": True, "amax_epsilon": flow.eps,
-            "force_pow_2_scales": flow.scale_mode == "ue8m0", "block_scaling_dim": QUANTIZED_ROLES[tensor_type]}
+    return {
+        "rowwise": True,
+        "columnwise": True,
+        "amax_epsilon": flow.eps,
+        "force_pow_2_scales": flow.scale_mode == "ue8m0",
+        "block_scaling_dim": QUANTIZED_ROLES[tensor_type],
+    }
 
 
 def _identity_quantizer():
@@ -258,8 +268,10 @@ def from_te_rowwise(data: torch.Tensor, scale_inv: torch.Tensor, is_2d: bool) ->
         want = (_cdiv(k, 128), m)
         s = scale_inv[: want[0], : want[1]].t()
     if tuple(s.shape) != (want if is_2d else want[::-1]):
-        raise ValueError(f"TE scale_inv {tuple(scale_inv.shape)} does not hold the {'128x128' if is_2d else '1x128'} scales "
-                         f"of data {tuple(data.shape)} (GEMM-ready layout of TE {TE_VERSION} expected)")
+        raise ValueError(
+            f"TE scale_inv {tuple(scale_inv.shape)} does not hold the {'128x128' if is_2d else '1x128'} scales "
+            f"of data {tuple(data.shape)} (GEMM-ready layout of TE {TE_VERSION} expected)"
+        )
     return q, s.contiguous()
 
 
@@ -271,8 +283,9 @@ def from_te_columnwise(data_t: torch.Tensor, scale_inv_t: torch.Tensor) -> tuple
     want = (_cdiv(m, 128), k)
     s = scale_inv_t[: want[0], : want[1]]
     if tuple(s.shape) != want:
-        raise ValueError(f"TE column-wise scale_inv {tuple(scale_inv_t.shape)} does not hold the 128x1 scales of data "
-                         f"{tuple(data_t.shape)}")
+        raise ValueError(
+            f"TE column-wise scale_inv {tuple(scale_inv_t.shape)} does not hold the 128x1 scales of data {tuple(data_t.shape)}"
+        )
     return data_t.reshape(k, m).view(torch.uint8).view(E4M3).t().contiguous(), s.contiguous()
 
 
@@ -340,8 +353,26 @@ def fraction(mask: torch.Tensor) -> float:
 
 
 __all__ = [
-    "INSTALL_HINT", "INSTALL_LINE", "TE_VERSION", "UE8M0_TE_DIFFERS_AT_OR_BELOW", "block_scaling_recipe", "byte_diff",
-    "custom_recipe", "fraction", "from_te_columnwise", "from_te_rowwise", "group_amax", "make_block_quantizer",
-    "quantizer_factory", "quantizer_kwargs", "require_te", "role_tensor_type", "te_installed", "te_quantize",
-    "te_quantize_weight", "te_scale", "te_tensor_parts", "te_weight",
+    "INSTALL_HINT",
+    "INSTALL_LINE",
+    "TE_VERSION",
+    "UE8M0_TE_DIFFERS_AT_OR_BELOW",
+    "block_scaling_recipe",
+    "byte_diff",
+    "custom_recipe",
+    "fraction",
+    "from_te_columnwise",
+    "from_te_rowwise",
+    "group_amax",
+    "make_block_quantizer",
+    "quantizer_factory",
+    "quantizer_kwargs",
+    "require_te",
+    "role_tensor_type",
+    "te_installed",
+    "te_quantize",
+    "te_quantize_weight",
+    "te_scale",
+    "te_tensor_parts",
+    "te_weight",
 ]

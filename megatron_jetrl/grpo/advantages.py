@@ -22,8 +22,9 @@ def group_advantages(rewards: torch.Tensor, n: int, *, scale: str = "std", eps: 
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}: use one of {SCALES}")
     if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [prompts * n], got shape {tuple(rewards.shape)}: flatten the "
-                         "prompt x sample grid prompt-major")
+        raise ValueError(
+            f"rewards must be 1-D [prompts * n], got shape {tuple(rewards.shape)}: flatten the prompt x sample grid prompt-major"
+        )
     if n < 2:
         raise ValueError(f"n (samples per prompt) must be >= 2 for group-relative advantages, got {n}")
     if rewards.numel() == 0 or rewards.numel() % n:

@@ -49,25 +49,39 @@ def check_outputs(outputs: list[RequestOutput], n: int, vocab_size: int) -> None
     token id outside `[0, vocab_size)`, a logprob that is NaN/Inf or positive."""
     for i, out in enumerate(outputs):
         if len(out.completions) != n:
-            raise ValueError(f"the rollout engine returned {len(out.completions)} completions for prompt {i}, rollout.n={n} "
-                             "are needed (GRPO normalizes rewards per group of n): the engine is broken or ignores SamplingParams.n")
+            raise ValueError(
+                f"the rollout engine returned {len(out.completions)} completions for prompt {i}, rollout.n={n} "
+                "are needed (GRPO normalizes rewards per group of n): the engine is broken or ignores SamplingParams.n"
+            )
         for j, c in enumerate(out.completions):
             where = f"completion {j} of prompt {i}"
             if len(c.logprobs) != len(c.token_ids) or not c.token_ids:
-                raise ValueError(f"the rollout engine returned a malformed completion ({len(c.token_ids)} tokens, "
-                                 f"{len(c.logprobs)} logprobs) as {where}: every sampled token needs its logprob")
+                raise ValueError(
+                    f"the rollout engine returned a malformed completion ({len(c.token_ids)} tokens, "
+                    f"{len(c.logprobs)} logprobs) as {where}: every sampled token needs its logprob"
+                )
             bad = next((t for t in c.token_ids if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise ValueError(f"the rollout engine returned token id {bad} in {where}, outside the vocabulary [0, {vocab_size}): "
-                                 "the engine serves another model or tokenizer than the trainer")
+                raise ValueError(
+                    f"the rollout engine returned token id {bad} in {where}, outside the vocabulary [0, {vocab_size}): "
+                    "the engine serves another model or tokenizer than the trainer"
+                )
             bad = next((lp for lp in c.logprobs if not (math.isfinite(lp) and lp <= 0)), None)
             if bad is not None:
-                raise ValueError(f"the rollout engine returned logprob {bad} in {where}; a logprob is finite and <= 0: "
-                                 "the engine is broken (NaN/Inf in its forward or sampling, or it returns something else)")
+                raise ValueError(
+                    f"the rollout engine returned logprob {bad} in {where}; a logprob is finite and <= 0: "
+                    "the engine is broken (NaN/Inf in its forward or sampling, or it returns something else)"
+                )
 
 
-def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: list[float], advantages: torch.Tensor,
-             pad_id: int, width: int | None = None) -> RolloutBatch:
+def assemble(
+    prompts: list[list[int]],
+    outputs: list[RequestOutput],
+    rewards: list[float],
+    advantages: torch.Tensor,
+    pad_id: int,
+    width: int | None = None,
+) -> RolloutBatch:
     """Tensors from the engine's outputs (one RequestOutput per prompt, n completions each; `check_outputs` first),
     `width` tokens wide (default: the longest prompt + response; a data-parallel rank's share passes the step's)."""
     seqs, lps, lengths, cut = [], [], [], []
@@ -91,8 +105,15 @@ def assemble(prompts: list[list[int]], outputs: list[RequestOutput], rewards: li
         tokens[i, : p + r] = torch.tensor(prompt + response)
         mask[i, p - 1 : p - 1 + r] = 1.0
         rollout[i, p - 1 : p - 1 + r] = torch.tensor(lp, dtype=torch.float32)
-    return RolloutBatch(tokens, mask, rollout, torch.tensor(rewards, dtype=torch.float32), advantages.float(),
-                        torch.tensor(lengths), torch.tensor(cut))
+    return RolloutBatch(
+        tokens,
+        mask,
+        rollout,
+        torch.tensor(rewards, dtype=torch.float32),
+        advantages.float(),
+        torch.tensor(lengths),
+        torch.tensor(cut),
+    )
 
 
 @dataclass
@@ -111,8 +132,11 @@ class StepOutcome:
         done = [c for o in outputs for c in o.completions]
         if len(done) != len(rewards):
             raise ValueError(f"{len(done)} completions but {len(rewards)} rewards")
-        return cls(rewards.float(), torch.tensor([len(c.token_ids) for c in done]),
-                   torch.tensor([c.finish_reason == "length" for c in done]))
+        return cls(
+            rewards.float(),
+            torch.tensor([len(c.token_ids) for c in done]),
+            torch.tensor([c.finish_reason == "length" for c in done]),
+        )
 
 
 def response_aligned(*tensors: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:

@@ -79,8 +79,9 @@ def data_files(path: str | Path) -> list[Path]:
             raise ValueError(f"{p} holds no {' or '.join(SUFFIXES)} files; point at a file or a directory of them")
         return files
     if not p.is_file():
-        raise ValueError(f"{p} does not exist; give a local {' or '.join(SUFFIXES)} file or a directory of them "
-                         "(datasets are not downloaded)")
+        raise ValueError(
+            f"{p} does not exist; give a local {' or '.join(SUFFIXES)} file or a directory of them (datasets are not downloaded)"
+        )
     if p.suffix not in SUFFIXES:
         raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use {' or '.join(SUFFIXES)}")
     return [p]
@@ -96,15 +97,20 @@ def _jsonl_rows(path: Path, columns: Sequence[str], layout: str):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} row {row} (line {lineno}): not valid JSON ({e.msg}); "
-                                 f"expected one object per line in the {layout} layout") from None
+                raise ValueError(
+                    f"{path} row {row} (line {lineno}): not valid JSON ({e.msg}); "
+                    f"expected one object per line in the {layout} layout"
+                ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path} row {row} (line {lineno}): a JSON {type(record).__name__}, not an object; "
-                                 f"expected one object per line in the {layout} layout")
+                raise ValueError(
+                    f"{path} row {row} (line {lineno}): a JSON {type(record).__name__}, not an object; "
+                    f"expected one object per line in the {layout} layout"
+                )
             for c in columns:
                 if c not in record:
-                    raise ValueError(f"{path} row {row} (line {lineno}): no column {c!r} (has {sorted(record)}); "
-                                     f"expected the {layout} layout")
+                    raise ValueError(
+                        f"{path} row {row} (line {lineno}): no column {c!r} (has {sorted(record)}); expected the {layout} layout"
+                    )
             yield row, {c: record[c] for c in columns}
             row += 1
 
@@ -128,8 +134,9 @@ def _parquet_rows(path: Path, columns: Sequence[str], layout: str):
 def _text(value, path: Path, row: int, column: str, layout: str) -> str:
     """The cell as a non-empty string (numbers are accepted and printed), else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{path} row {row}: column {column!r} is {type(value).__name__} {value!r:.60}, not text; "
-                         f"expected the {layout} layout")
+        raise ValueError(
+            f"{path} row {row}: column {column!r} is {type(value).__name__} {value!r:.60}, not text; expected the {layout} layout"
+        )
     text = str(value).strip()
     if not text:
         raise ValueError(f"{path} row {row}: column {column!r} is empty; expected the {layout} layout")
@@ -140,7 +147,7 @@ def _gsm8k_answer(solution: str) -> str | None:
     i = solution.rfind("####")
     if i < 0:
         return None
-    return solution[i + 4:].strip() or None
+    return solution[i + 4 :].strip() or None
 
 
 def _load(source: str, path: str | Path, question_col: str, answer_col: str, final_answer) -> list[Problem]:
@@ -153,8 +160,10 @@ def _load(source: str, path: str | Path, question_col: str, answer_col: str, fin
             question = _text(cells[question_col], file, row, question_col, layout)
             answer = final_answer(_text(cells[answer_col], file, row, answer_col, layout))
             if answer is None:
-                raise ValueError(f"{file} row {row}: column {answer_col!r} holds no final answer "
-                                 f"({cells[answer_col]!r:.80}); expected the {layout} layout")
+                raise ValueError(
+                    f"{file} row {row}: column {answer_col!r} holds no final answer "
+                    f"({cells[answer_col]!r:.80}); expected the {layout} layout"
+                )
             problems.append(Problem(f"{source}/{file.name}#{row}", question, answer, source))
     return problems
 
@@ -176,6 +185,7 @@ def load_deepmath(path: str | Path) -> list[Problem]:
 
 # ---------------------------------------------------------------------------------------------------------
 # The embedded arithmetic task
+
 
 @dataclass(frozen=True)
 class ArithmeticTask:
@@ -243,12 +253,16 @@ class MultiplicationTraceTask:
 
     def __post_init__(self):
         if not 1 <= self.operand_max or not 1 <= self.multiplier_min <= self.multiplier_max:
-            raise ValueError("invalid MultiplicationTraceTask: need operand_max >= 1 and 1 <= multiplier_min <= "
-                             f"multiplier_max, got operand_max={self.operand_max}, multiplier_min={self.multiplier_min}, "
-                             f"multiplier_max={self.multiplier_max}")
+            raise ValueError(
+                "invalid MultiplicationTraceTask: need operand_max >= 1 and 1 <= multiplier_min <= "
+                f"multiplier_max, got operand_max={self.operand_max}, multiplier_min={self.multiplier_min}, "
+                f"multiplier_max={self.multiplier_max}"
+            )
         if self.multiplier_sampling not in ("uniform", "log"):
-            raise ValueError(f"invalid MultiplicationTraceTask: multiplier_sampling must be 'uniform' or 'log', got "
-                             f"{self.multiplier_sampling!r}")
+            raise ValueError(
+                f"invalid MultiplicationTraceTask: multiplier_sampling must be 'uniform' or 'log', got "
+                f"{self.multiplier_sampling!r}"
+            )
 
     def multiplier(self, rng: random.Random) -> int:
         """One b: uniform, or log-uniform over [multiplier_min, multiplier_max + 1) floored (`multiplier_sampling`)."""
@@ -279,21 +293,23 @@ class MultiplicationTraceTask:
 
     def sft_pairs(self, n: int, seed: int, *, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
         """`n` (question, worked answer) pairs: the supervised warm-start teaches the trace format."""
-        return [(p.question, self.trace(*map(int, p.question[:-1].split("*"))))
-                for p in self.problems(n, seed, exclude=exclude)]
+        return [(p.question, self.trace(*map(int, p.question[:-1].split("*")))) for p in self.problems(n, seed, exclude=exclude)]
 
 
-def draw_problems(draw, n: int, seed: int, source: str, num_questions: int, exclude: frozenset[str] = frozenset(),
-                  distinct: bool = False) -> list[Problem]:
+def draw_problems(
+    draw, n: int, seed: int, source: str, num_questions: int, exclude: frozenset[str] = frozenset(), distinct: bool = False
+) -> list[Problem]:
     """`n` problems from `draw(rng)` -> (question, answer) with `random.Random(seed)`, ids `<source>/<seed>/<i>`. A
     question in `exclude` (a held-out set) is drawn again, and so is a repeat when `distinct`; without either the
     draws are the task's plain stream. Asking for more than the task has left (`num_questions` minus the exclusions,
     when distinct) is refused before drawing."""
     left = num_questions - len(exclude)
     if left <= 0 or distinct and n > left:
-        raise ValueError(f"{source}: {n} {'distinct ' if distinct else ''}problems asked, but the task has "
-                         f"{num_questions} distinct questions and {len(exclude)} are excluded: ask for fewer (data.heldout) "
-                         "or widen the task (data.operand_max, data.multiplier_max)")
+        raise ValueError(
+            f"{source}: {n} {'distinct ' if distinct else ''}problems asked, but the task has "
+            f"{num_questions} distinct questions and {len(exclude)} are excluded: ask for fewer (data.heldout) "
+            "or widen the task (data.operand_max, data.multiplier_max)"
+        )
     rng, seen, problems = random.Random(seed), set(exclude), []
     while len(problems) < n:
         question, answer = draw(rng)
@@ -316,8 +332,9 @@ def split_heldout(problems: Sequence[Problem], n: int) -> tuple[list[Problem], l
     question is not one of them."""
     questions = sorted({p.question for p in problems}, key=lambda q: hashlib.sha256(q.encode()).digest())
     if n >= len(questions):
-        raise ValueError(f"data.heldout={n} leaves nothing to train on: the dataset has {len(questions)} distinct "
-                         "questions; hold out fewer")
+        raise ValueError(
+            f"data.heldout={n} leaves nothing to train on: the dataset has {len(questions)} distinct questions; hold out fewer"
+        )
     held = set(questions[:n])
     first = {}
     for p in problems:
@@ -326,8 +343,7 @@ def split_heldout(problems: Sequence[Problem], n: int) -> tuple[list[Problem], l
     return [p for p in problems if p.question not in held], sorted(first.values(), key=lambda p: p.id)
 
 
-def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic: int = 4096,
-                  seed: int = 0) -> list[Problem]:
+def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic: int = 4096, seed: int = 0) -> list[Problem]:
     """Problems of `source`: "gsm8k", "math", "deepmath" (from the local `path`) or "arithmetic"
     (`num_arithmetic` problems of the default `ArithmeticTask`, drawn with `seed`; no path)."""
     loaders = {"gsm8k": load_gsm8k, "math": load_math, "deepmath": load_deepmath}
@@ -338,8 +354,10 @@ def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic
     if source not in loaders:
         raise ValueError(f"unknown problem source {source!r}: use one of {sorted([*loaders, 'arithmetic'])}")
     if path is None:
-        raise ValueError(f"source {source!r} reads local files: give the path of a {' or '.join(SUFFIXES)} file "
-                         f"or directory in the {LAYOUTS[source]} layout (datasets are not downloaded)")
+        raise ValueError(
+            f"source {source!r} reads local files: give the path of a {' or '.join(SUFFIXES)} file "
+            f"or directory in the {LAYOUTS[source]} layout (datasets are not downloaded)"
+        )
     return loaders[source](path)
 
 
@@ -347,7 +365,7 @@ def load_problems(source: str, path: str | Path | None = None, *, num_arithmetic
 # Prompts
 
 PROMPT_TEMPLATES: dict[str, str] = {
-    "gsm8k": "{question}\nLet's think step by step and output the final answer after \"####\".",
+    "gsm8k": '{question}\nLet\'s think step by step and output the final answer after "####".',
     "boxed": "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
     "arithmetic": "{question}",
 }
@@ -357,8 +375,13 @@ model wants one, is applied by the caller on top."""
 TEMPLATE_ANSWER_STYLE: dict[str, str] = {"gsm8k": "gsm8k", "boxed": "boxed", "arithmetic": "number"}
 """The `rewards.extract_answer` style that reads an answer written as each template asks."""
 
-DEFAULT_TEMPLATE: dict[str, str] = {"gsm8k": "gsm8k", "math": "boxed", "deepmath": "boxed", "arithmetic": "arithmetic",
-                                    "multiplication_trace": "arithmetic"}
+DEFAULT_TEMPLATE: dict[str, str] = {
+    "gsm8k": "gsm8k",
+    "math": "boxed",
+    "deepmath": "boxed",
+    "arithmetic": "arithmetic",
+    "multiplication_trace": "arithmetic",
+}
 """The template each problem source is usually trained with."""
 
 
@@ -371,6 +394,7 @@ def format_prompt(problem: Problem, template: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # Sampling prompts
+
 
 def _fingerprint(problems: Sequence[Problem]) -> str:
     return hashlib.sha256("\n".join(p.id for p in problems).encode()).hexdigest()[:16]
@@ -390,8 +414,7 @@ class PromptSampler:
         if not problems:
             raise ValueError("PromptSampler needs at least one problem")
         if not 1 <= prompts_per_step <= len(problems):
-            raise ValueError(f"prompts_per_step must be in [1, {len(problems)}] (the number of problems), "
-                             f"got {prompts_per_step}")
+            raise ValueError(f"prompts_per_step must be in [1, {len(problems)}] (the number of problems), got {prompts_per_step}")
         self.problems = list(problems)
         self.prompts_per_step = prompts_per_step
         self.seed = seed
@@ -411,23 +434,31 @@ class PromptSampler:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
             take = min(self.prompts_per_step - len(batch), len(self.problems) - self.position)
-            batch += [self.problems[i] for i in self._order[self.position:self.position + take]]
+            batch += [self.problems[i] for i in self._order[self.position : self.position + take]]
             self.position += take
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_problems": len(self.problems), "fingerprint": self._fingerprint}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_problems": len(self.problems),
+            "fingerprint": self._fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state`'s (epoch, position); refuses a state saved over other problems or another seed."""
         mine = self.state_dict()
         for key in ("seed", "num_problems", "fingerprint"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"sampler state was saved with {key}={state.get(key)!r}, this sampler has "
-                                 f"{mine[key]!r}: resume with the same problems (same files, same order) and seed")
+                raise ValueError(
+                    f"sampler state was saved with {key}={state.get(key)!r}, this sampler has "
+                    f"{mine[key]!r}: resume with the same problems (same files, same order) and seed"
+                )
         if not 0 <= state["position"] <= len(self.problems) or state["epoch"] < 0:
-            raise ValueError(f"sampler state out of range: epoch {state['epoch']}, position {state['position']} "
-                             f"of {len(self.problems)}")
+            raise ValueError(
+                f"sampler state out of range: epoch {state['epoch']}, position {state['position']} of {len(self.problems)}"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)

@@ -112,17 +112,23 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollou
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {shape}: all per-token inputs must be [B, T]")
     if tuple(advantages.shape) != shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{shape[0]}] (one per sequence), got shape "
-                         f"{tuple(advantages.shape)}; broadcast per-token advantages are not supported")
+        raise ValueError(
+            f"advantages must be [B] = [{shape[0]}] (one per sequence), got shape "
+            f"{tuple(advantages.shape)}; broadcast per-token advantages are not supported"
+        )
     for name, t in {"logprobs": logprobs, **named, "advantages": advantages}.items():
         if t is not None and name != "mask" and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
     if cfg.uses_kl and ref_logprobs is None:
-        raise ValueError(f"kl_estimator={cfg.kl_estimator!r} with kl_coef={cfg.kl_coef} needs ref_logprobs; "
-                         "pass them or set kl_estimator='none'")
+        raise ValueError(
+            f"kl_estimator={cfg.kl_estimator!r} with kl_coef={cfg.kl_coef} needs ref_logprobs; "
+            "pass them or set kl_estimator='none'"
+        )
     if cfg.tis_cap is not None and rollout_logprobs is None:
-        raise ValueError(f"tis_cap={cfg.tis_cap} needs rollout_logprobs (the engine's logprobs of the sampled "
-                         "tokens); pass them or set tis_cap=None")
+        raise ValueError(
+            f"tis_cap={cfg.tis_cap} needs rollout_logprobs (the engine's logprobs of the sampled "
+            "tokens); pass them or set tis_cap=None"
+        )
 
 
 def check_mask(mask: torch.Tensor, agg: str, rows_per_loss: int | None = None) -> None:
@@ -149,13 +155,23 @@ def check_mask(mask: torch.Tensor, agg: str, rows_per_loss: int | None = None) -
         where = "" if rows_per_loss is None else f" in micro-batches {torch.nonzero(~needed).flatten().tolist()[:8]}"
         raise ValueError(f"mask selects no token{where}: the loss of an empty batch is undefined; drop the batch")
     empty = torch.nonzero(~rows).flatten().tolist()
-    raise ValueError(f"sequences {empty[:8]} have no response token under the mask; with agg={agg!r} every "
-                     "sequence must have one: drop those rows or use agg='token-mean'")
+    raise ValueError(
+        f"sequences {empty[:8]} have no response token under the mask; with agg={agg!r} every "
+        "sequence must have one: drop those rows or use agg='token-mean'"
+    )
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                cfg: PolicyLossConfig, ref_logprobs: torch.Tensor | None = None,
-                rollout_logprobs: torch.Tensor | None = None, checked: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cfg: PolicyLossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    checked: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss to minimize and detached metrics (module docstring).
 
     Shapes: logprobs, old_logprobs, ref_logprobs, rollout_logprobs, mask `[B, T]` (mask 1 on response
@@ -184,8 +200,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     pg = torch.maximum(unclipped, clipped)
-    metrics = {"clip_frac": aggregate((clipped > unclipped).to(dtype), mask, "token-mean"),
-               "ratio_mean": aggregate(ratio.detach(), mask, "token-mean")}
+    metrics = {
+        "clip_frac": aggregate((clipped > unclipped).to(dtype), mask, "token-mean"),
+        "ratio_mean": aggregate(ratio.detach(), mask, "token-mean"),
+    }
     if cfg.tis_cap is not None:
         raw = torch.exp(old - clean(rollout_logprobs.detach()))
         pg = pg * torch.clamp(raw, max=cfg.tis_cap)

@@ -53,7 +53,7 @@ def last_boxed(text: str) -> str | None:
         return None
     i = start + len(command)
     if text.startswith(" ", i):  # "\boxed 5": one token up to '$' or whitespace
-        rest = text[i + 1:].lstrip()
+        rest = text[i + 1 :].lstrip()
         token = re.match(r"[^\s$]+", rest)
         return token.group(0) if token else None
     if not text.startswith("{", i):
@@ -65,7 +65,7 @@ def last_boxed(text: str) -> str | None:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return text[i + 1 : j]
     return None
 
 
@@ -73,7 +73,7 @@ def extract_answer(text: str, style: str) -> str | None:
     """The final answer in a completion in answer style `style` (module docstring), or None if absent/empty."""
     if style == "gsm8k":
         i = text.rfind("####")
-        answer = text[i + 4:].strip().split("\n", 1)[0].strip() if i >= 0 else ""
+        answer = text[i + 4 :].strip().split("\n", 1)[0].strip() if i >= 0 else ""
     elif style == "boxed":
         answer = (last_boxed(text) or "").strip()
     elif style == "number":
@@ -135,15 +135,16 @@ def verify(pred: str, gold: str, *, timeout_s: int | None = 5) -> bool:
     return _equal(pred, gold, timeout_s, {})
 
 
-def compute_rewards(completions: Sequence[str], golds: Sequence[str], style: str, *,
-                    timeout_s: int | None = 5) -> list[float]:
+def compute_rewards(completions: Sequence[str], golds: Sequence[str], style: str, *, timeout_s: int | None = 5) -> list[float]:
     """1.0 for each completion whose extracted answer (`style`) verifies against its gold, else 0.0.
 
     A completion without an extractable answer scores 0.0. Each distinct gold string is parsed once.
     """
     if len(completions) != len(golds):
-        raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers: pass one gold per "
-                         "completion (repeat each prompt's gold n times for n samples)")
+        raise ValueError(
+            f"{len(completions)} completions but {len(golds)} gold answers: pass one gold per "
+            "completion (repeat each prompt's gold n times for n samples)"
+        )
     if style not in ANSWER_STYLES:
         raise ValueError(f"unknown answer style {style!r}: use one of {ANSWER_STYLES}")
     parsed_golds: dict[str, object] = {}

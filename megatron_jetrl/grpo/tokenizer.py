@@ -68,12 +68,26 @@ def _train_bytes(lines: Sequence[str], vocab_size: int, user_symbols: Sequence[s
 
     out = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=out, vocab_size=vocab_size, model_type="bpe",
-        split_digits=True, byte_fallback=False, hard_vocab_limit=hard_limit, character_coverage=1.0,
-        num_threads=1, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        split_digits=True,
+        byte_fallback=False,
+        hard_vocab_limit=hard_limit,
+        character_coverage=1.0,
+        num_threads=1,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
         max_sentence_length=max([4192] + [len(s.encode()) + 1 for s in lines]),
-        user_defined_symbols=list(user_symbols), minloglevel=2)
+        user_defined_symbols=list(user_symbols),
+        minloglevel=2,
+    )
     return out.getvalue()
 
 
@@ -94,8 +108,10 @@ def train_sentencepiece_bytes(lines: Iterable[str], vocab_size: int) -> bytes:
     ascii_symbols = [c for c in _COVERED if c not in present]
     minimum = 4 + len(present) + len(ascii_symbols)
     if vocab_size < minimum:
-        raise ValueError(f"vocab_size {vocab_size} is too small for this corpus: 4 special tokens + {len(present)} "
-                         f"corpus characters + {len(ascii_symbols)} ASCII symbols need at least {minimum}")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for this corpus: 4 special tokens + {len(present)} "
+            f"corpus characters + {len(ascii_symbols)} ASCII symbols need at least {minimum}"
+        )
     natural = _piece_count(_train_bytes(lines, vocab_size, ascii_symbols, hard_limit=False))
     reserved = [f"<reserved_{i}>" for i in range(vocab_size - natural)]
     model = _train_bytes(lines, vocab_size, ascii_symbols + reserved, hard_limit=True)
@@ -112,15 +128,18 @@ class SentencePieceTokenizer:
 
         self.path = Path(model_path)
         if not self.path.is_file():
-            raise ValueError(f"no sentencepiece model at {self.path}: train one with SentencePieceTokenizer.train "
-                             "or ensure_sentencepiece")
+            raise ValueError(
+                f"no sentencepiece model at {self.path}: train one with SentencePieceTokenizer.train or ensure_sentencepiece"
+            )
         self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id, self.pad_id, self.bos_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.bos_id()
         self.eos_ids = (self.eos_id,)
         if self.eos_id < 0 or self.pad_id < 0:
-            raise ValueError(f"{self.path} defines no EOS or no padding piece (eos {self.eos_id}, pad {self.pad_id}); "
-                             "train it with SentencePieceTokenizer.train")
+            raise ValueError(
+                f"{self.path} defines no EOS or no padding piece (eos {self.eos_id}, pad {self.pad_id}); "
+                "train it with SentencePieceTokenizer.train"
+            )
 
     @classmethod
     def train(cls, lines: Iterable[str], out_path: str | Path, vocab_size: int = 256) -> SentencePieceTokenizer:
@@ -134,9 +153,17 @@ class SentencePieceTokenizer:
         """tokenizer_config.json that makes the directory of this model file a Hugging Face tokenizer: transformers'
         `LlamaTokenizer` reads the same file and encodes like `encode` (no BOS/EOS, no dummy prefix; tested)."""
         sp = self.sp
-        return {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
-                "add_prefix_space": False, "bos_token": sp.id_to_piece(self.bos_id), "eos_token": sp.id_to_piece(self.eos_id),
-                "unk_token": sp.id_to_piece(sp.unk_id()), "pad_token": sp.id_to_piece(self.pad_id)}
+        return {
+            "tokenizer_class": "LlamaTokenizer",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "legacy": False,
+            "add_prefix_space": False,
+            "bos_token": sp.id_to_piece(self.bos_id),
+            "eos_token": sp.id_to_piece(self.eos_id),
+            "unk_token": sp.id_to_piece(sp.unk_id()),
+            "pad_token": sp.id_to_piece(self.pad_id),
+        }
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
@@ -159,8 +186,10 @@ def ensure_sentencepiece(path: str | Path, lines: Iterable[str], vocab_size: int
         return SentencePieceTokenizer.train(lines, path, vocab_size)
     tok = SentencePieceTokenizer(path)
     if tok.vocab_size != vocab_size:
-        raise ValueError(f"{path} holds a {tok.vocab_size}-piece tokenizer, asked for {vocab_size}: "
-                         f"delete it to retrain, or ask for vocab_size={tok.vocab_size}")
+        raise ValueError(
+            f"{path} holds a {tok.vocab_size}-piece tokenizer, asked for {vocab_size}: "
+            f"delete it to retrain, or ask for vocab_size={tok.vocab_size}"
+        )
     return tok
 
 
@@ -196,10 +225,13 @@ class HFTokenizer:
             raise ValueError(f"{self.path} is not a directory: give a local model/tokenizer directory")
         self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         self.eos_ids = tuple(_config_eos_ids(self.path)) or (
-            (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ())
+            (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
+        )
         if not self.eos_ids:
-            raise ValueError(f"{self.path}: no eos_token_id in config.json / generation_config.json and the "
-                             "tokenizer defines no EOS token; add eos_token_id to config.json")
+            raise ValueError(
+                f"{self.path}: no eos_token_id in config.json / generation_config.json and the "
+                "tokenizer defines no EOS token; add eos_token_id to config.json"
+            )
         self.eos_id = self.eos_ids[0]
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tok)

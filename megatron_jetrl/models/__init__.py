@@ -14,6 +14,15 @@ from megatron_jetrl.models.mapping import (
 )
 
 __all__ = [
-    "FAMILIES", "Entry", "ModelArch", "from_hf", "gather_ranks", "hf_tensors", "layer_entries", "model_entries",
-    "padded_vocab_size", "rank_slice", "to_hf",
+    "FAMILIES",
+    "Entry",
+    "ModelArch",
+    "from_hf",
+    "gather_ranks",
+    "hf_tensors",
+    "layer_entries",
+    "model_entries",
+    "padded_vocab_size",
+    "rank_slice",
+    "to_hf",
 ]

@@ -40,15 +40,24 @@ class ModelArch:
     def __post_init__(self):
         if self.family not in {f for f, _, _ in FAMILIES.values()}:
             raise ValueError(f"unknown model family {self.family!r}; supported: {sorted(FAMILIES)}")
-        sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                 "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings}
+        sizes = {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
         bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad:
             raise ValueError(f"config.json sizes must be positive integers: {', '.join(bad)}")
         if not (0 < self.rope_theta < math.inf and 0 < self.rms_norm_eps < 1):  # RoPE's frequencies, RMSNorm's floor
-            raise ValueError(f"rope_theta must be a finite number > 0 and rms_norm_eps in (0, 1), got rope_theta={self.rope_theta!r}, "
-                             f"rms_norm_eps={self.rms_norm_eps!r}")
+            raise ValueError(
+                f"rope_theta must be a finite number > 0 and rms_norm_eps in (0, 1), got rope_theta={self.rope_theta!r}, "
+                f"rms_norm_eps={self.rms_norm_eps!r}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
 
@@ -60,7 +69,11 @@ class ModelArch:
     def linear_params(self) -> int:
         """Weights of one decoder layer's four linears (qkv, o, gate_up, down): what its GEMMs scale with."""
         qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return self.hidden_size * qkv + self.num_heads * self.head_dim * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        return (
+            self.hidden_size * qkv
+            + self.num_heads * self.head_dim * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+        )
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArch:

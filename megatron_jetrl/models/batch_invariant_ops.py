@@ -85,7 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: dict | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_positions: int, theta: float, scaling: dict | None, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[max_positions, head_dim]` (FP32, HF "rotate_half" layout), computed in FP64 once."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling:
@@ -93,7 +95,9 @@ def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: dict |
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind not in (None, "default"):
-            raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the native engine (default and llama3 are)")
+            raise NotImplementedError(
+                f"rope_scaling type {kind!r} is not supported by the native engine (default and llama3 are)"
+            )
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float().to(device), angles.sin().float().to(device)

@@ -32,8 +32,15 @@ def hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
         return (h,)
     if "embed_tokens" in name or name.startswith("lm_head"):
         return (arch.vocab_size, h)
-    rows = {"q_proj": arch.num_heads * hd, "k_proj": arch.num_kv_heads * hd, "v_proj": arch.num_kv_heads * hd,
-            "o_proj": h, "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": h}
+    rows = {
+        "q_proj": arch.num_heads * hd,
+        "k_proj": arch.num_kv_heads * hd,
+        "v_proj": arch.num_kv_heads * hd,
+        "o_proj": h,
+        "gate_proj": arch.intermediate_size,
+        "up_proj": arch.intermediate_size,
+        "down_proj": h,
+    }
     cols = {"o_proj": arch.num_heads * hd, "down_proj": arch.intermediate_size}
     for key, r in rows.items():
         if f".{key}." in name:
@@ -41,8 +48,9 @@ def hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
     raise KeyError(f"no known HF shape for {name!r}")
 
 
-def stream_layout(arch: ModelArch, flow: PrecisionFlow, entries: list[Entry], *,
-                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def stream_layout(
+    arch: ModelArch, flow: PrecisionFlow, entries: list[Entry], *, dtype: torch.dtype = torch.bfloat16
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every pair `hf_tensors` yields for `entries`, in its order, without a tensor: what an
     engine expects of a whole stream, and what a receiver allocates before a pipeline stage's bytes arrive."""
     out = []
@@ -50,8 +58,10 @@ def stream_layout(arch: ModelArch, flow: PrecisionFlow, entries: list[Entry], *,
         for name in entry.hf:
             shape = hf_shape(arch, name)
             if entry.fp8 and flow.rollout_fp8:
-                out += [(name, shape, torch.float8_e4m3fn),
-                        (name.removesuffix("weight") + "weight_scale_inv", scale_shape(shape, (128, 128)), torch.float32)]
+                out += [
+                    (name, shape, torch.float8_e4m3fn),
+                    (name.removesuffix("weight") + "weight_scale_inv", scale_shape(shape, (128, 128)), torch.float32),
+                ]
             else:
                 out.append((name, shape, dtype))
     return out

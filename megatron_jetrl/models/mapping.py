@@ -41,8 +41,12 @@ class Entry:
 
     def at(self, local_layer: int, global_layer: int) -> Entry:
         return Entry(
-            self.megatron.format(i=local_layer), tuple(h.format(i=global_layer) for h in self.hf),
-            self.fuse, self.tp_dim, self.fp8, self.vocab,
+            self.megatron.format(i=local_layer),
+            tuple(h.format(i=global_layer) for h in self.hf),
+            self.fuse,
+            self.tp_dim,
+            self.fp8,
+            self.vocab,
         )
 
 
@@ -52,10 +56,16 @@ def layer_entries(arch: ModelArch, spec: str = "local") -> list[Entry]:
     qkv = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
     te = spec == "te"
     entries = [
-        Entry(f"{a}linear_qkv.layer_norm_weight" if te else "decoder.layers.{i}.input_layernorm.weight", (f"{h}input_layernorm.weight",)),
+        Entry(
+            f"{a}linear_qkv.layer_norm_weight" if te else "decoder.layers.{i}.input_layernorm.weight",
+            (f"{h}input_layernorm.weight",),
+        ),
         Entry(f"{a}linear_qkv.weight", qkv, "qkv", 0, fp8=True),
         Entry(f"{a}linear_proj.weight", (f"{h}self_attn.o_proj.weight",), tp_dim=1, fp8=True),
-        Entry(f"{m}linear_fc1.layer_norm_weight" if te else "decoder.layers.{i}.pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",)),
+        Entry(
+            f"{m}linear_fc1.layer_norm_weight" if te else "decoder.layers.{i}.pre_mlp_layernorm.weight",
+            (f"{h}post_attention_layernorm.weight",),
+        ),
         Entry(f"{m}linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up", 0, fp8=True),
         Entry(f"{m}linear_fc2.weight", (f"{h}mlp.down_proj.weight",), tp_dim=1, fp8=True),
     ]
@@ -76,18 +86,24 @@ def stage_layers(num_layers: int, pp: int, last: int = 0) -> tuple[int, ...]:
     if last and pp == 1:
         raise ValueError(f"parallel.pp_last_layers={last} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0")
     if last and not (0 < last < num_layers and (num_layers - last) % (pp - 1) == 0):
-        raise ValueError(f"parallel.pp_last_layers={last}: the other {pp - 1} stage(s) must split the remaining "
-                         f"{num_layers - last} of num_hidden_layers={num_layers} evenly, at least one layer each")
+        raise ValueError(
+            f"parallel.pp_last_layers={last}: the other {pp - 1} stage(s) must split the remaining "
+            f"{num_layers - last} of num_hidden_layers={num_layers} evenly, at least one layer each"
+        )
     if not last and num_layers % pp:
-        raise ValueError(f"parallel.pp={pp} does not divide the model's {num_layers} layers (each pipeline stage holds as many): "
-                         f"use a pp among {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}, or give the last "
-                         "stage its own count (parallel.pp_last_layers)")
+        raise ValueError(
+            f"parallel.pp={pp} does not divide the model's {num_layers} layers (each pipeline stage holds as many): "
+            f"use a pp among {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}, or give the last "
+            "stage its own count (parallel.pp_last_layers)"
+        )
     if not last:
         return (num_layers // pp,) * pp
     return ((num_layers - last) // (pp - 1),) * (pp - 1) + (last,)
 
 
-def model_entries(arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local", last_layers: int = 0) -> list[Entry]:
+def model_entries(
+    arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local", last_layers: int = 0
+) -> list[Entry]:
     """All entries a pipeline stage holds, with layer indices filled in (`last_layers`: `stage_layers`' uneven split)."""
     layers = stage_layers(arch.num_layers, pp_size, last_layers)
     first = sum(layers[:pp_rank])
@@ -110,7 +126,9 @@ def _piece_rows(entry: Entry, arch: ModelArch, rows: int, unit: int) -> list[int
     hd = arch.head_dim // unit
     group = (arch.q_per_group + 2) * hd
     if rows % group:
-        raise ValueError(f"{entry.megatron}: {rows} rows are not whole query groups of {group} (head_dim={arch.head_dim}, unit={unit})")
+        raise ValueError(
+            f"{entry.megatron}: {rows} rows are not whole query groups of {group} (head_dim={arch.head_dim}, unit={unit})"
+        )
     return [arch.q_per_group * hd, hd, hd]
 
 
@@ -156,7 +174,9 @@ def rank_slice(entry: Entry, full: torch.Tensor, tp_rank: int, tp: int, padded_r
     return full.chunk(tp, dim=entry.tp_dim)[tp_rank]
 
 
-def rank_slice_lazy(entry: Entry, get, shape: tuple[int, ...], tp_rank: int, tp: int, padded_rows: int | None = None) -> torch.Tensor:
+def rank_slice_lazy(
+    entry: Entry, get, shape: tuple[int, ...], tp_rank: int, tp: int, padded_rows: int | None = None
+) -> torch.Tensor:
     """`rank_slice` without reading the full tensor: `get(index)` returns `full[index]` (e.g. a safetensors
     `safe_open(...).get_slice(name)`, which reads only those bytes); `shape` is the full tensor's shape."""
     full_rows = shape[0]

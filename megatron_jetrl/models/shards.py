@@ -58,8 +58,10 @@ def writing(path: Path):
         where = next(p for p in path.parents if p.exists())
         free = shutil.disk_usage(where).free / 2**20
         fix = "make it writable" if isinstance(e, PermissionError) else "free space there"
-        raise CheckpointWriteError(f"writing {path} failed: {type(e).__name__}: {e}; {free:.1f} MiB free on {where}: "
-                                   f"{fix} (or write elsewhere) and restart") from e
+        raise CheckpointWriteError(
+            f"writing {path} failed: {type(e).__name__}: {e}; {free:.1f} MiB free on {where}: "
+            f"{fix} (or write elsewhere) and restart"
+        ) from e
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -89,15 +91,34 @@ def save_rank_shard(directory: str | Path, state: dict[str, torch.Tensor], tp_ra
     return file_entry(path)
 
 
-def write_meta(directory: str | Path, *, iteration: int, tp: int, pp: int, spec: str, hf_config: dict, flow: dict,
-               shards: list[dict], extra: dict | None = None) -> None:
+def write_meta(
+    directory: str | Path,
+    *,
+    iteration: int,
+    tp: int,
+    pp: int,
+    spec: str,
+    hf_config: dict,
+    flow: dict,
+    shards: list[dict],
+    extra: dict | None = None,
+) -> None:
     """Seal the checkpoint (call after every rank's shard is written)."""
     expected = {shard_name(t, p) for t in range(tp) for p in range(pp)}
     got = {s["file"] for s in shards}
     if got != expected:
         raise ValueError(f"checkpoint shards {sorted(got)} do not cover TP={tp} x PP={pp}: missing {sorted(expected - got)}")
-    meta = {"format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "spec": spec, "hf_config": hf_config,
-            "flow": flow, "shards": sorted(shards, key=lambda s: s["file"]), **(extra or {})}
+    meta = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "tp": tp,
+        "pp": pp,
+        "spec": spec,
+        "hf_config": hf_config,
+        "flow": flow,
+        "shards": sorted(shards, key=lambda s: s["file"]),
+        **(extra or {}),
+    }
     atomic_write_bytes(Path(directory) / META, json.dumps(meta, indent=1).encode())
 
 
@@ -107,6 +128,7 @@ class CheckpointError(ValueError):
 
 def _check_meta_schema(meta: dict, meta_path: Path) -> None:
     """The fields `open` and its users read, with their types; a hand-edited or foreign meta.json is refused."""
+
     def positive_int(v):
         return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -121,10 +143,16 @@ def _check_meta_schema(meta: dict, meta_path: Path) -> None:
         problems.append(f"optimizer must be a list of files (or false), got {optimizer!r}")
     for key, entries in (("shards", shards), ("optimizer", optimizer)):
         for i, entry in enumerate(entries if isinstance(entries, list) else []):
-            ok = (isinstance(entry, dict) and isinstance(entry.get("file"), str) and entry["file"]
-                  and "/" not in entry["file"] and entry["file"] not in (".", "..")
-                  and isinstance(entry.get("bytes"), int) and not isinstance(entry.get("bytes"), bool)
-                  and isinstance(entry.get("sha256"), str))
+            ok = (
+                isinstance(entry, dict)
+                and isinstance(entry.get("file"), str)
+                and entry["file"]
+                and "/" not in entry["file"]
+                and entry["file"] not in (".", "..")
+                and isinstance(entry.get("bytes"), int)
+                and not isinstance(entry.get("bytes"), bool)
+                and isinstance(entry.get("sha256"), str)
+            )
             if not ok:
                 problems.append(f"{key}[{i}] must be {{file: <name in this directory>, bytes: int, sha256: str}}, got {entry!r}")
     if problems:
@@ -163,7 +191,9 @@ class ShardedCheckpoint:
         if not path.is_file():
             raise CheckpointError(f"{self.directory}: {what} {entry['file']} is missing (TP={self.tp} x PP={self.pp} needs all)")
         if path.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+            )
         if verify and sha256_file(path) != entry["sha256"]:
             raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt {what})")
         return path
@@ -188,7 +218,9 @@ class ShardedCheckpoint:
             for tp_rank in range(self.tp):
                 with safe_open(self.directory / shard_name(tp_rank, pp_rank), framework="pt") as f:
                     if name not in f.keys():
-                        raise CheckpointError(f"{shard_name(tp_rank, pp_rank)} has no tensor {name!r} (layer spec {self.meta['spec']!r})")
+                        raise CheckpointError(
+                            f"{shard_name(tp_rank, pp_rank)} has no tensor {name!r} (layer spec {self.meta['spec']!r})"
+                        )
                     out.append(f.get_tensor(name))
             return out
 

@@ -139,8 +139,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         parts = key.split(".")
         entry = len(parts) == 3 and all(parts) and parts[0] in sections and _is_mapping_field(parts[0], parts[1])
         if not sep or not all(parts) or not (len(parts) == 2 or entry):
-            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. parallel.tp=2), or "
-                              "section.key.name=value for one entry of a mapping (e.g. model.hf_config.num_hidden_layers=28)")
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value (e.g. parallel.tp=2), or "
+                "section.key.name=value for one entry of a mapping (e.g. model.hf_config.num_hidden_layers=28)"
+            )
         if parts[0] not in sections:
             raise _unknown(parts[0], sections, "")
         data.setdefault(parts[0], {})
@@ -205,8 +207,9 @@ def config_path(path: str | Path) -> Path:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         here = next((d for d in _CONFIGS if d.is_dir()), _CONFIGS[0])
-        raise ConfigError(f"config file {path} does not exist, in {Path.cwd()} nor in {here} (which holds tiny.yaml, "
-                          "models/ and modes/)")
+        raise ConfigError(
+            f"config file {path} does not exist, in {Path.cwd()} nor in {here} (which holds tiny.yaml, models/ and modes/)"
+        )
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -241,7 +244,9 @@ def sections_help() -> str:
     lines = ["config sections and their keys (section.key=value; --print in megatron_jetrl.rl.config shows the values):"]
     for section, cls in typing.get_type_hints(JetRLConfig).items():
         names = [f.name for f in dataclasses.fields(cls)]
-        lines.append(textwrap.fill(" ".join(names), width=118, initial_indent=f"  {section + ':':<11}", subsequent_indent=" " * 13))
+        lines.append(
+            textwrap.fill(" ".join(names), width=118, initial_indent=f"  {section + ':':<11}", subsequent_indent=" " * 13)
+        )
     return "\n".join(lines)
 
 
@@ -266,19 +271,31 @@ def _option_hint(argv: list[str], i: int) -> str:
     if "." in name:
         keys = [name]
     else:
-        keys = [f"{section}.{g.name}" for section, cls in typing.get_type_hints(JetRLConfig).items()
-                for g in dataclasses.fields(cls) if g.name == name.replace("-", "_")]
+        keys = [
+            f"{section}.{g.name}"
+            for section, cls in typing.get_type_hints(JetRLConfig).items()
+            for g in dataclasses.fields(cls)
+            if g.name == name.replace("-", "_")
+        ]
     example = " or ".join(f"{k}={value}" for k in keys) if keys else "run.steps=10"
-    return (f"{argv[i]!r} is not an option: settings are section.key=value overrides after the config files, e.g. {example} "
-            "(--help lists the sections; `python -m megatron_jetrl.rl.config --print` shows every key)")
+    return (
+        f"{argv[i]!r} is not an option: settings are section.key=value overrides after the config files, e.g. {example} "
+        "(--help lists the sections; `python -m megatron_jetrl.rl.config --print` shows every key)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Validate a megatron-jetrl GRPO config and print parts of it.",
-                                     epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description="Validate a megatron-jetrl GRPO config and print parts of it.",
+        epilog=sections_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml ...] [section.key=value ...]")
-    parser.add_argument("--get", help="print one value, e.g. parallel.world_size (also refuses what this machine or the "
-                                      "run directory cannot run: rl/preflight.py)")
+    parser.add_argument(
+        "--get",
+        help="print one value, e.g. parallel.world_size (also refuses what this machine or the "
+        "run directory cannot run: rl/preflight.py)",
+    )
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
     argv = sys.argv[1:] if argv is None else argv
     ns, unknown = parser.parse_known_args(argv)

@@ -49,49 +49,76 @@ class JetRLConfig:
     def __post_init__(self):
         sequences = self.grpo.prompts_per_step * self.rollout.n
         per_rank = self.parallel.dp * self.grpo.micro_batch_size * self.grpo.updates_per_step
-        _check(sequences % per_rank == 0,
-               f"grpo.prompts_per_step * rollout.n = {sequences} sequences do not split into parallel.dp={self.parallel.dp} "
-               f"x grpo.updates_per_step={self.grpo.updates_per_step} x grpo.micro_batch_size={self.grpo.micro_batch_size}: "
-               f"pick sizes whose product divides {sequences}")
+        _check(
+            sequences % per_rank == 0,
+            f"grpo.prompts_per_step * rollout.n = {sequences} sequences do not split into parallel.dp={self.parallel.dp} "
+            f"x grpo.updates_per_step={self.grpo.updates_per_step} x grpo.micro_batch_size={self.grpo.micro_batch_size}: "
+            f"pick sizes whose product divides {sequences}",
+        )
         rows = sequences // self.parallel.dp
-        _check(rows % self.grpo.logprob_batch == 0,
-               f"grpo.logprob_micro_batch_size={self.grpo.logprob_batch} does not divide the {rows} sequences each "
-               f"data-parallel rank scores (grpo.prompts_per_step * rollout.n / parallel.dp): pick a divisor of {rows}")
-        _check(self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
-               f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}")
+        _check(
+            rows % self.grpo.logprob_batch == 0,
+            f"grpo.logprob_micro_batch_size={self.grpo.logprob_batch} does not divide the {rows} sequences each "
+            f"data-parallel rank scores (grpo.prompts_per_step * rollout.n / parallel.dp): pick a divisor of {rows}",
+        )
+        _check(
+            self.warmup.steps == 0 or self.warmup.batch_size % self.parallel.dp == 0,
+            f"warmup.batch_size={self.warmup.batch_size} must be a multiple of parallel.dp={self.parallel.dp}",
+        )
         fp8 = self.precision.mode != "bf16"
-        _check(not (self.model.batch_invariant is True and fp8 and self.precision.backend not in ("auto", "emulated")),
-               f"model.batch_invariant=true needs the emulated FP8 GEMM (exact block products), got precision.backend="
-               f"{self.precision.backend!r}: set precision.backend=emulated or model.batch_invariant=false")
-        _check(self.rollout.engine != "vllm" or self.parallel.world_size % self.rollout.tp == 0,
-               f"rollout.tp={self.rollout.tp} must divide the number of ranks parallel.tp * pp * dp = {self.parallel.world_size} "
-               "(each rank runs one TP rank of one vLLM engine)")
-        _check(self.rollout.engine != "vllm" or self.run.device != "cpu",
-               "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)")
+        _check(
+            not (self.model.batch_invariant is True and fp8 and self.precision.backend not in ("auto", "emulated")),
+            f"model.batch_invariant=true needs the emulated FP8 GEMM (exact block products), got precision.backend="
+            f"{self.precision.backend!r}: set precision.backend=emulated or model.batch_invariant=false",
+        )
+        _check(
+            self.rollout.engine != "vllm" or self.parallel.world_size % self.rollout.tp == 0,
+            f"rollout.tp={self.rollout.tp} must divide the number of ranks parallel.tp * pp * dp = {self.parallel.world_size} "
+            "(each rank runs one TP rank of one vLLM engine)",
+        )
+        _check(
+            self.rollout.engine != "vllm" or self.run.device != "cpu",
+            "rollout.engine=vllm needs a GPU run, not run.device=cpu (use rollout.engine=native on CPU)",
+        )
         if self.model.spec == "te":
-            _check(self.rollout.glue != "trainer",
-                   "rollout.glue=trainer runs the local spec's RMSNorm and RoPE inside vLLM, but model.spec=te trains with "
-                   "Transformer Engine's: use rollout.glue=auto (vLLM's, with this spec) or vllm")
-            _check(not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0 and self.grpo.logprob_batch % 8 == 0,
-                   f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
-                   f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size and "
-                   f"grpo.logprob_micro_batch_size to multiples of 8 (got {self.grpo.micro_batch_size} and {self.grpo.logprob_batch})")
-            _check(not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
-                   f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
-                   f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "
-                   "FP8 GEMMs: set warmup.batch_size accordingly")
-            _check(self.run.device != "cpu", "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
-                                             "run.device=cpu: set run.device=cuda (or auto) or model.spec=local")
-            _check(not self.precision.gemm_sms,
-                   f"precision.gemm_sms={self.precision.gemm_sms} limits DeepGEMM's kernels, but model.spec=te trains with "
-                   "Transformer Engine's GEMMs: leave precision.gemm_sms at 0 or use model.spec=local")
-            _check(self.precision.eps == PrecisionFlow().eps,
-                   f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
-                   f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
-                   "precision.eps at its default or use model.spec=local")
-        _check(not self.run.eval_every or self.data.heldout > 0,
-               f"run.eval_every={self.run.eval_every} scores the policy on held-out problems, but data.heldout=0 holds none "
-               "out: set data.heldout (e.g. 128) or run.eval_every=0")
+            _check(
+                self.rollout.glue != "trainer",
+                "rollout.glue=trainer runs the local spec's RMSNorm and RoPE inside vLLM, but model.spec=te trains with "
+                "Transformer Engine's: use rollout.glue=auto (vLLM's, with this spec) or vllm",
+            )
+            _check(
+                not self.precision.train_fp8 or self.grpo.micro_batch_size % 8 == 0 and self.grpo.logprob_batch % 8 == 0,
+                f"model.spec=te in mode jetrl runs TE's FP8 GEMMs, which need the tokens of a micro-batch (micro-batch x "
+                f"sequence length, any length) to be a multiple of 8: set grpo.micro_batch_size and "
+                f"grpo.logprob_micro_batch_size to multiples of 8 (got {self.grpo.micro_batch_size} and {self.grpo.logprob_batch})",
+            )
+            _check(
+                not self.precision.train_fp8 or self.warmup.steps == 0 or (self.warmup.batch_size // self.parallel.dp) % 8 == 0,
+                f"model.spec=te in mode jetrl: the warm-up's micro-batches (warmup.batch_size / parallel.dp = "
+                f"{self.warmup.batch_size // self.parallel.dp} sequences per rank) must be a multiple of 8 sequences for TE's "
+                "FP8 GEMMs: set warmup.batch_size accordingly",
+            )
+            _check(
+                self.run.device != "cpu",
+                "model.spec=te needs a GPU run (Transformer Engine has no CPU kernels), not "
+                "run.device=cpu: set run.device=cuda (or auto) or model.spec=local",
+            )
+            _check(
+                not self.precision.gemm_sms,
+                f"precision.gemm_sms={self.precision.gemm_sms} limits DeepGEMM's kernels, but model.spec=te trains with "
+                "Transformer Engine's GEMMs: leave precision.gemm_sms at 0 or use model.spec=local",
+            )
+            _check(
+                self.precision.eps == PrecisionFlow().eps,
+                f"model.spec=te quantizes with vLLM's amax floor eps={PrecisionFlow().eps} (megatron resolves the TE "
+                f"quantizer factory by import path, one per scale mode); got precision.eps={self.precision.eps}: leave "
+                "precision.eps at its default or use model.spec=local",
+            )
+        _check(
+            not self.run.eval_every or self.data.heldout > 0,
+            f"run.eval_every={self.run.eval_every} scores the policy on held-out problems, but data.heldout=0 holds none "
+            "out: set data.heldout (e.g. 128) or run.eval_every=0",
+        )
         if self.model.bf16_linear_weights == "release":
             problem = self._bf16_release_problem()
             _check(problem is None, f"{problem}: set it to auto or keep")
@@ -120,12 +147,16 @@ class JetRLConfig:
     def _bf16_release_problem(self) -> str | None:
         """Why the FP8 linears' BF16 weights cannot be freed through a train step here, or None."""
         if not (self.precision.train_fp8 and self.model.spec == "local"):
-            return (f"model.bf16_linear_weights=release frees the BF16 weights of the local spec's FP8 linears; mode "
-                    f"{self.precision.mode!r} with model.spec={self.model.spec} trains none")
+            return (
+                f"model.bf16_linear_weights=release frees the BF16 weights of the local spec's FP8 linears; mode "
+                f"{self.precision.mode!r} with model.spec={self.model.spec} trains none"
+            )
         if not self.optim.bf16 or self.optim.distributed:
-            return ("model.bf16_linear_weights=release needs megatron's mixed-precision optimizer (optim.bf16=true, "
-                    "optim.distributed=false): the distributed optimizer keeps the parameters in one buffer, and FP32 "
-                    "weights are the optimizer's own")
+            return (
+                "model.bf16_linear_weights=release needs megatron's mixed-precision optimizer (optim.bf16=true, "
+                "optim.distributed=false): the distributed optimizer keeps the parameters in one buffer, and FP32 "
+                "weights are the optimizer's own"
+            )
         return None
 
     def exact_logprobs_holds(self) -> bool:
@@ -145,21 +176,37 @@ class JetRLConfig:
     def _check_exact_logprobs(self) -> None:
         """`precision.exact_logprobs` holds only where both sides can run the same kernels (its docstring)."""
         fix = "set precision.exact_logprobs=false"
-        _check(self.rollout.engine == "vllm",
-               f"precision.exact_logprobs pairs the actor with vLLM's kernels and needs rollout.engine=vllm, got "
-               f"{self.rollout.engine!r} ({fix}; the native engine is exact with model.batch_invariant=true)")
-        _check(self.model.spec == "local", f"precision.exact_logprobs needs model.spec=local (Transformer Engine's layers "
-                                           f"run TE's attention and norms, not vLLM's), got {self.model.spec!r}: {fix}")
-        _check(self.model.batch_invariant is not True, "precision.exact_logprobs runs vLLM's kernels in the actor and "
-                                               "model.batch_invariant=true the native engine's: set model.batch_invariant=false")
-        _check(self.rollout.glue != "vllm", "precision.exact_logprobs needs the trainer's RMSNorm and RoPE inside vLLM "
-                                            "(vLLM's own round differently): set rollout.glue=auto or trainer")
+        _check(
+            self.rollout.engine == "vllm",
+            f"precision.exact_logprobs pairs the actor with vLLM's kernels and needs rollout.engine=vllm, got "
+            f"{self.rollout.engine!r} ({fix}; the native engine is exact with model.batch_invariant=true)",
+        )
+        _check(
+            self.model.spec == "local",
+            f"precision.exact_logprobs needs model.spec=local (Transformer Engine's layers "
+            f"run TE's attention and norms, not vLLM's), got {self.model.spec!r}: {fix}",
+        )
+        _check(
+            self.model.batch_invariant is not True,
+            "precision.exact_logprobs runs vLLM's kernels in the actor and "
+            "model.batch_invariant=true the native engine's: set model.batch_invariant=false",
+        )
+        _check(
+            self.rollout.glue != "vllm",
+            "precision.exact_logprobs needs the trainer's RMSNorm and RoPE inside vLLM "
+            "(vLLM's own round differently): set rollout.glue=auto or trainer",
+        )
         scaled = (self.model.hf_config or {}).get("rope_scaling")
-        _check(not scaled, f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
-                           f"which the trainer's glue does not replace: {fix}")
-        _check(self.rollout.tp == self.parallel.tp,
-               f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
-               f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}")
+        _check(
+            not scaled,
+            f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
+            f"which the trainer's glue does not replace: {fix}",
+        )
+        _check(
+            self.rollout.tp == self.parallel.tp,
+            f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
+            f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}",
+        )
 
     def arch(self) -> ModelArch:
         """The model architecture, with the FP8 block alignment at this TP checked."""
@@ -188,37 +235,54 @@ class JetRLConfig:
         rule and the fix; what was measured is in BENCHMARKS.md."""
         out = []
         if self.rollout.engine == "vllm" and self.precision.train_fp8 and self.rollout.tp != self.parallel.tp:
-            out.append(f"rollout.tp={self.rollout.tp} differs from parallel.tp={self.parallel.tp}: the engines add the row-parallel "
-                       "linears' partial outputs in another order than the trainer, and FP8 re-quantization amplifies it "
-                       "into a mismatch several times that of engines split as the trainer (BENCHMARKS.md); "
-                       f"set rollout.tp={self.parallel.tp} for the lowest mismatch")
+            out.append(
+                f"rollout.tp={self.rollout.tp} differs from parallel.tp={self.parallel.tp}: the engines add the row-parallel "
+                "linears' partial outputs in another order than the trainer, and FP8 re-quantization amplifies it "
+                "into a mismatch several times that of engines split as the trainer (BENCHMARKS.md); "
+                f"set rollout.tp={self.parallel.tp} for the lowest mismatch"
+            )
         hidden = (self.model.hf_config or {}).get("hidden_size")
         if self.rollout.engine == "vllm" and self.precision.rollout_fp8 and hidden and hidden < SMALL_FP8_HIDDEN:
-            out.append(f"hidden_size={hidden}: at this width the FP8 GEMMs are too small to pay for their quantization, and "
-                       f"vLLM's FP8 decode adds host work per step: below hidden_size {SMALL_FP8_HIDDEN} a GRPO step with vLLM "
-                       "is usually slower in FP8 than in bf16, while the same flow with the native engine is usually faster "
-                       "(BENCHMARKS.md; rollout.engine=native: one engine on rank 0)"
-                       + (", which fits a one-rank run" if self.parallel.world_size == 1 else ""))
+            out.append(
+                f"hidden_size={hidden}: at this width the FP8 GEMMs are too small to pay for their quantization, and "
+                f"vLLM's FP8 decode adds host work per step: below hidden_size {SMALL_FP8_HIDDEN} a GRPO step with vLLM "
+                "is usually slower in FP8 than in bf16, while the same flow with the native engine is usually faster "
+                "(BENCHMARKS.md; rollout.engine=native: one engine on rank 0)"
+                + (", which fits a one-rank run" if self.parallel.world_size == 1 else "")
+            )
         if self.precision.train_fp8 and hidden and self.parallel.tp > 1 and hidden // self.parallel.tp <= THIN_FP8_SHARD:
-            out.append(f"parallel.tp={self.parallel.tp} leaves each rank {hidden // self.parallel.tp} of hidden_size={hidden}: its FP8 GEMMs "
-                       f"are too small to beat BF16's once quantized, and the step waits on the TP all-reduces: at {THIN_FP8_SHARD} "
-                       "columns a rank or fewer the FP8 step is usually slower than bf16's, and fewer TP ranks are faster in both "
-                       "modes (Qwen3-8B on 4 GPUs: TP 1 x PP 4 against TP 4, BENCHMARKS.md): where the model fits, use fewer "
-                       "TP ranks and more pipeline stages")
+            out.append(
+                f"parallel.tp={self.parallel.tp} leaves each rank {hidden // self.parallel.tp} of hidden_size={hidden}: its FP8 GEMMs "
+                f"are too small to beat BF16's once quantized, and the step waits on the TP all-reduces: at {THIN_FP8_SHARD} "
+                "columns a rank or fewer the FP8 step is usually slower than bf16's, and fewer TP ranks are faster in both "
+                "modes (Qwen3-8B on 4 GPUs: TP 1 x PP 4 against TP 4, BENCHMARKS.md): where the model fits, use fewer "
+                "TP ranks and more pipeline stages"
+            )
         left_to_auto = self.model.bf16_linear_weights == "auto" or "model.bf16_linear_weights" in self.resolved_autos()
-        if (left_to_auto and self.optim.distributed and self.parallel.dp == 1 and self.model.hf_config
-                and self.precision.train_fp8 and self.model.spec == "local" and self.optim.bf16):  # only the optimizer keeps them
+        if (
+            left_to_auto
+            and self.optim.distributed
+            and self.parallel.dp == 1
+            and self.model.hf_config
+            and self.precision.train_fp8
+            and self.model.spec == "local"
+            and self.optim.bf16
+        ):  # only the optimizer keeps them
             arch = self.arch()
             gib = arch.linear_params * max(self.parallel.stage_layers(arch.num_layers)) * 2 / self.parallel.tp / 2**30
-            out.append(f"optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 "
-                       f"linears' BF16 weights through every train step; optim.distributed=false frees them ({gib:.1f} GiB "
-                       "a GPU here, model.bf16_linear_weights)")
+            out.append(
+                f"optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 "
+                f"linears' BF16 weights through every train step; optim.distributed=false frees them ({gib:.1f} GiB "
+                "a GPU here, model.bf16_linear_weights)"
+            )
         if self.parallel.pp > 1 and not self.parallel.pp_last_layers and self.model.hf_config:
             last = balanced_last_layers(self.arch(), self.parallel.pp)
             if last:
-                out.append(f"parallel.pp={self.parallel.pp} splits the layers evenly, but the last stage also runs the output layer "
-                           "and the logprobs, about as much work as several layers (BENCHMARKS.md); "
-                           f"parallel.pp_last_layers={last} evens the stages by the GEMM count")
+                out.append(
+                    f"parallel.pp={self.parallel.pp} splits the layers evenly, but the last stage also runs the output layer "
+                    "and the logprobs, about as much work as several layers (BENCHMARKS.md); "
+                    f"parallel.pp_last_layers={last} evens the stages by the GEMM count"
+                )
         return out
 
     def to_dict(self) -> dict:

@@ -85,22 +85,34 @@ class RunConfig:
     def __post_init__(self):
         _check(self.steps >= 0, f"run.steps must be >= 0 (0: the warm-start alone), got {self.steps}")
         _check(self.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.save_every}")
-        _check(self.checkpoint or not self.export, "run.checkpoint=false writes no checkpoint, but run.export=true "
-               "converts the final one: set run.export=false too (or keep run.checkpoint=true)")
+        _check(
+            self.checkpoint or not self.export,
+            "run.checkpoint=false writes no checkpoint, but run.export=true "
+            "converts the final one: set run.export=false too (or keep run.checkpoint=true)",
+        )
         _check(self.eval_every >= 0, f"run.eval_every must be >= 0 (0: no held-out evaluation), got {self.eval_every}")
-        _check(self.profile_step == -1 or 0 <= self.profile_step < self.steps,
-               f"run.profile_step={self.profile_step} is not a step of this run (0 .. run.steps - 1 = {self.steps - 1}); -1: no profile")
+        _check(
+            self.profile_step == -1 or 0 <= self.profile_step < self.steps,
+            f"run.profile_step={self.profile_step} is not a step of this run (0 .. run.steps - 1 = {self.steps - 1}); -1: no profile",
+        )
         phases = self.profiled_phases()
-        _check(bool(phases) and set(phases) <= set(PROFILED_PHASES),
-               f"run.profile_phases must name one or more of {', '.join(PROFILED_PHASES)} (comma-separated), got {self.profile_phases!r}")
-        _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}")
+        _check(
+            bool(phases) and set(phases) <= set(PROFILED_PHASES),
+            f"run.profile_phases must name one or more of {', '.join(PROFILED_PHASES)} (comma-separated), got {self.profile_phases!r}",
+        )
+        _check(
+            self.keep_checkpoints >= 0,
+            f"run.keep_checkpoints must be >= 0 (0: keep every checkpoint), got {self.keep_checkpoints}",
+        )
         _check(self.resume in ("auto", "never"), f"run.resume must be 'auto' or 'never', got {self.resume!r}")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         _check(0 < self.timeout_s < 1e7, f"run.timeout_s must be positive, got {self.timeout_s:g} (seconds, below 1e7)")
         _check(0 <= self.seed < 2**63, f"run.seed must be in [0, 2**63), got {self.seed}")
         _check(self.on_nonfinite in ("stop", "skip"), f"run.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
-               f"run.name must be a plain directory name (not empty, '.', '..', no '/'), got {self.name!r}")
+        _check(
+            bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+            f"run.name must be a plain directory name (not empty, '.', '..', no '/'), got {self.name!r}",
+        )
 
     @property
     def directory(self) -> Path:
@@ -120,10 +132,14 @@ class RunConfig:
 
                 raise ConfigError(vllm_problem("cpu"))
             if needs:
-                raise ConfigError(f"{needs} needs a CUDA GPU and no CUDA device is visible on this machine: run on a GPU "
-                                  "node (check CUDA_VISIBLE_DEVICES and the driver), or use model.spec=local on the CPU")
-            raise ConfigError("run.device='cuda' but no CUDA device is visible on this machine: run on a GPU node "
-                              "(check CUDA_VISIBLE_DEVICES and the driver) or set run.device=cpu")
+                raise ConfigError(
+                    f"{needs} needs a CUDA GPU and no CUDA device is visible on this machine: run on a GPU "
+                    "node (check CUDA_VISIBLE_DEVICES and the driver), or use model.spec=local on the CPU"
+                )
+            raise ConfigError(
+                "run.device='cuda' but no CUDA device is visible on this machine: run on a GPU node "
+                "(check CUDA_VISIBLE_DEVICES and the driver) or set run.device=cpu"
+            )
         return "cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
@@ -170,23 +186,40 @@ class ModelConfig:
     of the two specs name the norms differently: resume with the spec you trained with."""
 
     def __post_init__(self):
-        _check(bool(self.hf_config) or bool(self.path),
-               "model: give model.hf_config (an inline architecture: random init) and/or model.path (a local HF directory)")
-        _check(self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}")
-        _check(self.tokenizer != "hf" or bool(self.path), "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)")
+        _check(
+            bool(self.hf_config) or bool(self.path),
+            "model: give model.hf_config (an inline architecture: random init) and/or model.path (a local HF directory)",
+        )
+        _check(
+            self.tokenizer in ("sentencepiece", "hf"), f"model.tokenizer must be 'sentencepiece' or 'hf', got {self.tokenizer!r}"
+        )
+        _check(
+            self.tokenizer != "hf" or bool(self.path),
+            "model.tokenizer='hf' needs model.path (the directory that holds the tokenizer)",
+        )
         _check(self.spec in ("local", "te"), f"model.spec must be 'local' or 'te', got {self.spec!r}")
-        _check(self.fp8_weight_t in ("step", "backward"), f"model.fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
-        _check(self.batch_invariant in (True, False, "auto", None),
-               f"model.batch_invariant must be true, false or auto, got {self.batch_invariant!r}")
-        _check(self.bf16_linear_weights in ("auto", "keep", "release"),
-               f"model.bf16_linear_weights must be 'auto', 'keep' or 'release', got {self.bf16_linear_weights!r}")
+        _check(
+            self.fp8_weight_t in ("step", "backward"),
+            f"model.fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}",
+        )
+        _check(
+            self.batch_invariant in (True, False, "auto", None),
+            f"model.batch_invariant must be true, false or auto, got {self.batch_invariant!r}",
+        )
+        _check(
+            self.bf16_linear_weights in ("auto", "keep", "release"),
+            f"model.bf16_linear_weights must be 'auto', 'keep' or 'release', got {self.bf16_linear_weights!r}",
+        )
         if self.spec == "te":
             from megatron_jetrl.fp8.te import INSTALL_HINT, te_installed
 
             _check(te_installed(), f"model.spec=te: {INSTALL_HINT}")
-            _check(self.batch_invariant is not True, "model.spec=te runs Transformer Engine's own norm, attention and GEMM "
-                                                     "kernels, not models.batch_invariant_ops: set model.batch_invariant=false "
-                                                     "(or auto), or model.spec=local")
+            _check(
+                self.batch_invariant is not True,
+                "model.spec=te runs Transformer Engine's own norm, attention and GEMM "
+                "kernels, not models.batch_invariant_ops: set model.batch_invariant=false "
+                "(or auto), or model.spec=local",
+            )
 
     def architecture(self) -> dict:
         """The HF config dict: inline, else `path`'s config.json."""
@@ -205,8 +238,11 @@ class ModelConfig:
         disk = self.path_config()
         odd = {k: (v, disk.get(k)) for k, v in self.hf_config.items() if disk.get(k) != v}
         if odd:
-            raise ConfigError(f"model.hf_config disagrees with {self.path}/config.json on " + ", ".join(
-                f"{k} (config {a!r}, checkpoint {b!r})" for k, (a, b) in sorted(odd.items())) + ": fix the preset or the path")
+            raise ConfigError(
+                f"model.hf_config disagrees with {self.path}/config.json on "
+                + ", ".join(f"{k} (config {a!r}, checkpoint {b!r})" for k, (a, b) in sorted(odd.items()))
+                + ": fix the preset or the path"
+            )
 
 
 @dataclass(frozen=True)
@@ -229,8 +265,10 @@ class ParallelConfig:
         for name in ("tp", "pp", "dp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
-        _check(not self.pp_last_layers or self.pp > 1,
-               f"parallel.pp_last_layers={self.pp_last_layers} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0")
+        _check(
+            not self.pp_last_layers or self.pp > 1,
+            f"parallel.pp_last_layers={self.pp_last_layers} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0",
+        )
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers per pipeline stage (`models.mapping.stage_layers`)."""
@@ -279,21 +317,34 @@ class DataConfig:
     def __post_init__(self):
         sources = (*self.GENERATED, "gsm8k", "math", "deepmath")
         _check(self.source in sources, f"data.source must be one of {sources}, got {self.source!r}")
-        _check(self.source in self.GENERATED or bool(self.path), f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)")
+        _check(
+            self.source in self.GENERATED or bool(self.path),
+            f"data.source={self.source!r} needs data.path (a local jsonl/parquet file or directory)",
+        )
         _check(self.operand_max >= 1, f"data.operand_max must be >= 1, got {self.operand_max}")
-        _check(self.reward_style in ("number", "final", "gsm8k", "boxed"),
-               f"data.reward_style must be 'number', 'final', 'gsm8k' or 'boxed', got {self.reward_style!r}")
-        _check(1 <= self.multiplier_min <= self.multiplier_max,
-               f"data.multiplier_min={self.multiplier_min} and data.multiplier_max={self.multiplier_max} must satisfy "
-               "1 <= multiplier_min <= multiplier_max")
-        _check(self.multiplier_sampling in ("uniform", "log"),
-               f"data.multiplier_sampling must be 'uniform' or 'log', got {self.multiplier_sampling!r}")
-        _check(self.source != "multiplication_trace" or self.reward_style == "final",
-               f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
-               f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)")
+        _check(
+            self.reward_style in ("number", "final", "gsm8k", "boxed"),
+            f"data.reward_style must be 'number', 'final', 'gsm8k' or 'boxed', got {self.reward_style!r}",
+        )
+        _check(
+            1 <= self.multiplier_min <= self.multiplier_max,
+            f"data.multiplier_min={self.multiplier_min} and data.multiplier_max={self.multiplier_max} must satisfy "
+            "1 <= multiplier_min <= multiplier_max",
+        )
+        _check(
+            self.multiplier_sampling in ("uniform", "log"),
+            f"data.multiplier_sampling must be 'uniform' or 'log', got {self.multiplier_sampling!r}",
+        )
+        _check(
+            self.source != "multiplication_trace" or self.reward_style == "final",
+            f"data.source=multiplication_trace answers with a worked trace whose result follows the last '=': set "
+            f"data.reward_style=final (got {self.reward_style!r}, which would score every answer 0)",
+        )
         _check(self.heldout >= 0, f"data.heldout must be >= 0 (0: no held-out problems), got {self.heldout}")
-        _check(self.source != "multiplication_trace" or not self.path,
-               f"data.source=multiplication_trace is generated in-process: drop data.path ({self.path!r})")
+        _check(
+            self.source != "multiplication_trace" or not self.path,
+            f"data.source=multiplication_trace is generated in-process: drop data.path ({self.path!r})",
+        )
 
 
 @dataclass(frozen=True)
@@ -363,7 +414,10 @@ class RolloutConfig:
         _check(self.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {self.engine!r}")
         _check(self.num_engines >= 1 and self.n >= 1, "rollout.num_engines and rollout.n must be >= 1")
         _check(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt (group-normalized advantages)")
-        _check(0 < self.temperature < 1e3, f"rollout.temperature must be a finite number > 0 for GRPO sampling, got {self.temperature}")
+        _check(
+            0 < self.temperature < 1e3,
+            f"rollout.temperature must be a finite number > 0 for GRPO sampling, got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.bucket_mb >= 1, f"rollout.bucket_mb must be >= 1, got {self.bucket_mb}")
@@ -371,10 +425,15 @@ class RolloutConfig:
         _check(0 < self.kv_cache_fraction < 1, f"rollout.kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
         _check(self.offload in OFFLOAD_CHOICES, f"rollout.offload must be one of {list(OFFLOAD_CHOICES)}, got {self.offload!r}")
         _check(self.kv_cache_gb >= 0, f"rollout.kv_cache_gb must be >= 0 (0: use kv_cache_fraction), got {self.kv_cache_gb}")
-        _check(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
-               f"rollout.max_model_len={self.max_model_len} must exceed rollout.max_new_tokens={self.max_new_tokens} (0: automatic)")
+        _check(
+            self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
+            f"rollout.max_model_len={self.max_model_len} must exceed rollout.max_new_tokens={self.max_new_tokens} (0: automatic)",
+        )
         _check(self.glue in ("auto", "vllm", "trainer"), f"rollout.glue must be 'auto', 'vllm' or 'trainer', got {self.glue!r}")
-        _check(self.engine == "vllm" or self.tp == 1, f"rollout.tp={self.tp} is for rollout.engine=vllm (the native engine is not tensor parallel)")
+        _check(
+            self.engine == "vllm" or self.tp == 1,
+            f"rollout.tp={self.tp} is for rollout.engine=vllm (the native engine is not tensor parallel)",
+        )
 
     def window(self, positions: int) -> int:
         """The most tokens, prompt and response, a sequence may reach on a model of `positions` (its
@@ -389,14 +448,18 @@ class RolloutConfig:
         longer than the model (vLLM's own start-up check), or responses with no room left for a prompt (a sequence
         past the model's positions: vLLM refuses the request, the native engine would run positions the model never
         had). The prompts themselves are checked when the data is built (`rl.session.check_prompt_room`)."""
-        _check(self.max_model_len <= positions,
-               f"rollout.max_model_len={self.max_model_len} is longer than the model's max_position_embeddings={positions} "
-               f"(vLLM refuses an engine longer than the model): set rollout.max_model_len to at most {positions}")
-        _check(self.max_new_tokens < positions,
-               f"rollout.max_new_tokens={self.max_new_tokens} leaves no position for a prompt in the model's "
-               f"max_position_embeddings={positions} (a sequence may not pass them: vLLM refuses such a request, and the "
-               f"native engine would run RoPE positions the model never had): set rollout.max_new_tokens below {positions} "
-               "less the longest prompt")
+        _check(
+            self.max_model_len <= positions,
+            f"rollout.max_model_len={self.max_model_len} is longer than the model's max_position_embeddings={positions} "
+            f"(vLLM refuses an engine longer than the model): set rollout.max_model_len to at most {positions}",
+        )
+        _check(
+            self.max_new_tokens < positions,
+            f"rollout.max_new_tokens={self.max_new_tokens} leaves no position for a prompt in the model's "
+            f"max_position_embeddings={positions} (a sequence may not pass them: vLLM refuses such a request, and the "
+            f"native engine would run RoPE positions the model never had): set rollout.max_new_tokens below {positions} "
+            "less the longest prompt",
+        )
 
 
 @dataclass(frozen=True)
@@ -419,11 +482,17 @@ class GRPOConfig:
     """`std` (GRPO: divide by the group std) or `none` (Dr. GRPO)."""
 
     def __post_init__(self):
-        _check(self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.updates_per_step >= 1,
-               "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1")
-        _check(self.logprob_micro_batch_size >= 0,
-               f"grpo.logprob_micro_batch_size must be >= 0 (0: grpo.micro_batch_size), got {self.logprob_micro_batch_size}")
-        _check(self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}")
+        _check(
+            self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.updates_per_step >= 1,
+            "grpo.prompts_per_step, grpo.micro_batch_size and grpo.updates_per_step must be >= 1",
+        )
+        _check(
+            self.logprob_micro_batch_size >= 0,
+            f"grpo.logprob_micro_batch_size must be >= 0 (0: grpo.micro_batch_size), got {self.logprob_micro_batch_size}",
+        )
+        _check(
+            self.advantage_scale in ("std", "none"), f"grpo.advantage_scale must be 'std' or 'none', got {self.advantage_scale!r}"
+        )
 
     @property
     def logprob_batch(self) -> int:
@@ -443,7 +512,9 @@ class WarmupConfig:
     """SFT sequences per step (split over data-parallel ranks)."""
 
     def __post_init__(self):
-        _check(self.steps >= 0 and self.lr > 0 and self.batch_size >= 1, "warmup.steps >= 0, warmup.lr > 0, warmup.batch_size >= 1")
+        _check(
+            self.steps >= 0 and self.lr > 0 and self.batch_size >= 1, "warmup.steps >= 0, warmup.lr > 0, warmup.batch_size >= 1"
+        )
 
 
 def _check(ok: bool, message: str) -> None:

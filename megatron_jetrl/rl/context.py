@@ -40,7 +40,7 @@ TAPS = {
 }
 EVENTS = {
     "checkpoint_staged": "a checkpoint's actor shards and optimizer state are staged, its trainer state not yet written "
-                         "(info: step, directory)",
+    "(info: step, directory)",
     "export_shard": "an export wrote one safetensors shard (info: path)",
 }
 HOOKS = ("on_phase", "on_phase_end", "on_step_end", "on_end", "on_event", "tap")

@@ -5,8 +5,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-TRAIN_EXTRAS = {"megatron.core": "megatron-core==0.16.1", "sentencepiece": "sentencepiece", "math_verify": "math-verify",
-                "tqdm": "tqdm", "transformers": "transformers"}
+TRAIN_EXTRAS = {
+    "megatron.core": "megatron-core==0.16.1",
+    "sentencepiece": "sentencepiece",
+    "math_verify": "math-verify",
+    "tqdm": "tqdm",
+    "transformers": "transformers",
+}
 """Module -> the package that provides it (pyproject.toml's `train` extra)."""
 
 
@@ -26,6 +31,9 @@ def require_train_extras(what: str) -> None:
     """Exit 2 with one line when the `train` extra is missing (a bare `pip install .`)."""
     missing = missing_train_extras()
     if missing:
-        print(f"{what} needs {', '.join(missing)}, not installed here: pip install 'megatron-jetrl[train]' (from a clone: "
-              "pip install '.[train]'; on a CPU machine install torch's CPU build first, as tools/setup.sh does)", file=sys.stderr)
+        print(
+            f"{what} needs {', '.join(missing)}, not installed here: pip install 'megatron-jetrl[train]' (from a clone: "
+            "pip install '.[train]'; on a CPU machine install torch's CPU build first, as tools/setup.sh does)",
+            file=sys.stderr,
+        )
         sys.exit(2)

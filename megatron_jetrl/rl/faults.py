@@ -1,5 +1,5 @@
 """How a GRPO run dies: one clear line naming the step, the phase and any lost rank (RELIABILITY.md lists the faults
-tried, tests/fault_injection.py injects them); and how it ends together (`leave_together`).
+tried, tests/fault_injection.py injects them).
 
 The trainer calls `watch(cfg, run)` once, right after the process group exists. It
 
@@ -27,7 +27,6 @@ The trainer calls `watch(cfg, run)` once, right after the process group exists. 
 from __future__ import annotations
 
 import atexit
-import datetime
 import errno
 import os
 import re
@@ -40,8 +39,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_jetrl.rl.context import RunContext
-
-PREFIX = "jetrl/faults"
+from megatron_jetrl.rl.rendezvous import key as _key
+from megatron_jetrl.rl.rendezvous import store as _store
 
 
 def _rank() -> int:
@@ -97,18 +96,6 @@ def record_failure(line: str) -> None:
         pass
 
 
-def _store():
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        return None
-    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
-
-
-def _key(*parts) -> str:
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return "/".join((PREFIX, os.environ.get("TORCHELASTIC_RUN_ID", "run"), attempt, *map(str, parts)))
-
-
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -145,31 +132,6 @@ def _start_heartbeat(interval: float) -> None:
         thread.join(timeout=10.0)  # one store.add at most (its timeout is 5 s)
 
     atexit.register(join)
-
-
-def leave_together(timeout: float = 60.0) -> None:
-    """After the last collective of a run of several processes: no rank exits (closing its connections) while a peer
-    may still be inside that collective, which then fails with "Connection closed by peer". Every rank counts itself
-    out in the store and waits for all; rank 0, the store's host when ranks are started by hand, leaves last. A lost
-    store or `timeout` ends the wait: the run's work is done either way."""
-    if _world() < 2:
-        return
-    try:
-        store = _store()
-        if store is None:
-            return
-        world, rank, end = _world(), _rank(), time.monotonic() + timeout
-        out, gone = _key("leave", "out"), _key("leave", "gone")
-        store.add(out, 1)
-        while store.add(out, 0) < world and time.monotonic() < end:
-            time.sleep(0.01)
-        if rank != 0:
-            store.add(gone, 1)
-            return
-        while store.add(gone, 0) < world - 1 and time.monotonic() < end:
-            time.sleep(0.01)
-    except Exception:  # noqa: BLE001, S110 - the store's host left: nobody is waiting any more
-        pass
 
 
 # ---- the report -------------------------------------------------------------------------------------------
@@ -215,11 +177,14 @@ def lost_ranks(wait: float | None = None) -> tuple[list[int] | None, dict[int, s
         first = {r: store.add(_key("beat", r), 0) for r in others}
         time.sleep(wait)
         second = {r: store.add(_key("beat", r), 0) for r in others}
-        failed = {r: store.get(_key("failed", r)).decode(errors="replace") for r in others
-                  if store.check([_key("failed", r)])}
+        failed = {r: store.get(_key("failed", r)).decode(errors="replace") for r in others if store.check([_key("failed", r)])}
     except Exception as e:  # noqa: BLE001
         host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        return None, {}, f"the rendezvous store at {host} is unreachable ({type(e).__name__}): its host (rank 0 when started without torchrun) is lost"
+        return (
+            None,
+            {},
+            f"the rendezvous store at {host} is unreachable ({type(e).__name__}): its host (rank 0 when started without torchrun) is lost",
+        )
     return [r for r in others if second[r] == first[r] and r not in failed], failed, ""
 
 
@@ -275,9 +240,11 @@ def report(exc: BaseException, tb=None) -> str:
             line += f"; {note}"
     chain = _chain(exc)
     if any(type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower() for e in chain):  # torch's, vLLM's cumem
-        line += ("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
-                 "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
-                 "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
+        line += (
+            "; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
+            "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
+            "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)"
+        )
     codes = {e.errno for e in chain if isinstance(e, OSError)}
     full = bool(codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}) or any("No space left on device" in str(e) for e in chain)
     if phase in ("save", "export") or codes or full:

@@ -72,9 +72,13 @@ class CompileProgress(threading.Thread):
         n = count_kernels(self.dirs)
         if n > self.last:
             where = self.dirs["deep_gemm"] if self.dirs["triton"] is None else self.dirs["deep_gemm"].parent
-            print(f"compiling GPU kernels (first use of these shapes): {n - self.start_count} new in "
-                  f"{time.monotonic() - self.t0:.0f} s, cached in {where}; `megatron_jetrl.rl.warm_cache` compiles a "
-                  "config's kernels ahead of its run", file=self.out, flush=True)
+            print(
+                f"compiling GPU kernels (first use of these shapes): {n - self.start_count} new in "
+                f"{time.monotonic() - self.t0:.0f} s, cached in {where}; `megatron_jetrl.rl.warm_cache` compiles a "
+                "config's kernels ahead of its run",
+                file=self.out,
+                flush=True,
+            )
             self.last = n
 
     def stop(self) -> None:

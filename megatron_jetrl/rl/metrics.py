@@ -44,9 +44,15 @@ REWARD_WINDOW = 10
 """Steps averaged at each end of a run for the headline reward (summary.json, format_summary)."""
 
 METRIC_KEYS = (
-    "reward/mean", "reward/std", "response_length/mean",
-    "mismatch/mean_abs_diff", "mismatch/k3_kl", "mismatch/max_abs_diff",
-    "loss/pg", "loss/kl", "grad_norm",
+    "reward/mean",
+    "reward/std",
+    "response_length/mean",
+    "mismatch/mean_abs_diff",
+    "mismatch/k3_kl",
+    "mismatch/max_abs_diff",
+    "loss/pg",
+    "loss/kl",
+    "grad_norm",
     *(f"time/{p}" for p in PHASES),
     "throughput/tokens_per_s",
 )
@@ -146,8 +152,11 @@ class MetricsWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         what = f"{dropped} line(s) with step >= {step}" + (f" and {bad} unreadable line(s)" if bad else "")
-        print(f"metrics: {self.path}: dropped {what}; kept {len(kept)} ("
-              f"{'resuming at step ' + str(step) if step > 0 else 'fresh run'})", file=sys.stderr)
+        print(
+            f"metrics: {self.path}: dropped {what}; kept {len(kept)} ("
+            f"{'resuming at step ' + str(step) if step > 0 else 'fresh run'})",
+            file=sys.stderr,
+        )
 
     def write(self, row: Mapping[str, Any]) -> None:
         """Append one step's metrics; `row["step"]` (int) must be larger than the previous step written."""
@@ -161,8 +170,10 @@ class MetricsWriter:
             if not isinstance(step, int):
                 raise ValueError(f"metrics row needs an integer 'step', got {row.get('step')!r}")
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"metrics step {step} after step {self._last_step} in {self.path}: steps must increase "
-                             f"(a resumed run passes resume_step=<first step it logs> so older lines are dropped)")
+            raise ValueError(
+                f"metrics step {step} after step {self._last_step} in {self.path}: steps must increase "
+                f"(a resumed run passes resume_step=<first step it logs> so older lines are dropped)"
+            )
         clean = {"step": step}
         for key, value in row.items():
             if key != "step":
@@ -242,8 +253,11 @@ class Progress:
                 elapsed = now - self._start
                 rate = f", {elapsed / self.done:.3g} s/step" if self.done else ""
                 extra = "".join(f", {k}={v}" for k, v in shown.items())
-                print(f"{self.desc + ': ' if self.desc else ''}{self.done}/{self.total} steps, {elapsed:.0f} s{rate}{extra}",
-                      file=self._stream, flush=True)
+                print(
+                    f"{self.desc + ': ' if self.desc else ''}{self.done}/{self.total} steps, {elapsed:.0f} s{rate}{extra}",
+                    file=self._stream,
+                    flush=True,
+                )
 
     def on_step_end(self, run, row: Mapping[str, Any]) -> None:
         """A subscriber of the run context (rl/context.py): one step, with its reward and train/rollout mismatch."""
@@ -371,5 +385,15 @@ def format_summary(rows: list[Mapping]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["METRICS_FILE", "METRIC_KEYS", "PHASES", "TB_DIR", "MetricsWriter", "Progress", "format_summary",
-           "progress", "read_metrics", "summarize"]
+__all__ = [
+    "METRICS_FILE",
+    "METRIC_KEYS",
+    "PHASES",
+    "TB_DIR",
+    "MetricsWriter",
+    "Progress",
+    "format_summary",
+    "progress",
+    "read_metrics",
+    "summarize",
+]

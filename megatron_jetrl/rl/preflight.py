@@ -68,9 +68,16 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     vocab = padded_vocab_size(arch.vocab_size, p.tp) * arch.hidden_size
     layers = p.stage_layers(arch.num_layers)
 
-    def stage_params(i: int) -> float:  # the embedding on the first stage, the output layer (a copy when tied, at PP > 1) on the last
+    def stage_params(
+        i: int,
+    ) -> float:  # the embedding on the first stage, the output layer (a copy when tied, at PP > 1) on the last
         last = i == p.pp - 1
-        return layers[i] * per_layer + vocab * (i == 0) + vocab * (last and (p.pp > 1 or not arch.tie_word_embeddings)) + arch.hidden_size * last
+        return (
+            layers[i] * per_layer
+            + vocab * (i == 0)
+            + vocab * (last and (p.pp > 1 or not arch.tie_word_embeddings))
+            + arch.hidden_size * last
+        )
 
     stage = max(range(p.pp), key=stage_params)
     params = stage_params(stage) / p.tp
@@ -78,12 +85,17 @@ def actor_state_bytes(cfg: JetRLConfig) -> dict[str, int]:
     weight = 2 if cfg.optim.bf16 else 4
     state = (4 + 8 if cfg.optim.bf16 else 8) / (p.dp if cfg.optim.distributed else 1)
     reference = cfg.loss.kl_coef > 0
-    return {"parameters": int(params * weight), "gradients": int(params * 4), "optimizer": int(params * state),
-            "reference": int((params - fp8_linear) * weight) if reference else 0,  # its FP8 linears: bytes only
-            # with model.bf16_linear_weights released, the FP8 copies stand in for the linears' BF16 weights in a step
-            "FP8 weights": int(max(0, fp8_linear * ((2 if cfg.model.fp8_weight_t == "step" else 1)
-                                                     - (weight if cfg.bf16_linears_released() else 0)))),
-            "reference FP8": int(fp8_linear) if reference else 0}
+    return {
+        "parameters": int(params * weight),
+        "gradients": int(params * 4),
+        "optimizer": int(params * state),
+        "reference": int((params - fp8_linear) * weight) if reference else 0,  # its FP8 linears: bytes only
+        # with model.bf16_linear_weights released, the FP8 copies stand in for the linears' BF16 weights in a step
+        "FP8 weights": int(
+            max(0, fp8_linear * ((2 if cfg.model.fp8_weight_t == "step" else 1) - (weight if cfg.bf16_linears_released() else 0)))
+        ),
+        "reference FP8": int(fp8_linear) if reference else 0,
+    }
 
 
 def check_memory(cfg: JetRLConfig, gpu_bytes: int, share: float = 0.9) -> None:
@@ -95,10 +107,12 @@ def check_memory(cfg: JetRLConfig, gpu_bytes: int, share: float = 0.9) -> None:
         return
     p = cfg.parallel
     said = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v)
-    raise ConfigError(f"the actor's state alone needs {need / 2**30:.1f} GiB per GPU ({said}) at parallel.tp={p.tp} pp={p.pp} "
-                      f"dp={p.dp}, more than {share:.0%} of this GPU's {gpu_bytes / 2**30:.1f} GiB, before any activation: raise "
-                      "parallel.tp or parallel.pp, or shard the optimizer state over data-parallel ranks (optim.distributed=true "
-                      "with parallel.dp > 1)")
+    raise ConfigError(
+        f"the actor's state alone needs {need / 2**30:.1f} GiB per GPU ({said}) at parallel.tp={p.tp} pp={p.pp} "
+        f"dp={p.dp}, more than {share:.0%} of this GPU's {gpu_bytes / 2**30:.1f} GiB, before any activation: raise "
+        "parallel.tp or parallel.pp, or shard the optimizer state over data-parallel ranks (optim.distributed=true "
+        "with parallel.dp > 1)"
+    )
 
 
 def host_available_bytes() -> int:
@@ -121,10 +135,12 @@ def check_host_memory(cfg: JetRLConfig, available: int, ranks_on_node: int, shar
     parts = actor_state_bytes(cfg)
     need = (parts["optimizer"] + parts["reference FP8"]) * ranks_on_node
     if need > share * available:
-        raise ConfigError(f"rollout.offload=optimizer pins {need / 2**30:.1f} GiB of host memory on this node ({ranks_on_node} "
-                          f"rank(s) x {need / ranks_on_node / 2**30:.1f} GiB of FP32 main params, Adam moments and the reference's "
-                          f"FP8 bytes), more than {share:.0%} of its {available / 2**30:.1f} GiB available: use rollout.offload=grads, or shard the "
-                          "optimizer state wider (optim.distributed=true with parallel.dp > 1)")
+        raise ConfigError(
+            f"rollout.offload=optimizer pins {need / 2**30:.1f} GiB of host memory on this node ({ranks_on_node} "
+            f"rank(s) x {need / ranks_on_node / 2**30:.1f} GiB of FP32 main params, Adam moments and the reference's "
+            f"FP8 bytes), more than {share:.0%} of its {available / 2**30:.1f} GiB available: use rollout.offload=grads, or shard the "
+            "optimizer state wider (optim.distributed=true with parallel.dp > 1)"
+        )
 
 
 def check_gpus(device: str) -> None:
@@ -136,8 +152,10 @@ def check_gpus(device: str) -> None:
 
     have = torch.cuda.device_count()
     if local > have:
-        raise ConfigError(f"{local} processes on this node but {have} visible GPU(s): each CUDA rank needs its own; lower "
-                          "parallel.tp * parallel.dp, spread the run over more nodes, or check CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"{local} processes on this node but {have} visible GPU(s): each CUDA rank needs its own; lower "
+            "parallel.tp * parallel.dp, spread the run over more nodes, or check CUDA_VISIBLE_DEVICES"
+        )
 
 
 def check_vllm(cfg: JetRLConfig, device: str) -> None:
@@ -158,8 +176,10 @@ def check_backend(cfg: JetRLConfig, device: str) -> None:
 
     have = available_backends(torch.device(device))
     if flow.backend not in have:
-        raise ConfigError(f"precision.backend={flow.backend!r} is not available on this machine's {device} (available: "
-                          f"{', '.join(have)}): set precision.backend=auto")
+        raise ConfigError(
+            f"precision.backend={flow.backend!r} is not available on this machine's {device} (available: "
+            f"{', '.join(have)}): set precision.backend=auto"
+        )
 
 
 def check_model_path(cfg: JetRLConfig) -> None:
@@ -168,24 +188,34 @@ def check_model_path(cfg: JetRLConfig) -> None:
         return
     path = Path(m.path)
     if not path.is_dir():
-        raise ConfigError(f"model.path={m.path!r} does not exist or is not a directory: point it at a local HF model "
-                          "directory (config.json, *.safetensors, tokenizer files), e.g. one `huggingface-cli download` made")
+        raise ConfigError(
+            f"model.path={m.path!r} does not exist or is not a directory: point it at a local HF model "
+            "directory (config.json, *.safetensors, tokenizer files), e.g. one `huggingface-cli download` made"
+        )
     try:
         disk = m.path_config()
     except (ValueError, OSError) as e:  # ConfigError (no config.json) is a ValueError too
-        raise ConfigError(str(e) if isinstance(e, ConfigError) else f"model.path: {path}/config.json is unreadable ({e})") from None
+        raise ConfigError(
+            str(e) if isinstance(e, ConfigError) else f"model.path: {path}/config.json is unreadable ({e})"
+        ) from None
     from megatron_jetrl.models.arch import FAMILIES
 
     if disk.get("model_type") not in FAMILIES:
-        raise ConfigError(f"model.path={m.path!r} holds a {disk.get('model_type')!r} model; megatron-jetrl supports "
-                          f"model_type {sorted(FAMILIES)} (Qwen2/Qwen2.5, Qwen3, Llama-3): point model.path at one of those")
+        raise ConfigError(
+            f"model.path={m.path!r} holds a {disk.get('model_type')!r} model; megatron-jetrl supports "
+            f"model_type {sorted(FAMILIES)} (Qwen2/Qwen2.5, Qwen3, Llama-3): point model.path at one of those"
+        )
     if not any(path.glob("*.safetensors")):
-        raise ConfigError(f"model.path={m.path!r} has no *.safetensors weights: download the model's safetensors "
-                          "(or drop model.path for a random init from model.hf_config)")
+        raise ConfigError(
+            f"model.path={m.path!r} has no *.safetensors weights: download the model's safetensors "
+            "(or drop model.path for a random init from model.hf_config)"
+        )
     m.check_path_matches()
     if m.tokenizer == "hf" and not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(f"model.tokenizer=hf but model.path={m.path!r} holds none of {list(TOKENIZER_FILES)}: "
-                          "add the model's tokenizer files, or set model.tokenizer=sentencepiece")
+        raise ConfigError(
+            f"model.tokenizer=hf but model.path={m.path!r} holds none of {list(TOKENIZER_FILES)}: "
+            "add the model's tokenizer files, or set model.tokenizer=sentencepiece"
+        )
 
 
 def check_data(cfg: JetRLConfig) -> None:

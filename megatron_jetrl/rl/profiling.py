@@ -39,8 +39,10 @@ CATEGORIES = (  # (category, kernel-name substrings), first match wins; names co
     ("GEMM FP8", ("fp8_gemm", "sm90_fp8", "deep_gemm", "deepgemm", "_gemm_tma", "_gemm_ptr", "e4m3")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("GEMM BF16", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "sm90_")),
-    ("logprobs, norms, glue (Triton, Inductor)", ("triton_", "rms", "rope", "rotary", "swiglu", "act_and_mul", "softmax",
-                                                  "_exp_", "amax")),
+    (
+        "logprobs, norms, glue (Triton, Inductor)",
+        ("triton_", "rms", "rope", "rotary", "swiglu", "act_and_mul", "softmax", "_exp_", "amax"),
+    ),
     ("copy/fill/layout", ("copy", "memcpy", "memset", "fill", "zero", "cat", "transpose", "pad")),
     ("elementwise/reduce", ("elementwise", "reduce", "unrolled", "vectorized")),
 )
@@ -90,14 +92,21 @@ def summarize(events, wall_s: float, cuda: bool, top: int = 12) -> dict:
     cats: dict[str, float] = {}
     for name, ms in by_name.items():
         cats[category(name)] = cats.get(category(name), 0.0) + ms
-    out = {"wall_ms": wall_s * 1e3, "kernel_ms": sum(by_name.values()),
-           "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-           "top": [[name[:160], ms] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]],
-           "launches": sum(kind == "launch" for kind, *_ in events)}
+    out = {
+        "wall_ms": wall_s * 1e3,
+        "kernel_ms": sum(by_name.values()),
+        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "top": [[name[:160], ms] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]],
+        "launches": sum(kind == "launch" for kind, *_ in events),
+    }
     if cuda:
         tl = kernel_timeline([(s, e, n) for kind, n, s, e in events if kind == "kernel"])
-        out.update(busy_ms=tl["busy_ms"], idle_ms=max(0.0, wall_s * 1e3 - tl["busy_ms"]), idle_ms_by_gap_us=tl["idle_ms_by_gap_us"],
-                   late=[[name[:160], ms] for name, ms in sorted(tl["late"].items(), key=lambda kv: -kv[1])[:top]])
+        out.update(
+            busy_ms=tl["busy_ms"],
+            idle_ms=max(0.0, wall_s * 1e3 - tl["busy_ms"]),
+            idle_ms_by_gap_us=tl["idle_ms_by_gap_us"],
+            late=[[name[:160], ms] for name, ms in sorted(tl["late"].items(), key=lambda kv: -kv[1])[:top]],
+        )
     return out
 
 
@@ -184,6 +193,9 @@ class StepProfiler:
         for name, r in self.results.items():
             busy = f"{r['busy_ms']:.1f}" if "busy_ms" in r else "-"
             idle = f"{r['idle_ms']:.1f}" if "idle_ms" in r else "-"
-            rows.append(f"| {name} | {r['wall_ms']:.1f} | {busy} | {idle} | {r['launches']} | "
-                        + " | ".join(f"{r['categories'].get(c, 0.0):.1f}" for c in cats) + " |")
+            rows.append(
+                f"| {name} | {r['wall_ms']:.1f} | {busy} | {idle} | {r['launches']} | "
+                + " | ".join(f"{r['categories'].get(c, 0.0):.1f}" for c in cats)
+                + " |"
+            )
         return "\n".join(rows)

@@ -46,14 +46,21 @@ BOOL_AUTOS = {"precision.exact_logprobs": True, "optim.distributed": False}
 """Bool-typed keys a raw config may set to `auto`: whether an absent key means `auto` too (exact_logprobs: a run
 config's default is auto; optim.distributed: false)."""
 
-AUTO_KEYS = ("run.device", "model.batch_invariant", "precision.backend", "optim.distributed", "model.bf16_linear_weights",
-             "rollout.glue", "precision.exact_logprobs")
+AUTO_KEYS = (
+    "run.device",
+    "model.batch_invariant",
+    "precision.backend",
+    "optim.distributed",
+    "model.bf16_linear_weights",
+    "rollout.glue",
+    "precision.exact_logprobs",
+)
 """The keys `resolve` decides, in the order it decides them (a later rule reads the earlier keys' values)."""
 
 POLICIES = {
     "run.resume": "auto continues from the newest complete checkpoint of run.out_dir, never refuses a directory that holds one",
     "precision.backend": "auto picks, for each FP8 GEMM, the first backend the device has that takes its output width "
-                         "(fp8.gemm.resolve_backend)",
+    "(fp8.gemm.resolve_backend)",
 }
 """Keys whose `auto` is a policy applied at each use, not a value: `resolve` leaves them (precision.backend only
 outside a batch-invariant FP8 run, where it is pinned to emulated)."""
@@ -127,9 +134,11 @@ def _resolve(cfg: JetRLConfig, device: str | None, autos: set[str], done: list[s
     if cfg.precision.backend == "auto" and cfg.model.batch_invariant and cfg.precision.mode != "bf16":
         if cfg.precision.gemm_sms:
             said = "auto, true on the CPU" if "model.batch_invariant" in done else "true"
-            raise ConfigError(f"precision.gemm_sms={cfg.precision.gemm_sms} limits DeepGEMM's kernels, but this run is batch-"
-                              f"invariant (model.batch_invariant: {said}) and runs the emulated FP8 GEMM: leave "
-                              "precision.gemm_sms at 0 or set model.batch_invariant=false")
+            raise ConfigError(
+                f"precision.gemm_sms={cfg.precision.gemm_sms} limits DeepGEMM's kernels, but this run is batch-"
+                f"invariant (model.batch_invariant: {said}) and runs the emulated FP8 GEMM: leave "
+                "precision.gemm_sms at 0 or set model.batch_invariant=false"
+            )
         put("precision.backend", "emulated")  # the one batch-invariant FP8 GEMM (exact block products)
     if "optim.distributed" in autos:
         put("optim.distributed", cfg.parallel.dp > 1)

@@ -51,7 +51,7 @@ def process_start(pid: int) -> str:
     process that has ended but is not yet reaped (a zombie)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
         return "exited" if fields[0] in ("Z", "X") else fields[19]  # field 3 (state), field 22 (start time)
     except (OSError, ValueError, IndexError):
         return ""
@@ -76,8 +76,11 @@ def check(directory: Path) -> None:
         return
     lock = Path(directory) / LOCK_FILE
     where = f"PID {h.pid} on {h.host} (since {h.since})" if h.since else f"PID {h.pid} on {h.host}"
-    fix = ("wait for it or stop it, or give this run another run.name" if alive else
-           f"another host's run cannot be checked from here: once it is gone, delete {lock}; or give this run another run.name")
+    fix = (
+        "wait for it or stop it, or give this run another run.name"
+        if alive
+        else f"another host's run cannot be checked from here: once it is gone, delete {lock}; or give this run another run.name"
+    )
     raise ConfigError(f"{directory} is in use by another run, {where}: {fix}")
 
 
@@ -88,8 +91,14 @@ def acquire(directory: Path) -> str | None:
     made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     lock = directory / LOCK_FILE
-    body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": process_start(os.getpid()),
-                       "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    body = json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": process_start(os.getpid()),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+    )
     note = None
     for _ in range(2):
         try:
@@ -99,16 +108,18 @@ def acquire(directory: Path) -> str | None:
             stale = holder(directory)
             if stale is not None and stale.pid == os.getpid():
                 return None  # this process holds it already
-            note = (f"took over the lock of a run that is no longer running (PID {stale.pid} on {stale.host}, since "
-                    f"{stale.since})" if stale else f"replaced an unreadable {lock}")
+            note = (
+                f"took over the lock of a run that is no longer running (PID {stale.pid} on {stale.host}, since {stale.since})"
+                if stale
+                else f"replaced an unreadable {lock}"
+            )
             lock.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(body)
         HELD[directory.resolve()] = made
         return note
-    raise ConfigError(f"could not take the lock {lock}: another launch took it at the same moment; launch one run per "
-                      "run.name")
+    raise ConfigError(f"could not take the lock {lock}: another launch took it at the same moment; launch one run per run.name")
 
 
 def release(directory: Path) -> None:

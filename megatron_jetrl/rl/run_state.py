@@ -23,15 +23,38 @@ from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
 from megatron_jetrl.rl.resolve import resolve_saved
 
 STATE_FILE = "trainer_state.json"
-APPLIED_ON_RESUME = frozenset({
-    "run.steps", "run.save_every", "run.checkpoint", "run.keep_checkpoints", "run.export", "run.device", "run.timeout_s",
-    "run.on_nonfinite", "run.eval_every", "run.jit_cache_dir",
-    "parallel.tp", "parallel.dp", "rollout.engine", "rollout.num_engines", "rollout.bucket_mb",
-    "rollout.tp", "rollout.kv_cache_fraction", "rollout.kv_cache_gb", "rollout.offload", "rollout.max_model_len", "rollout.enforce_eager",
-    "grpo.micro_batch_size", "grpo.logprob_micro_batch_size", "run.profile_step", "run.profile_phases",
-    "model.fp8_weight_t", "model.bf16_linear_weights",  # where the same bytes live: memory, not numbers
-    "precision.gemm_sms",  # how many SMs compute the same bytes
-})
+APPLIED_ON_RESUME = frozenset(
+    {
+        "run.steps",
+        "run.save_every",
+        "run.checkpoint",
+        "run.keep_checkpoints",
+        "run.export",
+        "run.device",
+        "run.timeout_s",
+        "run.on_nonfinite",
+        "run.eval_every",
+        "run.jit_cache_dir",
+        "parallel.tp",
+        "parallel.dp",
+        "rollout.engine",
+        "rollout.num_engines",
+        "rollout.bucket_mb",
+        "rollout.tp",
+        "rollout.kv_cache_fraction",
+        "rollout.kv_cache_gb",
+        "rollout.offload",
+        "rollout.max_model_len",
+        "rollout.enforce_eager",
+        "grpo.micro_batch_size",
+        "grpo.logprob_micro_batch_size",
+        "run.profile_step",
+        "run.profile_phases",
+        "model.fp8_weight_t",
+        "model.bf16_linear_weights",  # where the same bytes live: memory, not numbers
+        "precision.gemm_sms",  # how many SMs compute the same bytes
+    }
+)
 """Keys a resumed run may change (applied, and said); every other changed key is refused."""
 IGNORED = frozenset({"run.name", "run.out_dir", "run.resume"})
 """Keys that name the run directory or the resume policy itself: not compared."""
@@ -48,16 +71,21 @@ class PreviousRun:
 
     def complete(self, cfg: JetRLConfig) -> bool:
         """Reached run.steps and wrote its summary (a run stopped during its export resumes to finish it)."""
-        return (self.step >= cfg.run.steps and (self.directory / "summary.json").is_file()
-                and manifest_problem(self.checkpoint) is None)
+        return (
+            self.step >= cfg.run.steps
+            and (self.directory / "summary.json").is_file()
+            and manifest_problem(self.checkpoint) is None
+        )
 
     def complete_message(self, cfg: JetRLConfig) -> str:
         d = self.directory
         results = ", ".join(str(p) for p in (d / "summary.json", d / "metrics.jsonl", d / "export") if p.exists())
-        return (f"{d} is already complete at step {self.step} (run.steps={cfg.run.steps}); nothing to train. Results: "
-                f"{results}. To train further, raise run.steps "
-                f"(e.g. run.steps={self.step + max(cfg.run.steps, 1)}: it resumes at step {self.step}); for a new run, set another "
-                f"run.name (e.g. run.name={d.name}-2)")
+        return (
+            f"{d} is already complete at step {self.step} (run.steps={cfg.run.steps}); nothing to train. Results: "
+            f"{results}. To train further, raise run.steps "
+            f"(e.g. run.steps={self.step + max(cfg.run.steps, 1)}: it resumes at step {self.step}); for a new run, set another "
+            f"run.name (e.g. run.name={d.name}-2)"
+        )
 
     def resume_message(self, cfg: JetRLConfig) -> str:
         line = f"resuming {self.directory} at step {self.step} of {cfg.run.steps} ({self.checkpoint.name})"
@@ -112,8 +140,12 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 
 def _flat(config: dict) -> dict:
-    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
-            for key, value in values.items()}
+    return {
+        f"{section}.{key}": value
+        for section, values in config.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+    }
 
 
 def _defaults() -> dict:
@@ -133,8 +165,7 @@ def changed_keys(saved: dict, cfg: JetRLConfig) -> dict:
     config lacks, e.g. one added since, counts as its default)."""
     old, new = _flat(resolve_saved(saved, cfg)), _flat(cfg.to_dict())
     defaults = _defaults()
-    return {k: (old.get(k, defaults.get(k)), v) for k, v in new.items()
-            if k not in IGNORED and old.get(k, defaults.get(k)) != v}
+    return {k: (old.get(k, defaults.get(k)), v) for k, v in new.items() if k not in IGNORED and old.get(k, defaults.get(k)) != v}
 
 
 def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
@@ -144,8 +175,10 @@ def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
     if ckpt is None:
         return None
     if cfg.run.resume == "never":
-        raise ConfigError(f"{cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
-                          "choose another run.name / run.out_dir, or delete them")
+        raise ConfigError(
+            f"{cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
+            "choose another run.name / run.out_dir, or delete them"
+        )
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
         step, saved = int(state["step"]), state["config"]
@@ -156,13 +189,17 @@ def previous_run(cfg: JetRLConfig) -> PreviousRun | None:
     changes = changed_keys(saved, cfg)
     identity = sorted(k for k in changes if k.split(".")[0] in ("model", "precision") and k not in APPLIED_ON_RESUME)
     if identity:
-        raise ConfigError(f"{ckpt} was written by a run with another model or precision section ({', '.join(identity)}); "
-                          f"resume with the same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)")
+        raise ConfigError(
+            f"{ckpt} was written by a run with another model or precision section ({', '.join(identity)}); "
+            f"resume with the same config or use a new run.name (e.g. run.name={cfg.run.directory.name}-2)"
+        )
     refused = {k: v for k, v in changes.items() if k not in APPLIED_ON_RESUME}
     if refused:
         what = "; ".join(f"{k}: trained with {old!r}, now {new!r}" for k, (old, new) in sorted(refused.items()))
         keep = " ".join(f"{k}={json.dumps(old)}" for k, (old, _) in sorted(refused.items()))
-        raise ConfigError(f"{cfg.run.directory} (step {step}) would resume with changed hyper-parameters ({what}): a resumed "
-                          f"run keeps its own: drop the override(s) or pass {keep} (a config's auto may resolve otherwise "
-                          f"now), or start a new run with another run.name (e.g. run.name={cfg.run.directory.name}-2)")
+        raise ConfigError(
+            f"{cfg.run.directory} (step {step}) would resume with changed hyper-parameters ({what}): a resumed "
+            f"run keeps its own: drop the override(s) or pass {keep} (a config's auto may resolve otherwise "
+            f"now), or start a new run with another run.name (e.g. run.name={cfg.run.directory.name}-2)"
+        )
     return PreviousRun(cfg.run.directory, ckpt, step, changes)

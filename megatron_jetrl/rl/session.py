@@ -92,8 +92,10 @@ def init_distributed(cfg: JetRLConfig) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.parallel.world_size:
-        raise ConfigError(f"this run needs parallel.tp * pp * dp = {cfg.parallel.world_size} processes but WORLD_SIZE={world}: "
-                          "launch it with `bash launch/train_grpo.sh` (it starts the right number) or fix parallel.*")
+        raise ConfigError(
+            f"this run needs parallel.tp * pp * dp = {cfg.parallel.world_size} processes but WORLD_SIZE={world}: "
+            "launch it with `bash launch/train_grpo.sh` (it starts the right number) or fix parallel.*"
+        )
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -151,8 +153,17 @@ def start_pool(s: Session) -> TrainerPool:
     if cfg.rollout.engine == "vllm":
         s.pool = vllm_pool(s)
     elif s.is_main:
-        engines = [NativeEngine(s.arch, s.flow, device=s.device, eos_token_ids=[s.tokenizer.eos_id], tokenizer=s.tokenizer,
-                                batch_invariant=s.batch_invariant) for _ in range(cfg.rollout.num_engines)]
+        engines = [
+            NativeEngine(
+                s.arch,
+                s.flow,
+                device=s.device,
+                eos_token_ids=[s.tokenizer.eos_id],
+                tokenizer=s.tokenizer,
+                batch_invariant=s.batch_invariant,
+            )
+            for _ in range(cfg.rollout.num_engines)
+        ]
         s.pool = RankZeroPool(RolloutPool(engines, bucket_bytes=cfg.rollout.bucket_mb << 20))
     else:
         s.pool = RankZeroPool(None)
@@ -180,8 +191,9 @@ def vllm_pool(s: Session):
     max_len = r.window(s.arch.max_position_embeddings)
     groups = dist.get_world_size() // r.tp
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
-    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(later, weights, r.kv_cache_fraction,
-                                                      kv_cache_need(s.arch, seqs, max_len, r.tp))
+    kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(
+        later, weights, r.kv_cache_fraction, kv_cache_need(s.arch, seqs, max_len, r.tp)
+    )
     try:
         at_once = sequences_at_once(kv, s.arch, seqs, max_len, r.tp)
     except ValueError as e:
@@ -189,10 +201,21 @@ def vllm_pool(s: Session):
     note = turns_note(kv, seqs, at_once, max_len)
     if note and s.is_main:
         print(f"note: {note}", file=sys.stderr)
-    engine = VllmEngine(model_dir, s.flow, tp=r.tp, tp_rank=dist.get_rank() % r.tp, eos_token_ids=[s.tokenizer.eos_id],
-                        seed=s.cfg.run.seed, kv_cache_memory_bytes=kv, gpu_memory_utilization=max(0.05, (free - ENGINE_START_SPARE) / total),
-                        enforce_eager=r.enforce_eager, max_model_len=max_len, max_num_seqs=seqs,
-                        glue=r.glue, fused_quant=r.vllm_fused_quant)
+    engine = VllmEngine(
+        model_dir,
+        s.flow,
+        tp=r.tp,
+        tp_rank=dist.get_rank() % r.tp,
+        eos_token_ids=[s.tokenizer.eos_id],
+        seed=s.cfg.run.seed,
+        kv_cache_memory_bytes=kv,
+        gpu_memory_utilization=max(0.05, (free - ENGINE_START_SPARE) / total),
+        enforce_eager=r.enforce_eager,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        glue=r.glue,
+        fused_quant=r.vllm_fused_quant,
+    )
     return ColocatedPool(engine, rollout_tp=r.tp, at_once=at_once)
 
 
@@ -216,8 +239,10 @@ def check_exact_device(flow: PrecisionFlow, device: torch.device) -> None:
     before anything is built."""
     if flow.exact_logprobs and device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
         major, minor = torch.cuda.get_device_capability(device)
-        raise ConfigError(f"precision.exact_logprobs runs vLLM's FlashAttention 3 and DeepGEMM's BF16 GEMM in the actor, "
-                          f"built here for Hopper (sm_90); this GPU is sm_{major}{minor}: set precision.exact_logprobs=false")
+        raise ConfigError(
+            f"precision.exact_logprobs runs vLLM's FlashAttention 3 and DeepGEMM's BF16 GEMM in the actor, "
+            f"built here for Hopper (sm_90); this GPU is sm_{major}{minor}: set precision.exact_logprobs=false"
+        )
 
 
 def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
@@ -239,10 +264,16 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
     check_prompt_room(cfg, arch, tokenizer, problems, heldout)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
-    options = ActorOptions(spec=cfg.model.spec, params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
-                           batch_invariant=batch_invariant, fused=cfg.model.fused, rollout_kernels=flow.exact_logprobs,
-                           fp8_weight_t=cfg.model.fp8_weight_t, pp_last_layers=cfg.parallel.pp_last_layers,
-                           bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep")
+    options = ActorOptions(
+        spec=cfg.model.spec,
+        params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
+        batch_invariant=batch_invariant,
+        fused=cfg.model.fused,
+        rollout_kernels=flow.exact_logprobs,
+        fp8_weight_t=cfg.model.fp8_weight_t,
+        pp_last_layers=cfg.parallel.pp_last_layers,
+        bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",
+    )
     model = build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)
@@ -254,8 +285,21 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         offload_frozen_weights(reference)
     ddp, optimizer = wrap_for_training(model, cfg.optim)
     offload = None if cfg.rollout.offload == "none" else TrainStateOffload(ddp, optimizer, cfg.rollout.offload, reference)
-    return Session(cfg, arch, flow, device, batch_invariant, tokenizer, sampler, ddp, optimizer, reference, run, heldout=heldout,
-                   offload=offload)
+    return Session(
+        cfg,
+        arch,
+        flow,
+        device,
+        batch_invariant,
+        tokenizer,
+        sampler,
+        ddp,
+        optimizer,
+        reference,
+        run,
+        heldout=heldout,
+        offload=offload,
+    )
 
 
 def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
@@ -263,7 +307,9 @@ def problem_sets(cfg: JetRLConfig) -> tuple[list[Problem], list[Problem]]:
     d = cfg.data
     try:
         if d.source not in d.GENERATED:
-            return split_heldout(load_problems(d.source, d.path), d.heldout) if d.heldout else (load_problems(d.source, d.path), [])
+            return (
+                split_heldout(load_problems(d.source, d.path), d.heldout) if d.heldout else (load_problems(d.source, d.path), [])
+            )
         task = generated_task(cfg)
         heldout = task.problems(d.heldout, seed=HELDOUT_SEED, distinct=True) if d.heldout else []
         return task.problems(ARITHMETIC_PROBLEMS, seed=cfg.run.seed, exclude=questions(heldout)), heldout
@@ -285,11 +331,13 @@ def check_prompt_room(cfg: JetRLConfig, arch: ModelArch, tokenizer, problems: li
         over = sum(n + new > window for n in lengths)
         kind = "held-out problem" if worst >= len(problems) else "problem"
         limit = f"rollout.max_model_len={window}" if cfg.rollout.engine == "vllm" else f"max_position_embeddings={window}"
-        raise ConfigError(f"{over} of the {len(named)} prompts leave no room for rollout.max_new_tokens={new} within the "
-                          f"model's {limit}: the longest, {kind} {named[worst].id}, is {lengths[worst]} tokens; lower "
-                          f"rollout.max_new_tokens to {max(window - lengths[worst], 0)}"
-                          + (", raise rollout.max_model_len" if cfg.rollout.engine == "vllm" else "")
-                          + " or leave the longest prompts out of the data")
+        raise ConfigError(
+            f"{over} of the {len(named)} prompts leave no room for rollout.max_new_tokens={new} within the "
+            f"model's {limit}: the longest, {kind} {named[worst].id}, is {lengths[worst]} tokens; lower "
+            f"rollout.max_new_tokens to {max(window - lengths[worst], 0)}"
+            + (", raise rollout.max_model_len" if cfg.rollout.engine == "vllm" else "")
+            + " or leave the longest prompts out of the data"
+        )
 
 
 def questions(problems: list[Problem]) -> frozenset[str]:
@@ -336,14 +384,17 @@ def check_output_space(cfg: JetRLConfig) -> None:
         probe.write_bytes(b"probe")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write checkpoints to {root} ({e}): make it writable or set run.out_dir to a "
-                          "directory this user can write") from None
+        raise ConfigError(
+            f"cannot write checkpoints to {root} ({e}): make it writable or set run.out_dir to a directory this user can write"
+        ) from None
     newest = latest_checkpoint(cfg)
     need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
     free = shutil.disk_usage(where).free
     if need > free:
-        raise ConfigError(f"{root} has {free / 2**20:.1f} MiB free but a checkpoint takes {need / 2**20:.1f} MiB "
-                          f"({newest.name}): free space there or set run.out_dir to a larger disk")
+        raise ConfigError(
+            f"{root} has {free / 2**20:.1f} MiB free but a checkpoint takes {need / 2**20:.1f} MiB "
+            f"({newest.name}): free space there or set run.out_dir to a larger disk"
+        )
 
 
 def save(s: Session, step: int, warmup_done: bool) -> Path:
@@ -393,20 +444,31 @@ def resume(s: Session) -> dict | None:
     dist.barrier()  # every rank has chosen before one is moved aside
     if skipped and dist.get_rank() == 0:
         for bad, why in skipped:
-            aside = next(bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}") for i in range(100)
-                         if not bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}").exists())
+            aside = next(
+                bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}")
+                for i in range(100)
+                if not bad.with_name(f"{bad.name}.damaged{f'-{i}' if i else ''}").exists()
+            )
             bad.rename(aside)
-            print(f"note: skipped the damaged checkpoint {bad.name} ({why}); kept aside as {aside}, resuming from "
-                  f"{ckpt.name}", file=sys.stderr)
+            print(
+                f"note: skipped the damaged checkpoint {bad.name} ({why}); kept aside as {aside}, resuming from {ckpt.name}",
+                file=sys.stderr,
+            )
     dist.barrier()
     if s.cfg.run.resume == "never":
-        raise ConfigError(f"{s.cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
-                          "choose another run.name / run.out_dir, or delete them")
+        raise ConfigError(
+            f"{s.cfg.run.directory} already holds checkpoints ({ckpt.name}) and run.resume='never': "
+            "choose another run.name / run.out_dir, or delete them"
+        )
     elsewhere = f"move {ckpt} out of {ckpt.parent} and restart: the run resumes from the checkpoint before it"
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
-        if not (isinstance(state, dict) and state.get("step") == int(ckpt.name.split("_")[1]) and "sampler" in state
-                and isinstance(state.get("config"), dict)):
+        if not (
+            isinstance(state, dict)
+            and state.get("step") == int(ckpt.name.split("_")[1])
+            and "sampler" in state
+            and isinstance(state.get("config"), dict)
+        ):
             raise ValueError(f"step, sampler and config do not match a {ckpt.name}")
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{ckpt / STATE_FILE} is damaged ({e}): {elsewhere}") from None
@@ -415,8 +477,10 @@ def resume(s: Session) -> dict | None:
     if isinstance(saved_model, dict):
         saved_model = {"spec": "local", **saved_model}  # written before model.spec existed: the local spec
     if saved_model != s.cfg.to_dict()["model"] or state["config"].get("precision") != s.cfg.to_dict()["precision"]:
-        raise ConfigError(f"{ckpt} was written by a run with another model or precision section; "
-                          "resume with the same config or use a new run.name")
+        raise ConfigError(
+            f"{ckpt} was written by a run with another model or precision section; "
+            "resume with the same config or use a new run.name"
+        )
     try:
         load_checkpoint(s.model, ckpt, optimizer=s.optimizer, verify=True)
         if s.reference is not None:
@@ -438,7 +502,14 @@ def export(s: Session, ckpt: Path, out: Path | None = None) -> Path:
         if s.cfg.model.tokenizer != "hf":  # the embedded one: tokenizer.model + its tokenizer_config.json
             tokenizer = s.cfg.run.directory
             atomic_write_bytes(tokenizer / "tokenizer_config.json", json.dumps(s.tokenizer.hf_config(), indent=1).encode())
-        convert(ckpt, out, dtype=dtype, rollout_tp=1, force=True, tokenizer_dir=tokenizer,
-                on_shard=lambda path: s.run.event("export_shard", path=path))
+        convert(
+            ckpt,
+            out,
+            dtype=dtype,
+            rollout_tp=1,
+            force=True,
+            tokenizer_dir=tokenizer,
+            on_shard=lambda path: s.run.event("export_shard", path=path),
+        )
     dist.barrier()
     return out

@@ -20,14 +20,18 @@ def sft_warm_start(s) -> None:
         return
     from megatron.core import parallel_state as ps
 
-    pairs = sess.generated_task(s.cfg).sft_pairs(w.steps * w.batch_size, seed=s.cfg.run.seed + 1, exclude=sess.questions(s.heldout))
+    pairs = sess.generated_task(s.cfg).sft_pairs(
+        w.steps * w.batch_size, seed=s.cfg.run.seed + 1, exclude=sess.questions(s.heldout)
+    )
     tok = s.tokenizer
     seqs = [(tok.encode(question), tok.encode(answer) + [tok.eos_id]) for question, answer in pairs]
     longest = max(len(q) + len(a) for q, a in seqs)
     if longest > s.arch.max_position_embeddings:  # before any step: positions the model never had
-        raise ConfigError(f"the warm-start's longest example is {longest} tokens, more than the model's "
-                          f"max_position_embeddings={s.arch.max_position_embeddings}: raise model.hf_config's "
-                          "max_position_embeddings, or shorten the task's examples (data.operand_max, data.multiplier_max)")
+        raise ConfigError(
+            f"the warm-start's longest example is {longest} tokens, more than the model's "
+            f"max_position_embeddings={s.arch.max_position_embeddings}: raise model.hf_config's "
+            "max_position_embeddings, or shorten the task's examples (data.operand_max, data.multiplier_max)"
+        )
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     groups = s.optimizer.param_groups
     lrs = [g["lr"] for g in groups]
@@ -39,9 +43,16 @@ def sft_warm_start(s) -> None:
         per_rank = w.batch_size // dp
         tokens, mask = sft_tensors(chunk[rank * per_rank : (rank + 1) * per_rank], tok.pad_id)
         tokens, mask = tokens.to(s.device), mask.to(s.device)  # the actor is on the GPU in a CUDA run
-        out = train_step(s.model, s.optimizer, tokens, sft_loss, vocab_size=s.arch.vocab_size,
-                         micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size), extras={"mask": mask},
-                         on_nonfinite="raise")
+        out = train_step(
+            s.model,
+            s.optimizer,
+            tokens,
+            sft_loss,
+            vocab_size=s.arch.vocab_size,
+            micro_batch_size=min(per_rank, s.cfg.grpo.micro_batch_size),
+            extras={"mask": mask},
+            on_nonfinite="raise",
+        )
         bar.update(1, loss=f"{from_last_stage(out).get('loss', float('nan')):.3f}")
     bar.close()
     for g, lr in zip(groups, lrs):

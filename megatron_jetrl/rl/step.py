@@ -59,8 +59,13 @@ def rollout(s, step: int) -> tuple[RolloutBatch, StepOutcome]:
     cfg, n = s.cfg, s.cfg.rollout.n
     problems = s.sampler.next_batch()  # every rank advances its sampler: its state is checkpointed
     prompts = [s.tokenizer.encode(format_prompt(p, cfg.data.template)) for p in problems]
-    sampling = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed(cfg.run.seed, step))
+    sampling = SamplingParams(
+        n=n,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=step_seed(cfg.run.seed, step),
+    )
     outputs = s.run.tap("outputs", s.pool.generate(prompts, sampling))
     s.pool.sleep()  # the GPU is the actor's until the next sync
     if s.offload is not None:
@@ -68,9 +73,12 @@ def rollout(s, step: int) -> tuple[RolloutBatch, StepOutcome]:
     check_outputs(outputs, n, s.arch.vocab_size)  # every rank checks all: a broken engine stops all of them at once
     start, end = my_rows(len(prompts) * n)
     first, last = start // n, -(-end // n)  # the prompts (groups) my rows belong to
-    texts = [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs[first:last] for c in o.completions]
-    rewards = s.run.tap("rewards", compute_rewards(texts, [p.answer for p in problems[first:last] for _ in range(n)],
-                                                   cfg.data.reward_style))
+    texts = [
+        c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for o in outputs[first:last] for c in o.completions
+    ]
+    rewards = s.run.tap(
+        "rewards", compute_rewards(texts, [p.answer for p in problems[first:last] for _ in range(n)], cfg.data.reward_style)
+    )
     advantages = group_advantages(torch.tensor(rewards), n, scale=cfg.grpo.advantage_scale)
     width = max(len(p) + len(c.token_ids) for p, o in zip(prompts, outputs) for c in o.completions)
     mine = assemble(prompts[first:last], outputs[first:last], rewards, advantages, s.tokenizer.pad_id, width=width)
@@ -103,17 +111,27 @@ def heldout_metrics(s, step: int) -> dict:
     if not s.is_main:
         return {}
     answers = [o.completions[0] for o in outputs]
-    rewards = torch.tensor(compute_rewards([c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for c in answers],
-                                           [p.answer for p in s.heldout], cfg.data.reward_style))
+    rewards = torch.tensor(
+        compute_rewards(
+            [c.text if c.text is not None else s.tokenizer.decode(c.token_ids) for c in answers],
+            [p.answer for p in s.heldout],
+            cfg.data.reward_style,
+        )
+    )
     lengths = torch.tensor([len(c.token_ids) for c in answers])
-    return {"heldout/accuracy": float(rewards.double().mean()), "heldout/response_length": float(lengths.double().mean()),
-            "heldout/truncated_frac": sum(c.finish_reason == "length" for c in answers) / len(answers),
-            **length_means(rewards, lengths, "heldout/accuracy/"), "time/heldout": time.perf_counter() - start}
+    return {
+        "heldout/accuracy": float(rewards.double().mean()),
+        "heldout/response_length": float(lengths.double().mean()),
+        "heldout/truncated_frac": sum(c.finish_reason == "length" for c in answers) / len(answers),
+        **length_means(rewards, lengths, "heldout/accuracy/"),
+        "time/heldout": time.perf_counter() - start,
+    }
 
 
 def actor_logprobs(s, model, batch: RolloutBatch, first: torch.Tensor | None = None) -> torch.Tensor:
-    return compute_logprobs(model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.logprob_batch,
-                            first=first)
+    return compute_logprobs(
+        model, batch.tokens, vocab_size=s.arch.vocab_size, micro_batch_size=s.cfg.grpo.logprob_batch, first=first
+    )
 
 
 def reference_logprobs(s, batch: RolloutBatch, first: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -126,8 +144,15 @@ def reference_logprobs(s, batch: RolloutBatch, first: torch.Tensor | None = None
     return actor_logprobs(s, s.reference, batch, first)
 
 
-def update_policy(s, step: int, outcome: StepOutcome, mine: RolloutBatch, old: torch.Tensor, ref: torch.Tensor | None,
-                  first: torch.Tensor | None = None) -> dict:
+def update_policy(
+    s,
+    step: int,
+    outcome: StepOutcome,
+    mine: RolloutBatch,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    first: torch.Tensor | None = None,
+) -> dict:
     """`updates_per_step` optimizer steps over equal chunks of this rank's rows `mine` (1: fully on-policy).
 
     NaN/Inf in the rewards (of the whole step: every rank sees the same), the loss or the gradients: the run stops
@@ -139,16 +164,26 @@ def update_policy(s, step: int, outcome: StepOutcome, mine: RolloutBatch, old: t
     bad = torch.nonzero(~torch.isfinite(outcome.rewards)).flatten().tolist()
     if bad:
         i = bad[0]
-        where = (f"non-finite reward {outcome.rewards[i].item()} of completion {i} (prompt {i // cfg.rollout.n}, sample "
-                 f"{i % cfg.rollout.n}; {len(bad)} non-finite reward(s) in all): check the reward function")
+        where = (
+            f"non-finite reward {outcome.rewards[i].item()} of completion {i} (prompt {i // cfg.rollout.n}, sample "
+            f"{i % cfg.rollout.n}; {len(bad)} non-finite reward(s) in all): check the reward function"
+        )
         nonfinite(s, step, where)
         return {"ok": False, "grad_norm": None, "skipped": where, "skipped_updates": cfg.grpo.updates_per_step}
 
     check_mask(mine.mask, cfg.loss.agg, rows_per_loss=cfg.grpo.micro_batch_size)  # once, not per micro-batch
 
     def loss_fn(logprobs, extras):
-        loss, terms = policy_loss(s.run.tap("logprobs", logprobs), extras["old"], extras["adv"], extras["mask"],
-                                  cfg=cfg.loss, ref_logprobs=extras.get("ref"), rollout_logprobs=extras["rollout"], checked=True)
+        loss, terms = policy_loss(
+            s.run.tap("logprobs", logprobs),
+            extras["old"],
+            extras["adv"],
+            extras["mask"],
+            cfg=cfg.loss,
+            ref_logprobs=extras.get("ref"),
+            rollout_logprobs=extras["rollout"],
+            checked=True,
+        )
         return s.run.tap("loss", loss), terms
 
     extras = {"adv": mine.advantages, "mask": mine.mask, "rollout": mine.rollout_logprobs}
@@ -162,9 +197,16 @@ def update_policy(s, step: int, outcome: StepOutcome, mine: RolloutBatch, old: t
     results = []
     for u in range(cfg.grpo.updates_per_step):
         rows = slice(u * chunk, (u + 1) * chunk)
-        result = train_step(s.model, s.optimizer, mine.tokens[rows], loss_fn, vocab_size=s.arch.vocab_size,
-                            micro_batch_size=cfg.grpo.micro_batch_size, extras={k: v[rows] for k, v in extras.items()},
-                            on_nonfinite="skip")
+        result = train_step(
+            s.model,
+            s.optimizer,
+            mine.tokens[rows],
+            loss_fn,
+            vocab_size=s.arch.vocab_size,
+            micro_batch_size=cfg.grpo.micro_batch_size,
+            extras={k: v[rows] for k, v in extras.items()},
+            on_nonfinite="skip",
+        )
         result = from_last_stage(result)  # the loss terms exist on the last pipeline stage only
         if "skipped" in result:
             nonfinite(s, step, result["skipped"])
@@ -177,8 +219,10 @@ def nonfinite(s, step: int, where: str) -> None:
     """run.on_nonfinite for a NaN/Inf found at `where`: raise NonFiniteError (stop), or say on rank 0 that the
     update is skipped (skip)."""
     if s.cfg.run.on_nonfinite == "stop":
-        raise NonFiniteError(f"step {step}: {where}; the update was not applied and the run stops "
-                             "(run.on_nonfinite=skip skips such updates instead)")
+        raise NonFiniteError(
+            f"step {step}: {where}; the update was not applied and the run stops "
+            "(run.on_nonfinite=skip skips such updates instead)"
+        )
     if s.is_main:
         print(f"step {step}: update skipped: {where}", file=sys.stderr, flush=True)
 
@@ -194,9 +238,13 @@ def memory_metrics(t: Phases) -> dict:
         return {}
     names = list(t.peaks)
     stalls = [f"memory/{n}_{kind}" for n in names for kind in ALLOCATOR_STALLS]
-    values = torch.tensor([t.peaks[n][0] / 2**30 for n in names] + [max(r for _, r in t.peaks.values()) / 2**30]
-                          + [float(v) for n in names for v in t.stalls.get(n, (0,) * len(ALLOCATOR_STALLS))],
-                          dtype=torch.float64, device=group_device(None))
+    values = torch.tensor(
+        [t.peaks[n][0] / 2**30 for n in names]
+        + [max(r for _, r in t.peaks.values()) / 2**30]
+        + [float(v) for n in names for v in t.stalls.get(n, (0,) * len(ALLOCATOR_STALLS))],
+        dtype=torch.float64,
+        device=group_device(None),
+    )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     keys = [f"memory/{n}_gib" for n in names] + ["memory/reserved_gib"] + stalls
     return {k: int(v) if k in stalls else v for k, v in zip(keys, values.tolist())}
@@ -207,13 +255,22 @@ def step_metrics(s, outcome: StepOutcome, mine: RolloutBatch, old: torch.Tensor 
     overall and per response-length bucket (`mismatch/len<lo>-<hi>/*`, rollout.metrics; the reward too:
     `reward/len<lo>-<hi>`). Collective."""
     out = {
-        "mode": s.flow.mode, "tp": s.cfg.parallel.tp, "pp": s.cfg.parallel.pp, "dp": s.cfg.parallel.dp,
-        "rollout_engine": s.cfg.rollout.engine, "rollout_tp": s.cfg.rollout.tp,
-        "reward/mean": float(outcome.rewards.mean()), "reward/std": float(outcome.rewards.std(unbiased=False)),
+        "mode": s.flow.mode,
+        "tp": s.cfg.parallel.tp,
+        "pp": s.cfg.parallel.pp,
+        "dp": s.cfg.parallel.dp,
+        "rollout_engine": s.cfg.rollout.engine,
+        "rollout_tp": s.cfg.rollout.tp,
+        "reward/mean": float(outcome.rewards.mean()),
+        "reward/std": float(outcome.rewards.std(unbiased=False)),
         "response_length/mean": float(outcome.response_lengths.float().mean()),
         "response_length/truncated_frac": float(outcome.truncated.float().mean()),
-        "grad_norm": update.get("grad_norm"), "loss/total": update.get("loss"), "loss/pg": update.get("pg_loss"),
-        "loss/kl": update.get("kl"), "loss/clip_frac": update.get("clip_frac"), "skipped_updates": update["skipped_updates"],
+        "grad_norm": update.get("grad_norm"),
+        "loss/total": update.get("loss"),
+        "loss/pg": update.get("pg_loss"),
+        "loss/kl": update.get("kl"),
+        "loss/clip_frac": update.get("clip_frac"),
+        "skipped_updates": update["skipped_updates"],
         "skipped": update["skipped"],
         **length_means(outcome.rewards, outcome.response_lengths, "reward/"),
     }

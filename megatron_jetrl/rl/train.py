@@ -33,6 +33,7 @@ from megatron_jetrl.rl.interrupt import Interrupts
 from megatron_jetrl.rl.jit_cache import CompileProgress, cache_dirs
 from megatron_jetrl.rl.metrics import MetricsWriter, format_summary, progress, read_metrics, summarize
 from megatron_jetrl.rl.profiling import StepProfiler
+from megatron_jetrl.rl.rendezvous import leave_together
 from megatron_jetrl.rl.sft import sft_warm_start
 from megatron_jetrl.rl.step import (
     actor_logprobs,
@@ -98,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     with run.phase("start-up"):
         sess.start_pool(s)
     if cfg.run.profile_step is not None:  # first: it marks the row the others write
-        run.subscribe(StepProfiler(cfg.run.profile_step, cfg.run.profiled_phases(), cfg.run.directory, dist.get_rank(), s.device,
-                                   announce=s.is_main))
+        run.subscribe(
+            StepProfiler(
+                cfg.run.profile_step, cfg.run.profiled_phases(), cfg.run.directory, dist.get_rank(), s.device, announce=s.is_main
+            )
+        )
     run.subscribe(MetricsWriter(cfg.run.directory, enabled=s.is_main, resume_step=start))
     run.subscribe(progress(cfg.run.steps - start, f"GRPO {cfg.precision.mode}", enabled=s.is_main))
     last_saved = None
@@ -120,8 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         with t("update"):
             update = update_policy(s, step, outcome, mine, old, ref, first)
         with run.phase("metrics"):
-            row = {"step": step, **step_metrics(s, outcome, mine, old, update), **t, **stats, **s.pool.metrics(), **held,
-                   **memory_metrics(t)}
+            row = {
+                "step": step,
+                **step_metrics(s, outcome, mine, old, update),
+                **t,
+                **stats,
+                **s.pool.metrics(),
+                **held,
+                **memory_metrics(t),
+            }
             row["time/step"] = sum(v for k, v in t.items())
             row["throughput/tokens_per_s"] = float(outcome.response_lengths.sum()) / row["time/step"]
             run.end_step(row)  # the metrics file, the progress bar, the profiler's report
@@ -143,10 +154,13 @@ def stop(s, interrupts: Interrupts, step: int, last_saved) -> int:
     with run.phase("stop"):
         if cfg.run.checkpoint and (last_saved is None or last_saved.name != f"step_{step + 1:06d}"):
             last_saved = sess.save(s, step + 1, warmup_done=True)
-        saved = (f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}" if cfg.run.checkpoint
-                 else "run.checkpoint=false: nothing saved, a restart begins anew")
+        saved = (
+            f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}"
+            if cfg.run.checkpoint
+            else "run.checkpoint=false: nothing saved, a restart begins anew"
+        )
         dist.barrier()
-        faults.leave_together()
+        leave_together()
     interrupts.restore()
     return interrupts.announce(f"stopped at the end of GRPO step {step}; {saved}")
 
@@ -162,7 +176,7 @@ def finish(s, last_saved) -> int:
         (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))
         print(format_summary(rows))
     dist.barrier()
-    faults.leave_together()
+    leave_together()
     run_lock.release(cfg.run.directory)
     return 0
 

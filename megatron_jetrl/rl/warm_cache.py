@@ -46,8 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before, t0 = count_kernels(dirs), time.monotonic()
     scratch = cfg.run.directory.with_name(cfg.run.directory.name + ".warm_cache")  # where the run writes: every rank sees it
-    warm = [f"run.steps={WARM_STEPS}", "run.checkpoint=false", "run.export=false", "run.eval_every=0", "run.resume=auto",
-            f"warmup.steps={min(cfg.warmup.steps, 1)}", f"run.out_dir={scratch}", "run.name=jit_cache"]
+    warm = [
+        f"run.steps={WARM_STEPS}",
+        "run.checkpoint=false",
+        "run.export=false",
+        "run.eval_every=0",
+        "run.resume=auto",
+        f"warmup.steps={min(cfg.warmup.steps, 1)}",
+        f"run.out_dir={scratch}",
+        "run.name=jit_cache",
+    ]
     try:
         rc = train.main([*args, *warm])
     finally:
@@ -56,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     if main_rank and rc == 0:
         after = count_kernels(dirs)
         where = ", ".join(f"{k} {v}" for k, v in dirs.items() if v is not None)
-        print(f"warm_cache: {after} compiled kernels ({after - before} new, {time.monotonic() - t0:.0f} s) in {where}; runs "
-              f"of this config{' with run.jit_cache_dir=' + cfg.run.jit_cache_dir if cfg.run.jit_cache_dir else ''} start warm")
+        print(
+            f"warm_cache: {after} compiled kernels ({after - before} new, {time.monotonic() - t0:.0f} s) in {where}; runs "
+            f"of this config{' with run.jit_cache_dir=' + cfg.run.jit_cache_dir if cfg.run.jit_cache_dir else ''} start warm"
+        )
     return rc
 
 

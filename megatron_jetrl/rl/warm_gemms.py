@@ -57,10 +57,12 @@ def linear_shapes(arch, tp: int) -> list[tuple[str, int, int]]:
     """(linear, N, K) of each FP8 linear of a decoder layer on one rank at tensor parallelism `tp` (fused QKV and
     gate/up as both megatron and vLLM hold them)."""
     h, hd = arch.hidden_size, arch.head_dim
-    return [("linear_qkv", arch.num_kv_heads * (arch.q_per_group + 2) * hd // tp, h),
-            ("linear_proj", h, arch.num_heads * hd // tp),
-            ("linear_fc1", 2 * arch.intermediate_size // tp, h),
-            ("linear_fc2", h, arch.intermediate_size // tp)]
+    return [
+        ("linear_qkv", arch.num_kv_heads * (arch.q_per_group + 2) * hd // tp, h),
+        ("linear_proj", h, arch.num_heads * hd // tp),
+        ("linear_fc1", 2 * arch.intermediate_size // tp, h),
+        ("linear_fc2", h, arch.intermediate_size // tp),
+    ]
 
 
 def m_values(max_m: int, n: int, num_sms: int) -> list[int]:
@@ -95,8 +97,9 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
         for _, n, k in linear_shapes(arch, tp):
             fwd.setdefault((n, k), set()).update(m_values(max(PREFILL_TOKENS, train_m, logprob_m), n, num_sms))
             if flow.train_fp8 and tp == cfg.parallel.tp:  # DGrad's output is K wide: its choice follows K as FProp's N
-                bwd.setdefault((n, k), set()).update(m for size in (n, k) for m in m_values(train_m, size, num_sms)
-                                                     if m >= BACKWARD_FROM)
+                bwd.setdefault((n, k), set()).update(
+                    m for size in (n, k) for m in m_values(train_m, size, num_sms) if m >= BACKWARD_FROM
+                )
     lists = [(n, k, sorted(ms - bwd.get((n, k), set())), "fprop") for (n, k), ms in fwd.items()]
     lists += [(n, k, sorted(ms), "train") for (n, k), ms in bwd.items()]
     if flow.exact_logprobs:  # the trainer's logits (micro-batch rows) and the engine's (a row per request and step)
@@ -111,7 +114,7 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
     items = []
     for n, k, ms, kind in lists:
         size = math.ceil(len(ms) / pieces)
-        items += [(n, k, list(ms[i:i + size]), kind) for i in range(0, len(ms), size)]
+        items += [(n, k, list(ms[i : i + size]), kind) for i in range(0, len(ms), size)]
     return sorted(items, key=lambda it: -len(it[2]) * (3 if it[3] == "train" else 1))
 
 
@@ -178,8 +181,10 @@ def warm(cfg, procs: int) -> int:
     queue, results = ctx.Queue(), ctx.Queue()
     for item in items:
         queue.put(item)
-    workers = [ctx.Process(target=_worker, args=(i % gpus, cfg.run.jit_cache_dir, cfg.precision.to_dict(), queue, results))
-               for i in range(min(procs, len(items)))]
+    workers = [
+        ctx.Process(target=_worker, args=(i % gpus, cfg.run.jit_cache_dir, cfg.precision.to_dict(), queue, results))
+        for i in range(min(procs, len(items)))
+    ]
     for w in workers:
         queue.put(None)
         w.start()
@@ -189,14 +194,19 @@ def warm(cfg, procs: int) -> int:
         if error:
             failed.append(f"[{n}, {k}] {KINDS[kind]} at {count} M values: {error}")
         if done % max(1, len(items) // 10) == 0 or done == len(items):
-            print(f"warm_gemms: {done}/{len(items)} pieces, {count_kernels(dirs) - before} kernels compiled, "
-                  f"{time.monotonic() - t0:.0f} s", flush=True)
+            print(
+                f"warm_gemms: {done}/{len(items)} pieces, {count_kernels(dirs) - before} kernels compiled, "
+                f"{time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
     for w in workers:
         w.join()
     calls = sum(len(ms) for _, _, ms, _ in items)
-    print(f"warm_gemms: {count_kernels(dirs)} kernels in {dirs['deep_gemm']} ({count_kernels(dirs) - before} new) from "
-          f"{calls} GEMM calls over {len({(n, k) for n, k, _, _ in items})} shapes, {len(workers)} processes on {gpus} "
-          f"GPU(s), {time.monotonic() - t0:.0f} s")
+    print(
+        f"warm_gemms: {count_kernels(dirs)} kernels in {dirs['deep_gemm']} ({count_kernels(dirs) - before} new) from "
+        f"{calls} GEMM calls over {len({(n, k) for n, k, _, _ in items})} shapes, {len(workers)} processes on {gpus} "
+        f"GPU(s), {time.monotonic() - t0:.0f} s"
+    )
     for line in failed[:5]:
         print(f"warm_gemms: FAILED {line}", file=sys.stderr)
     return 1 if failed else 0

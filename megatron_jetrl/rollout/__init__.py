@@ -8,6 +8,17 @@ from megatron_jetrl.rollout.pool import RolloutPool
 from megatron_jetrl.rollout.sync import SyncStats, stream_weights
 
 __all__ = [
-    "Completion", "NativeEngine", "RequestOutput", "RolloutEngine", "RolloutPool", "SamplingParams", "SyncStats",
-    "WeightUpdateError", "expected_tensors", "flat_metrics", "mismatch_metrics", "read_hf_checkpoint", "stream_weights",
+    "Completion",
+    "NativeEngine",
+    "RequestOutput",
+    "RolloutEngine",
+    "RolloutPool",
+    "SamplingParams",
+    "SyncStats",
+    "WeightUpdateError",
+    "expected_tensors",
+    "flat_metrics",
+    "mismatch_metrics",
+    "read_hf_checkpoint",
+    "stream_weights",
 ]

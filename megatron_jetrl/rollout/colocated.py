@@ -72,8 +72,10 @@ def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: in
     free once the engine's weights are in."""
     left = free_bytes - weight_bytes
     if left <= 0 or fraction <= 0:
-        raise ValueError(f"no GPU memory left for vLLM's KV cache: {free_bytes / 2**30:.1f} GiB free, weights take "
-                         f"{weight_bytes / 2**30:.1f} GiB; use rollout.tp > 1, a smaller model or fewer training buffers")
+        raise ValueError(
+            f"no GPU memory left for vLLM's KV cache: {free_bytes / 2**30:.1f} GiB free, weights take "
+            f"{weight_bytes / 2**30:.1f} GiB; use rollout.tp > 1, a smaller model or fewer training buffers"
+        )
     return int(left * fraction) if need is None else min(int(left * fraction), need)
 
 
@@ -86,10 +88,12 @@ def sequences_at_once(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1)
     per_seq = -(-max_len // KV_ALIGN) * KV_ALIGN * kv_bytes_per_token(arch, tp)
     held = kv_bytes // per_seq
     if held < 1:
-        raise ValueError(f"the rollout engine's KV cache of {kv_bytes / 2**30:.2f} GiB per rank cannot hold one sequence of "
-                         f"rollout.max_model_len={max_len} tokens ({per_seq / 2**30:.2f} GiB at rollout.tp={tp}): raise "
-                         "rollout.kv_cache_gb or rollout.kv_cache_fraction, free the actor's state while the engine is awake "
-                         "(rollout.offload=optimizer), lower rollout.max_new_tokens (or rollout.max_model_len), or raise rollout.tp")
+        raise ValueError(
+            f"the rollout engine's KV cache of {kv_bytes / 2**30:.2f} GiB per rank cannot hold one sequence of "
+            f"rollout.max_model_len={max_len} tokens ({per_seq / 2**30:.2f} GiB at rollout.tp={tp}): raise "
+            "rollout.kv_cache_gb or rollout.kv_cache_fraction, free the actor's state while the engine is awake "
+            "(rollout.offload=optimizer), lower rollout.max_new_tokens (or rollout.max_model_len), or raise rollout.tp"
+        )
     return min(held, seqs)
 
 
@@ -98,11 +102,13 @@ def turns_note(kv_bytes: int, seqs: int, at_once: int, max_len: int) -> str | No
     many it holds and what happens to the rest."""
     if at_once >= seqs:
         return None
-    return (f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {at_once} of the {seqs} sequences it "
-            f"samples a step at their full {max_len} tokens: the step runs in turns, vLLM preempting the newest sequences "
-            "once the cache is full and recomputing them later (counted per step: rollout/preemptions); for one turn, raise "
-            "rollout.kv_cache_gb or rollout.kv_cache_fraction, or free the actor's state while the engine is awake: "
-            "rollout.offload=optimizer")
+    return (
+        f"the rollout engine's KV cache ({kv_bytes / 2**30:.2f} GiB per rank) holds {at_once} of the {seqs} sequences it "
+        f"samples a step at their full {max_len} tokens: the step runs in turns, vLLM preempting the newest sequences "
+        "once the cache is full and recomputing them later (counted per step: rollout/preemptions); for one turn, raise "
+        "rollout.kv_cache_gb or rollout.kv_cache_fraction, or free the actor's state while the engine is awake: "
+        "rollout.offload=optimizer"
+    )
 
 
 class ColocatedPool:
@@ -122,8 +128,13 @@ class ColocatedPool:
         self.at_once = at_once  # the sequences this rank's engine holds at their full length (`sequences_at_once`)
         self.preemptions: int | None = None  # requests the engine preempted in the last generate (None: not counted)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         sampling = sampling or SamplingParams()
         prompts = list(prompts)
         seeds = request_seeds_for(sampling, len(prompts)) if request_seeds is None else list(request_seeds)
@@ -133,8 +144,9 @@ class ColocatedPool:
         before = counted()
         if end > start:
             try:
-                mine = self.engine.generate(prompts[start:end], sampling,
-                                            request_seeds=None if seeds is None else seeds[start:end])
+                mine = self.engine.generate(
+                    prompts[start:end], sampling, request_seeds=None if seeds is None else seeds[start:end]
+                )
                 if len(mine) != end - start:
                     raise RuntimeError(f"returned {len(mine)} outputs for {end - start} prompts")
             except Exception as e:  # noqa: BLE001 - said on every rank below, not only on this one
@@ -166,8 +178,9 @@ class ColocatedPool:
             if self.wake_bytes is not None and self.short_of_memory():  # the stream's buffers took the spare: again
                 torch.cuda.empty_cache()
             self.engine.wake(["kv_cache"])
-        self.last_sync = SyncStats(tensors=done["tensors"], bytes=done["bytes"], buckets=1,
-                                   seconds=time.perf_counter() - start, parts=dict(parts))
+        self.last_sync = SyncStats(
+            tensors=done["tensors"], bytes=done["bytes"], buckets=1, seconds=time.perf_counter() - start, parts=dict(parts)
+        )
         return self.last_sync
 
     def short_of_memory(self) -> bool:
@@ -206,8 +219,13 @@ class ColocatedPool:
         if self.at_once:
             out["rollout/fit_at_once"] = self.at_once
         if self.preemptions is not None:
-            most = torch.tensor([self.preemptions], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device())
-                                if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            most = torch.tensor(
+                [self.preemptions],
+                dtype=torch.float64,
+                device=torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend(self.group) == "nccl"
+                else torch.device("cpu"),
+            )
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
             out["rollout/preemptions"] = int(most.item())
         return out

@@ -79,8 +79,9 @@ def _stats(d: torch.Tensor, cap: float) -> dict[str, float]:
     }
 
 
-def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: float = 2.0,
-                     position_edges: Sequence[int] = DEFAULT_EDGES) -> dict:
+def mismatch_metrics(
+    train_logprobs, rollout_logprobs, mask=None, *, tis_cap: float = 2.0, position_edges: Sequence[int] = DEFAULT_EDGES
+) -> dict:
     """Token-level mismatch statistics (module docstring), overall and `by_position`.
 
     `train_logprobs`/`rollout_logprobs`: ragged lists (one list per response) or `[B, T]` tensors;
@@ -89,8 +90,10 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask=None, *, tis_cap: fl
     t, m1 = _as_padded(train_logprobs, mask)
     r, m2 = _as_padded(rollout_logprobs, mask)
     if t.shape != r.shape or not torch.equal(m1, m2):
-        raise ValueError(f"train and rollout logprobs disagree in layout: {tuple(t.shape)} vs {tuple(r.shape)} "
-                         "(or different lengths per response)")
+        raise ValueError(
+            f"train and rollout logprobs disagree in layout: {tuple(t.shape)} vs {tuple(r.shape)} "
+            "(or different lengths per response)"
+        )
     if tis_cap <= 0:
         raise ValueError(f"tis_cap must be positive, got {tis_cap}")
     d = t - r
@@ -140,8 +143,10 @@ def _length_buckets(d: torch.Tensor, mask: torch.Tensor, cap: float) -> list[dic
     seq_log_ratio = torch.where(mask, d, 0.0).sum(1)
     buckets = []
     for lo, hi, rows in _length_rows(mask.sum(1)):
-        stats = _stats(d[mask & rows[:, None]], cap) | {"responses": int(rows.sum()),
-                                                         "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean())}
+        stats = _stats(d[mask & rows[:, None]], cap) | {
+            "responses": int(rows.sum()),
+            "seq_abs_log_ratio": float(seq_log_ratio[rows].abs().mean()),
+        }
         buckets.append({"start": lo, "end": hi, **{k: stats[k] for k in LENGTH_STATS}})
     return buckets
 

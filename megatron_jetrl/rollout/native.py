@@ -60,7 +60,9 @@ def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
     return batch
 
 
-def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_complete: bool = False, family: str = "") -> list[str]:
+def validate_weights(
+    specs: dict, batch: dict[str, torch.Tensor], *, require_complete: bool = False, family: str = ""
+) -> list[str]:
     """Every problem of a weight batch against `expected_tensors` specs (empty list: acceptable).
 
     Unknown names, wrong dtypes or shapes, non-positive/non-finite scales, an FP8 weight without its
@@ -72,15 +74,21 @@ def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_com
         spec = specs.get(name)
         if spec is None:
             close = difflib.get_close_matches(name, specs, n=1)
-            problems.append(f"{name}: not a tensor of this {family} model".replace("  ", " ") + (f" (did you mean {close[0]!r}?)" if close else ""))
+            problems.append(
+                f"{name}: not a tensor of this {family} model".replace("  ", " ")
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
             continue
         shape, dtype = spec
         if not isinstance(tensor, torch.Tensor):
             problems.append(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
             continue
         if tensor.dtype != dtype:
-            hint = (" (an FP8 byte view must be viewed back as float8_e4m3fn: megatron_jetrl.rollout.sync.from_wire)"
-                    if dtype == E4M3 and tensor.dtype == torch.uint8 else "")
+            hint = (
+                " (an FP8 byte view must be viewed back as float8_e4m3fn: megatron_jetrl.rollout.sync.from_wire)"
+                if dtype == E4M3 and tensor.dtype == torch.uint8
+                else ""
+            )
             problems.append(f"{name}: dtype {tensor.dtype}, expected {dtype}{hint}")
         if tuple(tensor.shape) != shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
@@ -89,9 +97,13 @@ def validate_weights(specs: dict, batch: dict[str, torch.Tensor], *, require_com
     problems += [f"{name}: scales must be finite and positive" for name in _invalid_scales(scales)]
     for name in batch:  # FP8 bytes and their scales only make sense together
         if specs.get(name, (None, None))[1] == E4M3 and name.removesuffix(".weight") + SCALE_SUFFIX not in batch:
-            problems.append(f"{name}: FP8 weight without its {name.removesuffix('.weight') + SCALE_SUFFIX} in the same batch (missing scales)")
+            problems.append(
+                f"{name}: FP8 weight without its {name.removesuffix('.weight') + SCALE_SUFFIX} in the same batch (missing scales)"
+            )
         if name.endswith(SCALE_SUFFIX) and name in specs and name.removesuffix(SCALE_SUFFIX) + ".weight" not in batch:
-            problems.append(f"{name}: scales without their FP8 weight {name.removesuffix(SCALE_SUFFIX) + '.weight'} in the same batch")
+            problems.append(
+                f"{name}: scales without their FP8 weight {name.removesuffix(SCALE_SUFFIX) + '.weight'} in the same batch"
+            )
     if require_complete:
         missing = sorted(set(specs) - set(batch))
         if missing:
@@ -122,12 +134,16 @@ def check_quantization_config(config: dict, flow: PrecisionFlow, where: str = "c
     qc = config.get("quantization_config")
     if not flow.rollout_fp8:
         if qc is not None:
-            raise ValueError(f"{where} declares quantization_config {qc} but the flow is mode={flow.mode!r} (BF16 rollout): "
-                             "load a BF16 checkpoint or use an FP8 mode")
+            raise ValueError(
+                f"{where} declares quantization_config {qc} but the flow is mode={flow.mode!r} (BF16 rollout): "
+                "load a BF16 checkpoint or use an FP8 mode"
+            )
         return
     if qc is None:
-        raise ValueError(f"{where} has no quantization_config but flow mode={flow.mode!r} rolls out in FP8: "
-                         "export the checkpoint with the flow (megatron_jetrl.models.hf_tensors) instead of quantizing here")
+        raise ValueError(
+            f"{where} has no quantization_config but flow mode={flow.mode!r} rolls out in FP8: "
+            "export the checkpoint with the flow (megatron_jetrl.models.hf_tensors) instead of quantizing here"
+        )
     want = flow.quantization_config()
     problems = [f"{k}={qc.get(k)!r} (flow wants {v!r})" for k, v in want.items() if qc.get(k) != v]
     if qc.get("scale_fmt") not in (None, "float32") and "scale_fmt" not in want:
@@ -243,7 +259,11 @@ class NativeEngine:
         config, tensors = read_hf_checkpoint(path)
         qc = config.get("quantization_config")
         if flow is None:
-            flow = PrecisionFlow("jetrl", scale_mode="ue8m0" if (qc or {}).get("scale_fmt") == "ue8m0" else "fp32") if qc else PrecisionFlow("bf16")
+            flow = (
+                PrecisionFlow("jetrl", scale_mode="ue8m0" if (qc or {}).get("scale_fmt") == "ue8m0" else "fp32")
+                if qc
+                else PrecisionFlow("bf16")
+            )
         check_quantization_config(config, flow, where=f"{Path(path) / 'config.json'}")
         eos = config.get("eos_token_id")
         kwargs.setdefault("eos_token_ids", [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
@@ -264,7 +284,8 @@ class NativeEngine:
         problems = validate_weights(self.specs, batch, require_complete=require_complete, family=self.arch.family)
         if problems:
             raise WeightUpdateError(
-                f"refused a weight update of {len(batch)} tensor(s); nothing was applied:\n  - " + "\n  - ".join(problems[:20])
+                f"refused a weight update of {len(batch)} tensor(s); nothing was applied:\n  - "
+                + "\n  - ".join(problems[:20])
                 + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
             )
         target = torch.device("cpu") if self.asleep else self.device
@@ -295,7 +316,9 @@ class NativeEngine:
             raise RuntimeError("the engine is asleep: call wake() before generate() or score()")
         missing = self.missing_weights()
         if missing:
-            raise RuntimeError(f"the engine has no weights for {len(missing)} tensor(s), e.g. {missing[:3]}: call update_weights first")
+            raise RuntimeError(
+                f"the engine has no weights for {len(missing)} tensor(s), e.g. {missing[:3]}: call update_weights first"
+            )
 
     def _linears(self, x: torch.Tensor, *names: str) -> list[torch.Tensor]:
         """`x @ W^T (+ b)` for the named linears that read the same `x` (in FP8, `x` is quantized once)."""
@@ -363,8 +386,15 @@ class NativeEngine:
         rep = h // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, k_len: torch.Tensor,
-                      cache: KVCache | None = None, rows: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        k_len: torch.Tensor,
+        cache: KVCache | None = None,
+        rows: torch.Tensor | None = None,
+        span: int | None = None,
+    ) -> torch.Tensor:
         """Final-norm hidden states `[B, T, hidden]` for right-padded `tokens` `[B, T]` at `positions`.
 
         With `cache`, K/V of these tokens are written at their positions in the cache rows `rows`
@@ -379,8 +409,11 @@ class NativeEngine:
         cos_t, sin_t = self._rope_tables(span if span is not None else int(positions.max()) + 1)
         cos, sin = cos_t[positions], sin_t[positions]
         keys = torch.arange(span if cache is not None else t, device=tokens.device)
-        mask = None if self.batch_invariant else (
-            (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < k_len[:, None, None]))[:, None]
+        mask = (
+            None
+            if self.batch_invariant
+            else ((keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < k_len[:, None, None]))[:, None]
+        )
         h = p["model.embed_tokens.weight"][tokens]
         row_idx = (torch.arange(b, device=tokens.device) if rows is None else rows)[:, None]
         for i in range(a.num_layers):
@@ -443,18 +476,27 @@ class NativeEngine:
 
     def _check_vocab(self, tokens):
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.arch.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.arch.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"token ids must be in [0, {self.arch.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]"
+            )
 
     # ---- generation ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Sample `sampling.n` completions per prompt (all in one batch: prefill, then KV-cache decode)."""
         self._ready()
         sampling = sampling or SamplingParams()
         if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (NativeEngine(..., tokenizer=...) with a decode(ids) method); use stop_token_ids")
+            raise ValueError(
+                "stop strings need a tokenizer (NativeEngine(..., tokenizer=...) with a decode(ids) method); use stop_token_ids"
+            )
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts:
             return []
@@ -493,8 +535,10 @@ class NativeEngine:
             host = torch.stack([toks.double(), picked.double(), finite.double()]).tolist()  # the step's one host sync
             if not all(host[2]):
                 bad = [active[r] for r, ok in enumerate(host[2]) if not ok]
-                raise NonFiniteInputError(f"NaN/Inf logits for completion(s) {bad[:8]} at generated token {step}: "
-                                          "the weights or activations hold non-finite values")
+                raise NonFiniteInputError(
+                    f"NaN/Inf logits for completion(s) {bad[:8]} at generated token {step}: "
+                    "the weights or activations hold non-finite values"
+                )
             for s, tok, lp in zip(active, map(int, host[0]), host[1]):
                 out_tokens[s].append(tok)
                 out_lps[s].append(lp)
@@ -519,8 +563,10 @@ class NativeEngine:
                 hidden = self.hidden_states(new, pos, pos[:, 0] + 1, cache, rows, span=max(prompt_len[s] for s in active) + done)
                 last = self.logits(hidden[:, 0])
             else:  # finished rows decode a dummy token at slot 0 of their own cache row; nobody reads it
-                last = graphs.step([out_tokens[s][-1] if finish[s] is None else 0 for s in range(b)],
-                                   [prompt_len[s] + done - 1 if finish[s] is None else 0 for s in range(b)])
+                last = graphs.step(
+                    [out_tokens[s][-1] if finish[s] is None else 0 for s in range(b)],
+                    [prompt_len[s] + done - 1 if finish[s] is None else 0 for s in range(b)],
+                )
         results = [RequestOutput(prompt_token_ids=p, request_seed=seeds[i]) for i, p in enumerate(prompts)]
         for s, (i, _) in enumerate(seqs):
             reason, why = finish[s]

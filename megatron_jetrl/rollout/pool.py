@@ -43,16 +43,24 @@ class RolloutPool:
         self.concurrent = concurrent and len(self.engines) > 1
         self.last_sync: SyncStats | None = None
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         sampling = sampling or SamplingParams()
         prompts = list(prompts)
         if request_seeds is None:
             request_seeds = request_seeds_for(sampling, len(prompts))
         elif len(request_seeds) != len(prompts):
             raise ValueError(f"{len(request_seeds)} request_seeds for {len(prompts)} prompts")
-        jobs = [(engine, start, end) for engine, (start, end) in zip(self.engines, shard_bounds(len(prompts), len(self.engines)))
-                if end > start]
+        jobs = [
+            (engine, start, end)
+            for engine, (start, end) in zip(self.engines, shard_bounds(len(prompts), len(self.engines)))
+            if end > start
+        ]
 
         def run(job):
             engine, start, end = job
@@ -98,8 +106,13 @@ class RankZeroPool:
     def __init__(self, pool: RolloutPool | None):
         self.pool = pool
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         box = [None]
         if self.pool is not None:
             try:

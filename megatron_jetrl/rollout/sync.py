@@ -86,8 +86,9 @@ def unpack(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, t
     return [(m.name, flat[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)) for m in metas]
 
 
-def broadcast_bucket(flat: torch.Tensor | None, metas: list[TensorMeta] | None, *, src: int, group=None,
-                     device="cpu") -> list[tuple[str, torch.Tensor]]:
+def broadcast_bucket(
+    flat: torch.Tensor | None, metas: list[TensorMeta] | None, *, src: int, group=None, device="cpu"
+) -> list[tuple[str, torch.Tensor]]:
     """Broadcast one packed bucket from rank `src` over a torch.distributed group (gloo or NCCL).
 
     `src` passes `flat`/`metas`; the others pass None and receive. Metadata goes as a Python object,
@@ -132,8 +133,14 @@ class Phases(dict):
     freeing its cached blocks, and its cudaFree calls; each synchronizes the device, so the host stops running ahead of
     the GPU (`ALLOCATOR_STALLS`)."""
 
-    def __init__(self, prefix: str = "time/", suffix: str = "", around: Callable[[str], Any] | None = None,
-                 memory: bool = False, unmapped: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        prefix: str = "time/",
+        suffix: str = "",
+        around: Callable[[str], Any] | None = None,
+        memory: bool = False,
+        unmapped: Callable[[], int] | None = None,
+    ):
         super().__init__()
         self.prefix, self.suffix, self.around, self.memory, self.unmapped = prefix, suffix, around, memory, unmapped
         self.peaks: dict[str, tuple[int, int]] = {}
@@ -154,8 +161,10 @@ class Phases(dict):
             if counting:
                 asleep = min(asleep, self.unmapped() if self.unmapped is not None else 0)
                 before = self.peaks.get(name, (0, 0))
-                self.peaks[name] = (max(before[0], torch.cuda.max_memory_allocated() - asleep),
-                                    max(before[1], torch.cuda.max_memory_reserved() - asleep))
+                self.peaks[name] = (
+                    max(before[0], torch.cuda.max_memory_allocated() - asleep),
+                    max(before[1], torch.cuda.max_memory_reserved() - asleep),
+                )
                 so_far = self.stalls.get(name, (0,) * len(ALLOCATOR_STALLS))
                 self.stalls[name] = tuple(a + now - then for a, now, then in zip(so_far, allocator_stalls(), stalls))
         key = f"{self.prefix}{name}{self.suffix}"
@@ -178,12 +187,19 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
-        return {f"{prefix}tensors": self.tensors, f"{prefix}bytes": self.bytes, f"{prefix}buckets": self.buckets,
-                f"{prefix}seconds": self.seconds, f"{prefix}GBps": self.gbps, **self.parts}
+        return {
+            f"{prefix}tensors": self.tensors,
+            f"{prefix}bytes": self.bytes,
+            f"{prefix}buckets": self.buckets,
+            f"{prefix}seconds": self.seconds,
+            f"{prefix}GBps": self.gbps,
+            **self.parts,
+        }
 
 
-def stream_weights(pairs: Iterable[tuple[str, torch.Tensor]], engines: Sequence, *, bucket_bytes: int = 256 << 20,
-                   wire: bool = True) -> SyncStats:
+def stream_weights(
+    pairs: Iterable[tuple[str, torch.Tensor]], engines: Sequence, *, bucket_bytes: int = 256 << 20, wire: bool = True
+) -> SyncStats:
     """Push the trainer's stream to every engine, one bucket at a time; report time and bytes.
 
     With `wire=True` each bucket is packed into a uint8 buffer and unpacked (what crosses a process

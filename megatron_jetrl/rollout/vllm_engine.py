@@ -59,14 +59,17 @@ class EngineConformanceError(RuntimeError):
 
 # ---- availability and environment -------------------------------------------------------------------
 
+
 def vllm_problem(device: str) -> str | None:
     """Why `rollout.engine=vllm` cannot run on `device` ('cuda' or 'cpu'; None: it can), without importing vLLM."""
     import importlib.metadata
     import importlib.util
 
     if device != "cuda":
-        return (f"rollout.engine=vllm needs a CUDA GPU and this run is on the {device}: set rollout.engine=native, "
-                f"or run on a GPU node with vLLM ({INSTALL})")
+        return (
+            f"rollout.engine=vllm needs a CUDA GPU and this run is on the {device}: set rollout.engine=native, "
+            f"or run on a GPU node with vLLM ({INSTALL})"
+        )
     if importlib.util.find_spec("vllm") is None:
         return f"rollout.engine=vllm but vLLM is not installed in this environment: {INSTALL}, or set rollout.engine=native"
     try:
@@ -74,8 +77,10 @@ def vllm_problem(device: str) -> str | None:
     except importlib.metadata.PackageNotFoundError:
         found = "unknown (no package metadata)"
     if found != VLLM_VERSION:
-        return (f"rollout.engine=vllm needs vLLM {VLLM_VERSION} (the version its engine is written against), "
-                f"found {found}: {INSTALL}, or set rollout.engine=native")
+        return (
+            f"rollout.engine=vllm needs vLLM {VLLM_VERSION} (the version its engine is written against), "
+            f"found {found}: {INSTALL}, or set rollout.engine=native"
+        )
     return None
 
 
@@ -86,8 +91,10 @@ def engine_env(flow: PrecisionFlow, extra: dict[str, str] | None = None) -> dict
         env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] = "0"
     for key, value in (extra or {}).items():
         if key in env and env[key] != value:
-            raise ValueError(f"{key}={value!r} contradicts the precision flow, which needs {key}={env[key]!r} "
-                             "(vLLM would re-quantize the trainer's FP8 weights or quantize activations its own way)")
+            raise ValueError(
+                f"{key}={value!r} contradicts the precision flow, which needs {key}={env[key]!r} "
+                "(vLLM would re-quantize the trainer's FP8 weights or quantize activations its own way)"
+            )
         env[key] = value
     return env
 
@@ -141,9 +148,19 @@ def resolve_glue(glue: str, arch: ModelArch | None, spec: str = "local") -> str:
     return glue
 
 
-def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_size: int = 1, seed: int = 0,
-               kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-               enforce_eager: bool = False, max_model_len: int | None = None, glue: str = "auto", **extra) -> dict:
+def llm_kwargs(
+    model_dir: str | Path,
+    flow: PrecisionFlow,
+    *,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    glue: str = "auto",
+    **extra,
+) -> dict:
     """Keyword arguments of `vllm.LLM(...)`: colocated SPMD engine, dummy load, the flow's numerics pinned.
 
     A non-eager engine with the trainer's glue runs no torch.compile (Dynamo does not trace the trainer's kernels) and
@@ -158,11 +175,19 @@ def llm_kwargs(model_dir: str | Path, flow: PrecisionFlow, *, tensor_parallel_si
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     kwargs = dict(
-        model=str(model_dir), dtype="bfloat16", seed=seed, load_format="dummy", skip_tokenizer_init=True,
+        model=str(model_dir),
+        dtype="bfloat16",
+        seed=seed,
+        load_format="dummy",
+        skip_tokenizer_init=True,
         quantization="fp8" if flow.rollout_fp8 else None,  # the config's quantization_config (block FP8)
-        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
-        enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-        enforce_eager=enforce_eager, max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        enable_sleep_mode=True,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        enforce_eager=enforce_eager,
+        max_model_len=max_model_len,
         logprobs_mode="raw_logprobs",  # log_softmax of the logits, as the trainer computes them
         disable_custom_all_reduce=True,  # NCCL for TP > 1: custom all-reduce's IPC buffers are outside the sleep pool
     )
@@ -187,9 +212,15 @@ def sampling_kwargs(sampling: SamplingParams, request_seed: int | None, eos_toke
     samples a prompt."""
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([] if sampling.ignore_eos else eos_token_ids)]))
     kwargs = dict(
-        n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-        stop=list(sampling.stop) or None, stop_token_ids=stop_ids or None,
-        ignore_eos=sampling.ignore_eos, logprobs=0, seed=None if request_seed is None else sample_seed(request_seed, 0),
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_new_tokens,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=stop_ids or None,
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0,
+        seed=None if request_seed is None else sample_seed(request_seed, 0),
     )
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -200,8 +231,10 @@ def parse_output(output) -> RequestOutput:
     for c in output.outputs:
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
-                               f"{len(ids)} tokens: was SamplingParams(logprobs=0) passed?")
+            raise RuntimeError(
+                f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
+                f"{len(ids)} tokens: was SamplingParams(logprobs=0) passed?"
+            )
         lps = []
         for tok, entry in zip(ids, c.logprobs):
             if tok not in entry:
@@ -213,8 +246,13 @@ def parse_output(output) -> RequestOutput:
 
 # ---- HF name -> vLLM parameter ----------------------------------------------------------------------
 
-_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 _ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -247,8 +285,9 @@ def vllm_target(arch: ModelArch, hf_name: str, tp_rank: int = 0, tp_size: int = 
     return hf_name, None, None, 0
 
 
-def rank_piece(arch: ModelArch, hf_name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int,
-               rows_per_rank: int | None = None) -> torch.Tensor:
+def rank_piece(
+    arch: ModelArch, hf_name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, rows_per_rank: int | None = None
+) -> torch.Tensor:
     """This rank's slice of a full HF tensor (a view; FP8 blocks never straddle ranks: `check_fp8_tp`).
 
     Vocab-parallel tensors (embedding, lm_head) take rows `[rank * rows_per_rank, ...)` of the vocabulary,
@@ -275,8 +314,9 @@ class Slot:
     rows: int
 
 
-def copy_plan(arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tensor], tp_rank: int = 0,
-              tp_size: int = 1) -> dict[str, Slot]:
+def copy_plan(
+    arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tensor], tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, Slot]:
     """HF name -> `Slot` for every tensor of the trainer's stream, checked against vLLM's live parameters.
 
     Refuses (EngineConformanceError, every problem named) when a parameter is missing, has another dtype, width
@@ -294,8 +334,10 @@ def copy_plan(arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tens
         per = param.shape[0] if _is_vocab(hf_name) else None
         piece = rank_piece(arch, hf_name, torch.empty(shape, dtype=dtype, device="meta"), tp_rank, tp_size, per)
         if param.dtype != dtype or tuple(param.shape[1:]) != tuple(piece.shape[1:]) or not param.is_contiguous():
-            problems.append(f"{target}: vLLM holds {tuple(param.shape)} {param.dtype} (contiguous={param.is_contiguous()}); "
-                            f"{hf_name} needs rows of {tuple(piece.shape[1:])} {dtype}")
+            problems.append(
+                f"{target}: vLLM holds {tuple(param.shape)} {param.dtype} (contiguous={param.is_contiguous()}); "
+                f"{hf_name} needs rows of {tuple(piece.shape[1:])} {dtype}"
+            )
             continue
         if offset + piece.shape[0] > param.shape[0]:
             problems.append(f"{target}: {param.shape[0]} rows cannot take {hf_name} at row {offset} (+{piece.shape[0]})")
@@ -309,9 +351,10 @@ def copy_plan(arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tens
         elif covered[name] != param.shape[0] and not vocab:
             problems.append(f"{name}: the stream writes {covered[name]} of its {param.shape[0]} rows")
     if problems:
-        raise EngineConformanceError("vLLM's parameters do not take the trainer's tensors as they are (was a setting "
-                                     "changed that re-lays out weights, e.g. VLLM_USE_DEEP_GEMM_E8M0?):\n  - "
-                                     + "\n  - ".join(problems[:20]))
+        raise EngineConformanceError(
+            "vLLM's parameters do not take the trainer's tensors as they are (was a setting "
+            "changed that re-lays out weights, e.g. VLLM_USE_DEEP_GEMM_E8M0?):\n  - " + "\n  - ".join(problems[:20])
+        )
     return plan
 
 
@@ -322,8 +365,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-def apply_plan(arch: ModelArch, plan: dict[str, Slot], params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
-               tp_rank: int = 0, tp_size: int = 1) -> list[str]:
+def apply_plan(
+    arch: ModelArch,
+    plan: dict[str, Slot],
+    params: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[str]:
     """Copy every tensor of a validated batch into its slot, then compare the bytes; the names that differ."""
     checks = []
     for name, tensor in batch.items():
@@ -343,10 +392,14 @@ def apply_plan(arch: ModelArch, plan: dict[str, Slot], params: dict[str, torch.T
 
 # ---- numerics read back from the running engine ------------------------------------------------------
 
+
 def fp8_kernels(model) -> dict[str, object]:
     """Module name -> the block-FP8 linear kernel object vLLM chose for it."""
-    return {name: m.quant_method.fp8_linear for name, m in model.named_modules()
-            if hasattr(getattr(m, "quant_method", None), "fp8_linear")}
+    return {
+        name: m.quant_method.fp8_linear
+        for name, m in model.named_modules()
+        if hasattr(getattr(m, "quant_method", None), "fp8_linear")
+    }
 
 
 def kernel_problems(kernels: dict[str, object], flow: PrecisionFlow) -> list[str]:
@@ -361,24 +414,33 @@ def kernel_problems(kernels: dict[str, object], flow: PrecisionFlow) -> list[str
             cls = type(k).__name__
             quant = getattr(k, "quant_fp8", None)
             if cls not in ALLOWED_KERNELS or not getattr(k, "apply_input_quant", True) or quant is None:
-                problems.append(f"{name}: kernel {cls} (allowed: {', '.join(ALLOWED_KERNELS)}; a kernel that quantizes "
-                                "activations itself changes the bytes: set VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0)")
+                problems.append(
+                    f"{name}: kernel {cls} (allowed: {', '.join(ALLOWED_KERNELS)}; a kernel that quantizes "
+                    "activations itself changes the bytes: set VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0)"
+                )
                 continue
             if bool(getattr(quant, "use_ue8m0", False)) != (flow.scale_mode == "ue8m0"):
-                problems.append(f"{name}: {cls} quantizes activations with use_ue8m0={quant.use_ue8m0} but the flow's "
-                                f"scale_mode is {flow.scale_mode!r} (VLLM_USE_DEEP_GEMM_E8M0 must be "
-                                f"{flow.vllm_env().get('VLLM_USE_DEEP_GEMM_E8M0')})")
+                problems.append(
+                    f"{name}: {cls} quantizes activations with use_ue8m0={quant.use_ue8m0} but the flow's "
+                    f"scale_mode is {flow.scale_mode!r} (VLLM_USE_DEEP_GEMM_E8M0 must be "
+                    f"{flow.vllm_env().get('VLLM_USE_DEEP_GEMM_E8M0')})"
+                )
             method = getattr(getattr(quant, "_forward_method", None), "__name__", "forward_cuda")
             if method != "forward_cuda":
-                problems.append(f"{name}: the activation quantizer runs {method} (vLLM's torch version floors the scale "
-                                "at 1/(448*512)): keep compilation_config custom_ops=['+quant_fp8']")
+                problems.append(
+                    f"{name}: the activation quantizer runs {method} (vLLM's torch version floors the scale "
+                    "at 1/(448*512)): keep compilation_config custom_ops=['+quant_fp8']"
+                )
     return problems[:20]
 
 
 def pass_problems(pass_config) -> list[str]:
     """Compile passes that fuse quantization into other kernels (their own scale floor and rounding) must be off."""
-    return [f"compilation pass {k}={getattr(pass_config, k, None)} (must be False: the fused kernel quantizes its own way)"
-            for k in UNFUSED if getattr(pass_config, k, False)]
+    return [
+        f"compilation pass {k}={getattr(pass_config, k, None)} (must be False: the fused kernel quantizes its own way)"
+        for k in UNFUSED
+        if getattr(pass_config, k, False)
+    ]
 
 
 def probe_tensor(device, dtype=torch.bfloat16, rows: int = 16, groups: int = 8, seed: int = 0) -> torch.Tensor:
@@ -409,33 +471,51 @@ def probe_problems(quant_fp8, flow: PrecisionFlow, x: torch.Tensor) -> list[str]
     return problems
 
 
-def exact_problems(attention_impls: dict[str, object], one_split: bool, cascade_disabled: bool, glue: str,
-                   lm_head_method: str, v2_runner: bool = True) -> list[str]:
+def exact_problems(
+    attention_impls: dict[str, object],
+    one_split: bool,
+    cascade_disabled: bool,
+    glue: str,
+    lm_head_method: str,
+    v2_runner: bool = True,
+) -> list[str]:
     """Under `precision.exact_logprobs`, what in a running engine would compute other bytes than the actor's
     `rollout_kernels`: attention with more than one KV split or not FA3, cascade attention, vLLM's own RMSNorm/RoPE,
     an lm_head without the actor's GEMM, a model runner whose logprob kernel the actor does not call."""
     problems = []
     if not v2_runner:
-        problems.append("vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
-                        "the actor calls (the V2 runner's compute_token_logprobs): keep VLLM_USE_V2_MODEL_RUNNER=1")
+        problems.append(
+            "vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
+            "the actor calls (the V2 runner's compute_token_logprobs): keep VLLM_USE_V2_MODEL_RUNNER=1"
+        )
     if not one_split:
-        problems.append("vLLM's attention may split the KV cache (neither patches/vllm_0_26_0_one_split_attention.py nor "
-                        "VLLM_BATCH_INVARIANT=1 took effect before the attention layers were built): create the engine, "
-                        "or call rl.session.pin_vllm_environment, before anything imports vllm")
+        problems.append(
+            "vLLM's attention may split the KV cache (neither patches/vllm_0_26_0_one_split_attention.py nor "
+            "VLLM_BATCH_INVARIANT=1 took effect before the attention layers were built): create the engine, "
+            "or call rl.session.pin_vllm_environment, before anything imports vllm"
+        )
     if not cascade_disabled:
-        problems.append("cascade attention is on (a shared prefix's attention merged from two kernels): build the engine "
-                        "with disable_cascade_attn=True")
+        problems.append(
+            "cascade attention is on (a shared prefix's attention merged from two kernels): build the engine "
+            "with disable_cascade_attn=True"
+        )
     for name, impl in list(attention_impls.items())[:3]:
         cls, version = type(impl).__name__, getattr(impl, "vllm_flash_attn_version", None)
         if cls != "FlashAttentionImpl" or version != 3:
-            problems.append(f"{name}: attention {cls} (FlashAttention version {version}); the actor computes FlashAttention "
-                            "3's bytes: leave vLLM's default attention backend on Hopper")
+            problems.append(
+                f"{name}: attention {cls} (FlashAttention version {version}); the actor computes FlashAttention "
+                "3's bytes: leave vLLM's default attention backend on Hopper"
+            )
     if glue != "trainer":
-        problems.append(f"rollout.glue resolved to {glue!r}: vLLM's own RMSNorm and RoPE round unlike the actor's; use "
-                        "rollout.glue=auto or trainer (a llama3 scaled RoPE cannot)")
+        problems.append(
+            f"rollout.glue resolved to {glue!r}: vLLM's own RMSNorm and RoPE round unlike the actor's; use "
+            "rollout.glue=auto or trainer (a llama3 scaled RoPE cannot)"
+        )
     if lm_head_method != "TrainerLMHeadMethod":
-        problems.append(f"the lm_head runs {lm_head_method}, not the actor's lm_head GEMM (rollout.vllm_glue.use_trainer_lm_head "
-                        "takes an unquantized lm_head only)")
+        problems.append(
+            f"the lm_head runs {lm_head_method}, not the actor's lm_head GEMM (rollout.vllm_glue.use_trainer_lm_head "
+            "takes an unquantized lm_head only)"
+        )
     return problems
 
 
@@ -458,6 +538,7 @@ def check_numerics(model, flow: PrecisionFlow, pass_config, *, compiled: bool) -
 
 # ---- the engine -------------------------------------------------------------------------------------
 
+
 def _driver_model(worker):
     return worker.model_runner.model
 
@@ -465,9 +546,21 @@ def _driver_model(worker):
 class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vllm.py)
     """`RolloutEngine` over an in-process `vllm.LLM` on this rank (external launcher, one TP rank of one engine)."""
 
-    def __init__(self, model_dir: str | Path, flow: PrecisionFlow, *, tp: int = 1, tp_rank: int = 0,
-                 eos_token_ids: Sequence[int] = (), seed: int = 0, env: dict[str, str] | None = None,
-                 verify_numerics: bool = True, glue: str = "auto", fused_quant: bool = True, **llm_extra):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        flow: PrecisionFlow,
+        *,
+        tp: int = 1,
+        tp_rank: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        env: dict[str, str] | None = None,
+        verify_numerics: bool = True,
+        glue: str = "auto",
+        fused_quant: bool = True,
+        **llm_extra,
+    ):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
         own (fused) numerics (tools/bench/bench_vllm.py --variant fused), never for a rollout that must run the trainer's bytes.
         `glue` (`resolve_glue`): with the trainer's, vLLM runs the trainer's RMSNorm and RoPE (`rollout.vllm_glue`)
@@ -494,8 +587,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             fused = fused_quant and flow.rollout_fp8 and flow.scale_mode == "fp32"
             vllm_glue.configure(flow.eps if fused else None, self.arch.hidden_size)
         elif vllm_glue.registered():
-            raise RuntimeError("an engine with vLLM's glue was asked for, but this process registered the trainer's in "
-                               "vLLM's op registry (global to the process): start it in a fresh process")
+            raise RuntimeError(
+                "an engine with vLLM's glue was asked for, but this process registered the trainer's in "
+                "vLLM's op registry (global to the process): start it in a fresh process"
+            )
 
         self._vllm = vllm
         self.flow, self.tp, self.tp_rank = flow, tp, tp_rank
@@ -515,8 +610,11 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         if verify_numerics:
             self.numerics = check_numerics(self.model, flow, pass_config, compiled=compiled)
         else:
-            self.numerics = {"verified": False, "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
-                             "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)]}
+            self.numerics = {
+                "verified": False,
+                "kernels": sorted({type(k).__name__ for k in fp8_kernels(self.model).values()}),
+                "fused_passes": [k for k in UNFUSED if getattr(pass_config, k, False)],
+            }
         self.numerics["glue"] = self._check_glue(glue, verify_numerics)
         if flow.exact_logprobs:
             self.numerics["exact_logprobs"] = self._check_exact(glue)
@@ -539,14 +637,16 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             raise EngineConformanceError(
                 "vLLM does not run the trainer's glue although rollout.glue=trainer: outputs that differ from the "
                 f"trainer's functions {shares} (modules {type(layer.input_layernorm).__name__}, "
-                f"{type(layer.self_attn.rotary_emb).__name__})")
+                f"{type(layer.self_attn.rotary_emb).__name__})"
+            )
         fused = None
         if glue == "trainer" and getattr(layer.input_layernorm, "quant_eps", None) is not None:
             fused = vllm_glue.probe_fused(layer, self.arch, device)
             if verify and (fused["mlp_took_stash"] != 1.0 or any(v for k, v in fused.items() if k != "mlp_took_stash")):
                 raise EngineConformanceError(
                     "the FP8 activation quantization fused into vLLM's norm and SiLU does not give the quantizer's bytes "
-                    f"or is not taken by the linear ({fused}): run with rollout.vllm_fused_quant=false and report this")
+                    f"or is not taken by the linear ({fused}): run with rollout.vllm_fused_quant=false and report this"
+                )
         return {"mode": glue, "differ": shares, "fused_quant": fused}
 
     def _check_exact(self, glue: str) -> dict:
@@ -555,20 +655,33 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         config = self.llm.llm_engine.vllm_config
         method = type(getattr(self.model.lm_head, "quant_method", None)).__name__
         one_split = bool(impls) and all(getattr(i, "batch_invariant_enabled", False) for i in impls.values())
-        problems = exact_problems(impls, one_split, bool(config.model_config.disable_cascade_attn), glue, method,
-                                  bool(config.use_v2_model_runner))
+        problems = exact_problems(
+            impls, one_split, bool(config.model_config.disable_cascade_attn), glue, method, bool(config.use_v2_model_runner)
+        )
         if problems:
-            raise EngineConformanceError("precision.exact_logprobs: vLLM would not compute the actor's bytes:\n  - "
-                                         + "\n  - ".join(problems))
-        return {"attention": sorted({type(i).__name__ for i in impls.values()}), "layers": len(impls), "lm_head": method,
-                "one_split": "process-wide batch-invariant mode" if not self.flow.rollout_fp8 else "attention backend only"}
+            raise EngineConformanceError(
+                "precision.exact_logprobs: vLLM would not compute the actor's bytes:\n  - " + "\n  - ".join(problems)
+            )
+        return {
+            "attention": sorted({type(i).__name__ for i in impls.values()}),
+            "layers": len(impls),
+            "lm_head": method,
+            "one_split": "process-wide batch-invariant mode" if not self.flow.rollout_fp8 else "attention backend only",
+        }
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 request_seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         sampling = sampling or SamplingParams()
         if not self.ready or self.sleeping:
-            raise WeightUpdateError("the vLLM engine holds no complete, verified weights (asleep, or the last update "
-                                    "failed): sync the trainer's weights first")
+            raise WeightUpdateError(
+                "the vLLM engine holds no complete, verified weights (asleep, or the last update "
+                "failed): sync the trainer's weights first"
+            )
         if sampling.stop:
             raise ValueError("stop strings need vLLM's tokenizer, which the colocated engine does not load: use stop_token_ids")
         if request_seeds is None:
@@ -604,8 +717,10 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         with phases("copy"):
             differ = apply_plan(self.arch, self.plan, self.params, batch, self.tp_rank, self.tp)
         if differ:
-            raise WeightUpdateError(f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
-                                    f"{differ[:5]}; the engine refuses to generate until a complete update lands")
+            raise WeightUpdateError(
+                f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
+                f"{differ[:5]}; the engine refuses to generate until a complete update lands"
+            )
         self.ready = True
         if "kv_cache" not in self.sleeping:
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

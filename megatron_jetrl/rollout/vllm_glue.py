@@ -87,9 +87,18 @@ def take(x: torch.Tensor, op) -> tuple[torch.Tensor, torch.Tensor] | None:
     if _stash is None or not FUSED_QUANT["active"]:
         return None
     y, version, q, s = _stash
-    if (x.data_ptr() != y.data_ptr() or x.shape != y.shape or (version is not None and x._version != version) or x.dtype != y.dtype
-            or not getattr(op, "is_group_quant", False) or op.static or op.group_size != 128 or op.use_ue8m0
-            or not op.column_major_scales or s.stride(1) != (tma_rows(x.shape[0]) if op.tma_aligned_scales else x.shape[0])):
+    if (
+        x.data_ptr() != y.data_ptr()
+        or x.shape != y.shape
+        or (version is not None and x._version != version)
+        or x.dtype != y.dtype
+        or not getattr(op, "is_group_quant", False)
+        or op.static
+        or op.group_size != 128
+        or op.use_ue8m0
+        or not op.column_major_scales
+        or s.stride(1) != (tma_rows(x.shape[0]) if op.tma_aligned_scales else x.shape[0])
+    ):
         return None
     _stash = None
     FUSED_QUANT["hits"] += 1
@@ -100,8 +109,9 @@ def norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     """`norm` on CUDA for a 2-D x, with the output's FP8 bytes and scales stashed (`take`)."""
     from megatron_jetrl.actor.glue_kernels import rms_norm_quant
 
-    y, h, q, s = rms_norm_quant(x, None if residual is None else residual.contiguous(), weight, eps, quant_eps,
-                                tma_rows(x.shape[0]))
+    y, h, q, s = rms_norm_quant(
+        x, None if residual is None else residual.contiguous(), weight, eps, quant_eps, tma_rows(x.shape[0])
+    )
     stash(y, q, s)
     return y if h is None else (y, h)
 
@@ -161,15 +171,23 @@ def probe(layer, arch, device, tokens: int = 512, method: str | None = None) -> 
     shares = {"rms_norm": (norm_fn(x.clone()) != fused_rms_norm(x, ln.weight, arch.rms_norm_eps)).float().mean().item()}
     r = (torch.randn(tokens, arch.hidden_size, device=device, generator=g) * 3).to(torch.bfloat16)
     y, h = norm_fn(x.clone(), r.clone())  # (clones: vLLM's fused add + norm writes its inputs in place)
-    shares["rms_norm_residual"] = torch.cat([(y != fused_rms_norm(x + r, ln.weight, arch.rms_norm_eps)).flatten(),
-                                             (h != x + r).flatten()]).float().mean().item()
+    shares["rms_norm_residual"] = (
+        torch.cat([(y != fused_rms_norm(x + r, ln.weight, arch.rms_norm_eps)).flatten(), (h != x + r).flatten()])
+        .float()
+        .mean()
+        .item()
+    )
     q = torch.randn(tokens, arch.num_heads * d, device=device, generator=g).to(torch.bfloat16)
     k = torch.randn(tokens, arch.num_kv_heads * d, device=device, generator=g).to(torch.bfloat16)
     got_q, got_k = rot_fn(torch.arange(tokens, device=device), q.clone(), k.clone())
     cos, sin = rope_cos_sin(d, rope_key(arch), tokens, q.device)
     want = [fused_rope(t.view(tokens, 1, -1, d), cos, sin).view(tokens, -1) for t in (q, k)]
-    shares["rope"] = torch.cat([(got_q.reshape(tokens, -1) != want[0]).flatten(),
-                                (got_k.reshape(tokens, -1) != want[1]).flatten()]).float().mean().item()
+    shares["rope"] = (
+        torch.cat([(got_q.reshape(tokens, -1) != want[0]).flatten(), (got_k.reshape(tokens, -1) != want[1]).flatten()])
+        .float()
+        .mean()
+        .item()
+    )
     return shares
 
 
@@ -184,18 +202,28 @@ def probe_fused(layer, arch, device, tokens: int = 64) -> dict[str, float]:
     g = torch.Generator(device=device).manual_seed(2)
     x = (torch.randn(tokens, arch.hidden_size, device=device, generator=g) * 3).to(torch.bfloat16)
     shares = {}
-    for name, module, inp in (("norm_quant", layer.input_layernorm, x),
-                              ("silu_mul_quant", layer.mlp.act_fn,
-                               (torch.randn(tokens, 2 * layer.mlp.down_proj.input_size_per_partition, device=device,
-                                            generator=g) * 3).to(torch.bfloat16))):
+    for name, module, inp in (
+        ("norm_quant", layer.input_layernorm, x),
+        (
+            "silu_mul_quant",
+            layer.mlp.act_fn,
+            (torch.randn(tokens, 2 * layer.mlp.down_proj.input_size_per_partition, device=device, generator=g) * 3).to(
+                torch.bfloat16
+            ),
+        ),
+    ):
         y = module(inp.clone())
         if _stash is None or _stash[0] is not y:
             shares[name] = 1.0
             continue
         want_q, want_s = kernels.quantize_1x128(y, eps=eps, check_finite=False)
         q, s = _stash[2], _stash[3]
-        shares[name] = torch.cat([(q.view(torch.uint8) != want_q.view(torch.uint8)).flatten(),
-                                  (s != want_s).flatten()]).float().mean().item()
+        shares[name] = (
+            torch.cat([(q.view(torch.uint8) != want_q.view(torch.uint8)).flatten(), (s != want_s).flatten()])
+            .float()
+            .mean()
+            .item()
+        )
     hits = FUSED_QUANT["hits"]
     fused = layer.mlp(x)
     shares["mlp_took_stash"] = float(FUSED_QUANT["hits"] > hits)
@@ -259,12 +287,13 @@ def register() -> None:  # pragma: no cover - needs vLLM (tools/gpu/diag_vllm_la
     class TrainerRotaryEmbedding(RotaryEmbedding):
         def forward_cuda(self, positions, query, key=None):
             if self.rotary_dim != self.head_size or not self.is_neox_style:
-                raise NotImplementedError(f"the trainer's RoPE rotates whole heads, rotate-half style; this model has "
-                                          f"rotary_dim {self.rotary_dim} of {self.head_size}, neox {self.is_neox_style}")
+                raise NotImplementedError(
+                    f"the trainer's RoPE rotates whole heads, rotate-half style; this model has "
+                    f"rotary_dim {self.rotary_dim} of {self.head_size}, neox {self.is_neox_style}"
+                )
             tables = getattr(self, "_trainer_tables", None)
             if tables is None or tables[0].device != query.device:  # made in vLLM's warm-up, before graph capture
-                tables = self._trainer_tables = rope_tables(self.head_size, self.base, self.max_position_embeddings,
-                                                            query.device)
+                tables = self._trainer_tables = rope_tables(self.head_size, self.base, self.max_position_embeddings, query.device)
             return rope(positions, query, key, *tables)
 
         forward_native = forward_cuda

@@ -26,8 +26,14 @@ ARGS = ["configs/length_mismatch_cpu.yaml", "data.heldout=8", "run.eval_every=2"
 
 def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "JETRL_GPUS": "0"}
-    return subprocess.run(["bash", str(REPO / "launch/compare_modes.sh"), "--modes", " ".join(MODES), "--out", str(out), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", str(REPO / "launch/compare_modes.sh"), "--modes", " ".join(MODES), "--out", str(out), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def rows(out: Path, mode: str) -> list[dict]:
@@ -87,9 +93,18 @@ def test_report_has_every_mode(runs):
 def test_a_bad_mode_or_config_is_refused_before_anything_runs(tmp_path):
     out = tmp_path / "bad"
     env = {**os.environ, "PYTHON": sys.executable, "JETRL_GPUS": "0"}
-    bad_mode = subprocess.run(["bash", str(REPO / "launch/compare_modes.sh"), "--modes", "jetrl fp4", "--out", str(out), *ARGS],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert bad_mode.returncode == 2 and "unknown mode 'fp4': use bf16, bf16-train-fp8-rollout, jetrl or jetrl-exact" in bad_mode.stderr
+    bad_mode = subprocess.run(
+        ["bash", str(REPO / "launch/compare_modes.sh"), "--modes", "jetrl fp4", "--out", str(out), *ARGS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        bad_mode.returncode == 2
+        and "unknown mode 'fp4': use bf16, bf16-train-fp8-rollout, jetrl or jetrl-exact" in bad_mode.stderr
+    )
     no_heldout = launch(out, "--", *ARGS[:1], "run.eval_every=1")
     assert no_heldout.returncode == 2 and "data.heldout=0 holds none out" in no_heldout.stderr
     assert not (out / "sft").exists()

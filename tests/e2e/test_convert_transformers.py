@@ -21,13 +21,16 @@ from megatron_jetrl.fp8 import PrecisionFlow, dequantize_blockwise  # noqa: E402
 
 @pytest.mark.parametrize("family,scale_mode", [("qwen2", "fp32"), ("qwen3", "ue8m0"), ("llama", "fp32")])
 def test_transformers_loads_fp8_export_bit_exact_and_logits_within_bound(tmp_path, family, scale_mode):
-    save_synthetic_checkpoint(tmp_path / "ckpt", tiny_config(family), tp=2, pp=2, seed=7, flow=PrecisionFlow(scale_mode=scale_mode))
+    save_synthetic_checkpoint(
+        tmp_path / "ckpt", tiny_config(family), tp=2, pp=2, seed=7, flow=PrecisionFlow(scale_mode=scale_mode)
+    )
     convert(tmp_path / "ckpt", tmp_path / "fp8", max_shard_size="700KB")
     convert(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
     assert len(json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]) > 0
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "fp8", quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16)
+        tmp_path / "fp8", quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
+    )
     state = model.state_dict()
     ckpt = HFCheckpoint(tmp_path / "fp8")
     fp8_names = [n.removesuffix("_scale_inv") for n in ckpt.weight_map if n.endswith("weight_scale_inv")]
@@ -35,7 +38,9 @@ def test_transformers_loads_fp8_export_bit_exact_and_logits_within_bound(tmp_pat
     for name in fp8_names:  # each dequantized weight is (q * s) per 128x128 block, rounded to BF16, bit for bit
         q, s = ckpt.get(name), ckpt.get(name + "_scale_inv")
         expected = dequantize_blockwise(q, s, (128, 128)).to(torch.bfloat16)
-        assert state[name].dtype == torch.bfloat16 and torch.equal(state[name].view(torch.int16), expected.view(torch.int16)), name
+        assert state[name].dtype == torch.bfloat16 and torch.equal(state[name].view(torch.int16), expected.view(torch.int16)), (
+            name
+        )
     bf16 = HFCheckpoint(tmp_path / "bf16")
     for name in bf16.weight_map:
         if name not in fp8_names and name in state:  # embeddings, norms, biases, lm_head: untouched BF16

@@ -37,8 +37,21 @@ TIMEOUT_S = 10  # run.timeout_s of the runs that measure how long survivors take
 SLACK_S = 12  # on top of it: the failure report's 3 s heartbeat wait, exception handling, a loaded 2-core box
 RESULTS: dict = {}  # outputs of the multi-process tests, read again by the strict-xfail tests that follow them
 
-INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-             "TORCHELASTIC_RUN_ID", "JETRL_FAULT", "JETRL_EXIT_DIR", "JETRL_NPROC", "JETRL_TORCHRUN_ARGS", "OMP_NUM_THREADS")
+INHERITED = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "JETRL_FAULT",
+    "JETRL_EXIT_DIR",
+    "JETRL_NPROC",
+    "JETRL_TORCHRUN_ARGS",
+    "OMP_NUM_THREADS",
+)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
@@ -52,8 +65,12 @@ def trainer() -> str:
 
 def env_for(trainer: str | None = None, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
-    env.update(PYTHON=sys.executable, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_WAIT_POLICY="PASSIVE",
-               JETRL_PLUGINS="fault_injection:install")
+    env.update(
+        PYTHON=sys.executable,
+        PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}",
+        OMP_WAIT_POLICY="PASSIVE",
+        JETRL_PLUGINS="fault_injection:install",
+    )
     if trainer is not None:
         env.update(JETRL_TRAIN_MODULE=trainer, JETRL_CONFIG_MODULE="megatron_jetrl.rl.config")
     env.update({k: str(v) for k, v in extra.items()})
@@ -61,14 +78,30 @@ def env_for(trainer: str | None = None, **extra) -> dict:
 
 
 def run_args(out: Path, *overrides, steps=2, tp=1, warmup=0, timeout_s=20) -> list[str]:
-    return [str(TINY), f"run.name={out.name}", f"run.out_dir={out}", f"run.steps={steps}", f"warmup.steps={warmup}",
-            "run.save_every=1", f"parallel.tp={tp}", f"run.timeout_s={timeout_s}", *overrides]
+    return [
+        str(TINY),
+        f"run.name={out.name}",
+        f"run.out_dir={out}",
+        f"run.steps={steps}",
+        f"warmup.steps={warmup}",
+        "run.save_every=1",
+        f"parallel.tp={tp}",
+        f"run.timeout_s={timeout_s}",
+        *overrides,
+    ]
 
 
 def start(trainer, out: Path, *overrides, fault: str | None = None, prefix=(), **kw) -> subprocess.Popen:
     env = env_for(trainer, **({"JETRL_FAULT": fault} if fault else {}))
-    return subprocess.Popen([*prefix, "bash", str(LAUNCH), *run_args(out, *overrides, **kw)], env=env, cwd=out.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [*prefix, "bash", str(LAUNCH), *run_args(out, *overrides, **kw)],
+        env=env,
+        cwd=out.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -130,8 +163,11 @@ def comparable(row: dict) -> dict:
 def latest(out: Path) -> Path | None:
     from megatron_jetrl.rl.session import STATE_FILE
 
-    done = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
-                  and (p / STATE_FILE).is_file())
+    done = sorted(
+        p
+        for p in (out / "checkpoints").glob("step_*")
+        if p.is_dir() and not p.name.endswith(".partial") and (p / STATE_FILE).is_file()
+    )
     return done[-1] if done else None
 
 
@@ -147,7 +183,8 @@ def assert_intact(ckpt: Path) -> None:
 
 def shards_equal(a: Path, b: Path) -> bool:
     return sorted(p.name for p in a.glob("tp*.safetensors")) == sorted(p.name for p in b.glob("tp*.safetensors")) and all(
-        (a / p.name).read_bytes() == (b / p.name).read_bytes() for p in a.glob("tp*.safetensors"))
+        (a / p.name).read_bytes() == (b / p.name).read_bytes() for p in a.glob("tp*.safetensors")
+    )
 
 
 def jetrl_line(output: str) -> str:
@@ -163,11 +200,28 @@ def start_ranks(trainer: str, out: Path, *overrides, world=2, fault=None, **kw) 
     procs = []
     out.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
-        env = env_for(None, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=port, OMP_NUM_THREADS=1, **({"JETRL_FAULT": fault} if fault else {}))
+        env = env_for(
+            None,
+            RANK=rank,
+            LOCAL_RANK=rank,
+            WORLD_SIZE=world,
+            LOCAL_WORLD_SIZE=world,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS=1,
+            **({"JETRL_FAULT": fault} if fault else {}),
+        )
         log = open(out.parent / f"{out.name}.rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([sys.executable, "-m", trainer, *run_args(out, *overrides, **kw)], env=env, cwd=out.parent,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", trainer, *run_args(out, *overrides, **kw)],
+                env=env,
+                cwd=out.parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -236,9 +290,11 @@ def test_ctrl_c_stops_at_the_end_of_the_step_with_a_checkpoint_one_line_and_exit
     assert "Traceback" not in output and "SignalException" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     last = output.strip().splitlines()[-1]
     stopped = int(re.search(r"stopped at the end of GRPO step (\d+)", last).group(1))
-    assert last == (f"train_grpo.sh: interrupted (SIGINT): stopped at the end of GRPO step {stopped}; checkpoint "
-                    f"{out}/checkpoints/step_{stopped + 1:06d}: a restart resumes at step {stopped + 1} of 30; resume: bash "
-                    f"{LAUNCH} {' '.join(run_args(out, 'run.save_every=0', tp=2, warmup=2, steps=30))}"), last
+    assert last == (
+        f"train_grpo.sh: interrupted (SIGINT): stopped at the end of GRPO step {stopped}; checkpoint "
+        f"{out}/checkpoints/step_{stopped + 1:06d}: a restart resumes at step {stopped + 1} of 30; resume: bash "
+        f"{LAUNCH} {' '.join(run_args(out, 'run.save_every=0', tp=2, warmup=2, steps=30))}"
+    ), last
     assert sorted(metrics(out)) == list(range(stopped + 1)) and latest(out).name == f"step_{stopped + 1:06d}"
     assert_intact(latest(out))
     assert not (out / "run.lock").exists()
@@ -272,8 +328,11 @@ def test_sigterm_stops_the_same_way_with_exit_143_and_a_second_ctrl_c_stops_at_o
     interrupt_when_stepping(proc, out, signal.SIGINT, signal.SIGINT)
     rc, output = finish(proc, timeout=60)
     assert rc == 130 and "Traceback" not in output, output[-3000:]
-    assert re.search(r"train_grpo.sh: interrupted \(SIGINT\): stopped at once during GRPO step \d+: nothing saved since the "
-                     r"newest checkpoint, where a restart resumes; resume: bash ", output), output[-2000:]
+    assert re.search(
+        r"train_grpo.sh: interrupted \(SIGINT\): stopped at once during GRPO step \d+: nothing saved since the "
+        r"newest checkpoint, where a restart resumes; resume: bash ",
+        output,
+    ), output[-2000:]
     assert latest(out) is None  # save_every=0: nothing was saved
 
 
@@ -295,8 +354,12 @@ def test_kill9_of_one_rank_mid_step_under_torchrun_then_exact_resume(trainer, re
     RESULTS["kill9_torchrun_s"] = took
     print(f"kill -9 rank 1 under torchrun: launcher exited {took:.1f} s later, rc {rc}")
     assert rc == 137, output[-3000:]  # the lost rank's code (128 + SIGKILL), not torchrun's 1
-    assert re.search(r"Root Cause \(first observed failure\):\n\[0\]:\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 137", output), output[-3000:]
-    assert "train_grpo.sh: the run failed with exit code 137 (torchrun: 1): rank 1 failed first (exit code 137, SIGKILL)" in output
+    assert re.search(
+        r"Root Cause \(first observed failure\):\n\[0\]:\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 137", output
+    ), output[-3000:]
+    assert (
+        "train_grpo.sh: the run failed with exit code 137 (torchrun: 1): rank 1 failed first (exit code 137, SIGKILL)" in output
+    )
     assert took < 30, f"the survivors took {took:.1f} s to stop"
     assert latest(out).name == "step_000001"
     assert_intact(latest(out))
@@ -323,8 +386,11 @@ def test_kill9_of_a_pipeline_stage_names_rank_stage_and_step_then_exact_resume(t
     os.kill(pids[1], signal.SIGKILL)
     rc, output = finish(proc, timeout=120)
     assert rc == 137, output[-3000:]
-    assert re.search(r"train_grpo.sh: the run failed with exit code 137 \(torchrun: 1\): rank 1 failed first \(exit code 137, "
-                     r"SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2", output), output[-3000:]
+    assert re.search(
+        r"train_grpo.sh: the run failed with exit code 137 \(torchrun: 1\): rank 1 failed first \(exit code 137, "
+        r"SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2",
+        output,
+    ), output[-3000:]
     assert latest(out).name == "step_000001" and sorted(metrics(out)) == [0]
     assert_resumes_exactly(trainer, out, reference_pp, 1, "parallel.pp=2", tp=1, steps=3)
 
@@ -370,8 +436,10 @@ def test_survivor_stops_within_the_timeout_naming_the_lost_rank(trainer, tmp_pat
         lost_at, reported_at = time.monotonic(), None
         while (rc := procs[0].poll()) is None:
             if time.monotonic() - lost_at > TIMEOUT_S + SLACK_S:
-                pytest.fail(f"rank 0 still runs {TIMEOUT_S + SLACK_S} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}):\n"
-                            + rank_log(out, 0)[-1500:])
+                pytest.fail(
+                    f"rank 0 still runs {TIMEOUT_S + SLACK_S} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}):\n"
+                    + rank_log(out, 0)[-1500:]
+                )
             if reported_at is None and "jetrl: rank 0 failed" in rank_log(out, 0):
                 reported_at = time.monotonic()
             time.sleep(0.05)
@@ -383,8 +451,10 @@ def test_survivor_stops_within_the_timeout_naming_the_lost_rank(trainer, tmp_pat
         assert rc == 1
         line = jetrl_line(log)
         lingered = time.monotonic() - (reported_at or lost_at)
-        print(f"{case}: rank 0 exited {took:.1f} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}), rc {rc}, "
-              f"{lingered:.2f} s after its report\n  {line}")
+        print(
+            f"{case}: rank 0 exited {took:.1f} s after rank 1 was lost (run.timeout_s={TIMEOUT_S}), rc {rc}, "
+            f"{lingered:.2f} s after its report\n  {line}"
+        )
         # it leaves right after its report (fixed, was D15: interpreter shutdown then waited 1.4-7 s, once > 9 s,
         # on the destructors of the broken process group)
         assert reported_at is not None and lingered < 1.0, lingered
@@ -430,8 +500,13 @@ wait
 df -k {mnt} > {tmp_path}/df
 cp -a {out} {copy}
 """
-    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script], env=env_for(trainer),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
+        env=env_for(trainer),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode == 90:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr}")
     assert r.returncode == 0, r.stderr
@@ -513,8 +588,16 @@ def test_inf_gradient_skips_the_step_when_asked(trainer, tmp_path):
     """bf16 (fast on CPU; FP8 skips the same way: test_train_step_skip_under_fp8, test_update_policy_on_nonfinite):
     step 1's gradients are inf, its update is skipped (the weights after it equal those before), step 2 trains again."""
     out = tmp_path / "skip"
-    rc, output = launch(trainer, out, "run.on_nonfinite=skip", "precision.mode=bf16", "model.batch_invariant=false", steps=3, warmup=5,
-                        fault="inf@grad:step=1")  # batch-invariant BF16 runs 15 s/step on CPU, the default path 0.3 s
+    rc, output = launch(
+        trainer,
+        out,
+        "run.on_nonfinite=skip",
+        "precision.mode=bf16",
+        "model.batch_invariant=false",
+        steps=3,
+        warmup=5,
+        fault="inf@grad:step=1",
+    )  # batch-invariant BF16 runs 15 s/step on CPU, the default path 0.3 s
     RESULTS["skip"] = output
     assert rc == 0, output[-3000:]
     rows = metrics(out)
@@ -616,8 +699,13 @@ def _resume(saved, tmp_path, damage, *overrides):
     shutil.copytree(saved.out, out)
     damage(out / "checkpoints" / "step_000001")
     cfg = _cfg(out, "loss.kl_coef=0", *overrides)
-    s = SimpleNamespace(cfg=cfg, model=saved.ddp, optimizer=saved.optimizer, reference=None,
-                        sampler=SimpleNamespace(load_state_dict=lambda state: None))
+    s = SimpleNamespace(
+        cfg=cfg,
+        model=saved.ddp,
+        optimizer=saved.optimizer,
+        reference=None,
+        sampler=SimpleNamespace(load_state_dict=lambda state: None),
+    )
     return session.resume(s)
 
 
@@ -641,11 +729,18 @@ def _newer(out: Path, step: int = 2) -> Path:
     return newer
 
 
-@pytest.mark.parametrize("damage,why", [
-    (lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000), r"step_000002/tp00_pp000.safetensors is 1000 bytes, its manifest says \d+"),
-    (lambda ck: (ck / "optim_tp00_pp000.pt").unlink(), r"step_000002/optim_tp00_pp000.pt is missing"),
-    (lambda ck: (ck / "trainer_state.json").write_text('{"step": 2, "warm'), r"unreadable manifest \(JSONDecodeError"),
-], ids=["truncated shard", "deleted optimizer state", "damaged trainer state"])
+@pytest.mark.parametrize(
+    "damage,why",
+    [
+        (
+            lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000),
+            r"step_000002/tp00_pp000.safetensors is 1000 bytes, its manifest says \d+",
+        ),
+        (lambda ck: (ck / "optim_tp00_pp000.pt").unlink(), r"step_000002/optim_tp00_pp000.pt is missing"),
+        (lambda ck: (ck / "trainer_state.json").write_text('{"step": 2, "warm'), r"unreadable manifest \(JSONDecodeError"),
+    ],
+    ids=["truncated shard", "deleted optimizer state", "damaged trainer state"],
+)
 def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(saved, tmp_path, capsys, damage, why):
     from megatron_jetrl.rl import session
     from megatron_jetrl.rl.run_state import previous_run
@@ -657,12 +752,20 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(s
     cfg = _cfg(out, "loss.kl_coef=0", "run.steps=2")
     previous = previous_run(cfg)
     assert previous.step == 1 and not previous.complete(cfg)
-    s = SimpleNamespace(cfg=cfg, model=saved.ddp, optimizer=saved.optimizer, reference=None,
-                        sampler=SimpleNamespace(load_state_dict=lambda state: None))
+    s = SimpleNamespace(
+        cfg=cfg,
+        model=saved.ddp,
+        optimizer=saved.optimizer,
+        reference=None,
+        sampler=SimpleNamespace(load_state_dict=lambda state: None),
+    )
     assert session.resume(s)["step"] == 1
     err = capsys.readouterr().err
-    assert re.search(rf"note: skipped the damaged checkpoint step_000002 \({why}.*\); kept aside as "
-                     rf"{out}/checkpoints/step_000002.damaged, resuming from step_000001", err), err
+    assert re.search(
+        rf"note: skipped the damaged checkpoint step_000002 \({why}.*\); kept aside as "
+        rf"{out}/checkpoints/step_000002.damaged, resuming from step_000001",
+        err,
+    ), err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002.damaged"]
     assert session.latest_checkpoint(cfg) == out / "checkpoints" / "step_000001"
 
@@ -679,17 +782,28 @@ def test_a_finished_run_with_a_sound_final_checkpoint_is_complete(saved, tmp_pat
 
 
 CORRUPT = {
-    "bit-flipped shard": (lambda ck: _flip(ck / "tp00_pp000.safetensors"), r"tp00_pp000.safetensors: sha256 differs from the manifest \(corrupt shard\)"),
-    "truncated shard": (lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000),
-                        r"tp00_pp000.safetensors: 1000 bytes, the manifest says \d+ \(truncated or replaced\)"),
+    "bit-flipped shard": (
+        lambda ck: _flip(ck / "tp00_pp000.safetensors"),
+        r"tp00_pp000.safetensors: sha256 differs from the manifest \(corrupt shard\)",
+    ),
+    "truncated shard": (
+        lambda ck: os.truncate(ck / "tp00_pp000.safetensors", 1000),
+        r"tp00_pp000.safetensors: 1000 bytes, the manifest says \d+ \(truncated or replaced\)",
+    ),
     "missing shard": (lambda ck: (ck / "tp00_pp000.safetensors").unlink(), r"shard tp00_pp000.safetensors is missing"),
     "no meta.json": (lambda ck: (ck / "meta.json").unlink(), r"step_000001 has no meta.json: .* save did not finish"),
-    "another parallel layout": (lambda ck: _edit_json(ck / "meta.json", tp=2),
-                                r"step_000001 was saved at TP=2 x PP=1; this run is TP=1 x PP=1 \(reshard with the converter\)"),
-    "another pipeline split": (lambda ck: _edit_json(ck / "meta.json", pp_last_layers=1),
-                               r"step_000001 was saved with parallel.pp_last_layers=1; this run has 0: resume with the split it was saved with"),
-    "optimizer state without a sha256 (an older checkpoint)": (lambda ck: _edit_json(ck / "meta.json", optimizer=True),
-                                                               r"step_000001/meta.json has no sha256 of optim_tp00_pp000.pt"),
+    "another parallel layout": (
+        lambda ck: _edit_json(ck / "meta.json", tp=2),
+        r"step_000001 was saved at TP=2 x PP=1; this run is TP=1 x PP=1 \(reshard with the converter\)",
+    ),
+    "another pipeline split": (
+        lambda ck: _edit_json(ck / "meta.json", pp_last_layers=1),
+        r"step_000001 was saved with parallel.pp_last_layers=1; this run has 0: resume with the split it was saved with",
+    ),
+    "optimizer state without a sha256 (an older checkpoint)": (
+        lambda ck: _edit_json(ck / "meta.json", optimizer=True),
+        r"step_000001/meta.json has no sha256 of optim_tp00_pp000.pt",
+    ),
 }
 
 
@@ -712,8 +826,10 @@ def test_damaged_checkpoint_is_refused_saying_what_and_where(saved, tmp_path, ca
 def test_checkpoint_of_another_model_family_is_refused(saved, tmp_path):
     from megatron_jetrl.rl.config import ConfigError
 
-    llama = ("model.hf_config={model_type: llama, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, "
-             "num_attention_heads: 2, num_key_value_heads: 2, head_dim: 128, vocab_size: 256, tie_word_embeddings: true}")
+    llama = (
+        "model.hf_config={model_type: llama, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, "
+        "num_attention_heads: 2, num_key_value_heads: 2, head_dim: 128, vocab_size: 256, tie_word_embeddings: true}"
+    )
     with pytest.raises(ConfigError, match=r"step_000001 was written by a run with another model or precision section"):
         _resume(saved, tmp_path, lambda ck: None, llama)
     with pytest.raises(ConfigError, match=r"another model or precision section"):
@@ -723,8 +839,11 @@ def test_checkpoint_of_another_model_family_is_refused(saved, tmp_path):
 def test_bit_flipped_optimizer_state_is_refused(saved, tmp_path):
     from megatron_jetrl.models.shards import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"optim_tp00_pp000.pt: sha256 differs from the manifest \(corrupt optimizer state\); "
-                                              r"if it is damaged, move .*step_000001 out of"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optim_tp00_pp000.pt: sha256 differs from the manifest \(corrupt optimizer state\); "
+        r"if it is damaged, move .*step_000001 out of",
+    ):
         _resume(saved, tmp_path, lambda ck: _flip(ck / "optim_tp00_pp000.pt", 0.7))
 
 
@@ -732,8 +851,11 @@ def test_bit_flipped_optimizer_state_is_refused(saved, tmp_path):
 def test_damaged_trainer_state_is_refused_naming_the_file(saved, tmp_path, damage):
     from megatron_jetrl.models.shards import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"step_000001/trainer_state.json is damaged \(.*\): move "
-                                              r".*step_000001 out of .*checkpoints and restart: the run resumes from the checkpoint before it"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_000001/trainer_state.json is damaged \(.*\): move "
+        r".*step_000001 out of .*checkpoints and restart: the run resumes from the checkpoint before it",
+    ):
         _resume(saved, tmp_path, lambda ck: (ck / "trainer_state.json").write_text(damage))
 
 
@@ -745,10 +867,19 @@ def test_a_full_disk_names_the_file_being_written(saved, tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     (tmp_path / "optim_tp00_pp000.pt").symlink_to("/dev/full")
-    with pytest.raises(CheckpointWriteError, match=rf"writing {tmp_path}/optim_tp00_pp000.pt failed: OSError: \[Errno 28\] No space "
-                                                   rf"left on device; [0-9.]+ MiB free on {tmp_path}: free space there"):
-        save_checkpoint(saved.ddp, tmp_path, hf_config=saved.cfg.model.architecture(), flow=saved.cfg.precision, iteration=1,
-                        optimizer=saved.optimizer)
+    with pytest.raises(
+        CheckpointWriteError,
+        match=rf"writing {tmp_path}/optim_tp00_pp000.pt failed: OSError: \[Errno 28\] No space "
+        rf"left on device; [0-9.]+ MiB free on {tmp_path}: free space there",
+    ):
+        save_checkpoint(
+            saved.ddp,
+            tmp_path,
+            hf_config=saved.cfg.model.architecture(),
+            flow=saved.cfg.precision,
+            iteration=1,
+            optimizer=saved.optimizer,
+        )
 
 
 def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_path, monkeypatch):
@@ -757,7 +888,9 @@ def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_pat
 
     (tmp_path / "blocked").mkdir()
     (tmp_path / "blocked" / "checkpoints").write_text("a file where the directory goes")
-    with pytest.raises(ConfigError, match=r"cannot write checkpoints to .*blocked/checkpoints \(.*\): make it writable or set run.out_dir"):
+    with pytest.raises(
+        ConfigError, match=r"cannot write checkpoints to .*blocked/checkpoints \(.*\): make it writable or set run.out_dir"
+    ):
         session.check_output_space(_cfg(tmp_path / "blocked"))
     ck = tmp_path / "full" / "checkpoints" / "step_000001"
     ck.mkdir(parents=True)
@@ -765,7 +898,9 @@ def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_pat
     (ck / "tp00_pp000.safetensors").write_bytes(bytes(3 << 20))
     session.check_output_space(_cfg(tmp_path / "full"))
     monkeypatch.setattr(session.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
-    with pytest.raises(ConfigError, match=r"checkpoints has 1.0 MiB free but a checkpoint takes 3.0 MiB \(step_000001\): free space"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoints has 1.0 MiB free but a checkpoint takes 3.0 MiB \(step_000001\): free space"
+    ):
         session.check_output_space(_cfg(tmp_path / "full"))
 
 
@@ -792,11 +927,18 @@ def _params(ddp) -> dict:
     return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
 
 
-@pytest.mark.parametrize("poison, on_nonfinite, message", [
-    ("loss", "raise", r"rank 0: NaN/Inf in \['loss'\] from the loss callback and in the gradients of .*the optimizer step was not taken"),
-    ("grad", "raise", r"rank 0: NaN/Inf in the gradients of \['embedding.word_embeddings.weight'"),
-    ("loss", "skip", r"rank 0: NaN/Inf in \['loss'\]"),
-])
+@pytest.mark.parametrize(
+    "poison, on_nonfinite, message",
+    [
+        (
+            "loss",
+            "raise",
+            r"rank 0: NaN/Inf in \['loss'\] from the loss callback and in the gradients of .*the optimizer step was not taken",
+        ),
+        ("grad", "raise", r"rank 0: NaN/Inf in the gradients of \['embedding.word_embeddings.weight'"),
+        ("loss", "skip", r"rank 0: NaN/Inf in \['loss'\]"),
+    ],
+)
 def test_train_step_never_updates_on_nan_inf(one_rank, tmp_path, poison, on_nonfinite, message):
     """BF16 actor: NaN loss or Inf gradient (finite loss) -> NonFiniteError naming rank and tensor, or a skip;
     either way the weights are untouched."""
@@ -842,7 +984,15 @@ def test_train_step_stops_on_nan_under_fp8(one_rank, tmp_path):
     ddp, optimizer, _ = _actor(cfg)
     before = _params(ddp)
     with pytest.raises(NonFiniteError, match=r"rank 0: NaN/Inf in \['loss'\] from the loss callback and in the gradients of \["):
-        train_step(ddp, optimizer, _tokens(cfg), _loss("loss"), vocab_size=cfg.arch().vocab_size, micro_batch_size=2, on_nonfinite="raise")
+        train_step(
+            ddp,
+            optimizer,
+            _tokens(cfg),
+            _loss("loss"),
+            vocab_size=cfg.arch().vocab_size,
+            micro_batch_size=2,
+            on_nonfinite="raise",
+        )
     assert all(torch.equal(before[n], p) for n, p in _params(ddp).items())
 
 
@@ -872,11 +1022,16 @@ def test_update_policy_on_nonfinite(one_rank, tmp_path, monkeypatch, capsys):
 
     def update(policy):
         cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8", f"run.on_nonfinite={policy}")
-        s = SimpleNamespace(cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True, offload=None, run=RunContext())
+        s = SimpleNamespace(
+            cfg=cfg, model=ddp, optimizer=optimizer, arch=cfg.arch(), is_main=True, offload=None, run=RunContext()
+        )
         return train.update_policy(s, 3, outcome, batch, batch.rollout_logprobs, None)
 
-    with pytest.raises(NonFiniteError, match=r"step 3: non-finite reward nan of completion 5 \(prompt 1, sample 1; 1 non-finite "
-                                             r"reward\(s\) in all\): check the reward function; the update was not applied.*on_nonfinite=skip"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 3: non-finite reward nan of completion 5 \(prompt 1, sample 1; 1 non-finite "
+        r"reward\(s\) in all\): check the reward function; the update was not applied.*on_nonfinite=skip",
+    ):
         update("stop")
     before = _params(ddp)
     out = update("skip")
@@ -902,8 +1057,10 @@ class FakeEngine:
     def generate(self, prompts, sampling, *, request_seeds=None):
         from megatron_jetrl.rollout.engine import Completion, RequestOutput
 
-        outs = [RequestOutput(list(p), [Completion([5 + i] * self.length, [-0.5] * self.length, "length") for i in range(sampling.n)])
-                for p in prompts]
+        outs = [
+            RequestOutput(list(p), [Completion([5 + i] * self.length, [-0.5] * self.length, "length") for i in range(sampling.n)])
+            for p in prompts
+        ]
         if self.breaks is not None:
             self.breaks(outs)
         return outs
@@ -926,9 +1083,17 @@ def _rollout(one_rank, tmp_path, breaks, **engine):
     from megatron_jetrl.rollout.pool import RankZeroPool, RolloutPool
 
     cfg = _cfg(tmp_path / "r", "grpo.prompts_per_step=2", "grpo.micro_batch_size=8")
-    s = SimpleNamespace(cfg=cfg, arch=cfg.arch(), is_main=True, offload=None, tokenizer=FakeTokenizer(), run=RunContext(),
-                        pool=RankZeroPool(RolloutPool([FakeEngine(breaks, **engine)])), device=torch.device("cpu"),
-                        sampler=PromptSampler(ArithmeticTask(high=5).problems(8, seed=0), 2, seed=0))
+    s = SimpleNamespace(
+        cfg=cfg,
+        arch=cfg.arch(),
+        is_main=True,
+        offload=None,
+        tokenizer=FakeTokenizer(),
+        run=RunContext(),
+        pool=RankZeroPool(RolloutPool([FakeEngine(breaks, **engine)])),
+        device=torch.device("cpu"),
+        sampler=PromptSampler(ArithmeticTask(high=5).problems(8, seed=0), 2, seed=0),
+    )
     return rollout(s, 0)
 
 
@@ -952,8 +1117,11 @@ def _set(attr, value, which=0):
 
 ENGINE_REFUSED = {
     "dies": (lambda outs: _die(), RuntimeError, r"engine process 1234 exited with signal 9"),
-    "a logprob missing": (_set("logprobs", lambda lp: lp[:-1]), ValueError,
-                          r"the rollout engine returned a malformed completion \(3 tokens, 2 logprobs\)"),
+    "a logprob missing": (
+        _set("logprobs", lambda lp: lp[:-1]),
+        ValueError,
+        r"the rollout engine returned a malformed completion \(3 tokens, 2 logprobs\)",
+    ),
     "an empty completion": (_set("token_ids", lambda t: []), ValueError, r"malformed completion \(0 tokens, 3 logprobs\)"),
     "an output missing": (lambda outs: outs.pop(), RuntimeError, r"returned 1 outputs for 2 prompts"),
 }
@@ -967,13 +1135,20 @@ def test_broken_engine_output_is_refused_before_training(one_rank, tmp_path, cas
 
 
 MALFORMED = {
-    "a token id past the vocabulary": (_set("token_ids", lambda t: [10**6, *t[1:]]),
-                                       r"token id 1000000 in completion 0 of prompt 0, outside the vocabulary \[0, 256\)"),
+    "a token id past the vocabulary": (
+        _set("token_ids", lambda t: [10**6, *t[1:]]),
+        r"token id 1000000 in completion 0 of prompt 0, outside the vocabulary \[0, 256\)",
+    ),
     "a negative token id": (_set("token_ids", lambda t: [-1, *t[1:]], which=2), r"token id -1 in completion 2 of prompt 0"),
-    "a NaN logprob": (_set("logprobs", lambda lp: [float("nan"), *lp[1:]]), r"logprob nan in completion 0 of prompt 0; a logprob is finite and <= 0"),
+    "a NaN logprob": (
+        _set("logprobs", lambda lp: [float("nan"), *lp[1:]]),
+        r"logprob nan in completion 0 of prompt 0; a logprob is finite and <= 0",
+    ),
     "a positive logprob": (_set("logprobs", lambda lp: [3.0, *lp[1:]]), r"logprob 3.0 in completion 0 of prompt 0"),
-    "groups of n-1 and n+1 samples": (lambda outs: outs[1].completions.append(outs[0].completions.pop()),
-                                      r"returned 3 completions for prompt 0, rollout.n=4 are needed"),
+    "groups of n-1 and n+1 samples": (
+        lambda outs: outs[1].completions.append(outs[0].completions.pop()),
+        r"returned 3 completions for prompt 0, rollout.n=4 are needed",
+    ),
 }
 
 
@@ -992,8 +1167,13 @@ def test_fault_spec_parsing():
 
     faults = parse("kill@update:step=1:rank=1, nan@reward,die@engine:step=0")
     assert [str(f) for f in faults] == ["kill@update:step=1:rank=1", "nan@reward", "die@engine:step=0"]
-    for bad, message in {"kill": "not ACTION@POINT", "kill@nowhere": "not ACTION@POINT", "nan@update": "must be one of",
-                         "kill@save:step=x": "step=<int>", "kill@save:when=1": "step=<int>"}.items():
+    for bad, message in {
+        "kill": "not ACTION@POINT",
+        "kill@nowhere": "not ACTION@POINT",
+        "nan@update": "must be one of",
+        "kill@save:step=x": "step=<int>",
+        "kill@save:when=1": "step=<int>",
+    }.items():
         with pytest.raises(FaultSpecError, match=message):
             parse(bad)
 
@@ -1010,12 +1190,18 @@ def test_optimizer_state_of_the_other_kind_is_refused(saved, tmp_path):
     from megatron_jetrl.models.shards import CheckpointError
 
     ddp, optimizer, flow = _actor(_cfg(tmp_path / "d", "loss.kl_coef=0", "optim.distributed=true"))
-    with pytest.raises(CheckpointError, match=r"optim_tp00_pp000.pt holds the state of a replicated optimizer and this run's is "
-                                              r"distributed: resume with optim.distributed=false"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optim_tp00_pp000.pt holds the state of a replicated optimizer and this run's is "
+        r"distributed: resume with optim.distributed=false",
+    ):
         load_checkpoint(ddp, saved.ck, optimizer=optimizer)
     ck = tmp_path / "distributed"
     ck.mkdir()
     save_checkpoint(ddp, ck, hf_config=saved.cfg.model.architecture(), flow=flow, iteration=1, optimizer=optimizer)
-    with pytest.raises(CheckpointError, match=r"holds the state of a distributed optimizer and this run's is replicated: "
-                                              r"resume with optim.distributed=true"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds the state of a distributed optimizer and this run's is replicated: "
+        r"resume with optim.distributed=true",
+    ):
         load_checkpoint(saved.ddp, ck, optimizer=saved.optimizer)

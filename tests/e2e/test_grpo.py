@@ -19,8 +19,22 @@ SHORT = ["run.steps=3", "warmup.steps=2", "run.save_every=0", "grpo.prompts_per_
 def launch(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) -> tuple[list[dict], Path]:
     out = tmp_path / name
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(REPO / "launch/train_grpo.sh"), "configs/tiny.yaml", f"run.name={name}", f"run.out_dir={out}",
-                           *SHORT, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch/train_grpo.sh"),
+            "configs/tiny.yaml",
+            f"run.name={name}",
+            f"run.out_dir={out}",
+            *SHORT,
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return rows, out
@@ -42,8 +56,16 @@ def test_each_mode_runs_and_reports_its_mismatch(tmp_path, mode):
     assert summary["steps"] == 3
     config = json.loads((out / "export" / "config.json").read_text())
     assert ("quantization_config" in config) == (mode != "bf16")
-    verify = subprocess.run([sys.executable, str(REPO / "tools/verify_fp8_checkpoint.py"), str(out / "export"), "--rollout-tp", "1", "2"],
-                            cwd=REPO, capture_output=True, text=True) if mode != "bf16" else None
+    verify = (
+        subprocess.run(
+            [sys.executable, str(REPO / "tools/verify_fp8_checkpoint.py"), str(out / "export"), "--rollout-tp", "1", "2"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        if mode != "bf16"
+        else None
+    )
     assert verify is None or verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -56,7 +78,9 @@ def test_tp2_run_with_two_processes(tmp_path):
         profile = json.loads((out / f"profile_step1_rank{rank}.json").read_text())
         assert profile["rank"] == rank and list(profile["phases"]) == ["sync", "rollout", "eval", "update"]
         for phase in profile["phases"].values():  # a CPU run: aten ops' own time, inside the phase's wall time
-            assert 0 < phase["kernel_ms"] <= phase["wall_ms"] * 1.05 and sum(phase["categories"].values()) == pytest.approx(phase["kernel_ms"])
+            assert 0 < phase["kernel_ms"] <= phase["wall_ms"] * 1.05 and sum(phase["categories"].values()) == pytest.approx(
+                phase["kernel_ms"]
+            )
     assert not (out / "profile_step0_rank0.json").exists()
     # TP2 all-reduces BF16 partial sums (test_actor_engine_bitwise.py): close to the engine, not its bits
     assert all(0 < r["mismatch/mean_abs_diff"] < 0.05 for r in rows)
@@ -74,10 +98,21 @@ def test_a_timing_run_without_checkpoints_writes_none(tmp_path):
 def test_larger_logprob_micro_batches_change_no_number(tmp_path):
     """grpo.logprob_micro_batch_size scores the rollouts in passes of 32 sequences instead of 16: on the CPU every kernel
     is batch-invariant, so every loss term, reward and mismatch of every step is the same to the last bit."""
-    runs = [launch(tmp_path, f"lp{size}", "run.steps=2", "run.checkpoint=false", "run.export=false",
-                   f"grpo.logprob_micro_batch_size={size}")[0] for size in (0, 32)]
-    numbers = [[{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
-               for rows in runs]
+    runs = [
+        launch(
+            tmp_path,
+            f"lp{size}",
+            "run.steps=2",
+            "run.checkpoint=false",
+            "run.export=false",
+            f"grpo.logprob_micro_batch_size={size}",
+        )[0]
+        for size in (0, 32)
+    ]
+    numbers = [
+        [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
+        for rows in runs
+    ]
     assert numbers[0] == numbers[1] and len(numbers[0]) == 2
     assert all(r["mismatch/mean_abs_diff"] == 0 for r in runs[1])
 
@@ -88,9 +123,13 @@ def test_offloading_the_actors_state_during_the_rollout_changes_no_number(tmp_pa
     it reports (rank 0's gradient buffers and FP8 weight copies, and with `optimizer` its FP32 main params, Adam
     moments and the reference's FP8 bytes)."""
     common = ("parallel.tp=2", "run.steps=3", "run.checkpoint=false", "run.export=false")
-    runs = {what: launch(tmp_path, f"off-{what}", *common, f"rollout.offload={what}")[0] for what in ("none", "grads", "optimizer")}
-    numbers = {what: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
-               for what, rows in runs.items()}
+    runs = {
+        what: launch(tmp_path, f"off-{what}", *common, f"rollout.offload={what}")[0] for what in ("none", "grads", "optimizer")
+    }
+    numbers = {
+        what: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))} for r in rows]
+        for what, rows in runs.items()
+    }
     assert numbers["grads"] == numbers["none"] and numbers["optimizer"] == numbers["none"] and len(numbers["none"]) == 3
     assert all("sync/offload_gib" not in r for r in runs["none"])
     grads, full = ([r["sync/offload_gib"] for r in runs[what]] for what in ("grads", "optimizer"))

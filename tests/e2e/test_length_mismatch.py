@@ -41,9 +41,21 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     out = {}
     for mode in MODES:
         d = root / mode
-        proc = subprocess.run(["bash", str(REPO / "launch/train_grpo.sh"), "configs/length_mismatch_cpu.yaml",
-                               f"precision.mode={mode}", f"run.name={mode}", f"run.out_dir={d}"],
-                              cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                "bash",
+                str(REPO / "launch/train_grpo.sh"),
+                "configs/length_mismatch_cpu.yaml",
+                f"precision.mode={mode}",
+                f"run.name={mode}",
+                f"run.out_dir={d}",
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHON": sys.executable},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         out[mode] = d, read_metrics(d)
     return out
@@ -54,7 +66,7 @@ def buckets(row: dict) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for key, value in row.items():
         if key.startswith("mismatch/len"):
-            tag, stat = key[len("mismatch/len"):].split("/")
+            tag, stat = key[len("mismatch/len") :].split("/")
             out.setdefault(int(tag.split("-")[0]), {})[stat] = value
     return dict(sorted(out.items()))
 
@@ -73,7 +85,12 @@ def test_jetrl_is_exactly_zero_in_every_length_bucket(runs):
     for r in runs["jetrl"][1]:
         for start, stats in buckets(r).items():
             assert {k: v for k, v in stats.items() if k not in ("tokens", "responses")} == {
-                "mean_abs_diff": 0.0, "k3_kl": 0.0, "max_abs_diff": 0.0, "abs_diff_gt1_frac": 0.0, "seq_abs_log_ratio": 0.0}, start
+                "mean_abs_diff": 0.0,
+                "k3_kl": 0.0,
+                "max_abs_diff": 0.0,
+                "abs_diff_gt1_frac": 0.0,
+                "seq_abs_log_ratio": 0.0,
+            }, start
 
 
 def pooled(per_bucket: dict, keep) -> dict[str, float]:
@@ -81,9 +98,12 @@ def pooled(per_bucket: dict, keep) -> dict[str, float]:
     |logp diff|, max |logp diff|."""
     chosen = [b for (lo, hi), b in per_bucket.items() if keep(lo, hi)]
     responses, tokens = sum(b["responses"] for b in chosen), sum(b["tokens"] for b in chosen)
-    return {"responses": responses, "max_abs_diff": max(b["max_abs_diff"] for b in chosen),
-            "mean_abs_diff": sum(b["tokens"] * b["mean_abs_diff"] for b in chosen) / tokens,
-            "seq_abs_log_ratio": sum(b["responses"] * b["seq_abs_log_ratio"] for b in chosen) / responses}
+    return {
+        "responses": responses,
+        "max_abs_diff": max(b["max_abs_diff"] for b in chosen),
+        "mean_abs_diff": sum(b["tokens"] * b["mean_abs_diff"] for b in chosen) / tokens,
+        "seq_abs_log_ratio": sum(b["responses"] * b["seq_abs_log_ratio"] for b in chosen) / responses,
+    }
 
 
 def test_foil_mismatch_is_above_zero_and_accumulates_with_length(runs):
@@ -105,6 +125,8 @@ def test_plot_of_both_runs(runs, tmp_path):
     tool = [sys.executable, str(REPO / "tools/plot_length_mismatch.py")]
     proc = subprocess.run([*tool, *specs, "--floor", f"jetrl={runs['jetrl'][0]}", "-o", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr
-    bad = subprocess.run([*tool, specs[0], f"nope={tmp_path / 'missing'}", "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*tool, specs[0], f"nope={tmp_path / 'missing'}", "-o", str(tmp_path / "x.png")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no metrics.jsonl there" in bad.stderr
     assert not (tmp_path / "x.png").exists()

@@ -24,13 +24,25 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs of the native engine")
 UNTIED = "model.hf_config.tie_word_embeddings=false"
-GRPO = ["run.steps=3", "warmup.steps=0", "run.save_every=0", "grpo.prompts_per_step=8", "grpo.micro_batch_size=16",
-        "precision.mode=jetrl"]
+GRPO = [
+    "run.steps=3",
+    "warmup.steps=0",
+    "run.save_every=0",
+    "grpo.prompts_per_step=8",
+    "grpo.micro_batch_size=16",
+    "precision.mode=jetrl",
+]
 
 
 def launch(out: Path, *overrides: str) -> list[dict]:
-    proc = subprocess.run(["bash", str(REPO / "launch/train_grpo.sh"), "configs/tiny.yaml", f"run.out_dir={out}", *overrides],
-                          cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch/train_grpo.sh"), "configs/tiny.yaml", f"run.out_dir={out}", *overrides],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -48,9 +60,13 @@ LAYOUTS = {"pp1": [], "pp2": ["parallel.pp=2"], "pp2-uneven": ["parallel.pp=2", 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    launch(root / "sft", UNTIED, FOUR_LAYERS, "run.steps=0", "warmup.steps=12", "precision.mode=bf16")  # rewards that differ within groups
+    launch(
+        root / "sft", UNTIED, FOUR_LAYERS, "run.steps=0", "warmup.steps=12", "precision.mode=bf16"
+    )  # rewards that differ within groups
     start = f"model.path={root / 'sft' / 'export'}"
-    return {name: (root / name, launch(root / name, UNTIED, FOUR_LAYERS, start, *GRPO, *layout)) for name, layout in LAYOUTS.items()}
+    return {
+        name: (root / name, launch(root / name, UNTIED, FOUR_LAYERS, start, *GRPO, *layout)) for name, layout in LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp2-uneven"])
@@ -64,7 +80,9 @@ def test_pp2_trains_bit_for_bit_as_pp1(runs, layout):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-12)
         assert b["mismatch/mean_abs_diff"] == b["mismatch/max_abs_diff"] == 0.0  # the engine has every stage's bytes
     assert weights(out1) == weights(out2)
-    assert sorted(p.name for p in (out2 / "checkpoints").glob("step_*/*")) != sorted(p.name for p in (out1 / "checkpoints").glob("step_*/*"))
+    assert sorted(p.name for p in (out2 / "checkpoints").glob("step_*/*")) != sorted(
+        p.name for p in (out1 / "checkpoints").glob("step_*/*")
+    )
     meta = json.loads(next((out2 / "checkpoints").glob("step_*/meta.json")).read_text())
     assert meta.get("pp_last_layers", 0) == (1 if layout == "pp2-uneven" else 0)
 

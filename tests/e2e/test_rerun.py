@@ -16,15 +16,27 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs of the embedded default")
-SHORT = ["run.steps=3", "warmup.steps=2", "run.save_every=1", "run.keep_checkpoints=2", "grpo.prompts_per_step=8",
-         "grpo.micro_batch_size=16"]
+SHORT = [
+    "run.steps=3",
+    "warmup.steps=2",
+    "run.save_every=1",
+    "run.keep_checkpoints=2",
+    "grpo.prompts_per_step=8",
+    "grpo.micro_batch_size=16",
+]
 CLEAN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "JETRL_TRAIN_MODULE", "JETRL_CONFIG_MODULE", "JETRL_NPROC", "JETRL_EXIT_DIR")
 
 
 def launch(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in CLEAN} | {"PYTHON": sys.executable}
-    return subprocess.run(["bash", str(REPO / "launch/train_grpo.sh"), "configs/tiny.yaml", f"run.out_dir={out}", *SHORT,
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", str(REPO / "launch/train_grpo.sh"), "configs/tiny.yaml", f"run.out_dir={out}", *SHORT, *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +62,13 @@ def test_a_second_start_says_the_run_is_complete(run):
     assert snapshot(run) == before
 
 
-@pytest.mark.parametrize("override, named", [("optim.lr=2e-4", "optim.lr: trained with 0.0001, now 0.0002"),
-                                             ("precision.mode=bf16", "another model or precision section (precision.mode)")])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("optim.lr=2e-4", "optim.lr: trained with 0.0001, now 0.0002"),
+        ("precision.mode=bf16", "another model or precision section (precision.mode)"),
+    ],
+)
 def test_a_changed_setting_is_refused_before_torchrun_and_writes_nothing(run, override, named):
     before = snapshot(run)
     r = launch(run, override)

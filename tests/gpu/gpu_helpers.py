@@ -12,9 +12,19 @@ import torch
 
 from megatron_jetrl.fp8 import PrecisionFlow
 
-ARCH = {"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,
-        "max_position_embeddings": 256, "tie_word_embeddings": False, "rope_theta": 10000.0}
+ARCH = {
+    "model_type": "qwen2",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "vocab_size": 1024,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+}
 SEQ, BATCH = 128, 4
 
 
@@ -80,8 +90,9 @@ def vllm_bytes(engine, arch_, expected: dict[str, torch.Tensor]) -> dict[str, tu
     out = {}
     for hf_name, slot in engine.plan.items():
         param = engine.params[slot.param]
-        piece = rank_piece(arch_, hf_name, expected[hf_name], engine.tp_rank, engine.tp,
-                           param.shape[0] if _is_vocab(hf_name) else None)
+        piece = rank_piece(
+            arch_, hf_name, expected[hf_name], engine.tp_rank, engine.tp, param.shape[0] if _is_vocab(hf_name) else None
+        )
         got = vllm_tensor(engine, hf_name).contiguous().view(torch.uint8)
         want = piece.contiguous().view(torch.uint8).to(got.device)
         out[hf_name] = (int((got == want).sum()), want.numel()) if got.shape == want.shape else (0, want.numel())
@@ -119,8 +130,9 @@ def train_step_comparison(flow: PrecisionFlow) -> tuple[dict, object]:
     t0 = time.perf_counter()
     for m in (local, te):
         ddp, opt = wrap_for_training(m, OptimConfig(lr=1e-4))
-        results.append((ddp, train_step(ddp, opt, toks, loss_fn, vocab_size=ARCH["vocab_size"], micro_batch_size=BATCH,
-                                         extras={"adv": adv})))
+        results.append(
+            (ddp, train_step(ddp, opt, toks, loss_fn, vocab_size=ARCH["vocab_size"], micro_batch_size=BATCH, extras={"adv": adv}))
+        )
     seconds = time.perf_counter() - t0
     after = [logprobs(ddp, toks) for ddp, _ in results]
     (_, r_local), (te_ddp, r_te) = results
@@ -130,9 +142,12 @@ def train_step_comparison(flow: PrecisionFlow) -> tuple[dict, object]:
         "ok": bool(r_local["ok"] and r_te["ok"]),
         "before": {"mean": float(d0.mean()), "max": float(d0.max())},
         "after": {"mean": float(d1.mean()), "max": float(d1.max())},
-        "loss_local": float(r_local["loss"]), "loss_te": float(r_te["loss"]),
-        "grad_norm_local": float(r_local["grad_norm"]), "grad_norm_te": float(r_te["grad_norm"]),
-        "loss_rel": rel(r_te["loss"], r_local["loss"]), "grad_norm_rel": rel(r_te["grad_norm"], r_local["grad_norm"]),
+        "loss_local": float(r_local["loss"]),
+        "loss_te": float(r_te["loss"]),
+        "grad_norm_local": float(r_local["grad_norm"]),
+        "grad_norm_te": float(r_te["grad_norm"]),
+        "loss_rel": rel(r_te["loss"], r_local["loss"]),
+        "grad_norm_rel": rel(r_te["grad_norm"], r_local["grad_norm"]),
         "steps_s": seconds,
     }
     return row, te_ddp

@@ -127,27 +127,38 @@ def main():
         row = train_check(mode)
         gathered = [None, None]
         dist.all_gather_object(gathered, row)
-        row["ranks_agree"] = all(g[k] == gathered[0][k] for g in gathered
-                                 for k in ("loss_local", "loss_te", "grad_norm_local", "grad_norm_te", "before", "after"))
+        row["ranks_agree"] = all(
+            g[k] == gathered[0][k]
+            for g in gathered
+            for k in ("loss_local", "loss_te", "grad_norm_local", "grad_norm_te", "before", "after")
+        )
         row["export_by_rank"] = [g["export"] for g in gathered]
         rows.append(row)
         if rank == 0:
             e = row["export"]
-            print(f"TETP train {mode}: TP2 TE spec vs local spec, same init and tokens: before mean|dlogp| "
-                  f"{row['before']['mean']:.3g} max {row['before']['max']:.3g}; after one step mean {row['after']['mean']:.3g} "
-                  f"max {row['after']['max']:.3g}; loss local {row['loss_local']:.6g} te {row['loss_te']:.6g} "
-                  f"(rel {row['loss_rel']:.2g}); grad norm local {row['grad_norm_local']:.6g} te {row['grad_norm_te']:.6g} "
-                  f"(rel {row['grad_norm_rel']:.2g}); ranks agree {row['ranks_agree']}", flush=True)
-            print(f"TETP export {mode}: TP2 live stream gathered over TP vs TE's quantizer on the full TP1 tensors: "
-                  f"FP8 weights {e['weights'][0]}/{e['weights'][1]}, weight_scale_inv {e['scales'][0]}/{e['scales'][1]} "
-                  f"byte-equal; bytes equal {e['fraction']:.6f} of {e['bytes']} (rank 1: "
-                  f"{row['export_by_rank'][1]['fraction']:.6f})" + (f"; differ: {e['differ'][:4]}" if e["differ"] else ""),
-                  flush=True)
+            print(
+                f"TETP train {mode}: TP2 TE spec vs local spec, same init and tokens: before mean|dlogp| "
+                f"{row['before']['mean']:.3g} max {row['before']['max']:.3g}; after one step mean {row['after']['mean']:.3g} "
+                f"max {row['after']['max']:.3g}; loss local {row['loss_local']:.6g} te {row['loss_te']:.6g} "
+                f"(rel {row['loss_rel']:.2g}); grad norm local {row['grad_norm_local']:.6g} te {row['grad_norm_te']:.6g} "
+                f"(rel {row['grad_norm_rel']:.2g}); ranks agree {row['ranks_agree']}",
+                flush=True,
+            )
+            print(
+                f"TETP export {mode}: TP2 live stream gathered over TP vs TE's quantizer on the full TP1 tensors: "
+                f"FP8 weights {e['weights'][0]}/{e['weights'][1]}, weight_scale_inv {e['scales'][0]}/{e['scales'][1]} "
+                f"byte-equal; bytes equal {e['fraction']:.6f} of {e['bytes']} (rank 1: "
+                f"{row['export_by_rank'][1]['fraction']:.6f})" + (f"; differ: {e['differ'][:4]}" if e["differ"] else ""),
+                flush=True,
+            )
         torch.cuda.empty_cache()
     destroy_parallel()
     if rank == 0 and a.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
         Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

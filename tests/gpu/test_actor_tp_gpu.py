@@ -60,10 +60,24 @@ def rows(tmp_path_factory):
     if not _have_megatron():
         pytest.skip("megatron-core is not importable (install the cp312 wheel and put it on PYTHONPATH)")
     out = tmp_path_factory.mktemp("tp") / "tp.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29531",
-           str(REPO / "tools" / "gpu" / "gpu_actor_tp.py"), "--backends", "cublaslt", "--json", str(out)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        NCCL_NVLS_ENABLE="0",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-port=29531",
+        str(REPO / "tools" / "gpu" / "gpu_actor_tp.py"),
+        "--backends",
+        "cublaslt",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout[-3000:])

@@ -47,14 +47,22 @@ def test_replayed_step_is_the_eager_step_bit_for_bit(engines, prec):
     tokens = torch.randint(0, eng.arch.vocab_size, (b, prompt), device="cuda", generator=g)
     caches = [KVCache(eng.arch, b, capacity, "cuda") for _ in range(2)]
     for cache in caches:
-        eng.hidden_states(tokens, torch.arange(prompt, device="cuda").expand(b, prompt), torch.full((b,), prompt, device="cuda"), cache, span=prompt)
+        eng.hidden_states(
+            tokens,
+            torch.arange(prompt, device="cuda").expand(b, prompt),
+            torch.full((b,), prompt, device="cuda"),
+            cache,
+            span=prompt,
+        )
     graphs = DecodeGraphs(eng, caches[0])
     for at in (prompt, prompt + 1, SPAN_STEP + 3):  # the last one needs the second graph (span 2 * SPAN_STEP)
         new = torch.randint(0, eng.arch.vocab_size, (b,), generator=g, device="cuda").tolist()
         got = graphs.step(new, [at] * b).clone()
         pos = torch.full((b, 1), at, device="cuda")
         span = -(-(at + 1) // SPAN_STEP) * SPAN_STEP
-        want = eng.logits(eng.hidden_states(torch.tensor(new, device="cuda")[:, None], pos, pos[:, 0] + 1, caches[1], span=span)[:, 0])
+        want = eng.logits(
+            eng.hidden_states(torch.tensor(new, device="cuda")[:, None], pos, pos[:, 0] + 1, caches[1], span=span)[:, 0]
+        )
         assert torch.equal(got, want), (prec, at, (got - want).abs().max().item())
     assert sorted(graphs.graphs) == [SPAN_STEP, 2 * SPAN_STEP]
     for layer in range(eng.arch.num_layers):
@@ -64,8 +72,11 @@ def test_replayed_step_is_the_eager_step_bit_for_bit(engines, prec):
 def mismatch(eng, outs):
     seqs = [o.prompt_token_ids + c.token_ids for o in outs for c in o.completions]
     reported = [lp for o in outs for c in o.completions for lp in c.logprobs]
-    scored = [lp for s, o_c in zip(eng.score(seqs), [(o, c) for o in outs for c in o.completions])
-              for lp in s[len(o_c[0].prompt_token_ids) - 1:]]
+    scored = [
+        lp
+        for s, o_c in zip(eng.score(seqs), [(o, c) for o in outs for c in o.completions])
+        for lp in s[len(o_c[0].prompt_token_ids) - 1 :]
+    ]
     return max(abs(a - b) for a, b in zip(reported, scored))
 
 

@@ -14,9 +14,20 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512,
-          "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+CONFIG = {
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +47,14 @@ def _loss(logprobs, extras):
     return -(logprobs * extras["advantages"][:, None]).mean(), {}
 
 
-def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str = "jetrl", wgrad_fusion: bool = True,
-           bf16_linear_weights: str = "keep"):
+def _actor(
+    distributed: bool,
+    init: dict | None,
+    fused: bool = True,
+    mode: str = "jetrl",
+    wgrad_fusion: bool = True,
+    bf16_linear_weights: str = "keep",
+):
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.actor.train_step import OptimConfig, wrap_for_training
     from megatron_jetrl.fp8 import PrecisionFlow
@@ -50,8 +67,9 @@ def _actor(distributed: bool, init: dict | None, fused: bool = True, mode: str =
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init[name])
-    ddp, optimizer = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed, fused=fused,
-                                                          wgrad_fusion=wgrad_fusion))
+    ddp, optimizer = wrap_for_training(
+        model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed=distributed, fused=fused, wgrad_fusion=wgrad_fusion)
+    )
     return model, ddp, optimizer, flow
 
 
@@ -59,13 +77,19 @@ def _batch_and_init(seed: int):
     """Tokens, `train_step` keyword arguments and initial weights shared by the variants a test compares."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=g).cuda()
-    step = dict(vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()})
+    step = dict(
+        vocab_size=CONFIG["vocab_size"], micro_batch_size=2, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]).cuda()}
+    )
     return tokens, step, {k: v.detach().clone() for k, v in _actor(False, None)[0].named_parameters()}
 
 
 def _states(optimizer) -> list[dict]:
-    return [{"param": p.detach().clone(), **{k: v.clone() for k, v in o.optimizer.state[p].items()}}
-            for o in optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
+    return [
+        {"param": p.detach().clone(), **{k: v.clone() for k, v in o.optimizer.state[p].items()}}
+        for o in optimizer.chained_optimizers
+        for g in o.optimizer.param_groups
+        for p in g["params"]
+    ]
 
 
 def test_distributed_optimizer_checkpoint_round_trip_on_gpu(one_rank, tmp_path):
@@ -111,12 +135,20 @@ def test_fused_adam_is_the_foreach_update(one_rank):
     for fused in (True, False):
         model, ddp, optimizer, _ = _actor(True, init, fused=fused)
         if not _torch_adams(optimizer):  # seen on an H200 with TE installed
-            pytest.skip("megatron-core picked Transformer Engine's FusedAdam (TE importable): a fused kernel already, "
-                        "with no torch Adam for optim.fused to switch")
+            pytest.skip(
+                "megatron-core picked Transformer Engine's FusedAdam (TE importable): a fused kernel already, "
+                "with no torch Adam for optim.fused to switch"
+            )
         assert adam_is_fused(optimizer) is fused
         train_step(ddp, optimizer, tokens, _loss, **step)
-        mains[fused] = torch.cat([p.detach().float().flatten() for o in optimizer.chained_optimizers
-                                  for group in o.optimizer.param_groups for p in group["params"]])
+        mains[fused] = torch.cat(
+            [
+                p.detach().float().flatten()
+                for o in optimizer.chained_optimizers
+                for group in o.optimizer.param_groups
+                for p in group["params"]
+            ]
+        )
     diff = (mains[True] - mains[False]).abs()
     assert float(diff.max()) <= 1e-6 * float(mains[False].abs().max()) + 1e-7, float(diff.max())
 
@@ -188,7 +220,9 @@ def test_offload_frees_the_device_memory_and_brings_every_byte_back(one_rank, di
             off.wait(reference=True)
             assert same(fp8_bytes(fp8_weights(reference)), reference_bytes)
             off.wait()
-            assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(_states(optimizer), before))
+            assert all(
+                a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(_states(optimizer), before)
+            )
             assert same(fp8_bytes(fp8_weights(model)), policy_bytes)
         losses += [train_step(ddp, optimizer, tokens, _loss, **step)["loss"] for _ in range(2)]
         runs[offload] = losses

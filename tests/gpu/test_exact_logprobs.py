@@ -20,8 +20,13 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                                  reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+        reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)",
+    ),
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -40,19 +45,21 @@ def _qkv(b, s, heads=8, groups=2, d=128, seed=0):
 
 def test_fa3_rows_do_not_depend_on_the_batch_or_the_padding_after_them(rk):
     q, k, v = _qkv(4, 384)
-    full = rk.fa3_causal_attention(q, k, v, 128 ** -0.5)
+    full = rk.fa3_causal_attention(q, k, v, 128**-0.5)
     for row, length in ((1, 200), (3, 1), (0, 383)):
-        alone = rk.fa3_causal_attention(q[row : row + 1, :length], k[row : row + 1, :length], v[row : row + 1, :length], 128 ** -0.5)
+        alone = rk.fa3_causal_attention(
+            q[row : row + 1, :length], k[row : row + 1, :length], v[row : row + 1, :length], 128**-0.5
+        )
         assert torch.equal(alone[0], full[row, :length]), (row, length)
 
 
 def test_fa3_forward_is_attention_and_its_backward_is_flash_attentions_gradient(rk):
     q, k, v = (t.requires_grad_() for t in _qkv(2, 256, seed=1))
-    out = rk.fa3_causal_attention(q, k, v, 128 ** -0.5)
+    out = rk.fa3_causal_attention(q, k, v, 128**-0.5)
     grad = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
     qt, kt, vt = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=128 ** -0.5, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=128**-0.5, enable_gqa=True)
     rq, rk_, rv = torch.autograd.grad(ref, (qt, kt, vt), grad.double().transpose(1, 2))
     assert (out.double() - ref.transpose(1, 2)).abs().max() < 2e-2
     for mine, want in ((dq, rq), (dk, rk_), (dv, rv)):
@@ -97,26 +104,54 @@ QWEN2 = ["configs/gpu_1p5b.yaml", "model.hf_config.num_hidden_layers=4"]  # QKV 
 QWEN3 = ["configs/gpu_8b_shapes.yaml", "model.hf_config.num_hidden_layers=2"]  # QK norm
 
 
-@pytest.mark.parametrize("shape,new_tokens,eager", [("qwen2", 6, True), ("qwen2", 320, True), ("qwen3", 6, False),
-                                                     ("qwen3", 320, False)])
+@pytest.mark.parametrize(
+    "shape,new_tokens,eager", [("qwen2", 6, True), ("qwen2", 320, True), ("qwen3", 6, False), ("qwen3", 320, False)]
+)
 def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape, new_tokens, eager):
     """Eager engines and full decode CUDA graphs (one KV split in both)."""
     base = QWEN2 if shape == "qwen2" else QWEN3
-    cmd = [sys.executable, "-m", "megatron_jetrl.rl.train", *base, "precision.mode=jetrl", "precision.exact_logprobs=true",
-           "rollout.engine=vllm", f"rollout.enforce_eager={str(eager).lower()}", f"rollout.max_new_tokens={new_tokens}", "run.steps=3",
-           "run.checkpoint=false", "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0",
-           f"run.out_dir={tmp_path}", "run.name=exact"]
-    env = dict(os.environ, MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_jetrl.rl.train",
+        *base,
+        "precision.mode=jetrl",
+        "precision.exact_logprobs=true",
+        "rollout.engine=vllm",
+        f"rollout.enforce_eager={str(eager).lower()}",
+        f"rollout.max_new_tokens={new_tokens}",
+        "run.steps=3",
+        "run.checkpoint=false",
+        "grpo.prompts_per_step=8",
+        "grpo.micro_batch_size=32",
+        "loss.tis_cap=2.0",
+        f"run.out_dir={tmp_path}",
+        "run.name=exact",
+    ]
+    env = dict(
+        os.environ,
+        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["mismatch/tokens"] > 0
-        got = {k: r[f"mismatch/{k}"] for k in ("mean_abs_diff", "max_abs_diff", "k3_kl", "ratio_min", "ratio_max", "tis_weight_mean",
-                                                   "tis_weight_std")}
-        assert got == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0, "ratio_min": 1.0, "ratio_max": 1.0,
-                       "tis_weight_mean": 1.0, "tis_weight_std": 0.0}, (r["step"], got)
+        got = {
+            k: r[f"mismatch/{k}"]
+            for k in ("mean_abs_diff", "max_abs_diff", "k3_kl", "ratio_min", "ratio_max", "tis_weight_mean", "tis_weight_std")
+        }
+        assert got == {
+            "mean_abs_diff": 0.0,
+            "max_abs_diff": 0.0,
+            "k3_kl": 0.0,
+            "ratio_min": 1.0,
+            "ratio_max": 1.0,
+            "tis_weight_mean": 1.0,
+            "tis_weight_std": 0.0,
+        }, (r["step"], got)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer TP 2 and rollout TP 2, or PP 2)")
@@ -125,9 +160,22 @@ def test_grpo_on_two_gpus_has_mismatch_exactly_zero(tmp_path, layout):
     """Trainer TP 2 and rollout TP 2: both sides add two BF16 partial outputs per row-parallel linear, an order-free
     sum, so NCCL keeps its default settings on both. PP 2: each stage runs its layers with the engine's kernels and
     passes BF16 activations on unchanged; every rank's engine holds the whole model at TP 1."""
-    cmd = ["bash", "launch/train_grpo.sh", *QWEN3, *layout, "rollout.engine=vllm",
-           "precision.exact_logprobs=true", "rollout.max_new_tokens=128", "run.steps=3", "run.checkpoint=false",
-           "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=two_gpus"]
+    cmd = [
+        "bash",
+        "launch/train_grpo.sh",
+        *QWEN3,
+        *layout,
+        "rollout.engine=vllm",
+        "precision.exact_logprobs=true",
+        "rollout.max_new_tokens=128",
+        "run.steps=3",
+        "run.checkpoint=false",
+        "grpo.prompts_per_step=8",
+        "grpo.micro_batch_size=32",
+        "loss.tis_cap=2.0",
+        f"run.out_dir={tmp_path}",
+        "run.name=two_gpus",
+    ]
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -137,8 +185,16 @@ def test_grpo_on_two_gpus_has_mismatch_exactly_zero(tmp_path, layout):
         assert r["mismatch/tokens"] > 0 and r["mismatch/max_abs_diff"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r["step"]
 
 
-LONG = [*QWEN3, "model.hf_config.max_position_embeddings=4096", "rollout.max_new_tokens=2048", "rollout.max_model_len=2112",
-        "rollout.enforce_eager=false", "grpo.prompts_per_step=4", "grpo.micro_batch_size=4", "grpo.logprob_micro_batch_size=8"]
+LONG = [
+    *QWEN3,
+    "model.hf_config.max_position_embeddings=4096",
+    "rollout.max_new_tokens=2048",
+    "rollout.max_model_len=2112",
+    "rollout.enforce_eager=false",
+    "grpo.prompts_per_step=4",
+    "grpo.micro_batch_size=4",
+    "grpo.logprob_micro_batch_size=8",
+]
 
 
 @pytest.mark.parametrize("kv_cache_gb,fit", [(0.0, 32), (0.22, 12)], ids=["all-at-once", "in-turns"])
@@ -150,12 +206,26 @@ def test_long_responses_have_mismatch_exactly_zero_and_sync_the_trainers_bytes(t
     from megatron_jetrl.rl.config import load_config, split_args
     from megatron_jetrl.rollout.native import expected_tensors
 
-    args = [*LONG, "precision.mode=jetrl", "precision.exact_logprobs=true", "rollout.engine=vllm",
-            f"rollout.kv_cache_gb={kv_cache_gb}", "run.steps=2", "run.checkpoint=false", "loss.tis_cap=2.0"]
+    args = [
+        *LONG,
+        "precision.mode=jetrl",
+        "precision.exact_logprobs=true",
+        "rollout.engine=vllm",
+        f"rollout.kv_cache_gb={kv_cache_gb}",
+        "run.steps=2",
+        "run.checkpoint=false",
+        "loss.tis_cap=2.0",
+    ]
     cfg = load_config(*split_args(args))
-    want = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in expected_tensors(cfg.arch(), cfg.precision).values())
+    want = sum(
+        torch.Size(shape).numel() * dtype.itemsize for shape, dtype in expected_tensors(cfg.arch(), cfg.precision).values()
+    )
     cmd = [sys.executable, "-m", "megatron_jetrl.rl.train", *args, f"run.out_dir={tmp_path}", "run.name=long"]
-    env = dict(os.environ, MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     assert ("holds 12 of the 32 sequences" in done.stderr) == (fit < 32), done.stderr[-2000:]

@@ -18,7 +18,7 @@ from megatron_jetrl.actor import fused
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-ULP = 2.0 ** -7  # BF16: an ulp relative to the magnitude, at most
+ULP = 2.0**-7  # BF16: an ulp relative to the magnitude, at most
 
 
 def gen(seed):
@@ -96,7 +96,7 @@ def test_rope_compiled_equals_eager_and_fp64(shape):
     y_64, dt_64 = run(rope_64, torch.float64)
     # FP32 inside, one rounding to BF16: half an ulp from FP64, plus a few FP32 roundings of the two terms (atol;
     # it matters where they cancel, or where FP32 lands a value just across a BF16 rounding midpoint)
-    atol = 4 * 2.0 ** -24 * 2 * float(max(t.abs().max(), dy.abs().max()))
+    atol = 4 * 2.0**-24 * 2 * float(max(t.abs().max(), dy.abs().max()))
     assert within_ulps(y_c, y_64, 0.5, atol) and within_ulps(dt_c, dt_64, 0.5, atol)
     assert within_ulps(y_c, y_e, 1, atol) and flipped(y_c, y_e) < 1e-3
     assert within_ulps(dt_c, dt_e, 1, atol) and flipped(dt_c, dt_e) < 1e-3
@@ -108,12 +108,12 @@ def test_rope_on_a_strided_view_and_positions():
 
     s, b, h, d = 300, 2, 4, 128
     mixed = torch.randn(s, b, h, 3 * d, device=DEV, generator=gen(2)).bfloat16()
-    q = mixed[..., d:2 * d]
+    q = mixed[..., d : 2 * d]
     assert not q.is_contiguous()
     cos, sin = rope_cos_sin(d, (("rotary_base", 10000.0), ("rotary_percent", 1.0)), s, torch.empty(0, device=DEV).device)
     got = fused.fused_rope(q, cos, sin)
     assert torch.equal(got[0], q[0])  # position 0 is the identity rotation
-    assert within_ulps(got, rope_64(q, cos, sin), 0.5, 8 * 2.0 ** -24 * float(q.abs().max()))
+    assert within_ulps(got, rope_64(q, cos, sin), 0.5, 8 * 2.0**-24 * float(q.abs().max()))
 
 
 @pytest.mark.parametrize("mode", ["bf16", "jetrl"])
@@ -126,9 +126,21 @@ def test_local_layer_fused_against_eager(parallel, mode):
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.models.arch import ModelArch
 
-    arch = ModelArch.from_hf_config(dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=8,
-                                         num_key_value_heads=2, head_dim=128, vocab_size=1024, num_hidden_layers=1,
-                                         max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6))
+    arch = ModelArch.from_hf_config(
+        dict(
+            model_type="qwen3",
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=1024,
+            num_hidden_layers=1,
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
+    )
     flow = PrecisionFlow(mode=mode)
     outs, state = {}, None
     x0 = torch.randn(2048, 2, arch.hidden_size, device=DEV, generator=gen(3)).bfloat16()
@@ -136,7 +148,9 @@ def test_local_layer_fused_against_eager(parallel, mode):
     for fused_on in (True, False):
         options = ActorOptions(params_dtype=torch.bfloat16, fused=fused_on)
         config = transformer_config(arch, flow, tp=1, pp=1, options=options)
-        layer = build_module(layer_spec(arch, flow, "local", 1, fused=fused_on).layer_specs[0], config=config, layer_number=1).cuda()
+        layer = build_module(
+            layer_spec(arch, flow, "local", 1, fused=fused_on).layer_specs[0], config=config, layer_number=1
+        ).cuda()
         if state is None:
             state = {k: v.detach().clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
         layer.load_state_dict(state, strict=False)
@@ -150,8 +164,9 @@ def test_local_layer_fused_against_eager(parallel, mode):
         assert err < bound, (mode, err)
 
 
-@pytest.mark.parametrize("rows,vocab,padded,temperature", [(4096, 151936, 151936, 1.0), (1000, 50000, 50048, 0.7),
-                                                          (17, 300, 384, 1.3)])
+@pytest.mark.parametrize(
+    "rows,vocab,padded,temperature", [(4096, 151936, 151936, 1.0), (1000, 50000, 50048, 0.7), (17, 300, 384, 1.3)]
+)
 def test_logprobs_compiled_against_megatron_and_fp64(parallel, rows, vocab, padded, temperature):
     """The fused logprobs (three Inductor kernels reading BF16 logits) against megatron's cross entropy on FP32
     copies, same logits: values within FP32 summation-order noise of the log-sum-exp, gradients (BF16) equal
@@ -173,11 +188,11 @@ def test_logprobs_compiled_against_megatron_and_fp64(parallel, rows, vocab, padd
     want = torch.log_softmax(x64, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
     lse = float(torch.logsumexp(x64, -1).abs().max())
     for fused_on in (True, False):
-        torch.testing.assert_close(out[fused_on][0].double(), want, atol=4 * 2.0 ** -24 * lse * 8, rtol=0)
-    torch.testing.assert_close(out[True][0], out[False][0], atol=4 * 2.0 ** -24 * lse * 8, rtol=0)
+        torch.testing.assert_close(out[fused_on][0].double(), want, atol=4 * 2.0**-24 * lse * 8, rtol=0)
+    torch.testing.assert_close(out[True][0], out[False][0], atol=4 * 2.0**-24 * lse * 8, rtol=0)
     d_f, d_m = out[True][1], out[False][1]
     assert not d_f[:, -1].any() and not d_f[..., vocab:].any()
-    assert within_ulps(d_f, d_m, 1, atol=2.0 ** -30) and flipped(d_f, d_m) < 1e-2
+    assert within_ulps(d_f, d_m, 1, atol=2.0**-30) and flipped(d_f, d_m) < 1e-2
 
 
 def test_rms_norm_on_a_strided_view():
@@ -190,11 +205,11 @@ def test_rms_norm_on_a_strided_view():
     out = {}
     for name, fn in (("kernel", fused.fused_rms_norm), ("eager", fused.rms_norm)):
         mixed, w = mixed0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-        k = mixed[..., 4 * d:5 * d]
+        k = mixed[..., 4 * d : 5 * d]
         assert not k.is_contiguous() and not dy.is_contiguous()
         y = fn(k, w, 1e-6)
         y.backward(dy)
-        out[name] = (y.detach(), mixed.grad[..., 4 * d:5 * d], w.grad)
+        out[name] = (y.detach(), mixed.grad[..., 4 * d : 5 * d], w.grad)
     assert within_ulps(out["kernel"][0], out["eager"][0], 2) and flipped(out["kernel"][0], out["eager"][0]) < 1e-3
     for got, want in zip(out["kernel"][1:], out["eager"][1:]):
         assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-2
@@ -242,4 +257,6 @@ def test_rollout_glue_kernels_equal_their_two_step_forms(tokens):
     pos = torch.randint(0, 4096, (tokens,), device=DEV, generator=gen(14))
     for heads in (16, 4):
         q = torch.randn(tokens, 1, heads, 128, device=DEV, generator=gen(15 + heads)).bfloat16()
-        assert torch.equal(fused.fused_rope_at(q, cos, sin, pos), fused.fused_rope(q, cos[pos].contiguous(), sin[pos].contiguous()))
+        assert torch.equal(
+            fused.fused_rope_at(q, cos, sin, pos), fused.fused_rope(q, cos[pos].contiguous(), sin[pos].contiguous())
+        )

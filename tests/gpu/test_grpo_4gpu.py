@@ -28,9 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 4 or importlib.util.find_spec("vllm") is None,
-                                 reason="needs 4 CUDA GPUs of one host and vLLM 0.26.0 (shared/kits/vllm)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.device_count() < 4 or importlib.util.find_spec("vllm") is None,
+        reason="needs 4 CUDA GPUs of one host and vLLM 0.26.0 (shared/kits/vllm)",
+    ),
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8_BYTES_8_LAYERS = 8 * 193e6 + 2 * 151936 * 4096 * 2  # the layers' FP8 linears and the BF16 embedding and lm_head
 
@@ -44,17 +48,35 @@ def _needs_te(*args):
 TP2XPP2 = ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=4", "rollout.tp=4"], TP2XPP2, [*TP2XPP2, "parallel.pp_last_layers=3"],
-                                    _needs_te([*TP2XPP2, "model.spec=te"]),
-                                    _needs_te([*TP2XPP2, "model.spec=te", "precision.mode=bf16"]),
-                                    ["parallel.tp=4", "rollout.tp=4", "rollout.offload=optimizer"]],
-                         ids=["tp4", "tp2xpp2", "tp2xpp2-uneven", "tp2xpp2-te", "tp2xpp2-te-bf16", "tp4-offload"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=4", "rollout.tp=4"],
+        TP2XPP2,
+        [*TP2XPP2, "parallel.pp_last_layers=3"],
+        _needs_te([*TP2XPP2, "model.spec=te"]),
+        _needs_te([*TP2XPP2, "model.spec=te", "precision.mode=bf16"]),
+        ["parallel.tp=4", "rollout.tp=4", "rollout.offload=optimizer"],
+    ],
+    ids=["tp4", "tp2xpp2", "tp2xpp2-uneven", "tp2xpp2-te", "tp2xpp2-te-bf16", "tp4-offload"],
+)
 def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
-    cmd = ["bash", "launch/train_grpo.sh", "configs/gpu_8b_shapes.yaml", *layout, "rollout.engine=vllm", "run.steps=2",
-           "rollout.max_new_tokens=128", "grpo.prompts_per_step=16", "grpo.micro_batch_size=16", f"run.out_dir={tmp_path}",
-           "run.name=grpo_4gpu"]
-    env = dict(os.environ, PYTHON=sys.executable, NCCL_NVLS_ENABLE="0",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        "bash",
+        "launch/train_grpo.sh",
+        "configs/gpu_8b_shapes.yaml",
+        *layout,
+        "rollout.engine=vllm",
+        "run.steps=2",
+        "rollout.max_new_tokens=128",
+        "grpo.prompts_per_step=16",
+        "grpo.micro_batch_size=16",
+        f"run.out_dir={tmp_path}",
+        "run.name=grpo_4gpu",
+    ]
+    env = dict(
+        os.environ, PYTHON=sys.executable, NCCL_NVLS_ENABLE="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -75,8 +97,13 @@ def test_two_grpo_steps_sync_the_trainers_bytes_to_every_rank(tmp_path, layout):
 def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict]]:
     """`launch/train_grpo.sh ARGS run.out_dir=out`: exit code, output and metrics rows."""
     cmd = ["bash", "launch/train_grpo.sh", *args, f"run.out_dir={out}", f"run.name={out.name}"]
-    full = dict(os.environ, PYTHON=sys.executable, NCCL_NVLS_ENABLE="0", **(env or {}),
-                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    full = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        NCCL_NVLS_ENABLE="0",
+        **(env or {}),
+        PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
     return done.returncode, done.stdout + done.stderr, [json.loads(line) for line in lines]
@@ -84,12 +111,20 @@ def launch(out: Path, *args, env=None, timeout=560) -> tuple[int, str, list[dict
 
 def numerics(row: dict) -> dict:
     """A metrics line without its wall-clock, throughput and layout keys."""
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "sync/", "rollout/"))
-            and k not in ("tp", "pp", "dp", "rollout_tp")}
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("time/", "throughput/", "sync/", "rollout/")) and k not in ("tp", "pp", "dp", "rollout_tp")
+    }
 
 
-SMALL = ["configs/learning_curves.yaml", "model.hf_config.tie_word_embeddings=false", "warmup.steps=0", "data.heldout=0",
-         "run.eval_every=0"]
+SMALL = [
+    "configs/learning_curves.yaml",
+    "model.hf_config.tie_word_embeddings=false",
+    "warmup.steps=0",
+    "data.heldout=0",
+    "run.eval_every=0",
+]
 """An 85M-parameter Qwen2-shaped model (12 layers, untied: a tied embedding's two copies differ in a last bit at PP > 1)."""
 
 
@@ -98,8 +133,9 @@ def start_weights(tmp_path_factory) -> Path:
     """One FP8 export of a random init (run.steps=0: the warm-start alone, saved and exported): random init draws
     per rank, so runs of two layouts start from the same weights only through a checkpoint, as users' runs do."""
     out = tmp_path_factory.mktemp("start") / "init"
-    rc, output, _ = launch(out, *SMALL, "parallel.tp=2", "precision.mode=jetrl", "run.steps=0", "run.checkpoint=true",
-                           "run.export=true")
+    rc, output, _ = launch(
+        out, *SMALL, "parallel.tp=2", "precision.mode=jetrl", "run.steps=0", "run.checkpoint=true", "run.export=true"
+    )
     assert rc == 0, output[-4000:]
     return out / "export"
 
@@ -115,8 +151,17 @@ def test_pp2_trains_the_first_step_as_pp1_on_the_same_rollouts(tmp_path, start_w
     losses are compared within float rounding."""
     runs = {}
     for name, layout in LAYOUTS:
-        rc, output, rows = launch(tmp_path / name, *SMALL, *layout, f"model.path={start_weights}", "rollout.engine=native",
-                                  "precision.mode=jetrl", "run.steps=2", "rollout.max_new_tokens=128", "grpo.prompts_per_step=8")
+        rc, output, rows = launch(
+            tmp_path / name,
+            *SMALL,
+            *layout,
+            f"model.path={start_weights}",
+            "rollout.engine=native",
+            "precision.mode=jetrl",
+            "run.steps=2",
+            "rollout.max_new_tokens=128",
+            "grpo.prompts_per_step=8",
+        )
         assert rc == 0, output[-4000:]
         runs[name] = rows
     assert numerics(runs["pp2"][0]) == numerics(runs["pp1"][0])
@@ -144,9 +189,17 @@ def test_pp2_exports_the_bytes_pp1_exports(tmp_path, start_weights):
     TP 2 x PP 2: every file of the two exports is the same bytes (the manifest apart from the source it names)."""
     digests = {}
     for name, layout in LAYOUTS:
-        rc, output, _ = launch(tmp_path / name, *SMALL, *layout, f"model.path={start_weights}", "precision.mode=jetrl",
-                               "precision.exact_logprobs=false",  # (the manifest records the flow; auto differs by PP)
-                               "run.steps=0", "run.checkpoint=true", "run.export=true")
+        rc, output, _ = launch(
+            tmp_path / name,
+            *SMALL,
+            *layout,
+            f"model.path={start_weights}",
+            "precision.mode=jetrl",
+            "precision.exact_logprobs=false",  # (the manifest records the flow; auto differs by PP)
+            "run.steps=0",
+            "run.checkpoint=true",
+            "run.export=true",
+        )
         assert rc == 0, output[-4000:]
         digests[name] = export_digests(tmp_path / name)
     assert any(name.endswith(".safetensors") for name in digests["pp1"]), digests["pp1"]
@@ -157,17 +210,30 @@ def test_kill9_of_a_second_stage_rank_names_it_and_the_run_resumes_exactly(tmp_p
     """TP 2 x PP 2 with colocated vLLM (bf16, eager): rank 2 (stage 1) is killed before the update of step 1; the
     launcher's last line names it with its step, phase and stage; launched again, the run resumes from checkpoint
     step 1 and its metrics equal an uninterrupted run's at every step."""
-    args = [*SMALL, "parallel.tp=2", "parallel.pp=2", "rollout.tp=2", "rollout.engine=vllm", "rollout.enforce_eager=true",
-            "precision.mode=bf16", "rollout.max_new_tokens=64", "grpo.prompts_per_step=8", "run.steps=3",
-            "run.save_every=1", "run.checkpoint=true", "run.export=false"]
+    args = [
+        *SMALL,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "rollout.tp=2",
+        "rollout.engine=vllm",
+        "rollout.enforce_eager=true",
+        "precision.mode=bf16",
+        "rollout.max_new_tokens=64",
+        "grpo.prompts_per_step=8",
+        "run.steps=3",
+        "run.save_every=1",
+        "run.checkpoint=true",
+        "run.export=false",
+    ]
     faulty = {"JETRL_PLUGINS": "fault_injection:install"}  # tests/fault_injection.py, on the PYTHONPATH `launch` sets
     rc, output, reference = launch(tmp_path / "reference", *args, env=faulty)
     assert rc == 0, output[-4000:]
     out = tmp_path / "killed"
     rc, output, rows = launch(out, *args, env={**faulty, "JETRL_FAULT": "kill@update:step=1:rank=2"})
     assert rc == 137, output[-4000:]
-    assert re.search(r"rank 2 failed first \(exit code 137, SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2",
-                     output), output[-3000:]
+    assert re.search(r"rank 2 failed first \(exit code 137, SIGKILL\) at step 1 \(\w+\), pipeline stage 1 of 2", output), output[
+        -3000:
+    ]
     assert [r["step"] for r in rows] == [0]
     rc, output, rows = launch(out, *args, env=faulty)
     assert rc == 0, output[-4000:]

@@ -68,7 +68,9 @@ def adversarial(m, k, dtype, seed):
 
 
 def same(a, b):
-    return torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    return torch.equal(
+        a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
+    )
 
 
 def same_scales(a, b):
@@ -126,8 +128,14 @@ def test_quantize_dual_bytes_both_layouts(dtype, mode):
         for dual_mode in ("fused", "split") if dtype == torch.bfloat16 else ():
             q3, s3, qt3, st3 = k.quantize_dual(x, mode, mode=dual_mode)
             assert same(q3, rq) and same_scales(s3, rs) and same(qt3, tq.t()) and same_scales(st3, ts.t()), dual_mode
-        for cfg in (dict(block_n=32, trans=False), dict(block_n=128, trans=True), dict(tma=True), dict(tma=True, block_n=128),
-                    dict(tma=True, block_n=32, num_warps=8), dict(tma=False)):
+        for cfg in (
+            dict(block_n=32, trans=False),
+            dict(block_n=128, trans=True),
+            dict(tma=True),
+            dict(tma=True, block_n=128),
+            dict(tma=True, block_n=32, num_warps=8),
+            dict(tma=False),
+        ):
             _, _, qt4, st4 = k.quantize_dual(x, mode, rows=False, cols_cfg=cfg)
             assert same(qt4, tq.t()) and same_scales(st4, ts.t()), cfg
             q5, s5, qt5, st5 = k.quantize_dual(x, mode, cols_cfg=cfg)
@@ -216,13 +224,21 @@ def test_tile_swiglu_gradient_equals_the_triton_kernel_for_every_bf16_gate():
     g = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
     for draw in range(4):
         gg = gen(1200 + draw)
-        u, dy = ((torch.randn(65536, device=DEV, generator=gg) * torch.exp(torch.randn(65536, device=DEV, generator=gg) * 3))
-                 .to(torch.bfloat16) for _ in range(2))
+        u, dy = (
+            (torch.randn(65536, device=DEV, generator=gg) * torch.exp(torch.randn(65536, device=DEV, generator=gg) * 3)).to(
+                torch.bfloat16
+            )
+            for _ in range(2)
+        )
         out = torch.empty(65536, dtype=torch.int32, device=DEV)
-        kern(grid=(256, 1, 1), block=(256, 1, 1), args=[g.view(torch.int16), u.view(torch.int16), dy.view(torch.int16), out, 65536])
+        kern(
+            grid=(256, 1, 1), block=(256, 1, 1), args=[g.view(torch.int16), u.view(torch.int16), dy.view(torch.int16), out, 65536]
+        )
         want = k.swiglu_backward(torch.cat([g.view(512, 128), u.view(512, 128)], dim=1), dy.view(512, 128))
-        for name, got, ref in (("d[gate]", (out & 0xFFFF).to(torch.int16), want[:, :128].reshape(-1)),
-                               ("d[up]", (out >> 16).to(torch.int16), want[:, 128:].reshape(-1))):
+        for name, got, ref in (
+            ("d[gate]", (out & 0xFFFF).to(torch.int16), want[:, :128].reshape(-1)),
+            ("d[up]", (out >> 16).to(torch.int16), want[:, 128:].reshape(-1)),
+        ):
             got_f = got.view(torch.bfloat16)
             differ = (got != ref.view(torch.int16)) & ~(torch.isnan(got_f) & torch.isnan(ref))
             assert not bool(differ.any()), (draw, name, int(differ.sum()), g[differ][:4].float().tolist())
@@ -244,7 +260,9 @@ def _triton_division_counter():
         x = tl.load(x_ptr + tl.arange(0, NX))[None, :]
         v = divide(x, s, DIV)
         ref = div_rn(x + tl.zeros_like(v), s + tl.zeros_like(v))
-        tl.atomic_add(bad_ptr, tl.sum(tl.sum((v.to(tl.int32, bitcast=True) != ref.to(tl.int32, bitcast=True)).to(tl.int32), 1), 0))
+        tl.atomic_add(
+            bad_ptr, tl.sum(tl.sum((v.to(tl.int32, bitcast=True) != ref.to(tl.int32, bitcast=True)).to(tl.int32), 1), 0)
+        )
 
     return count
 
@@ -339,10 +357,12 @@ def test_fused_swiglu_backward_quantizer_equals_the_two_kernels(mode):
     k = kernels()
     for n, (t, i) in enumerate(SWIGLU_TILE_SHAPES):
         g = gen(900 + n)
-        gate_up = (torch.randn(t, 2 * i, device=DEV, generator=g) * torch.exp(torch.randn(t, 1, device=DEV, generator=g) * 2)).to(torch.bfloat16)
+        gate_up = (torch.randn(t, 2 * i, device=DEV, generator=g) * torch.exp(torch.randn(t, 1, device=DEV, generator=g) * 2)).to(
+            torch.bfloat16
+        )
         d_out = adversarial(t, i, torch.bfloat16, 950 + n)
         gate_up[0, :10] = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 30.0, -30.0, 90.0, -90.0, float("inf"), -float("inf")])
-        gate_up[-1, i:i + 4] = torch.tensor([1e-38, -1e-38, 3e38, float("nan")])
+        gate_up[-1, i : i + 4] = torch.tensor([1e-38, -1e-38, 3e38, float("nan")])
         assert cuda_tiles.takes_swiglu(gate_up, d_out), (t, i)
         want = k.quantize_dual(k.swiglu_backward(gate_up, d_out), mode, check_finite=False)
         for rows, cols in ((True, True), (False, True), (True, False)):
@@ -385,8 +405,10 @@ def test_fused_swiglu_backward_through_the_gated_mlp(monkeypatch):
         y.backward(dy)
         outs.append((y, xx.grad, a.main_grad, b.grad))
     for a, b in zip(*outs):
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
-                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+        assert torch.equal(
+            a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+            b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32),
+        )
 
 
 def test_cuda_tile_kernel_poisons_non_finite_groups():
@@ -416,7 +438,9 @@ def test_cuda_tile_kernel_poisons_non_finite_groups():
     wq, ws = quantize_blockwise(x, (128, 128), check_finite=False)
     q, s, qt, st = k.quantize_128x128(x, check_finite=False, transposed=True, mode="cuda")
     assert torch.equal(torch.isnan(s), torch.isnan(ws)) and torch.equal(torch.isnan(st), torch.isnan(ws.t()))
-    assert torch.equal(torch.isnan(q.float()), torch.isnan(wq.float())) and torch.equal(torch.isnan(qt.float()), torch.isnan(wq.float().t()))
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(wq.float())) and torch.equal(
+        torch.isnan(qt.float()), torch.isnan(wq.float().t())
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -451,7 +475,7 @@ def test_swiglu_quantization_also_writes_the_product_into_a_given_scale_layout()
         gu = torch.randn(m, 2 * n, device=DEV, generator=gen(990 + i)).mul(3).to(torch.bfloat16)
         if m > 3:
             gu[2, :128] = 0.0  # a zero group: the eps floor
-            gu[3, n:n + 128] = float("inf")  # silu * inf: a non-finite group, NaN/inf scale like the reference's
+            gu[3, n : n + 128] = float("inf")  # silu * inf: a non-finite group, NaN/inf scale like the reference's
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         buf = torch.empty_strided((m, n // 128), (1, -(-m // 4) * 4), device=DEV, dtype=torch.float32)
         q, s = k.swiglu_quantize_1x128(gu, check_finite=False, product=out, scale=buf)
@@ -508,7 +532,15 @@ def test_non_finite_raises_or_poisons():
 # GEMM backends
 # ----------------------------------------------------------------------------------------------------
 
-GEMM_SHAPES = [(64, 256, 640), (200, 384, 640), (128, 256, 896), (256, 512, 1024), (33, 130, 300), (1000, 777, 1408), (512, 1024, 4096)]
+GEMM_SHAPES = [
+    (64, 256, 640),
+    (200, 384, 640),
+    (128, 256, 896),
+    (256, 512, 1024),
+    (33, 130, 300),
+    (1000, 777, 1408),
+    (512, 1024, 4096),
+]
 
 
 def fast_backends():
@@ -549,10 +581,17 @@ def test_backends_match_emulated_with_fresh_inputs(b_block):
 def test_triton_gemm_configs_write_every_element():
     k = kernels()
     configs = [
-        (128, 128, 8, 8, 4, True), (128, 128, 8, 8, 3, False), (128, 256, 8, 8, 3, True), (128, 64, 8, 4, 5, True),
-        (128, 64, 8, 4, 4, True, True), (128, 128, 8, 8, 3, True, True), (128, 128, 8, 8, 4, True, False, True),
+        (128, 128, 8, 8, 4, True),
+        (128, 128, 8, 8, 3, False),
+        (128, 256, 8, 8, 3, True),
+        (128, 64, 8, 4, 5, True),
+        (128, 64, 8, 4, 4, True, True),
+        (128, 128, 8, 8, 3, True, True),
+        (128, 128, 8, 8, 4, True, False, True),
     ]
-    for i, ((m, n, kk), b_block, cfg) in enumerate(itertools.product([(300, 640, 640), (129, 256, 1000)], [(128, 128), (1, 128)], configs)):
+    for i, ((m, n, kk), b_block, cfg) in enumerate(
+        itertools.product([(300, 640, 640), (129, 256, 1000)], [(128, 128), (1, 128)], configs)
+    ):
         g = gen(3000 + i)
         a_q, a_s = quantize_blockwise(torch.randn(m, kk, device=DEV, generator=g), (1, 128))
         b_q, b_s = quantize_blockwise(torch.randn(n, kk, device=DEV, generator=g), b_block)
@@ -676,7 +715,9 @@ def test_default_fp8_linear_on_gpu_matches_emulated_and_fills_main_grad():
     against the emulated backend on the same quantized operands."""
     torch.manual_seed(1)
     mod = FP8Linear(1024, 1536, bias=False, flow=PrecisionFlow(mode="jetrl"), dtype=torch.bfloat16, device=DEV)
-    ref = FP8Linear(1024, 1536, bias=False, flow=PrecisionFlow(mode="jetrl", backend="emulated"), dtype=torch.bfloat16, device=DEV)
+    ref = FP8Linear(
+        1024, 1536, bias=False, flow=PrecisionFlow(mode="jetrl", backend="emulated"), dtype=torch.bfloat16, device=DEV
+    )
     ref.load_state_dict(mod.state_dict())
     start = torch.randn(1536, 1024, device=DEV)
     mod.weight.main_grad = start.clone()
@@ -768,7 +809,7 @@ def test_transpose_bytes_equals_torch_transpose(shape):
     assert got.dtype == q.dtype and got.shape == (shape[1], shape[0]) and got.is_contiguous()
     assert torch.equal(got.view(torch.uint8), q.view(torch.uint8).t().contiguous())
     wide = torch.randint(0, 256, (shape[0], shape[1] + 64), dtype=torch.uint8, device=DEV, generator=gen(8))
-    sliced = wide[:, 32:32 + shape[1]]  # a row stride wider than the row
+    sliced = wide[:, 32 : 32 + shape[1]]  # a row stride wider than the row
     assert torch.equal(kernels().transpose_bytes(sliced), sliced.t().contiguous())
 
 

@@ -40,7 +40,9 @@ def check_conformance(kind: str, mode: str, x: torch.Tensor, q_te, s_te, block) 
         assert not (d["groups_with_byte_diff"] & ~tiny).any(), f"{kind}: bytes differ outside the tiny-amax groups"
         d["tiny_groups"] = int(tiny.sum())
     else:
-        assert d["differing_bytes_adjacent"] and d["max_scale_ulps"] <= 1, f"{kind}: {d['max_scale_ulps']} ulps, non-adjacent codes"
+        assert d["differing_bytes_adjacent"] and d["max_scale_ulps"] <= 1, (
+            f"{kind}: {d['max_scale_ulps']} ulps, non-adjacent codes"
+        )
     return d
 
 
@@ -49,8 +51,11 @@ def report(kind, mode, stats: list[dict]):
     same = sum(s["bytes_identical"] * s["n"] for s in stats) / n
     scales = sum(s["scales_identical"] for s in stats) / len(stats)
     extra = f", tiny-amax groups {sum(s.get('tiny_groups', 0) for s in stats)}" if mode == "ue8m0" else ""
-    print(f"CONFORMANCE {kind:<22} {mode:<5}: identical bytes {same:.6f}, identical scales {scales:.4f} "
-          f"({len(stats)} tensors, {n} elements{extra})", flush=True)
+    print(
+        f"CONFORMANCE {kind:<22} {mode:<5}: identical bytes {same:.6f}, identical scales {scales:.4f} "
+        f"({len(stats)} tensors, {n} elements{extra})",
+        flush=True,
+    )
 
 
 def _quantize_like_te(flow, tensor_type, x):
@@ -72,8 +77,11 @@ def test_recipe_mapping(te_ready, mode):
     out.float().sum().backward()
     for name, m in te_linears(model).items():
         fwd, bwd = m.quantizers["scaling_fwd"], m.quantizers["scaling_bwd"]
-        for q, dim in ((fwd[FP8FwdTensorIdx.GEMM1_INPUT], 1), (fwd[FP8FwdTensorIdx.GEMM1_WEIGHT], 2),
-                       (bwd[FP8BwdTensorIdx.GRAD_OUTPUT1], 1)):
+        for q, dim in (
+            (fwd[FP8FwdTensorIdx.GEMM1_INPUT], 1),
+            (fwd[FP8FwdTensorIdx.GEMM1_WEIGHT], 2),
+            (bwd[FP8BwdTensorIdx.GRAD_OUTPUT1], 1),
+        ):
             assert isinstance(q, Float8BlockQuantizer), f"{name}: {type(q).__name__}"
             assert (q.block_scaling_dim, q.amax_epsilon, q.force_pow_2_scales) == (dim, 1e-10, mode == "ue8m0"), name
 
@@ -118,7 +126,9 @@ def test_activation_and_gradient_bytes_conformance(te_ready, mode):
     for name, m in te_linears(model).items():
         if name.endswith(("linear_proj", "linear_fc2")):
             hooks.append(m.register_forward_pre_hook(lambda mod, a, n=name: seen.__setitem__((n, "input"), a[0].detach())))
-            hooks.append(m.register_full_backward_hook(lambda mod, gi, go, n=name: seen.__setitem__((n, "grad_output"), go[0].detach())))
+            hooks.append(
+                m.register_full_backward_hook(lambda mod, gi, go, n=name: seen.__setitem__((n, "grad_output"), go[0].detach()))
+            )
     model(tokens(1), None, None).float().pow(2).mean().backward()
     for h in hooks:
         h.remove()
@@ -142,9 +152,12 @@ def test_te_train_step_matches_local_spec(te_ready, mode):
     flow = PrecisionFlow(mode="jetrl", scale_mode=mode.split("-")[1]) if mode.startswith("jetrl") else PrecisionFlow(mode="bf16")
     bound = BOUNDS["jetrl" if flow.train_fp8 else "bf16"]
     r, _ = train_step_comparison(flow)
-    print(f"TRAINSTEP {mode}: before mean|dlogp| {r['before']['mean']:.3g} max {r['before']['max']:.3g}; after mean "
-          f"{r['after']['mean']:.3g} max {r['after']['max']:.3g}; loss local {r['loss_local']:.6g} te {r['loss_te']:.6g}; "
-          f"grad norm local {r['grad_norm_local']:.6g} te {r['grad_norm_te']:.6g}", flush=True)
+    print(
+        f"TRAINSTEP {mode}: before mean|dlogp| {r['before']['mean']:.3g} max {r['before']['max']:.3g}; after mean "
+        f"{r['after']['mean']:.3g} max {r['after']['max']:.3g}; loss local {r['loss_local']:.6g} te {r['loss_te']:.6g}; "
+        f"grad norm local {r['grad_norm_local']:.6g} te {r['grad_norm_te']:.6g}",
+        flush=True,
+    )
     for d in (r["before"], r["after"]):
         assert d["mean"] <= bound[0] and d["max"] <= bound[1], (mode, d)
     assert r["loss_rel"] <= bound[2]
@@ -186,9 +199,18 @@ def test_export_ships_te_bytes_to_native_engine_and_disk(te_ready, mode, tmp_pat
     convert(tmp_path / "ckpt", tmp_path / "hf", dtype="fp8", rollout_tp=1, force=True)
     disk = NativeEngine.from_pretrained(tmp_path / "hf", flow, device="cuda", batch_invariant=False).state_dict()
     for name, t in want.items():
-        assert torch.equal((disk[name].view(torch.uint8) if t.dtype == torch.uint8 else disk[name]).cpu(), t.cpu()), f"disk {name}"
+        assert torch.equal((disk[name].view(torch.uint8) if t.dtype == torch.uint8 else disk[name]).cpu(), t.cpu()), (
+            f"disk {name}"
+        )
     actor = logprobs(ddp, toks).float().cpu()
     rollout = torch.tensor(engine.score(toks.tolist()))
-    gap = f"{(actor - rollout).abs().mean():.4g}" if actor.shape == rollout.shape else f"n/a (shapes {tuple(actor.shape)}, {tuple(rollout.shape)})"
-    print(f"EXPORT {mode}: {len(want) // 2} FP8 tensors identical in the live stream, the native engine and on disk; "
-          f"actor vs native engine on the same bytes mean|dlogp| {gap}", flush=True)
+    gap = (
+        f"{(actor - rollout).abs().mean():.4g}"
+        if actor.shape == rollout.shape
+        else f"n/a (shapes {tuple(actor.shape)}, {tuple(rollout.shape)})"
+    )
+    print(
+        f"EXPORT {mode}: {len(want) // 2} FP8 tensors identical in the live stream, the native engine and on disk; "
+        f"actor vs native engine on the same bytes mean|dlogp| {gap}",
+        flush=True,
+    )

@@ -45,10 +45,24 @@ def rows(tmp_path_factory):
     if not te_mod.te_installed():
         pytest.skip(te_mod.INSTALL_HINT)
     out = tmp_path_factory.mktemp("te_tp") / "te_tp.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29535",
-           str(REPO / "tests" / "gpu" / "te_tp_run.py"), "--modes", *MODES, "--json", str(out)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        NCCL_NVLS_ENABLE="0",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-port=29535",
+        str(REPO / "tests" / "gpu" / "te_tp_run.py"),
+        "--modes",
+        *MODES,
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     for line in proc.stdout.splitlines():
         if line.startswith("TETP "):

@@ -47,10 +47,15 @@ from gpu_helpers import ARCH, arch, build, dequantized, hf_fp8, logprobs, tokens
 
 from megatron_jetrl.fp8 import PrecisionFlow
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None
-    or importlib.util.find_spec("transformer_engine") is None,
-    reason="needs a CUDA GPU, vLLM 0.26.0 (shared/kits/vllm) and Transformer Engine (shared/kits/te)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available()
+        or importlib.util.find_spec("vllm") is None
+        or importlib.util.find_spec("transformer_engine") is None,
+        reason="needs a CUDA GPU, vLLM 0.26.0 (shared/kits/vllm) and Transformer Engine (shared/kits/te)",
+    ),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = os.environ.get("JETRL_TE_VLLM_SCALE")
@@ -62,14 +67,31 @@ PROMPTS, PROMPT_LEN, NEW = 8, 32, 16  # 8 x 48 tokens: a multiple of 128 tokens 
 
 # ---- parent: one child process per scale mode -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_scale_mode_in_its_own_process(mode, tmp_path):
     if SCALE is not None:
         pytest.skip("this is a child process (it runs the test_in_process_* tests)")
-    env = dict(os.environ, JETRL_TE_VLLM_SCALE=mode, MASTER_PORT=str(MODES[mode]),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-k", "in_process",
-           "--basetemp", str(tmp_path / "child"), __file__]
+    env = dict(
+        os.environ,
+        JETRL_TE_VLLM_SCALE=mode,
+        MASTER_PORT=str(MODES[mode]),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "in_process",
+        "--basetemp",
+        str(tmp_path / "child"),
+        __file__,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
     timer.start()
@@ -89,11 +111,13 @@ def test_scale_mode_in_its_own_process(mode, tmp_path):
 
 # ---- child: one scale mode, one engine --------------------------------------------------------------------------
 
+
 def _step(ddp, opt, toks):
     from megatron_jetrl.actor.train_step import train_step
 
-    return train_step(ddp, opt, toks, lambda lp, _: (-lp.mean(), {}), vocab_size=ARCH["vocab_size"],
-                      micro_batch_size=toks.shape[0])
+    return train_step(
+        ddp, opt, toks, lambda lp, _: (-lp.mean(), {}), vocab_size=ARCH["vocab_size"], micro_batch_size=toks.shape[0]
+    )
 
 
 def _expected(ddp, a, flow):
@@ -118,13 +142,17 @@ def _summary(result: dict, want: dict) -> dict:
         kinds[kind].append((same, n))
     fp8 = kinds["weight"] + kinds["scale"]
     return {k: (sum(s == n for s, n in v), len(v)) for k, v in kinds.items()} | {
-        "fp8_bytes": sum(n for _, n in fp8), "fp8_equal": sum(s for s, _ in fp8) / max(1, sum(n for _, n in fp8))}
+        "fp8_bytes": sum(n for _, n in fp8),
+        "fp8_equal": sum(s for s, _ in fp8) / max(1, sum(n for _, n in fp8)),
+    }
 
 
 def _line(what: str, s: dict) -> str:
-    return (f"FP8 weights {s['weight'][0]}/{s['weight'][1]}, weight_scale_inv {s['scale'][0]}/{s['scale'][1]} byte-equal "
-            f"to TE's (te_fp8_weights); FP8 bytes equal {s['fp8_equal']:.6f} of {s['fp8_bytes']}; "
-            f"BF16 tensors equal {s['bf16'][0]}/{s['bf16'][1]} to {what}")
+    return (
+        f"FP8 weights {s['weight'][0]}/{s['weight'][1]}, weight_scale_inv {s['scale'][0]}/{s['scale'][1]} byte-equal "
+        f"to TE's (te_fp8_weights); FP8 bytes equal {s['fp8_equal']:.6f} of {s['fp8_bytes']}; "
+        f"BF16 tensors equal {s['bf16'][0]}/{s['bf16'][1]} to {what}"
+    )
 
 
 def _explain(engine, result: dict, want: dict) -> str:
@@ -166,19 +194,24 @@ def world(te_ready, tmp_path_factory):
     save_checkpoint(ddp, root / "ckpt", hf_config=ARCH, flow=flow, iteration=1, spec="te")
     convert(root / "ckpt", root / "hf", dtype="fp8", rollout_tp=1, force=True)
     t0 = time.perf_counter()
-    engine = VllmEngine(root / "hf", flow, load_format="auto",
-                        **dict(ENGINE, max_model_len=ARCH["max_position_embeddings"], glue="vllm"))  # TE's norms, as the session picks
+    engine = VllmEngine(
+        root / "hf", flow, load_format="auto", **dict(ENGINE, max_model_len=ARCH["max_position_embeddings"], glue="vllm")
+    )  # TE's norms, as the session picks
     start_s = time.perf_counter() - t0
-    return SimpleNamespace(flow=flow, arch=a, ddp=ddp, opt=opt, engine=engine, want1=want, start_s=start_s,
-                           disk=vllm_bytes(engine, a, want))
+    return SimpleNamespace(
+        flow=flow, arch=a, ddp=ddp, opt=opt, engine=engine, want1=want, start_s=start_s, disk=vllm_bytes(engine, a, want)
+    )
 
 
 def test_in_process_converted_te_checkpoint_loads_in_vllm_with_tes_bytes(world):
     engine, want, result = world.engine, world.want1, world.disk
     s = _summary(result, want)
-    print(f"\nTEVLLM disk {SCALE}: vLLM loaded the converter's export (load_format=auto, "
-          f"VLLM_USE_DEEP_GEMM_E8M0={os.environ.get('VLLM_USE_DEEP_GEMM_E8M0')}, start {world.start_s:.1f} s, "
-          f"kernels {engine.numerics['kernels']}): {_line('the checkpoint', s)}", flush=True)
+    print(
+        f"\nTEVLLM disk {SCALE}: vLLM loaded the converter's export (load_format=auto, "
+        f"VLLM_USE_DEEP_GEMM_E8M0={os.environ.get('VLLM_USE_DEEP_GEMM_E8M0')}, start {world.start_s:.1f} s, "
+        f"kernels {engine.numerics['kernels']}): {_line('the checkpoint', s)}",
+        flush=True,
+    )
     assert len(result) == len(want), sorted(set(want) - set(result))
     assert all(same == n for same, n in result.values()), _explain(engine, result, want)
 
@@ -197,9 +230,12 @@ def test_in_process_live_sync_puts_tes_new_bytes_in_vllm(world):
     sync_ms = (time.perf_counter() - t0) * 1e3
     result = vllm_bytes(engine, a, want)
     s = _summary(result, want)
-    print(f"\nTEVLLM sync {SCALE}: step 2's live stream -> vLLM ({stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB, "
-          f"{sync_ms:.0f} ms; {moved:.4f} of the FP8 weight bytes changed since step 1): "
-          f"{_line('the stream', s)}", flush=True)
+    print(
+        f"\nTEVLLM sync {SCALE}: step 2's live stream -> vLLM ({stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB, "
+        f"{sync_ms:.0f} ms; {moved:.4f} of the FP8 weight bytes changed since step 1): "
+        f"{_line('the stream', s)}",
+        flush=True,
+    )
     assert moved > 0.01, "the second step left TE's FP8 bytes (almost) unchanged: the sync check would prove nothing"
     assert len(result) == len(want), sorted(set(want) - set(result))
     assert all(same == n for same, n in result.values()), _explain(engine, result, want)
@@ -218,10 +254,13 @@ def test_in_process_vllm_generates_from_tes_bytes(world):
     assert all(0 <= t < ARCH["vocab_size"] for c in comps for t in c.token_ids)
     theirs = torch.tensor([c.logprobs for c in comps])
     seqs = torch.tensor([list(o.prompt_token_ids) + list(c.token_ids) for o, c in zip(outs, comps)], device="cuda")
-    ours = logprobs(world.ddp, seqs, micro_batch_size=PROMPTS)[:, PROMPT_LEN - 1:].float().cpu()
+    ours = logprobs(world.ddp, seqs, micro_batch_size=PROMPTS)[:, PROMPT_LEN - 1 :].float().cpu()
     diff = (theirs - ours).abs()
     distinct = len({tuple(c.token_ids) for c in comps})
-    print(f"\nTEVLLM generate {SCALE}: {PROMPTS} greedy completions x {NEW} tokens ({distinct} distinct); vLLM vs the TE "
-          f"actor on the same tokens: mean |dlogp| {diff.mean():.4f}, max {diff.max():.4f}, "
-          f"mean logp vLLM {theirs.mean():.3f} actor {ours.mean():.3f}", flush=True)
+    print(
+        f"\nTEVLLM generate {SCALE}: {PROMPTS} greedy completions x {NEW} tokens ({distinct} distinct); vLLM vs the TE "
+        f"actor on the same tokens: mean |dlogp| {diff.mean():.4f}, max {diff.max():.4f}, "
+        f"mean logp vLLM {theirs.mean():.3f} actor {ours.mean():.3f}",
+        flush=True,
+    )
     assert torch.isfinite(theirs).all() and diff.mean() < 0.5

@@ -40,8 +40,13 @@ def test_launcher_equals_triton_launch_across_specializations(kernel):
                 kernel[grid](x, y, want, n, stride, 0.5, SCALE=scale, BLOCK=256)
                 fast[grid](x, y, got, n, stride, 0.5, SCALE=scale, BLOCK=256)
                 assert torch.equal(got, want), (off, n, stride, scale, rounds)
-                assert torch.allclose(want, (0.5 * x[: n * stride : stride] + y[:n]) * scale + 1.0, rtol=1e-6, atol=1e-6)  # Triton may fuse an FMA
-    assert len(fast._cache) == len({(off % 4 == 0, n == 1, n % 16 == 0, stride == 1, stride % 16 == 0) for off, n, stride in cases}) * 2
+                assert torch.allclose(
+                    want, (0.5 * x[: n * stride : stride] + y[:n]) * scale + 1.0, rtol=1e-6, atol=1e-6
+                )  # Triton may fuse an FMA
+    assert (
+        len(fast._cache)
+        == len({(off % 4 == 0, n == 1, n % 16 == 0, stride == 1, stride % 16 == 0) for off, n, stride in cases}) * 2
+    )
 
 
 def test_launcher_takes_tritons_path_for_callable_grids_and_launch_hooks(kernel):

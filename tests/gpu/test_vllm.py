@@ -21,14 +21,33 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                                  reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+        reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)",
+    ),
+]
 
-CONFIG = dict(model_type="qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=512, eos_token_id=1023,
-              rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ENGINE = {**dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512),
-          **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}"))}
+CONFIG = dict(
+    model_type="qwen3",
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    eos_token_id=1023,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+ENGINE = {
+    **dict(seed=0, kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5, enforce_eager=True, max_model_len=512),
+    **json.loads(os.environ.get("JETRL_VLLM_TEST_ENGINE", "{}")),
+}
 """`VllmEngine` settings of the GPU tests (test_te_vllm.py starts its engine with these too). JETRL_VLLM_TEST_ENGINE
 (JSON) overrides them, e.g. '{"enforce_eager": false}': the whole module with full decode CUDA graphs (the default
 glue is the trainer's), '{"glue": "vllm"}': on vLLM's own RMSNorm and RoPE, or '{"fused_quant": false}': with vLLM's
@@ -93,7 +112,9 @@ def test_startup_conformance_is_read_back_from_the_engine(setup):
         assert glue["differ"]["rms_norm"] > 0.05  # vLLM's own kernel rounds once (25% measured at hidden 2048)
     with pytest.raises(EngineConformanceError, match="use_ue8m0=False.*ue8m0"):
         check_numerics(engine.model, PrecisionFlow("jetrl", scale_mode="ue8m0"), None, compiled=False)
-    with pytest.raises(EngineConformanceError, match=r"qkv_proj.weight: vLLM holds \(1536, 1024\) torch.float8_e4m3fn .*bfloat16"):
+    with pytest.raises(
+        EngineConformanceError, match=r"qkv_proj.weight: vLLM holds \(1536, 1024\) torch.float8_e4m3fn .*bfloat16"
+    ):
         copy_plan(arch, PrecisionFlow("bf16"), engine.params)
 
 
@@ -176,10 +197,12 @@ def test_vllm_logprobs_against_the_native_fp8_engine_on_the_same_bytes(setup):
     outs = engine.generate(prompts(16), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=7))
     seqs = [o.prompt_token_ids + c.token_ids for o in outs for c in o.completions]
     theirs = [lp for o in outs for c in o.completions for lp in c.logprobs]
-    ours = [lp for o, s in zip(outs, native.score(seqs)) for lp in s[len(o.prompt_token_ids) - 1:]]
+    ours = [lp for o, s in zip(outs, native.score(seqs)) for lp in s[len(o.prompt_token_ids) - 1 :]]
     diff = torch.tensor(theirs) - torch.tensor(ours)
-    print(f"vLLM FP8 vs native FP8, same bytes: mean |dlogp| {diff.abs().mean():.4f}, max {diff.abs().max():.4f}, "
-          f"{len(diff)} tokens")
+    print(
+        f"vLLM FP8 vs native FP8, same bytes: mean |dlogp| {diff.abs().mean():.4f}, max {diff.abs().max():.4f}, "
+        f"{len(diff)} tokens"
+    )
     assert diff.abs().mean() < 0.5 and torch.isfinite(diff).all()
 
 
@@ -202,7 +225,9 @@ def test_seeded_tokens_depend_on_the_seed_not_the_batch(setup):
     seeds = [100 + i for i in range(8)]
     batch = [c.token_ids for o in engine.generate(ps, sampling, request_seeds=seeds) for c in o.completions]
     alone = [engine.generate([ps[i]], sampling, request_seeds=[seeds[i]])[0].completions[0].token_ids for i in (2, 5)]
-    print(f"alone vs in a batch of 8: {[sum(x == y for x, y in zip(a, batch[i])) for a, i in zip(alone, (2, 5))]} of 24 tokens equal")
+    print(
+        f"alone vs in a batch of 8: {[sum(x == y for x, y in zip(a, batch[i])) for a, i in zip(alone, (2, 5))]} of 24 tokens equal"
+    )
     assert [a[:4] for a in alone] == [batch[2][:4], batch[5][:4]]
     again = [c.token_ids for o in engine.generate(ps, sampling, request_seeds=seeds) for c in o.completions]
     assert again == batch

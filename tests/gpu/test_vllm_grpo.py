@@ -13,15 +13,29 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                                  reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+        reason="needs a CUDA GPU and vLLM 0.26.0 (shared/kits/vllm)",
+    ),
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_grpo_with_vllm_runs_rollout_update_sync(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_jetrl.rl.train", "configs/gpu_1p5b.yaml", "rollout.engine=vllm",
-           "rollout.enforce_eager=true", "run.steps=2", "run.checkpoint=false",  # no 24 GB checkpoint at the end
-           f"run.out_dir={tmp_path}", "run.name=vllm_grpo"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_jetrl.rl.train",
+        "configs/gpu_1p5b.yaml",
+        "rollout.engine=vllm",
+        "rollout.enforce_eager=true",
+        "run.steps=2",
+        "run.checkpoint=false",  # no 24 GB checkpoint at the end
+        f"run.out_dir={tmp_path}",
+        "run.name=vllm_grpo",
+    ]
     env = dict(os.environ, MASTER_PORT="29677", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

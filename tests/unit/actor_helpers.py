@@ -18,14 +18,33 @@ from safetensors.torch import save_file
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 32
 
-BASE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=128, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6)
+BASE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    vocab_size=300,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
 CONFIGS = {
     "qwen2": dict(BASE, model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(BASE, model_type="qwen3", rope_theta=1000000.0, tie_word_embeddings=False),
-    "llama": dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 8192}),
+    "llama": dict(
+        BASE,
+        model_type="llama",
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 
 
@@ -42,12 +61,19 @@ def hf_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         state["lm_head.weight"] = rnd(V, H)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": rnd(nh * hd, H), p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
-            p + "self_attn.v_proj.weight": rnd(nkv * hd, H), p + "self_attn.o_proj.weight": rnd(H, nh * hd),
-            p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H), p + "mlp.down_proj.weight": rnd(H, I),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+                p + "self_attn.q_proj.weight": rnd(nh * hd, H),
+                p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
+                p + "self_attn.v_proj.weight": rnd(nkv * hd, H),
+                p + "self_attn.o_proj.weight": rnd(H, nh * hd),
+                p + "mlp.gate_proj.weight": rnd(I, H),
+                p + "mlp.up_proj.weight": rnd(I, H),
+                p + "mlp.down_proj.weight": rnd(H, I),
+            }
+        )
         if qkv_bias:
             state.update({p + f"self_attn.{x}_proj.bias": rnd(n * hd, std=0.5) for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
         if qk_norm:
@@ -86,7 +112,12 @@ def _inv_freq(config):
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     rs = config.get("rope_scaling")
     if rs:  # HF's _compute_llama3_parameters
-        factor, low, high, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+        factor, low, high, old = (
+            rs["factor"],
+            rs["low_freq_factor"],
+            rs["high_freq_factor"],
+            rs["original_max_position_embeddings"],
+        )
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old / low, inv / factor, inv)
         smooth = (old / wavelen - low) / (high - low)

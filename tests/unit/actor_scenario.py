@@ -12,8 +12,14 @@ VOCAB = CONFIGS["qwen3"]["vocab_size"]
 LR, STEPS, MICRO = 1e-3, 3, 2
 
 
-def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = False, bf16_linear_weights: str = "keep",
-           params_dtype: torch.dtype = torch.float32):
+def _build(
+    family: str,
+    mode: str,
+    ckpt_root: str,
+    sequence_parallel: bool = False,
+    bf16_linear_weights: str = "keep",
+    params_dtype: torch.dtype = torch.float32,
+):
     from megatron_jetrl.actor.hf_import import load_hf_weights
     from megatron_jetrl.actor.provider import ActorOptions, build_model
     from megatron_jetrl.fp8 import PrecisionFlow
@@ -21,8 +27,11 @@ def _build(family: str, mode: str, ckpt_root: str, sequence_parallel: bool = Fal
 
     arch = ModelArch.from_hf_config(CONFIGS[family])
     flow = PrecisionFlow(mode=mode, backend="emulated")
-    model = build_model(arch, flow, ActorOptions(sequence_parallel=sequence_parallel, bf16_linear_weights=bf16_linear_weights,
-                                                 params_dtype=params_dtype))
+    model = build_model(
+        arch,
+        flow,
+        ActorOptions(sequence_parallel=sequence_parallel, bf16_linear_weights=bf16_linear_weights, params_dtype=params_dtype),
+    )
     load_hf_weights(model, arch, Path(ckpt_root) / family)
     return model, arch, flow
 
@@ -67,8 +76,9 @@ def _adam_state_numel(optimizer) -> int:
     return sum(st["exp_avg"].numel() for o in optimizer.chained_optimizers for st in o.optimizer.state.values())
 
 
-def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_parallel: bool = False,
-          distributed: bool = False) -> dict:
+def train(
+    ckpt_root: str, mode: str, save_dir: str | None = None, sequence_parallel: bool = False, distributed: bool = False
+) -> dict:
     """3 steps of train_step on qwen3 (this DP rank's share of a fixed batch); optional save + reload."""
     from megatron.core import parallel_state as ps
 
@@ -90,17 +100,34 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
     steps, fresh_fp8 = [], []
     for _ in range(STEPS):
         before = fp8_weights(model)
-        steps.append(train_step(ddp, optimizer, tokens[local], grpo_like_loss, vocab_size=VOCAB, micro_batch_size=MICRO,
-                                extras={"advantages": advantages[local]}))
+        steps.append(
+            train_step(
+                ddp,
+                optimizer,
+                tokens[local],
+                grpo_like_loss,
+                vocab_size=VOCAB,
+                micro_batch_size=MICRO,
+                extras={"advantages": advantages[local]},
+            )
+        )
         after = fp8_weights(model)
         params = dict(model.named_parameters())
-        fresh_fp8.append(all(
-            after[n] is not before[n] and torch.equal(after[n].q.view(torch.uint8), QuantizedWeight.quantize(params[n], flow).q.view(torch.uint8))
-            for n in after
-        ))
-    result = {"steps": steps, "fp8_requantized": fresh_fp8, "fp8_names": sorted(fp8_weights(model)),
-              "adam_state_numel": _adam_state_numel(optimizer), "param_numel": sum(p.numel() for p in model.parameters()),
-              "unallocated_bytes": [unallocated, unallocated_state_bytes(optimizer)]}
+        fresh_fp8.append(
+            all(
+                after[n] is not before[n]
+                and torch.equal(after[n].q.view(torch.uint8), QuantizedWeight.quantize(params[n], flow).q.view(torch.uint8))
+                for n in after
+            )
+        )
+    result = {
+        "steps": steps,
+        "fp8_requantized": fresh_fp8,
+        "fp8_names": sorted(fp8_weights(model)),
+        "adam_state_numel": _adam_state_numel(optimizer),
+        "param_numel": sum(p.numel() for p in model.parameters()),
+        "unallocated_bytes": [unallocated, unallocated_state_bytes(optimizer)],
+    }
     result["logprobs"] = compute_logprobs(ddp, tokens, vocab_size=VOCAB, micro_batch_size=MICRO)
     if save_dir is not None:
         save_checkpoint(ddp, save_dir, hf_config=CONFIGS["qwen3"], flow=flow, iteration=STEPS, optimizer=optimizer)
@@ -113,8 +140,9 @@ def train(ckpt_root: str, mode: str, save_dir: str | None = None, sequence_paral
         # second follows an update that used the restored optimizer state)
         step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": advantages[local]})
         result["next_losses"] = [train_step(ddp, optimizer, tokens[local], grpo_like_loss, **step).get("loss") for _ in range(2)]
-        result["resumed_next_losses"] = [train_step(fresh_ddp, fresh_opt, tokens[local], grpo_like_loss, **step).get("loss")
-                                         for _ in range(2)]
+        result["resumed_next_losses"] = [
+            train_step(fresh_ddp, fresh_opt, tokens[local], grpo_like_loss, **step).get("loss") for _ in range(2)
+        ]
     return result
 
 
@@ -147,8 +175,10 @@ def resume_at_dp1(ckpt_root: str, save_dir: str, mode: str) -> dict:
     meta = load_checkpoint(ddp, save_dir, optimizer=optimizer)
     tokens = tokens_for(CONFIGS["qwen3"], batch=4, seed=2)
     step = dict(vocab_size=VOCAB, micro_batch_size=MICRO, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
-    return {"iteration": meta["iteration"],
-            "next_losses": [train_step(ddp, optimizer, tokens, grpo_like_loss, **step)["loss"] for _ in range(2)]}
+    return {
+        "iteration": meta["iteration"],
+        "next_losses": [train_step(ddp, optimizer, tokens, grpo_like_loss, **step)["loss"] for _ in range(2)],
+    }
 
 
 def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = True) -> dict:
@@ -190,9 +220,15 @@ def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = 
         grads = [b.grad_data for b in ddp.buffers]
         off = None if what == "none" else TrainStateOffload(ddp, optimizer, what, reference)
         # what a colocated engine's KV sizing leaves to the actor (before the first step and the first forwards)
-        session = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(offload=what)), optimizer=optimizer, model=ddp,
-                                  reference=reference)
-        to_come = (awake_state_to_come(session), unallocated_state_bytes(optimizer), fp8_copy_bytes(ddp), fp8_copy_bytes(reference))
+        session = SimpleNamespace(
+            cfg=SimpleNamespace(rollout=SimpleNamespace(offload=what)), optimizer=optimizer, model=ddp, reference=reference
+        )
+        to_come = (
+            awake_state_to_come(session),
+            unallocated_state_bytes(optimizer),
+            fp8_copy_bytes(ddp),
+            fp8_copy_bytes(reference),
+        )
         ref_fp8 = fp8_weights(reference)  # its first forward's bytes, kept from then on
         ref_before = {n: (w.q.clone(), w.s.clone()) for n, w in ref_fp8.items()}
 
@@ -203,21 +239,39 @@ def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = 
             n = sum(g.numel() * g.element_size() for g in grads)
             if what == "optimizer":
                 n += sum(p.numel() * p.element_size() for o in inner for group in o.param_groups for p in mine(group["params"]))
-                n += sum(v.numel() * v.element_size() for o in inner for st in o.state.values() for v in st.values()
-                         if isinstance(v, torch.Tensor))
+                n += sum(
+                    v.numel() * v.element_size()
+                    for o in inner
+                    for st in o.state.values()
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor)
+                )
                 n += fp8_bytes(ref_fp8)
             return n
 
         def released():
-            tensors = grads + (mine([p for o in inner for group in o.param_groups for p in group["params"]])
-                               + [v for o in inner for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-                               + [t for w in ref_fp8.values() for t in (w.q, w.s)]
-                               if what == "optimizer" else [])
-            return (all(t.untyped_storage().nbytes() == 0 for t in tensors)
-                    and all(p.untyped_storage().nbytes() > 0 for p in model.parameters()))
+            tensors = grads + (
+                mine([p for o in inner for group in o.param_groups for p in group["params"]])
+                + [v for o in inner for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                + [t for w in ref_fp8.values() for t in (w.q, w.s)]
+                if what == "optimizer"
+                else []
+            )
+            return all(t.untyped_storage().nbytes() == 0 for t in tensors) and all(
+                p.untyped_storage().nbytes() > 0 for p in model.parameters()
+            )
 
-        run = {"freed": [], "expected": [], "empty": [], "steps": [], "fp8_freed": [], "fp8_expected": [], "fp8_same": [],
-               "fp8_counted": [], "reference_same": []}
+        run = {
+            "freed": [],
+            "expected": [],
+            "empty": [],
+            "steps": [],
+            "fp8_freed": [],
+            "fp8_expected": [],
+            "fp8_same": [],
+            "fp8_counted": [],
+            "reference_same": [],
+        }
         for step in range(STEPS + 1):
             if off is not None:
                 run["expected"].append(held_bytes())
@@ -232,20 +286,40 @@ def offload_round_trips(ckpt_root: str, distributed: bool = False, bf16: bool = 
                 run["fp8_counted"].append((fp8_copy_bytes(model), fp8_copy_bytes(model, pending=True)))
                 off.restore()
                 off.wait(reference=True)
-                run["reference_same"].append(all(torch.equal(w.q.view(torch.uint8), ref_before[n][0].view(torch.uint8))
-                                                 and torch.equal(w.s, ref_before[n][1]) for n, w in ref_fp8.items()))
+                run["reference_same"].append(
+                    all(
+                        torch.equal(w.q.view(torch.uint8), ref_before[n][0].view(torch.uint8))
+                        and torch.equal(w.s, ref_before[n][1])
+                        for n, w in ref_fp8.items()
+                    )
+                )
                 off.wait()
                 again = fp8_weights(model)  # the next forward makes them again
                 assert fp8_copy_bytes(model, pending=True) == 0
-                run["fp8_same"].append(all(torch.equal(again[n].q.view(torch.uint8), m[0].view(torch.uint8)) and
-                                           torch.equal(again[n].s, m[1]) and
-                                           torch.equal(again[n].transposed()[0].view(torch.uint8), m[2].view(torch.uint8))
-                                           for n, m in made.items()))
+                run["fp8_same"].append(
+                    all(
+                        torch.equal(again[n].q.view(torch.uint8), m[0].view(torch.uint8))
+                        and torch.equal(again[n].s, m[1])
+                        and torch.equal(again[n].transposed()[0].view(torch.uint8), m[2].view(torch.uint8))
+                        for n, m in made.items()
+                    )
+                )
             if step < STEPS:
-                run["steps"].append(train_step(ddp, optimizer, tokens[local], grpo_like_loss, vocab_size=VOCAB,
-                                               micro_batch_size=MICRO, extras={"advantages": advantages[local]}))
+                run["steps"].append(
+                    train_step(
+                        ddp,
+                        optimizer,
+                        tokens[local],
+                        grpo_like_loss,
+                        vocab_size=VOCAB,
+                        micro_batch_size=MICRO,
+                        extras={"advantages": advantages[local]},
+                    )
+                )
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        run["adam"] = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for o in inner for st in o.state.values()]
+        run["adam"] = [
+            {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for o in inner for st in o.state.values()
+        ]
         run["reference_fp8"] = fp8_bytes(ref_fp8)
         run["to_come"] = to_come
         out[what] = run
@@ -298,8 +372,11 @@ def bf16_release_round_trips(ckpt_root: str) -> dict:
         run["released_in_loss"] = seen
         run["bf16_bytes"] = bf16_bytes
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        run["adam"] = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-                       for o in optimizer.chained_optimizers for st in o.optimizer.state.values()]
+        run["adam"] = [
+            {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+            for o in optimizer.chained_optimizers
+            for st in o.optimizer.state.values()
+        ]
         out[release] = run
     return out
 
@@ -311,8 +388,15 @@ def bf16_release_refused_under_the_distributed_optimizer(ckpt_root: str) -> str:
     model, _, _ = _build("qwen3", "jetrl", ckpt_root, bf16_linear_weights="release", params_dtype=torch.bfloat16)
     ddp, optimizer = wrap_for_training(model, OptimConfig(lr=LR, clip_grad=1.0, distributed=True))
     try:
-        train_step(ddp, optimizer, tokens_for(CONFIGS["qwen3"], batch=4, seed=2), grpo_like_loss, vocab_size=VOCAB,
-                   micro_batch_size=MICRO, extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+        train_step(
+            ddp,
+            optimizer,
+            tokens_for(CONFIGS["qwen3"], batch=4, seed=2),
+            grpo_like_loss,
+            vocab_size=VOCAB,
+            micro_batch_size=MICRO,
+            extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+        )
     except RuntimeError as e:
         return str(e)
     return "not refused"

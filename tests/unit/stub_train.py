@@ -48,8 +48,15 @@ DEFAULTS = {
     "grpo": {"clip": 0.2, "kl_coef": 0.0},
     "optim": {"lr": 1e-5},
     "warmup": {"steps": 0},
-    "stub": {"exit_code": 0, "fail_rank": None, "fail_mode": None, "export": True, "tensorboard": True, "max_tp": None,
-             "sleep": 0},
+    "stub": {
+        "exit_code": 0,
+        "fail_rank": None,
+        "fail_mode": None,
+        "export": True,
+        "tensorboard": True,
+        "max_tp": None,
+        "sleep": 0,
+    },
 }
 MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
 
@@ -116,9 +123,9 @@ def synthetic_row(step: int, steps: int, mode: str, tp: int, pp: int, dp: int) -
     fp8_rollout = mode != "bf16"
     fp8_train = mode == "jetrl"
     comm = 1.0 + 0.15 * (tp - 1)
-    rollout = 1.0 * (0.8 if fp8_rollout else 1.0) * comm / tp ** 0.5
-    evaluation = 0.3 * (0.7 if fp8_train else 1.0) * comm / tp ** 0.5
-    update = 0.8 * (0.65 if fp8_train else 1.0) * comm / tp ** 0.5
+    rollout = 1.0 * (0.8 if fp8_rollout else 1.0) * comm / tp**0.5
+    evaluation = 0.3 * (0.7 if fp8_train else 1.0) * comm / tp**0.5
+    update = 0.8 * (0.65 if fp8_train else 1.0) * comm / tp**0.5
     sync = 0.05 * (1.2 if fp8_rollout else 1.0)
     warm = 2.0 if step == 1 else 1.0
     rollout, evaluation, update = rollout * warm, evaluation * warm, update * warm
@@ -126,12 +133,26 @@ def synthetic_row(step: int, steps: int, mode: str, tp: int, pp: int, dp: int) -
     mismatch = {"bf16": 0.002, "bf16-train-fp8-rollout": 0.05, "jetrl": 0.002}[mode]
     frac = step / max(steps, 1)
     return {
-        "step": step, "reward/mean": round(0.2 + 0.5 * frac, 6), "reward/std": 0.3,
+        "step": step,
+        "reward/mean": round(0.2 + 0.5 * frac, 6),
+        "reward/std": 0.3,
         "response_length/mean": round(16.0 - 4.0 * frac, 6),
-        "mismatch/mean_abs_diff": mismatch, "mismatch/k3_kl": mismatch ** 2 / 2, "mismatch/max_abs_diff": mismatch * 10,
-        "loss/pg": -0.01 * step, "loss/kl": 0.001, "grad_norm": 0.5,
-        "time/rollout": rollout, "time/eval": evaluation, "time/update": update, "time/sync": sync, "time/step": total,
-        "throughput/tokens_per_s": 64 * 14 / total, "mode": mode, "tp": tp, "pp": pp, "dp": dp,
+        "mismatch/mean_abs_diff": mismatch,
+        "mismatch/k3_kl": mismatch**2 / 2,
+        "mismatch/max_abs_diff": mismatch * 10,
+        "loss/pg": -0.01 * step,
+        "loss/kl": 0.001,
+        "grad_norm": 0.5,
+        "time/rollout": rollout,
+        "time/eval": evaluation,
+        "time/update": update,
+        "time/sync": sync,
+        "time/step": total,
+        "throughput/tokens_per_s": 64 * 14 / total,
+        "mode": mode,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
     }
 
 
@@ -178,19 +199,43 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(x)
         assert int(x.item()) == world, (x, world)
 
-    (out / f"stub_rank{rank}.json").write_text(json.dumps({
-        "argv": argv, "rank": rank, "world_size": world, "pid": os.getpid(),
-        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                              "MASTER_PORT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHELASTIC_RUN_ID",
-                                              "PYTHONPATH", "JETRL_EXIT_DIR")},
-        "cwd": os.getcwd(),
-    }, indent=1))
+    (out / f"stub_rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "argv": argv,
+                "rank": rank,
+                "world_size": world,
+                "pid": os.getpid(),
+                "env": {
+                    k: os.environ.get(k)
+                    for k in (
+                        "RANK",
+                        "LOCAL_RANK",
+                        "WORLD_SIZE",
+                        "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR",
+                        "MASTER_PORT",
+                        "OMP_NUM_THREADS",
+                        "OMP_WAIT_POLICY",
+                        "TORCHELASTIC_RUN_ID",
+                        "PYTHONPATH",
+                        "JETRL_EXIT_DIR",
+                    )
+                },
+                "cwd": os.getcwd(),
+            },
+            indent=1,
+        )
+    )
 
     if stub["sleep"]:
         time.sleep(float(stub["sleep"]))
     code = int(stub["exit_code"] or 0)
-    if code and (stub["fail_rank"] is None or int(stub["fail_rank"]) == rank) and \
-            (stub["fail_mode"] in (None, "") or stub["fail_mode"] == config["precision"]["mode"]):
+    if (
+        code
+        and (stub["fail_rank"] is None or int(stub["fail_rank"]) == rank)
+        and (stub["fail_mode"] in (None, "") or stub["fail_mode"] == config["precision"]["mode"])
+    ):
         print(f"stub_train: rank {rank} exits with {code} as asked (stub.exit_code)", file=sys.stderr)
         sys.stdout.flush()
         os._exit(code)  # no distributed teardown: a crashing rank

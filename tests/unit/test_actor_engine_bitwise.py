@@ -112,7 +112,9 @@ def test_sync_after_an_optimizer_step_moves_the_engine_to_the_new_policy(checkpo
     ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-2, bf16=True))
     tokens = torch.tensor(seqs)
     loss = lambda lp, extras: (-(lp * extras["adv"][:, None]).mean(), {})  # noqa: E731
-    result = train_step(ddp, opt, tokens, loss, vocab_size=VOCAB, micro_batch_size=2, extras={"adv": torch.tensor([1.0, -1.0, 1.0, -1.0])})
+    result = train_step(
+        ddp, opt, tokens, loss, vocab_size=VOCAB, micro_batch_size=2, extras={"adv": torch.tensor([1.0, -1.0, 1.0, -1.0])}
+    )
     assert result["ok"]
     assert engine.score(seqs) == before  # not synced yet: the engine still serves the old policy
     # megatron's BF16 optimizer writes the weights through param.data: the FP8 bytes must still be the new ones
@@ -145,8 +147,13 @@ def _tp2_logprobs(root: str):
         engine = NativeEngine(arch, flow)
         batch = dict(pairs)
         engine.update_weights(batch.items(), require_complete=True)
-        return {"actor": lp, "engine": engine.score(ragged()), "tp": ps.get_tensor_model_parallel_world_size(),
-                "all": everywhere, "rank0": {name: _digest(t) for name, t in batch.items()}}
+        return {
+            "actor": lp,
+            "engine": engine.score(ragged()),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "all": everywhere,
+            "rank0": {name: _digest(t) for name, t in batch.items()},
+        }
     drain(pairs)
     return {"all": everywhere}
 

@@ -41,6 +41,7 @@ def test_a_failed_compile_names_model_fused(monkeypatch):
     def broken_compile(fn, **kwargs):
         def raise_(*args):
             raise BackendCompilerFailed(lambda: None, RuntimeError("no working C compiler"), None)
+
         return raise_
 
     monkeypatch.setattr(torch, "compile", broken_compile)

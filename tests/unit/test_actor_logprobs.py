@@ -47,8 +47,13 @@ def _fp64_reference(logits, tokens, temperature):
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 3), seq=st.integers(2, 9),
-       temperature=st.sampled_from([1.0, 0.7, 1.3]), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    seq=st.integers(2, 9),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+)
 def test_fused_logprobs_are_megatrons_bits_at_tp1(one_rank, seed, batch, seq, temperature, dtype):
     logits, tokens, grad = _case(seed, batch, seq, dtype)
     (lp_f, d_f), (lp_m, d_m) = _both(logits, tokens, grad, temperature)
@@ -65,8 +70,7 @@ def _tp2(seed: int):
     logits, tokens, grad = _case(seed, 2, 7)
     part = PADDED // 2
     rank = ps.get_tensor_model_parallel_rank()
-    return {"logits": logits, "tokens": tokens,
-            "results": _both(logits[..., rank * part:(rank + 1) * part], tokens, grad, 0.7)}
+    return {"logits": logits, "tokens": tokens, "results": _both(logits[..., rank * part : (rank + 1) * part], tokens, grad, 0.7)}
 
 
 def test_fused_logprobs_are_megatrons_bits_at_tp2():

@@ -68,7 +68,9 @@ def test_native_fp8_linears_run_the_core_fp8_linear():
     config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=2, use_cpu_initialization=True)
     init = lambda w: torch.nn.init.normal_(w, std=0.05)  # noqa: E731
     col = FP8ColumnParallelLinear(256, 384, config=config, init_method=init, bias=True, gather_output=False, flow=JETRL)
-    row = FP8RowParallelLinear(384, 256, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=False, flow=JETRL)
+    row = FP8RowParallelLinear(
+        384, 256, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=False, flow=JETRL
+    )
     x = torch.randn(32, 2, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)
     y, _ = col(x)
     z, _ = row(y)
@@ -102,8 +104,15 @@ def test_weight_transpose_per_backward_gives_the_same_gradients_and_keeps_no_cop
     grads = {}
     for weight_t in ("step", "backward"):
         torch.manual_seed(3)
-        col = FP8ColumnParallelLinear(256, 384, config=config, init_method=lambda w: torch.nn.init.normal_(w, std=0.05),
-                                      bias=False, gather_output=False, flow=JETRL)
+        col = FP8ColumnParallelLinear(
+            256,
+            384,
+            config=config,
+            init_method=lambda w: torch.nn.init.normal_(w, std=0.05),
+            bias=False,
+            gather_output=False,
+            flow=JETRL,
+        )
         col.keep_weight_t = weight_t == "step"
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(32, 2, 256, generator=g, requires_grad=True) for _ in range(2)]
@@ -135,10 +144,23 @@ def test_gated_mlp_hands_fc1_its_fp8_gradient_from_fc2(monkeypatch, bias):
     from megatron_jetrl.actor.fp8_layers import FP8ColumnParallelLinear, FP8GatedMLP, FP8RowParallelLinear
     from megatron_jetrl.fp8 import linear as fp8_linear_module
 
-    config = TransformerConfig(num_layers=1, hidden_size=256, ffn_hidden_size=384, num_attention_heads=2, gated_linear_unit=True,
-                               activation_func=F.silu, add_bias_linear=bias, use_cpu_initialization=True)
-    mlp = FP8GatedMLP(config, MLPSubmodules(linear_fc1=ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": JETRL}),
-                                            linear_fc2=ModuleSpec(module=FP8RowParallelLinear, params={"flow": JETRL})))
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=256,
+        ffn_hidden_size=384,
+        num_attention_heads=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=bias,
+        use_cpu_initialization=True,
+    )
+    mlp = FP8GatedMLP(
+        config,
+        MLPSubmodules(
+            linear_fc1=ModuleSpec(module=FP8ColumnParallelLinear, params={"flow": JETRL}),
+            linear_fc2=ModuleSpec(module=FP8RowParallelLinear, params={"flow": JETRL}),
+        ),
+    )
     handed = []
     real = fp8_linear_module._quantize_gated_grad
     monkeypatch.setattr(fp8_linear_module, "_quantize_gated_grad", lambda *a: handed.append(1) or real(*a))
@@ -235,7 +257,11 @@ def test_fp8_weights_are_the_rollout_bytes(checkpoints):
     assert set(weights) == {e.megatron for e in entries if e.fp8}
     exported = dict(hf_tensors(arch, JETRL, entries, lambda n: [params[n]], lambda n: [weights[n]]))
     hf = rounded_state(states["qwen3"])
-    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+    for name in (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    ):
         want = QuantizedWeight.quantize(hf[name], JETRL)
         assert torch.equal(exported[name].view(torch.uint8), want.q.view(torch.uint8)), name
         assert torch.equal(exported[name.replace("weight", "weight_scale_inv")], want.s), name
@@ -254,8 +280,10 @@ def test_a_frozen_reference_keeps_no_transposed_weight_bytes(checkpoints):
     assert torch.equal(_logits(policy, tokens), _logits(reference, tokens))
     mine, frozen = fp8_weights(policy), fp8_weights(reference)
     assert all(w._t is not None for w in mine.values()) and all(w._t is None for w in frozen.values())
-    assert all(torch.equal(mine[n].q.view(torch.uint8), frozen[n].q.view(torch.uint8)) and torch.equal(mine[n].s, frozen[n].s)
-               for n in mine)
+    assert all(
+        torch.equal(mine[n].q.view(torch.uint8), frozen[n].q.view(torch.uint8)) and torch.equal(mine[n].s, frozen[n].s)
+        for n in mine
+    )
     layer = next(m for m in reference.modules() if isinstance(m, _FP8Weight))
     layer.weight.requires_grad_(True)
     assert layer.quantized_weight()._t is not None
@@ -346,14 +374,21 @@ def test_rank_slice_lazy_equals_rank_slice():
     from megatron_jetrl.models.mapping import Entry, rank_slice, rank_slice_lazy
 
     full = torch.randn(300, 256)
-    cases = [Entry("e", ("x",), tp_dim=0, vocab=True), Entry("c", ("x",), tp_dim=0), Entry("r", ("x",), tp_dim=1), Entry("n", ("x",))]
+    cases = [
+        Entry("e", ("x",), tp_dim=0, vocab=True),
+        Entry("c", ("x",), tp_dim=0),
+        Entry("r", ("x",), tp_dim=1),
+        Entry("n", ("x",)),
+    ]
     for entry in cases:
         for tp in (1, 2, 4):
             rows = 300 if not entry.vocab else 128 * tp * 3 if tp == 4 else 512
             if not entry.vocab and entry.tp_dim == 0 and 300 % tp:
                 continue
             for r in range(tp):
-                assert torch.equal(rank_slice_lazy(entry, full.__getitem__, tuple(full.shape), r, tp, rows), rank_slice(entry, full, r, tp, rows))
+                assert torch.equal(
+                    rank_slice_lazy(entry, full.__getitem__, tuple(full.shape), r, tp, rows), rank_slice(entry, full, r, tp, rows)
+                )
 
 
 def test_te_path_config_without_te():
@@ -364,13 +399,17 @@ def test_te_path_config_without_te():
     from megatron_jetrl.actor.provider import ActorOptions, transformer_config
 
     arch = ModelArch.from_hf_config(CONFIGS["qwen3"])
-    config = transformer_config(arch, PrecisionFlow(mode="jetrl", scale_mode="ue8m0"), tp=1, pp=1, options=ActorOptions(spec="te"))
+    config = transformer_config(
+        arch, PrecisionFlow(mode="jetrl", scale_mode="ue8m0"), tp=1, pp=1, options=ActorOptions(spec="te")
+    )
     assert isinstance(config, TransformerConfig) and (config.fp8, config.fp8_recipe) == ("e4m3", "custom")
     # megatron's get_fp8_recipe resolves this path and hands the callable to TE's CustomRecipe(qfactory=...)
     assert _resolve_callable_from_python_import_path(config.fp8_quantizer_factory) is te_recipe.jetrl_ue8m0_qfactory
     assert te_recipe.te_config_kwargs(PrecisionFlow(mode="jetrl"))["fp8_quantizer_factory"].endswith("jetrl_fp32_qfactory")
     assert te_recipe.te_config_kwargs(PrecisionFlow(mode="bf16-train-fp8-rollout")) == {}
-    with pytest.raises(RuntimeError, match=r"Transformer Engine 2\.20\.2 is not importable.*bash \.kits/te/bin/build\.sh 2\.20\.2"):
+    with pytest.raises(
+        RuntimeError, match=r"Transformer Engine 2\.20\.2 is not importable.*bash \.kits/te/bin/build\.sh 2\.20\.2"
+    ):
         te_recipe.te_layer_spec(qk_norm=True)
 
 
@@ -440,8 +479,15 @@ def test_fused_wgrad_accumulation_adds_what_ddp_adds(flow, checkpoints):
         model, _ = _imported("qwen3", flow, root)
         ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3, wgrad_fusion=False))
         switched[fused] = fuse_wgrad_accumulation(ddp) if fused else 0
-        out = train_step(ddp, optimizer, tokens, grpo_like_loss, vocab_size=vocab, micro_batch_size=MICRO,
-                         extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+        out = train_step(
+            ddp,
+            optimizer,
+            tokens,
+            grpo_like_loss,
+            vocab_size=vocab,
+            micro_batch_size=MICRO,
+            extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+        )
         assert out["ok"]
         grads[fused] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
         megatron_linears = [m for m in model.modules() if type(m) in (ColumnParallelLinear, RowParallelLinear)]
@@ -505,8 +551,15 @@ def test_grad_clip_scales_in_place_bit_for_bit(checkpoints):
         assert clip_grads.multi_tensor_scale_impl is patch.foreach_multi_tensor_scale
         if scale_impl == "megatron":
             clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
-        out = train_step(ddp, optimizer, tokens, grpo_like_loss, vocab_size=vocab, micro_batch_size=MICRO,
-                         extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+        out = train_step(
+            ddp,
+            optimizer,
+            tokens,
+            grpo_like_loss,
+            vocab_size=vocab,
+            micro_batch_size=MICRO,
+            extras={"advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+        )
         assert out["ok"] and out["grad_norm"] > 1e-3
         weights[scale_impl] = {n: p.detach().clone() for n, p in model.named_parameters()}
     patch.apply()
@@ -544,15 +597,22 @@ def test_prompt_positions_get_no_logits(flow, checkpoints):
         ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3))
         lp = compute_logprobs(ddp, tokens, vocab_size=vocab, micro_batch_size=MICRO, first=first if window else None)
         extras = {"old": torch.full_like(mask, -3.0), "adv": torch.tensor([1.0, -1.0, 0.5, -0.5]), "mask": mask}
-        out = train_step(ddp, optimizer, tokens, loss_fn, vocab_size=vocab, micro_batch_size=MICRO,
-                         extras={**extras, "first": first} if window else extras)
+        out = train_step(
+            ddp,
+            optimizer,
+            tokens,
+            loss_fn,
+            vocab_size=vocab,
+            micro_batch_size=MICRO,
+            extras={**extras, "first": first} if window else extras,
+        )
         assert out["ok"]
         runs[window] = lp, out["loss"], {n: p.main_grad.clone() for n, p in model.named_parameters()}
     (full, full_loss, full_grads), (part, part_loss, part_grads) = runs[False], runs[True]
     for rows in range(0, 4, MICRO):
-        start = int(first[rows:rows + MICRO].min())
-        assert start > 0 and not part[rows:rows + MICRO, :start].any()
-        torch.testing.assert_close(part[rows:rows + MICRO, start:], full[rows:rows + MICRO, start:], rtol=1e-6, atol=1e-6)
+        start = int(first[rows : rows + MICRO].min())
+        assert start > 0 and not part[rows : rows + MICRO, :start].any()
+        torch.testing.assert_close(part[rows : rows + MICRO, start:], full[rows : rows + MICRO, start:], rtol=1e-6, atol=1e-6)
     assert part_loss == pytest.approx(full_loss, rel=1e-6)
     for name, want in full_grads.items():
         torch.testing.assert_close(part_grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=name)
@@ -589,7 +649,7 @@ def test_sequences_lengthened_for_fp8_blocks_train_as_the_unpadded_ones(flow, ch
     extras = {"old": torch.full_like(mask, -3.0), "adv": torch.tensor([1.0, -1.0, 0.5, -0.5]), "mask": mask}
     longer, padded = pad_length(tokens, extras, 24)
     assert longer.shape == (4, 48) and torch.equal(longer[:, :s], tokens) and (longer[:, s:] == tokens[:, -1:]).all()
-    assert padded["mask"].shape == (4, 47) and not padded["mask"][:, s - 1:].any() and padded["adv"] is extras["adv"]
+    assert padded["mask"].shape == (4, 47) and not padded["mask"][:, s - 1 :].any() and padded["adv"] is extras["adv"]
     assert pad_length(tokens, extras, 8) == (tokens, extras)  # 32 tokens: nothing to add
     cfg = PolicyLossConfig(kl_estimator="none")
     seen = []
@@ -642,8 +702,10 @@ def test_the_memory_preflight_counts_the_actors_parameters(family):
     assert built <= counted <= 1.002 * built, (built, counted)
 
 
-@pytest.mark.parametrize("num_layers, pp, last", [(4, 2, 0), (4, 2, 1), (4, 2, 3), (4, 3, 2), (36, 4, 0), (36, 4, 6),
-                                                  (36, 4, 3), (64, 2, 31), (12, 4, 0), (13, 4, 4)])
+@pytest.mark.parametrize(
+    "num_layers, pp, last",
+    [(4, 2, 0), (4, 2, 1), (4, 2, 3), (4, 3, 2), (36, 4, 0), (36, 4, 6), (36, 4, 3), (64, 2, 31), (12, 4, 0), (13, 4, 4)],
+)
 def test_the_stage_split_is_megatrons(num_layers, pp, last):
     """`models.mapping.stage_layers` (the mapping table, checkpoints, the converter) gives every stage the layers
     megatron builds there and at the offset megatron numbers them from."""

@@ -111,7 +111,9 @@ def test_train_tp2_matches_tp1(results, mode):
 def test_train_pp2_and_dp2_match_tp1(results, mode):
     (ref,) = results("tp1")
     ref_steps = ref["train"][mode]["steps"]
-    pp2_losses = [[s["loss"] for s in r["train"][mode]["steps"]] for r in results("pp2") if r["train"][mode]["logprobs"] is not None]
+    pp2_losses = [
+        [s["loss"] for s in r["train"][mode]["steps"]] for r in results("pp2") if r["train"][mode]["logprobs"] is not None
+    ]
     ref_losses = [s["loss"] for s in ref_steps]
     assert pp2_losses and pp2_losses[0][0] == pytest.approx(ref_losses[0], rel=1e-5)  # no update yet: the same forward
     # after updates: 1e-6 apart in bf16; in jetrl an E4M3 rounding flip (module docstring) allows TP2's bound
@@ -163,7 +165,9 @@ def distributed(ckpt_root):
     """DP2 runs with the distributed optimizer, and each mode's checkpoint resumed at DP1."""
     with tempfile.TemporaryDirectory() as save_root:
         ranks = spawn(2, 1, 1, sc.distributed_optimizer_layout, ckpt_root, save_root)
-        dp1 = {mode: spawn(1, 1, 1, sc.resume_at_dp1, ckpt_root, str(Path(save_root) / mode), mode)[0] for mode in ("bf16", "jetrl")}
+        dp1 = {
+            mode: spawn(1, 1, 1, sc.resume_at_dp1, ckpt_root, str(Path(save_root) / mode), mode)[0] for mode in ("bf16", "jetrl")
+        }
         yield ranks, dp1
 
 

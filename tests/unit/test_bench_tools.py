@@ -43,7 +43,9 @@ def test_bench_fp8_refuses_an_unknown_section():
 @no_cuda
 @pytest.mark.parametrize("sections", [["linear", "layer", "profile"], ["quant,gemm"]])
 def test_bench_fp8_without_cuda_exits_2_in_one_line(tmp_path, sections):
-    r = run(sys.executable, REPO / "tools/bench/bench_fp8.py", "--sections", *sections, "--json", tmp_path / "b.json", cwd=tmp_path)
+    r = run(
+        sys.executable, REPO / "tools/bench/bench_fp8.py", "--sections", *sections, "--json", tmp_path / "b.json", cwd=tmp_path
+    )
     one_line(r, 2, "error: ", "needs a CUDA GPU")
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.json").exists()
 
@@ -54,8 +56,12 @@ def test_bench_actor_help_and_bad_arguments():
     one_line(run(sys.executable, "tools/bench/bench_actor.py", "--layers", "0"), 2, "--layers")
     one_line(run(sys.executable, "tools/bench/bench_actor.py", "--modes", "fp4"), 2, "no precision mode preset", "fp4", "jetrl")
     one_line(run(sys.executable, "tools/bench/bench_actor.py", "--modes", "jetrl+backend"), 2, "section.key=value")
-    one_line(run(sys.executable, "tools/bench/bench_actor.py", "--layer", "--variants", "bf16", "--profile", "jetrl"), 2,
-             "--profile", "jetrl")
+    one_line(
+        run(sys.executable, "tools/bench/bench_actor.py", "--layer", "--variants", "bf16", "--profile", "jetrl"),
+        2,
+        "--profile",
+        "jetrl",
+    )
 
 
 def test_bench_actor_profile_variants():
@@ -86,11 +92,21 @@ def test_bench_actor_tiny_step_times_the_shipped_presets_and_the_offload(tmp_pat
     from the same weights, and a `rollout.offload` variant also reports its round trip: on the CPU the bench trains FP32
     weights in place, so the FP32 grads and both Adam moments of the tiny actor's ~1.73M parameters leave, 12 bytes a
     parameter (the weights stay: the sync reads them)."""
-    r = run(sys.executable, REPO / "tools/bench/bench_actor.py", "--tiny", "--modes", "bf16", "jetrl+rollout.offload=optimizer",
-            "--json", tmp_path / "a.json")
+    r = run(
+        sys.executable,
+        REPO / "tools/bench/bench_actor.py",
+        "--tiny",
+        "--modes",
+        "bf16",
+        "jetrl+rollout.offload=optimizer",
+        "--json",
+        tmp_path / "a.json",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
-    assert [row["variant"] for row in rows] == ["bf16", "jetrl+rollout.offload=optimizer"] and all("step_ms" in row for row in rows)
+    assert [row["variant"] for row in rows] == ["bf16", "jetrl+rollout.offload=optimizer"] and all(
+        "step_ms" in row for row in rows
+    )
     assert "offload_gib" not in rows[0]
     params = rows[1]["offload_gib"] * 2**30 / 12
     assert 1.6e6 < params < 1.9e6 and rows[1]["offload_release_ms"] > 0 and rows[1]["offload_restore_ms"] > 0
@@ -106,7 +122,13 @@ def test_gpu_fp8_refuses_unknown_stages_and_lists_its_carry():
     assert r.returncode == 2 and "unknown stage benchmark" in r.stdout
     header = (REPO / "tools/gpu/gpu_fp8.sh").read_text()
     carry = json.loads(re.search(r"^#\s+(\[\"\.kits.*\])$", header, re.M).group(1))
-    assert carry == [".kits/deep_gemm/deep_gemm.tar.xz", ".kits/te/bin", ".kits/te/v2.20.2/base", ".kits/te/v2.20.2/core-sm90", ".whl"]
+    assert carry == [
+        ".kits/deep_gemm/deep_gemm.tar.xz",
+        ".kits/te/bin",
+        ".kits/te/v2.20.2/base",
+        ".kits/te/v2.20.2/core-sm90",
+        ".whl",
+    ]
 
 
 def test_profile_timeline_measures_idle_between_kernels():
@@ -118,8 +140,14 @@ def test_profile_timeline_measures_idle_between_kernels():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ms = 1_000_000  # ns
-    kernels = [(0, 4 * ms, "gemm"), (1 * ms, 2 * ms, "overlapped"), (5 * ms, 6 * ms, "quant"), (6 * ms, 9 * ms, "gemm"),
-               (12 * ms, 13 * ms, "quant"), (13 * ms, 14 * ms, "gemm")]
+    kernels = [
+        (0, 4 * ms, "gemm"),
+        (1 * ms, 2 * ms, "overlapped"),
+        (5 * ms, 6 * ms, "quant"),
+        (6 * ms, 9 * ms, "gemm"),
+        (12 * ms, 13 * ms, "quant"),
+        (13 * ms, 14 * ms, "gemm"),
+    ]
     tl = bench.timeline(kernels[::-1], passes=2)
     assert tl["span_ms"] == 14 / 2 and tl["busy_ms"] == (4 + 1 + 3 + 1 + 1) / 2 and tl["idle_ms"] == (1 + 3) / 2
     assert tl["idle_before"] == [["quant", 2.0]]
@@ -147,7 +175,9 @@ def test_linear_floor_adds_the_recipes_quantization_bytes_at_the_copy_rate(capsy
     assert bench.recipe_quant_bytes(256, 256, 256) == (5 * 256 * 256 + 3 * sc) + (4 * 256 * 256 + 2 * sc)
     # partial groups count whole: 100 tokens (1 token group), 130 features (2 feature groups)
     rows_sc, cols_sc = 4 * 100 * 2, 4 * 130 * 1
-    assert bench.recipe_quant_bytes(100, 130, 130) == (5 * 100 * 130 + 2 * rows_sc + cols_sc) + (4 * 100 * 130 + rows_sc + cols_sc)
+    assert bench.recipe_quant_bytes(100, 130, 130) == (5 * 100 * 130 + 2 * rows_sc + cols_sc) + (
+        4 * 100 * 130 + rows_sc + cols_sc
+    )
     rows = [{"linear": "a", "M": 256, "N": 256, "K": 256, "ceiling_ms": 1.0, "bf16_ms": 3.0}]
     tot = {"bf16_ms": 3.0, "ours_ms": 2.0}
     gbps = bench.recipe_quant_bytes(256, 256, 256) / 1e6  # the bytes take exactly 1 ms
@@ -182,7 +212,9 @@ def test_jit_cache_carries_deep_gemm_kernels_from_one_home_to_another(tmp_path):
     env = dict(os.environ, HOME=str(new), JIT_CACHE_TARBALL=str(tmp_path / "out" / "deep_gemm_jit.tgz"))
     loaded = subprocess.run(["bash", str(script), "load"], env=env, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
-    assert (new / ".cache/vllm/deep_gemm/cache/kernel.a/kernel.cubin").read_bytes() == b"sm_90 .cache/vllm/deep_gemm/cache/kernel.a"
+    assert (
+        new / ".cache/vllm/deep_gemm/cache/kernel.a/kernel.cubin"
+    ).read_bytes() == b"sm_90 .cache/vllm/deep_gemm/cache/kernel.a"
     assert (new / ".deep_gemm/cache/kernel.b/kernel.cubin").read_bytes() == b"mine"
     env["JIT_CACHE_TARBALL"] = str(tmp_path / "missing.tgz")
     nothing = subprocess.run(["bash", str(script), "load"], env=env, capture_output=True, text=True)

@@ -26,16 +26,23 @@ def test_train_help_is_real_help(capsys):
 @pytest.mark.parametrize("args", [["--steps", "10"], ["configs/tiny.yaml", "--steps=10"]])
 def test_an_option_gets_the_override_it_means(args, capsys):
     assert train.main(args) == 2
-    assert "is not an option: settings are section.key=value overrides after the config files, e.g. run.steps=10 or " \
-           "warmup.steps=10" in capsys.readouterr().err
+    assert (
+        "is not an option: settings are section.key=value overrides after the config files, e.g. run.steps=10 or "
+        "warmup.steps=10" in capsys.readouterr().err
+    )
     assert config.main([*args, "--get", "parallel.world_size"]) == 2
     assert "e.g. run.steps=10" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warnings are kept on GPU machines")
 def test_no_apex_or_te_warnings_on_cpu():
-    r = subprocess.run([sys.executable, "-c", "import megatron_jetrl.rl.train, megatron_jetrl.actor.provider"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", "import megatron_jetrl.rl.train, megatron_jetrl.actor.provider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "not installed" not in r.stderr and "deprecated" not in r.stderr, r.stderr
 
 
@@ -45,7 +52,7 @@ def test_run_gpu_tests_says_it_needs_a_gpu(tmp_path, python):
     if python == "no gpu" and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     fake = tmp_path / "python3"
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {'-S' if python == 'no torch' else ''} \"$@\"\n")
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} {"-S" if python == "no torch" else ""} "$@"\n')
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     r = subprocess.run(["bash", str(REPO / "tools/gpu/run_gpu_tests.sh")], env=env, capture_output=True, text=True, timeout=300)
@@ -120,8 +127,9 @@ def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_
 
     allocated, reserved, resets = iter([3 << 30, 5 << 30, 2 << 30]), iter([6 << 30, 7 << 30, 8 << 30]), []
     counters = iter([(0, 10), (1, 13), (1, 13), (1, 14), (1, 14), (4, 40)])  # (retries, frees) at each phase's start and end
-    monkeypatch.setattr(torch.cuda, "memory_stats",
-                        lambda: dict(zip(("num_alloc_retries", "num_device_free"), next(counters)), num_ooms=0))
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats", lambda: dict(zip(("num_alloc_retries", "num_device_free"), next(counters)), num_ooms=0)
+    )
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
@@ -133,9 +141,15 @@ def test_the_loops_phases_keep_each_phases_memory_peak_and_the_step_reports_the_
             pass
     assert resets == [1, 1, 1] and t.peaks == {"eval": (5 << 30, 7 << 30), "update": (2 << 30, 8 << 30)}
     assert t.stalls == {"eval": (1, 4), "update": (3, 26)}
-    assert memory_metrics(t) == {"memory/eval_gib": 5.0, "memory/update_gib": 2.0, "memory/reserved_gib": 8.0,
-                                 "memory/eval_alloc_retries": 1, "memory/eval_cuda_frees": 4,
-                                 "memory/update_alloc_retries": 3, "memory/update_cuda_frees": 26}
+    assert memory_metrics(t) == {
+        "memory/eval_gib": 5.0,
+        "memory/update_gib": 2.0,
+        "memory/reserved_gib": 8.0,
+        "memory/eval_alloc_retries": 1,
+        "memory/eval_cuda_frees": 4,
+        "memory/update_alloc_retries": 3,
+        "memory/update_cuda_frees": 26,
+    }
     assert list(t) == ["time/eval", "time/update"]  # the step's time sums only times
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     cpu = Phases(memory=True)

@@ -59,7 +59,12 @@ def test_fp8_format_config_dtypes_shapes_index_manifest(qwen2_tp2pp2):
     d, hf = qwen2_tp2pp2
     out = d / "fp8"
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["torch_dtype"] == "bfloat16"
     assert (out / "generation_config.json").is_file()
     files = sorted(p.name for p in out.glob("model-*.safetensors"))
@@ -108,7 +113,8 @@ def test_exported_fp8_bytes_are_the_trainer_forward_bytes(tmp_path, scale_mode, 
     convert(tmp_path / "ckpt", tmp_path / "out")
     out = load_dir(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"].get("scale_fmt") == (
-        "ue8m0" if scale_mode == "ue8m0" else None)
+        "ue8m0" if scale_mode == "ue8m0" else None
+    )
     arch = ModelArch.from_hf_config(config)
     ckpt = ShardedCheckpoint.open(tmp_path / "ckpt")
     fetch = ckpt.fetch(0)
@@ -120,7 +126,12 @@ def test_exported_fp8_bytes_are_the_trainer_forward_bytes(tmp_path, scale_mode, 
         for r, shard in enumerate(fetch(e.megatron)):
             trainer = QuantizedWeight.quantize(shard, flow)  # the forward's FP8 weight on TP rank r
             q_exp = from_hf(e, arch, {n: rank_slice(e, bits(out[n]), r, tp, padded) for n in e.hf})
-            s_exp = from_hf(e, arch, {n: rank_slice(e, out[n.removesuffix("weight") + "weight_scale_inv"], r, tp, padded) for n in e.hf}, unit=128)
+            s_exp = from_hf(
+                e,
+                arch,
+                {n: rank_slice(e, out[n.removesuffix("weight") + "weight_scale_inv"], r, tp, padded) for n in e.hf},
+                unit=128,
+            )
             assert torch.equal(q_exp, bits(trainer.q)) and torch.equal(s_exp, trainer.s), (e.megatron, r)
             checked += 1
         for n in e.hf:
@@ -156,8 +167,14 @@ def test_uneven_pipeline_splits_convert_to_the_same_files(tmp_path):
         assert json.loads((ck / "meta.json").read_text()).get("pp_last_layers", 0) == last
         convert(ck, tmp_path / f"out_pp{pp}_{last}", max_shard_size=SHARD_CAP)
         outputs[(pp, last)] = shard_files(tmp_path / f"out_pp{pp}_{last}")
-    layers = {(pp, last): [e.megatron for e in model_entries(ModelArch.from_hf_config(config), pp_rank=pp - 1, pp_size=pp,
-                                                             last_layers=last) if ".layers." in e.megatron] for pp, last in outputs}
+    layers = {
+        (pp, last): [
+            e.megatron
+            for e in model_entries(ModelArch.from_hf_config(config), pp_rank=pp - 1, pp_size=pp, last_layers=last)
+            if ".layers." in e.megatron
+        ]
+        for pp, last in outputs
+    }
     assert len(layers[(2, 1)]) == len(layers[(2, 0)]) // 2 and len(layers[(2, 3)]) == 3 * len(layers[(2, 1)])
     assert all(out == outputs[(1, 0)] for out in outputs.values())
 
@@ -208,7 +225,7 @@ def flush(self):
     if len(self._shards) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 hf_writer.HFCheckpointWriter._flush = flush
-convert({str(d / 'ckpt')!r}, {str(tmp_path / 'out')!r}, max_shard_size="300KB")
+convert({str(d / "ckpt")!r}, {str(tmp_path / "out")!r}, max_shard_size="300KB")
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
@@ -248,20 +265,49 @@ def _corrupt(ck: Path):
 
 
 BAD_INPUTS = {
-    "wrong family": (dict(tp=2), lambda ck: _edit_meta(ck, hf_config=lambda c: {**c, "model_type": "mistral"}), r"model_type='mistral'.*supports"),
+    "wrong family": (
+        dict(tp=2),
+        lambda ck: _edit_meta(ck, hf_config=lambda c: {**c, "model_type": "mistral"}),
+        r"model_type='mistral'.*supports",
+    ),
     "no meta": (dict(tp=2), lambda ck: (ck / "meta.json").unlink(), r"no meta.json"),
-    "missing shard": (dict(tp=2), lambda ck: (ck / "tp01_pp000.safetensors").unlink(), r"shard tp01_pp000.safetensors is missing"),
+    "missing shard": (
+        dict(tp=2),
+        lambda ck: (ck / "tp01_pp000.safetensors").unlink(),
+        r"shard tp01_pp000.safetensors is missing",
+    ),
     "corrupt shard": (dict(tp=2), _corrupt, r"sha256 differs"),
     "truncated shard": (dict(tp=2), lambda ck: os.truncate(ck / "tp01_pp000.safetensors", 1000), r"truncated"),
-    "tp says 1, shards are tp2": (dict(tp=2), lambda ck: _edit_meta(ck, tp=1, shards=lambda s: [x for x in s if x["file"].startswith("tp00")]),
-                                  r"embedding.word_embeddings.weight has shape \[256, 256\], but TP rank 0 of TP=1 holds \[384, 256\].*disagree"),
-    "pp says 1, shards are pp2": (dict(pp=2), lambda ck: _edit_meta(ck, pp=1, shards=lambda s: [x for x in s if x["file"].endswith("pp000.safetensors")]),
-                                  r"missing \['decoder.final_layernorm.weight'.*is meta.json's tp/pp/spec"),
-    "layer spec": (dict(), lambda ck: _edit_meta(ck, spec="te"), r"missing \['decoder.layers.0.mlp.linear_fc1.layer_norm_weight'"),
-    "pp does not divide layers": (dict(), lambda ck: _edit_meta(ck, pp=3), r"do not cover|pipeline split \(pp=3, pp_last_layers=0\) does not fit"),
-    "uneven split that does not fit": (dict(pp=2), lambda ck: _edit_meta(ck, pp_last_layers=2),
-                                       r"pipeline split \(pp=2, pp_last_layers=2\) does not fit the model: .*split the remaining 0"),
-    "uneven split of another shape": (dict(pp=2), lambda ck: _edit_meta(ck, pp_last_layers=-1), r"pp_last_layers must be a non-negative integer"),
+    "tp says 1, shards are tp2": (
+        dict(tp=2),
+        lambda ck: _edit_meta(ck, tp=1, shards=lambda s: [x for x in s if x["file"].startswith("tp00")]),
+        r"embedding.word_embeddings.weight has shape \[256, 256\], but TP rank 0 of TP=1 holds \[384, 256\].*disagree",
+    ),
+    "pp says 1, shards are pp2": (
+        dict(pp=2),
+        lambda ck: _edit_meta(ck, pp=1, shards=lambda s: [x for x in s if x["file"].endswith("pp000.safetensors")]),
+        r"missing \['decoder.final_layernorm.weight'.*is meta.json's tp/pp/spec",
+    ),
+    "layer spec": (
+        dict(),
+        lambda ck: _edit_meta(ck, spec="te"),
+        r"missing \['decoder.layers.0.mlp.linear_fc1.layer_norm_weight'",
+    ),
+    "pp does not divide layers": (
+        dict(),
+        lambda ck: _edit_meta(ck, pp=3),
+        r"do not cover|pipeline split \(pp=3, pp_last_layers=0\) does not fit",
+    ),
+    "uneven split that does not fit": (
+        dict(pp=2),
+        lambda ck: _edit_meta(ck, pp_last_layers=2),
+        r"pipeline split \(pp=2, pp_last_layers=2\) does not fit the model: .*split the remaining 0",
+    ),
+    "uneven split of another shape": (
+        dict(pp=2),
+        lambda ck: _edit_meta(ck, pp_last_layers=-1),
+        r"pp_last_layers must be a non-negative integer",
+    ),
 }
 
 
@@ -345,12 +391,18 @@ def test_clis_help_and_exit_codes(qwen2_tp2pp2, tmp_path):
         out = subprocess.run(py + [str(REPO / "tools" / tool), "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "usage:" in out.stdout and "Example" in out.stdout
     conv = py + [str(REPO / "tools" / "convert_checkpoint.py")]
-    out = subprocess.run(conv + [str(d / "ckpt"), str(tmp_path / "o"), "--quiet", "--rollout-tp", "4"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        conv + [str(d / "ckpt"), str(tmp_path / "o"), "--quiet", "--rollout-tp", "4"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "error: FP8 export refused at rollout TP=4" in out.stderr and not (tmp_path / "o").exists()
-    out = subprocess.run(conv + [str(d / "ckpt"), str(tmp_path / "o"), "--max-shard-size", "1MB"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        conv + [str(d / "ckpt"), str(tmp_path / "o"), "--max-shard-size", "1MB"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "wrote" in out.stdout and "convert: 100%" in out.stderr
     ver = py + [str(REPO / "tools" / "verify_fp8_checkpoint.py"), str(tmp_path / "o")]
-    out = subprocess.run(ver + ["--rollout-tp", "1", "2", "--reference", str(d / "bf16")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ver + ["--rollout-tp", "1", "2", "--reference", str(d / "bf16")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK") and "requant_equal" in out.stdout
     out = subprocess.run(ver + ["--rollout-tp", "4"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "FAILED" in out.stdout

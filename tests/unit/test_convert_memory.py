@@ -53,7 +53,9 @@ def measure(work: Path, *, hidden: int, intermediate: int, layers: int, vocab: i
     subprocess.run([sys.executable, "-c", MAKE.format(**fmt)], check=True, timeout=600)
     source = sum(p.stat().st_size for p in (work / "ckpt").glob("*.safetensors"))
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    out = subprocess.run([sys.executable, "-c", CHILD.format(**fmt)], check=True, capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(**fmt)], check=True, capture_output=True, text=True, timeout=600, env=env
+    )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["source_bytes"] = source
     r["delta"] = r["peak"] - r["base"]
@@ -87,7 +89,19 @@ if __name__ == "__main__":
     ap.add_argument("--max-shard-size", default="64MB")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        r = measure(Path(d), hidden=a.hidden, intermediate=a.intermediate, layers=a.layers, vocab=a.vocab, tp=a.tp, pp=a.pp,
-                    cap=a.max_shard_size)
-    mib = {k: f"{v / 2**20:.1f} MiB" for k, v in r.items() if k in ("base", "peak", "delta", "total_size", "source_bytes", "peak_pending", "largest_param_bf16")}
+        r = measure(
+            Path(d),
+            hidden=a.hidden,
+            intermediate=a.intermediate,
+            layers=a.layers,
+            vocab=a.vocab,
+            tp=a.tp,
+            pp=a.pp,
+            cap=a.max_shard_size,
+        )
+    mib = {
+        k: f"{v / 2**20:.1f} MiB"
+        for k, v in r.items()
+        if k in ("base", "peak", "delta", "total_size", "source_bytes", "peak_pending", "largest_param_bf16")
+    }
     print(json.dumps({**r, **mib}, indent=1))

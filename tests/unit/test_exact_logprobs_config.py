@@ -23,14 +23,19 @@ def test_an_fp8_rollout_pins_the_v2_runner_and_a_bf16_one_also_the_batch_invaria
     env = engine_env(PrecisionFlow("jetrl", exact_logprobs=True))
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and "VLLM_BATCH_INVARIANT" not in env
     assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
-    assert engine_env(PrecisionFlow("bf16", exact_logprobs=True)) == {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert engine_env(PrecisionFlow("bf16", exact_logprobs=True)) == {
+        "VLLM_BATCH_INVARIANT": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+    }
     assert "VLLM_BATCH_INVARIANT" not in engine_env(PrecisionFlow("jetrl"))
 
 
 def test_the_engine_is_built_without_cascade_attention(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, '
-                                          '"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, '
-                                          '"vocab_size": 512}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, '
+        '"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, '
+        '"vocab_size": 512}'
+    )
     assert llm_kwargs(tmp_path, PrecisionFlow("bf16", exact_logprobs=True))["disable_cascade_attn"] is True
     assert "disable_cascade_attn" not in llm_kwargs(tmp_path, PrecisionFlow("bf16"))
 
@@ -76,13 +81,16 @@ def test_a_config_that_can_hold_it_loads():
     assert cfg.precision.exact_logprobs and cfg.precision.vllm_env()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
-@pytest.mark.parametrize("overrides,reason", [
-    (["precision.exact_logprobs=true"], "needs rollout.engine=vllm"),
-    ([*ON, "rollout.glue=vllm"], "trainer's RMSNorm and RoPE"),
-    ([*ON, "model.batch_invariant=true", "precision.backend=emulated"], "model.batch_invariant=false"),
-    ([*ON, "rollout.tp=2", "parallel.tp=1", "parallel.dp=2", "grpo.micro_batch_size=64"], "rollout.tp == parallel.tp"),
-    ([*ON, "model.hf_config.rope_scaling={rope_type: llama3, factor: 8.0}"], "scaled RoPE"),
-])
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (["precision.exact_logprobs=true"], "needs rollout.engine=vllm"),
+        ([*ON, "rollout.glue=vllm"], "trainer's RMSNorm and RoPE"),
+        ([*ON, "model.batch_invariant=true", "precision.backend=emulated"], "model.batch_invariant=false"),
+        ([*ON, "rollout.tp=2", "parallel.tp=1", "parallel.dp=2", "grpo.micro_batch_size=64"], "rollout.tp == parallel.tp"),
+        ([*ON, "model.hf_config.rope_scaling={rope_type: llama3, factor: 8.0}"], "scaled RoPE"),
+    ],
+)
 def test_settings_that_break_equality_are_refused_naming_the_fix(overrides, reason):
     with pytest.raises(ConfigError, match=reason):
         load_config(GPU, overrides)
@@ -107,23 +115,32 @@ def test_the_engine_read_back_names_each_difference():
     assert exact_problems(good, True, True, "trainer", "TrainerLMHeadMethod", True) == []
     problems = exact_problems({"layers.0.attn": TritonAttentionImpl()}, False, False, "vllm", "UnquantizedEmbeddingMethod", False)
     text = "\n".join(problems)
-    for words in ("V1 model runner", "may split the KV cache", "cascade attention", "TritonAttentionImpl",
-                  "rollout.glue resolved to 'vllm'", "UnquantizedEmbeddingMethod, not the actor's lm_head GEMM"):
+    for words in (
+        "V1 model runner",
+        "may split the KV cache",
+        "cascade attention",
+        "TritonAttentionImpl",
+        "rollout.glue resolved to 'vllm'",
+        "UnquantizedEmbeddingMethod, not the actor's lm_head GEMM",
+    ):
         assert words in text
     assert len(problems) == 6
 
 
-@pytest.mark.parametrize("overrides,on", [
-    ([], False),  # the native engine
-    (["rollout.engine=vllm"], True),  # jetrl, vLLM, TP 1: on by default
-    (["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=2", "grpo.micro_batch_size=32"], True),
-    (["rollout.engine=vllm", "precision.mode=bf16"], False),  # would need vLLM's process-wide mode
-    (["rollout.engine=vllm", "precision.mode=bf16-train-fp8-rollout"], False),
-    (["rollout.engine=vllm", "rollout.glue=vllm"], False),
-    (["rollout.engine=vllm", "precision.exact_logprobs=false"], False),
-    (["rollout.engine=vllm", "precision.exact_logprobs=auto"], True),
-    (["rollout.engine=vllm", "precision.mode=bf16", "precision.exact_logprobs=true"], True),
-])
+@pytest.mark.parametrize(
+    "overrides,on",
+    [
+        ([], False),  # the native engine
+        (["rollout.engine=vllm"], True),  # jetrl, vLLM, TP 1: on by default
+        (["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=2", "grpo.micro_batch_size=32"], True),
+        (["rollout.engine=vllm", "precision.mode=bf16"], False),  # would need vLLM's process-wide mode
+        (["rollout.engine=vllm", "precision.mode=bf16-train-fp8-rollout"], False),
+        (["rollout.engine=vllm", "rollout.glue=vllm"], False),
+        (["rollout.engine=vllm", "precision.exact_logprobs=false"], False),
+        (["rollout.engine=vllm", "precision.exact_logprobs=auto"], True),
+        (["rollout.engine=vllm", "precision.mode=bf16", "precision.exact_logprobs=true"], True),
+    ],
+)
 def test_auto_the_default_turns_it_on_where_it_holds_and_the_flow_says_which(overrides, on):
     cfg = load_config(GPU, overrides)
     assert cfg.precision.exact_logprobs is on

@@ -25,7 +25,10 @@ def test_modes_derive_gemms_and_rollout():
 
 def test_checkpoint_quantization_config():
     assert PrecisionFlow().quantization_config() == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
     }
     assert PrecisionFlow(scale_mode="ue8m0").quantization_config()["scale_fmt"] == "ue8m0"
     assert PrecisionFlow(mode="bf16").quantization_config() is None

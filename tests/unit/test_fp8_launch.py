@@ -62,8 +62,9 @@ def test_second_launch_of_a_key_is_direct_with_tritons_arguments(fake_cuda):
     assert len(jit.log) == 2 and len(fast._cache) == 1
 
 
-@pytest.mark.parametrize("change", ["unaligned", "dtype", "n=1", "n%16", "n>2**31", "bool", "constexpr", "num_warps",
-                                    "positional constexpr"])
+@pytest.mark.parametrize(
+    "change", ["unaligned", "dtype", "n=1", "n%16", "n>2**31", "bool", "constexpr", "num_warps", "positional constexpr"]
+)
 def test_a_specialization_triton_would_tell_apart_is_a_new_key(fake_cuda, change):
     jit = FakeJIT()
     fast = launch.Launcher(jit)

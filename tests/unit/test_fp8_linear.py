@@ -141,6 +141,7 @@ def test_forward_without_gradients_is_the_training_forward_without_an_autograd_n
     """Under no_grad (the old and reference logprobs) `fp8_linear` skips the autograd Function: the same bits, no node,
     nothing saved; with gradients on it builds the node as before."""
     from megatron_jetrl.fp8 import linear
+
     g = torch.Generator().manual_seed(6)
     w = torch.randn(256, 384, generator=g).to(torch.bfloat16).requires_grad_(True)
     b = torch.randn(256, generator=g).to(torch.bfloat16).requires_grad_(True)
@@ -181,7 +182,9 @@ def test_weight_is_quantized_once_per_optimizer_step(monkeypatch):
 
     calls = []
     real = linear_mod.QuantizedWeight.quantize.__func__
-    monkeypatch.setattr(linear_mod.QuantizedWeight, "quantize", classmethod(lambda cls, w, f, **kw: calls.append(1) or real(cls, w, f, **kw)))
+    monkeypatch.setattr(
+        linear_mod.QuantizedWeight, "quantize", classmethod(lambda cls, w, f, **kw: calls.append(1) or real(cls, w, f, **kw))
+    )
     lin = FP8Linear(128, 256, flow=JETRL)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     for _ in range(3):  # three micro-batches, one weight version
@@ -329,7 +332,7 @@ def test_dgrad_all_reduce_starts_before_wgrad_and_is_awaited_before_backward_ret
     events.clear()
     got = run(dist.group.WORLD)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
-    up_backward = events[events.index("all_reduce") - 1:]
+    up_backward = events[events.index("all_reduce") - 1 :]
     assert up_backward == ["gemm", "all_reduce", "wgrad", "wait"]  # DGrad, the reduce started, WGrad, then the wait
     with pytest.raises(ValueError, match="trains in BF16: reduce the input's gradient outside"):
         fp8_linear(x, w_up, flow=PrecisionFlow(mode="bf16"), dgrad_group=dist.group.WORLD)
@@ -391,8 +394,12 @@ def test_check_finite_step_names_the_layer_and_tensor_without_a_sync_per_quantiz
         fp8_linear(x, w, flow=flow, site="decoder.layers.1.mlp.linear_fc1")
         fp8_linear(x, w, flow=flow, site="decoder.layers.2.mlp.linear_fc1")
         assert not bool(watch.finite())
-        assert watch.first_problem() == ("decoder.layers.1.mlp.linear_fc1: input (NaN; first of 2 non-finite FP8 quantizer input(s))")
-        with pytest.raises(NonFiniteInputError, match=r"NaN/Inf reached the FP8 quantizer: decoder.layers.1.mlp.linear_fc1: input"):
+        assert watch.first_problem() == (
+            "decoder.layers.1.mlp.linear_fc1: input (NaN; first of 2 non-finite FP8 quantizer input(s))"
+        )
+        with pytest.raises(
+            NonFiniteInputError, match=r"NaN/Inf reached the FP8 quantizer: decoder.layers.1.mlp.linear_fc1: input"
+        ):
             watch.check()
     assert not finite.active()
 
@@ -406,8 +413,9 @@ def test_check_finite_step_records_output_gradients_and_weights():
         y = lin(torch.randn(4, 128, requires_grad=True))
         assert bool(watch.finite())
         y.backward(torch.full_like(y, float("inf")))
-        assert watch.first_problem().startswith("FP8Linear: output gradient (Inf;") or \
-            watch.first_problem().startswith("FP8 linear [128, 128]: output gradient (Inf;")
+        assert watch.first_problem().startswith("FP8Linear: output gradient (Inf;") or watch.first_problem().startswith(
+            "FP8 linear [128, 128]: output gradient (Inf;"
+        )
     bad = torch.randn(128, 128)
     bad[3, 4] = float("inf")
     with pytest.raises(NonFiniteInputError, match=r"got inf at index \(3, 4\)"):  # outside a step: refused on the spot
@@ -423,8 +431,11 @@ def test_check_finite_sync_raises_at_the_quantization_and_modes_are_validated():
     with pytest.raises(NonFiniteInputError, match=r"got inf at index \(1, 7\)"):
         fp8_linear(x, torch.randn(128, 128), flow=PrecisionFlow(mode="jetrl", check_finite="sync"))
     assert fp8_linear(x, torch.randn(128, 128), flow=PrecisionFlow(mode="jetrl", check_finite="off"))[1].isnan().all()
-    with pytest.raises(ValueError, match=r"check_finite must be one of \('step', 'sync', 'off'\), got False \(booleans are gone: "
-                                         r"true is now 'sync', false 'off'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"check_finite must be one of \('step', 'sync', 'off'\), got False \(booleans are gone: "
+        r"true is now 'sync', false 'off'\)",
+    ):
         PrecisionFlow(check_finite=False)
 
 
@@ -462,8 +473,9 @@ def _mlp_grads(x, w1, w2, dy, handoff, *, frozen_w1=False, x_grad=True, main_gra
     return y, x.grad, a.main_grad if main_grad else a.grad, b.grad
 
 
-@pytest.mark.parametrize("case", [dict(), dict(frozen_w1=True), dict(x_grad=False), dict(main_grad=True),
-                                  dict(act=torch.nn.functional.gelu)])
+@pytest.mark.parametrize(
+    "case", [dict(), dict(frozen_w1=True), dict(x_grad=False), dict(main_grad=True), dict(act=torch.nn.functional.gelu)]
+)
 def test_gated_grad_handoff_gives_the_bits_of_the_unhanded_mlp(case):
     """With one GatedGradHandoff, fc2's backward quantizes d[gate | up] for fc1: output and every gradient are the
     bits of the MLP without it, whichever of fc1's operands are needed (frozen weight, input without grad)."""
@@ -480,8 +492,10 @@ def test_gated_grad_handoff_gives_the_bits_of_the_unhanded_mlp(case):
     for a, b in zip(got, want):
         assert (a is None) == (b is None)
         if a is not None:
-            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
-                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+            assert torch.equal(
+                a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32),
+            )
     assert handoff._grads is None and handoff._token is None  # taken, nothing kept alive
 
 

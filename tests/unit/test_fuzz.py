@@ -50,12 +50,19 @@ SECTIONS = {
     "model": ["tokenizer", "batch_invariant", "path"],
 }
 scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2, 3, 4, 8, 16, 64, 128]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, 2, 3, 4, 8, 16, 64, 128]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
     st.sampled_from(["jetrl", "bf16", "ue8m0", "fp32", "auto", "cpu", "stop", "skip", "native", "std", "k3", "arithmetic"]),
 )
-value = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                     max_leaves=6)
+value = st.recursive(
+    scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -64,8 +71,11 @@ def config_dicts(draw):
     for section in draw(st.lists(st.sampled_from([*SECTIONS, "bogus", "Run"]), max_size=5, unique=True)):
         keys = SECTIONS.get(section, ["x"]) + ["typo_key"]
         chosen = draw(st.lists(st.sampled_from(keys), max_size=4, unique=True))
-        out[section] = draw(st.one_of(st.just({k: draw(value) for k in chosen}), value)) if draw(st.integers(0, 9)) == 0 \
+        out[section] = (
+            draw(st.one_of(st.just({k: draw(value) for k in chosen}), value))
+            if draw(st.integers(0, 9)) == 0
             else {k: draw(value) for k in chosen}
+        )
     return out
 
 
@@ -93,8 +103,15 @@ def _yaml_parses(raw: str) -> bool:
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from([f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks] + ["run", "x.y", "run.", ".a"]),
-                          st.text(max_size=10)), max_size=4))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks] + ["run", "x.y", "run.", ".a"]),
+            st.text(max_size=10),
+        ),
+        max_size=4,
+    )
+)
 def test_overrides_load_or_raise_config_error(pairs):
     """`section.key=value` overrides with arbitrary values that YAML can read (values are read as YAML; the
     ones it cannot read are defect D8, below)."""
@@ -113,12 +130,20 @@ def test_override_values_that_are_not_yaml_are_config_errors(raw):
 
 
 @FAST
-@given(st.fixed_dictionaries({
-    "model_type": st.sampled_from(["qwen2", "qwen3", "llama"]),
-    "hidden_size": st.sampled_from([0, 128, 256, -256]), "intermediate_size": st.sampled_from([0, 128, 512]),
-    "num_hidden_layers": st.integers(-1, 3), "num_attention_heads": st.integers(0, 4), "num_key_value_heads": st.integers(0, 4),
-    "head_dim": st.sampled_from([None, 0, 64, 128]), "vocab_size": st.integers(-1, 512),
-}))
+@given(
+    st.fixed_dictionaries(
+        {
+            "model_type": st.sampled_from(["qwen2", "qwen3", "llama"]),
+            "hidden_size": st.sampled_from([0, 128, 256, -256]),
+            "intermediate_size": st.sampled_from([0, 128, 512]),
+            "num_hidden_layers": st.integers(-1, 3),
+            "num_attention_heads": st.integers(0, 4),
+            "num_key_value_heads": st.integers(0, 4),
+            "head_dim": st.sampled_from([None, 0, 64, 128]),
+            "vocab_size": st.integers(-1, 512),
+        }
+    )
+)
 def test_hostile_architecture_is_a_config_error(hf):
     try:
         config_from_dict({"model": {"hf_config": hf}})
@@ -152,7 +177,9 @@ def tensor_sets(draw):
         shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
         dtype = draw(st.sampled_from(DTYPES))
         g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-        raw = torch.randint(0, 256, (math.prod(shape) * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+        raw = torch.randint(
+            0, 256, (math.prod(shape) * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g
+        )
         t = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
         if dtype.is_floating_point:
             t = torch.where(torch.isfinite(t.float()), t, torch.zeros((), dtype=dtype)) if t.numel() else t
@@ -161,7 +188,11 @@ def tensor_sets(draw):
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    )
 
 
 @FAST
@@ -234,16 +265,23 @@ def test_any_changed_export_file_is_reported_by_verify_manifest(tmp_path_factory
     assert len(problems) == 1 and problems[0].startswith(victim), problems
 
 
-meta_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8)),
-                           lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(
-                               ["format", "tp", "pp", "shards", "file", "bytes", "sha256", "spec"]), inner, max_size=4)), max_leaves=8)
+meta_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(["format", "tp", "pp", "shards", "file", "bytes", "sha256", "spec"]), inner, max_size=4),
+    ),
+    max_leaves=8,
+)
 
 
 @FAST
 @given(meta_values)
 def test_hostile_meta_json_is_a_checkpoint_error(tmp_path_factory, meta):
     d = tmp_path_factory.mktemp("meta")
-    (d / "meta.json").write_text(json.dumps({"format": "megatron-jetrl-shards/1", "shards": meta} if isinstance(meta, list) else meta))
+    (d / "meta.json").write_text(
+        json.dumps({"format": "megatron-jetrl-shards/1", "shards": meta} if isinstance(meta, list) else meta)
+    )
     try:
         ShardedCheckpoint.open(d, verify=True)
     except CheckpointError:
@@ -259,9 +297,11 @@ def hostile_safetensors(draw):
     if kind == "json":
         body = draw(st.binary(max_size=40))
         return struct.pack("<Q", len(body)) + body
-    entry = {"dtype": draw(st.sampled_from(["F32", "BF16", "F8_E4M3", "Q7", "", 5])),
-             "shape": draw(st.lists(st.integers(-2, 6), max_size=3)),
-             "data_offsets": draw(st.lists(st.integers(-4, 200), min_size=0, max_size=3))}
+    entry = {
+        "dtype": draw(st.sampled_from(["F32", "BF16", "F8_E4M3", "Q7", "", 5])),
+        "shape": draw(st.lists(st.integers(-2, 6), max_size=3)),
+        "data_offsets": draw(st.lists(st.integers(-4, 200), min_size=0, max_size=3)),
+    }
     data = draw(st.integers(0, 64))
     assume(not _honest(entry, data))  # e.g. F32, shape [0], offsets [0, 0] is a valid empty tensor
     header = json.dumps({"t": entry}).encode()
@@ -293,10 +333,15 @@ def test_lying_safetensors_header_never_yields_tensors(tmp_path_factory, raw):
 
 
 @FAST
-@given(st.one_of(hostile_safetensors().map(lambda raw: ("model.safetensors", raw, None)),
-                 meta_values.map(lambda v: ("model.safetensors.index.json", json.dumps(v).encode(), None)),
-                 st.sampled_from(["../outside.safetensors", "/etc/hostname"]).map(
-                     lambda p: ("model.safetensors.index.json", json.dumps({"weight_map": {"t": p}}).encode(), p))))
+@given(
+    st.one_of(
+        hostile_safetensors().map(lambda raw: ("model.safetensors", raw, None)),
+        meta_values.map(lambda v: ("model.safetensors.index.json", json.dumps(v).encode(), None)),
+        st.sampled_from(["../outside.safetensors", "/etc/hostname"]).map(
+            lambda p: ("model.safetensors.index.json", json.dumps({"weight_map": {"t": p}}).encode(), p)
+        ),
+    )
+)
 def test_hostile_hf_checkpoint_is_a_value_error_naming_the_file(tmp_path_factory, case):
     name, raw, outside = case
     root = tmp_path_factory.mktemp("hf")
@@ -320,14 +365,21 @@ def quant_inputs(draw):
     dtype = draw(st.sampled_from(list(FINITE)))
     block = draw(st.sampled_from(BLOCKS))
     one_d = block == (1, 128) and draw(st.booleans())
-    shape = [draw(st.integers(0, 300))] if one_d else [*([draw(st.integers(1, 2))] if draw(st.booleans()) else []),
-                                                       draw(st.integers(0, 260)), draw(st.integers(0, 260))]
+    shape = (
+        [draw(st.integers(0, 300))]
+        if one_d
+        else [*([draw(st.integers(1, 2))] if draw(st.booleans()) else []), draw(st.integers(0, 260)), draw(st.integers(0, 260))]
+    )
     n = math.prod(shape)
     scale = draw(st.sampled_from([1.0, 1e-30, 1e-8, 1e4, FINITE[dtype] / 4]))
     seed = draw(st.integers(0, 2**31))
     x = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale).clamp(-FINITE[dtype], FINITE[dtype])
-    specials = draw(st.lists(st.tuples(st.integers(0, max(n - 1, 0)), st.sampled_from([0.0, -0.0, 1e-45, -1e-40, FINITE[dtype], -FINITE[dtype]])),
-                             max_size=4))
+    specials = draw(
+        st.lists(
+            st.tuples(st.integers(0, max(n - 1, 0)), st.sampled_from([0.0, -0.0, 1e-45, -1e-40, FINITE[dtype], -FINITE[dtype]])),
+            max_size=4,
+        )
+    )
     for i, v in specials:
         if n:
             x[i] = v
@@ -355,7 +407,9 @@ def test_quantizer_on_any_finite_input(case):
     if back.dim() == 1:
         per = s.repeat_interleave(block[1])[: xf.shape[0]]
     else:
-        per = s.repeat_interleave(block[0], dim=-2)[..., : xf.shape[-2], :].repeat_interleave(block[1], dim=-1)[..., : xf.shape[-1]]
+        per = s.repeat_interleave(block[0], dim=-2)[..., : xf.shape[-2], :].repeat_interleave(block[1], dim=-1)[
+            ..., : xf.shape[-1]
+        ]
     err = (back - xf).abs()
     bound = torch.maximum(xf.abs() * 2.0**-4, per * 2.0**-10) * (1 + 2.0**-20)
     assert bool((err <= bound).all()), float((err - bound).max())
@@ -374,7 +428,10 @@ def test_quantizer_refuses_nan_inf_naming_the_first_element(case, bad, where):
     assume(flat is not None)
     flat[where % x.numel()] = bad
     first = tuple(int(i) for i in (~torch.isfinite(x)).nonzero()[0])
-    with pytest.raises(NonFiniteInputError, match=rf"got {'nan' if math.isnan(bad) else ('-' if bad < 0 else '') + 'inf'} at index {re_tuple(first)}"):
+    with pytest.raises(
+        NonFiniteInputError,
+        match=rf"got {'nan' if math.isnan(bad) else ('-' if bad < 0 else '') + 'inf'} at index {re_tuple(first)}",
+    ):
         quantize_blockwise(x, block, scale_mode)
 
 
@@ -383,9 +440,13 @@ def re_tuple(t: tuple) -> str:
 
 
 @FAST
-@given(st.one_of(st.tuples(st.just("block"), st.sampled_from([(1, 64), (64, 64), (128,), (1, 128, 1), (0, 0), (-1, 128)])),
-                 st.tuples(st.just("dtype"), st.sampled_from([torch.float64, torch.int32, torch.uint8, torch.bool, torch.float8_e4m3fn])),
-                 st.tuples(st.just("scale_mode"), st.sampled_from(["e8m0", "", "FP32", "ue8m0 "]))))
+@given(
+    st.one_of(
+        st.tuples(st.just("block"), st.sampled_from([(1, 64), (64, 64), (128,), (1, 128, 1), (0, 0), (-1, 128)])),
+        st.tuples(st.just("dtype"), st.sampled_from([torch.float64, torch.int32, torch.uint8, torch.bool, torch.float8_e4m3fn])),
+        st.tuples(st.just("scale_mode"), st.sampled_from(["e8m0", "", "FP32", "ue8m0 "])),
+    )
+)
 def test_quantizer_refuses_bad_arguments(case):
     what, bad = case
     x = torch.randn(4, 256)

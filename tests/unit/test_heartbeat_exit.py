@@ -28,6 +28,12 @@ SCRIPT = textwrap.dedent(
 
 def test_a_run_with_the_heartbeat_exits_cleanly():
     for attempt in range(5):
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60,
-                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
         assert proc.returncode == 0 and proc.stdout.strip() == "done", (attempt, proc.returncode, proc.stderr[-2000:])

@@ -115,8 +115,12 @@ def test_the_parser_sees_lazy_and_relative_imports(tmp_path):
     (pkg / "__init__.py").write_text("from . import a\n")
     (pkg / "a.py").write_text("def f():\n    from megatron_jetrl.sub.b import g\n")
     (pkg / "b.py").write_text("from .a import f\nfrom .. import sub\n")
-    known = {"megatron_jetrl": tmp_path / PACKAGE / "__init__.py", "megatron_jetrl.sub": pkg / "__init__.py",
-             "megatron_jetrl.sub.a": pkg / "a.py", "megatron_jetrl.sub.b": pkg / "b.py"}
+    known = {
+        "megatron_jetrl": tmp_path / PACKAGE / "__init__.py",
+        "megatron_jetrl.sub": pkg / "__init__.py",
+        "megatron_jetrl.sub.a": pkg / "a.py",
+        "megatron_jetrl.sub.b": pkg / "b.py",
+    }
     edges = {m: imports(m, p, known) for m, p in known.items()}
     assert edges["megatron_jetrl.sub"] == {"megatron_jetrl.sub.a": 1}
     assert edges["megatron_jetrl.sub.a"] == {"megatron_jetrl.sub.b": 2}
@@ -129,17 +133,26 @@ def test_the_package_has_no_import_circle():
     edges = graph()
     assert "megatron_jetrl.rl.config" in edges and "megatron_jetrl.actor.provider" in edges, sorted(edges)
     found = cycles(edges)
-    assert not found, "import circles (module (line of the import) -> module ...):\n" + "\n".join(describe(c, edges) for c in found)
+    assert not found, "import circles (module (line of the import) -> module ...):\n" + "\n".join(
+        describe(c, edges) for c in found
+    )
 
 
 def test_the_split_modules_import_downwards():
     """The two circles broken here stay broken in the direction chosen: the specs and the config's types sit below
     the provider and the config CLI."""
     edges = graph()
-    for low, high in [("actor.fp8_layers", "actor.provider"), ("actor.te_recipe", "actor.provider"),
-                      ("actor.gpt", "actor.fp8_layers"), ("actor.gpt", "actor.te_recipe"),
-                      ("rl.config_schema", "rl.config"), ("rl.preflight", "rl.config"), ("rl.run_state", "rl.config"),
-                      ("rl.config_schema", "rl.preflight"), ("rl.config_schema", "rl.run_state")]:
+    for low, high in [
+        ("actor.fp8_layers", "actor.provider"),
+        ("actor.te_recipe", "actor.provider"),
+        ("actor.gpt", "actor.fp8_layers"),
+        ("actor.gpt", "actor.te_recipe"),
+        ("rl.config_schema", "rl.config"),
+        ("rl.preflight", "rl.config"),
+        ("rl.run_state", "rl.config"),
+        ("rl.config_schema", "rl.preflight"),
+        ("rl.config_schema", "rl.run_state"),
+    ]:
         assert f"{PACKAGE}.{high}" not in edges[f"{PACKAGE}.{low}"], f"{low} imports {high}"
 
 

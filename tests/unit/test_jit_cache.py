@@ -25,7 +25,10 @@ def clean_env(monkeypatch):
 
 
 def test_one_directory_holds_both_caches(clean_env, tmp_path):
-    assert cache_dirs(str(tmp_path / "jit")) == {"deep_gemm": tmp_path / "jit" / "deep_gemm", "triton": tmp_path / "jit" / "triton"}
+    assert cache_dirs(str(tmp_path / "jit")) == {
+        "deep_gemm": tmp_path / "jit" / "deep_gemm",
+        "triton": tmp_path / "jit" / "triton",
+    }
     pinned = pin_cache_dirs(str(tmp_path / "jit"))
     assert os.environ["DG_JIT_CACHE_DIR"] == str(tmp_path / "jit" / "deep_gemm") == str(pinned["deep_gemm"])
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "jit" / "triton")
@@ -82,17 +85,40 @@ def test_the_cache_directory_may_change_on_resume():
 
 
 def test_the_warm_command_on_the_cpu_says_there_is_nothing_to_compile():
-    done = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and "runs on the CPU, where nothing is JIT-compiled: nothing to warm" in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml", "run.stepz=1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml", "run.stepz=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "did you mean 'steps'" in bad.stderr
 
 
 def test_the_launcher_can_ask_the_warm_command_for_the_world_size():
-    done = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_cache", "configs/tiny.yaml", "parallel.tp=2",
-                           "--get", "parallel.world_size"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_jetrl.rl.warm_cache",
+            "configs/tiny.yaml",
+            "parallel.tp=2",
+            "--get",
+            "parallel.world_size",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "2"
 
 
@@ -131,10 +157,15 @@ def gpu_config(monkeypatch, *overrides):
 PP1 = ["parallel.pp=1", "parallel.pp_last_layers=0"]  # e2e_8b's own layout is TP 1 x PP 4 (split 10 + 10 + 10 + 6)
 
 
-@pytest.mark.parametrize("layout, train_tp, rollout_tp", [([], 1, 1),
-                                                          ([*PP1, "parallel.tp=4", "rollout.tp=4"], 4, 4),
-                                                          (["parallel.tp=2", "parallel.pp=2", "parallel.pp_last_layers=0", "rollout.tp=2"], 2, 2),
-                                                          ([*PP1, "parallel.tp=4", "rollout.engine=native", "rollout.tp=1"], 4, 1)])
+@pytest.mark.parametrize(
+    "layout, train_tp, rollout_tp",
+    [
+        ([], 1, 1),
+        ([*PP1, "parallel.tp=4", "rollout.tp=4"], 4, 4),
+        (["parallel.tp=2", "parallel.pp=2", "parallel.pp_last_layers=0", "rollout.tp=2"], 2, 2),
+        ([*PP1, "parallel.tp=4", "rollout.engine=native", "rollout.tp=1"], 4, 1),
+    ],
+)
 def test_every_fp8_linear_of_both_sides_is_covered_once(monkeypatch, layout, train_tp, rollout_tp):
     cfg = gpu_config(monkeypatch, "precision.mode=jetrl", *layout)
     items = warm_gemms.work_items(cfg, num_sms=132, procs=48)
@@ -169,8 +200,12 @@ def test_the_backward_is_warmed_up_to_the_padded_micro_batch(monkeypatch):
 
 def test_shapes_per_rank_are_the_fused_linears_split_by_tp(monkeypatch):
     arch = gpu_config(monkeypatch).arch()
-    assert warm_gemms.linear_shapes(arch, 4) == [("linear_qkv", 1536, 4096), ("linear_proj", 4096, 1024),
-                                                 ("linear_fc1", 6144, 4096), ("linear_fc2", 4096, 3072)]
+    assert warm_gemms.linear_shapes(arch, 4) == [
+        ("linear_qkv", 1536, 4096),
+        ("linear_proj", 4096, 1024),
+        ("linear_fc1", 6144, 4096),
+        ("linear_fc2", 4096, 3072),
+    ]
 
 
 def test_bf16_compiles_nothing_and_the_foil_only_the_engines_forward(monkeypatch):
@@ -183,8 +218,14 @@ def test_bf16_compiles_nothing_and_the_foil_only_the_engines_forward(monkeypatch
 def test_exact_logprobs_adds_both_sides_lm_head_gemm(monkeypatch, tp):
     """The trainer's lm_head shard (vocabulary padded to 128 x TP) and the engine's (padded to 64, then split) differ
     at TP 2 (Qwen3's 151936 tokens: 76032 against 75968 columns): both are warmed, at K = hidden."""
-    cfg = gpu_config(monkeypatch, "precision.mode=jetrl", f"parallel.tp={tp}", f"rollout.tp={tp}", "parallel.dp=1",
-                     "precision.exact_logprobs=true")
+    cfg = gpu_config(
+        monkeypatch,
+        "precision.mode=jetrl",
+        f"parallel.tp={tp}",
+        f"rollout.tp={tp}",
+        "parallel.dp=1",
+        "precision.exact_logprobs=true",
+    )
     heads = {(n, k) for n, k, _, kind in warm_gemms.work_items(cfg, 132, 48) if kind == "lm_head"}
     assert heads == ({(151936, 4096)} if tp == 1 else {(76032, 4096), (75968, 4096)})
     off = gpu_config(monkeypatch, "precision.mode=jetrl", "precision.exact_logprobs=false")
@@ -192,6 +233,7 @@ def test_exact_logprobs_adds_both_sides_lm_head_gemm(monkeypatch, tp):
 
 
 def test_warm_gemms_on_a_cpu_box_says_nothing_is_compiled():
-    done = subprocess.run([sys.executable, "-m", "megatron_jetrl.rl.warm_gemms", *E2E], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_jetrl.rl.warm_gemms", *E2E], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "no CUDA GPU here: nothing is JIT-compiled" in done.stdout, done.stderr

@@ -1,4 +1,4 @@
-"""`faults.leave_together`: at the end of a run no rank exits before every rank is out of its last collective, and
+"""`rendezvous.leave_together`: at the end of a run no rank exits before every rank is out of its last collective, and
 rank 0 (the store's host when ranks are started by hand) leaves last."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK = r"""
 import datetime, json, os, sys, time
 import torch.distributed as dist
-from megatron_jetrl.rl import faults
+from megatron_jetrl.rl.rendezvous import leave_together
 
 rank, delay = int(os.environ["RANK"]), float(sys.argv[1])
 if rank == 0:  # the store's host, as when the ranks are started without torchrun
@@ -23,7 +23,7 @@ if rank == 0:  # the store's host, as when the ranks are started without torchru
                            timeout=datetime.timedelta(seconds=30))
 time.sleep(delay)
 arrived = time.time()
-faults.leave_together(timeout=float(sys.argv[2]))
+leave_together(timeout=float(sys.argv[2]))
 print(json.dumps({"rank": rank, "arrived": arrived, "left": time.time()}), flush=True)
 if rank == 0:
     time.sleep(0.5)  # the store stays up a moment: the others may still read it
@@ -32,10 +32,23 @@ if rank == 0:
 
 def ranks(delays, timeout=30.0):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(d), str(timeout)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(len(delays)), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)})
-             for r, d in enumerate(delays)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(d), str(timeout)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(len(delays)),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONPATH": str(ROOT),
+            },
+        )
+        for r, d in enumerate(delays)
+    ]
     out = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     return out

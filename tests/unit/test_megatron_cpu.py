@@ -104,9 +104,7 @@ def _build_and_train(tp, pp, use_cpu_init):
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
-    _init_weights_by_global_name(
-        model, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    )
+    _init_weights_by_global_name(model, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )

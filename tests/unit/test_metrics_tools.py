@@ -136,19 +136,51 @@ def test_writer_tensorboard_scalars(tmp_path):
 
 def test_read_metrics_tolerates_torn_and_duplicate_lines(tmp_path):
     assert read_metrics(tmp_path) == []
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 0, "a": 0}\n\n{"step": 1, "a": 2}\n[1]\n{"step": 2, "a"')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "a": 1}\n{"step": 0, "a": 0}\n\n{"step": 1, "a": 2}\n[1]\n{"step": 2, "a"'
+    )
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "a": 0}, {"step": 1, "a": 2}]
 
 
 # ---------------------------------------------------------------- summary and progress
 
 ROWS = [
-    {"step": 0, "reward/mean": 0.25, "response_length/mean": 12.0, "mismatch/mean_abs_diff": 0.0, "mismatch/k3_kl": 0.0,
-     "mismatch/max_abs_diff": 0.0, "time/rollout": 1.0, "time/eval": 0.2, "time/update": 0.6, "time/sync": 0.05,
-     "time/step": 1.85, "throughput/tokens_per_s": 300.0, "mode": "jetrl", "tp": 2, "pp": 1, "dp": 1},
-    {"step": 1, "reward/mean": 0.5, "response_length/mean": 9.0, "mismatch/mean_abs_diff": 0.002, "mismatch/k3_kl": 1e-6,
-     "mismatch/max_abs_diff": 0.02, "time/rollout": 2.0, "time/eval": 0.4, "time/update": 0.8, "time/sync": 0.15,
-     "time/step": 3.35, "throughput/tokens_per_s": 340.0, "mode": "jetrl", "tp": 2, "pp": 1, "dp": 1},
+    {
+        "step": 0,
+        "reward/mean": 0.25,
+        "response_length/mean": 12.0,
+        "mismatch/mean_abs_diff": 0.0,
+        "mismatch/k3_kl": 0.0,
+        "mismatch/max_abs_diff": 0.0,
+        "time/rollout": 1.0,
+        "time/eval": 0.2,
+        "time/update": 0.6,
+        "time/sync": 0.05,
+        "time/step": 1.85,
+        "throughput/tokens_per_s": 300.0,
+        "mode": "jetrl",
+        "tp": 2,
+        "pp": 1,
+        "dp": 1,
+    },
+    {
+        "step": 1,
+        "reward/mean": 0.5,
+        "response_length/mean": 9.0,
+        "mismatch/mean_abs_diff": 0.002,
+        "mismatch/k3_kl": 1e-6,
+        "mismatch/max_abs_diff": 0.02,
+        "time/rollout": 2.0,
+        "time/eval": 0.4,
+        "time/update": 0.8,
+        "time/sync": 0.15,
+        "time/step": 3.35,
+        "throughput/tokens_per_s": 340.0,
+        "mode": "jetrl",
+        "tp": 2,
+        "pp": 1,
+        "dp": 1,
+    },
 ]
 
 
@@ -171,14 +203,16 @@ def test_headline_reward_is_a_mean_over_the_first_and_last_10_steps():
 
 
 def test_format_summary():
-    assert format_summary(ROWS) == "\n".join([
-        "GRPO run: 2 steps, mode jetrl, TP 2 PP 1 DP 1",
-        "  reward           0.375 -> 0.375  (mean of the first -> last 2 steps)",
-        "  response length  12 -> 9",
-        "  mismatch         mean |logp diff| 0.001, k3 KL 5e-07, max |logp diff| 0.02",
-        "  time/step (s)    rollout 1.5 | eval 0.3 | update 0.7 | sync 0.1 | total 2.6  (mean of 2 steps)",
-        "  throughput       320 tokens/s",
-    ])
+    assert format_summary(ROWS) == "\n".join(
+        [
+            "GRPO run: 2 steps, mode jetrl, TP 2 PP 1 DP 1",
+            "  reward           0.375 -> 0.375  (mean of the first -> last 2 steps)",
+            "  response length  12 -> 9",
+            "  mismatch         mean |logp diff| 0.001, k3 KL 5e-07, max |logp diff| 0.02",
+            "  time/step (s)    rollout 1.5 | eval 0.3 | update 0.7 | sync 0.1 | total 2.6  (mean of 2 steps)",
+            "  throughput       320 tokens/s",
+        ]
+    )
     assert format_summary([]) == "GRPO run: no steps logged"
     assert "reward           n/a -> n/a  (mean of the first -> last 0 steps)" in format_summary([{"step": 0}])
 
@@ -213,8 +247,20 @@ def test_progress_lines_off_a_terminal_bar_on_one():
 # ---------------------------------------------------------------- sweep report
 
 
-def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None, summary=True, tokens=100.0,
-             rollout=("native", 1), mismatch=None, profiled=None, memory=None):
+def make_run(
+    directory: Path,
+    tp,
+    mode,
+    times: list[dict] | None,
+    *,
+    status=None,
+    summary=True,
+    tokens=100.0,
+    rollout=("native", 1),
+    mismatch=None,
+    profiled=None,
+    memory=None,
+):
     """A run dir as the trainer + tp_sweep.sh leave it; times: per step {phase: seconds}; tokens: per step;
     mismatch: per step mean |dlogp| (k3 KL a tenth of it, the max ten times it); profiled: the step run.profile_step named;
     memory: per step {phase: GiB} (the loop's memory/<phase>_gib)."""
@@ -222,11 +268,21 @@ def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None
     if times is not None:
         with open(directory / "metrics.jsonl", "w") as f:
             for i, t in enumerate(times):
-                r = {"step": i, "reward/mean": 0.5, **{f"time/{k}": v for k, v in t.items()}, "mode": mode, "tp": tp,
-                     "rollout_engine": rollout[0], "rollout_tp": rollout[1]}
+                r = {
+                    "step": i,
+                    "reward/mean": 0.5,
+                    **{f"time/{k}": v for k, v in t.items()},
+                    "mode": mode,
+                    "tp": tp,
+                    "rollout_engine": rollout[0],
+                    "rollout_tp": rollout[1],
+                }
                 if mismatch is not None:
-                    r |= {"mismatch/mean_abs_diff": mismatch[i], "mismatch/k3_kl": mismatch[i] / 10,
-                          "mismatch/max_abs_diff": mismatch[i] * 10}
+                    r |= {
+                        "mismatch/mean_abs_diff": mismatch[i],
+                        "mismatch/k3_kl": mismatch[i] / 10,
+                        "mismatch/max_abs_diff": mismatch[i] * 10,
+                    }
                 r["throughput/tokens_per_s"] = tokens / t["step"]
                 if i == profiled:
                     r["profiled"] = 1
@@ -240,8 +296,7 @@ def make_run(directory: Path, tp, mode, times: list[dict] | None, *, status=None
 
 
 def phases(rollout, evaluation, update, sync):
-    return {"rollout": rollout, "eval": evaluation, "update": update, "sync": sync,
-            "step": rollout + evaluation + update + sync}
+    return {"rollout": rollout, "eval": evaluation, "update": update, "sync": sync, "step": rollout + evaluation + update + sync}
 
 
 @pytest.fixture
@@ -249,29 +304,78 @@ def sweep(tmp_path):
     d = tmp_path / "sweep"
     warm = phases(9.0, 9.0, 9.0, 9.0)  # first step: left out of the medians
     ok = lambda tp, mode: {"status": "ok", "tp": tp, "mode": mode, "rc": 0}  # noqa: E731
-    make_run(d / "sweep_tp1_bf16", 1, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5), phases(2.2, 0.5, 1.2, 0.5),
-                                               phases(1.8, 0.5, 0.8, 0.5)], status=ok(1, "bf16"))
+    make_run(
+        d / "sweep_tp1_bf16",
+        1,
+        "bf16",
+        [warm, phases(2.0, 0.5, 1.0, 0.5), phases(2.2, 0.5, 1.2, 0.5), phases(1.8, 0.5, 0.8, 0.5)],
+        status=ok(1, "bf16"),
+    )
     # jetrl answers with longer responses: its rollout speedup is in tokens/s (120/1.6 vs 100/2.0), not in time
-    make_run(d / "sweep_tp1_jetrl", 1, "jetrl", [warm, phases(1.6, 0.4, 0.5, 0.5)], status=ok(1, "jetrl"), tokens=120.0,
-             mismatch=[0.5, 0.125])
+    make_run(
+        d / "sweep_tp1_jetrl",
+        1,
+        "jetrl",
+        [warm, phases(1.6, 0.4, 0.5, 0.5)],
+        status=ok(1, "jetrl"),
+        tokens=120.0,
+        mismatch=[0.5, 0.125],
+    )
     # TP2 with vLLM (rollout TP2): its own bf16 baseline, not the native engine's
     make_run(d / "multi_tp2_rtp2_bf16", 2, "bf16", [warm, phases(2.0, 0.5, 1.0, 0.5)], rollout=("vllm", 2), mismatch=[0.02, 0.02])
-    make_run(d / "multi_tp2_rtp2_jetrl", 2, "jetrl", [warm, phases(1.0, 0.5, 0.5, 0.5)], rollout=("vllm", 2), mismatch=[0.2, 0.1],
-             memory=[{"rollout": 50.25, "update": 40.5}, {"rollout": 51.0, "update": 39.0}])  # the most over all steps
+    make_run(
+        d / "multi_tp2_rtp2_jetrl",
+        2,
+        "jetrl",
+        [warm, phases(1.0, 0.5, 0.5, 0.5)],
+        rollout=("vllm", 2),
+        mismatch=[0.2, 0.1],
+        memory=[{"rollout": 50.25, "update": 40.5}, {"rollout": 51.0, "update": 39.0}],
+    )  # the most over all steps
     (d / "multi_tp2_rtp2_jetrl" / "gpu_memory.csv").write_text("0, 4\n1, 4\n0, 62976\n1, 60093\n0, 27049\n")  # nvidia-smi
-    make_run(d / "sweep_tp1_bf16-train-fp8-rollout", 1, "bf16-train-fp8-rollout", [warm],
-             status={"status": "failed", "tp": 1, "mode": "bf16-train-fp8-rollout", "rc": 3}, summary=False)
+    make_run(
+        d / "sweep_tp1_bf16-train-fp8-rollout",
+        1,
+        "bf16-train-fp8-rollout",
+        [warm],
+        status={"status": "failed", "tp": 1, "mode": "bf16-train-fp8-rollout", "rc": 3},
+        summary=False,
+    )
     # TP2: no bf16 run at all (its directory was never written) -> n/a speedups
     make_run(d / "sweep_tp2_jetrl", 2, "jetrl", [phases(1.0, 0.25, 0.5, 0.25)], status=ok(2, "jetrl"))
     # a run without sweep_status.json that did not finish, and one identified only by its config
     make_run(d / "manual_tp2", 2, "bf16-train-fp8-rollout", [phases(1.0, 0.1, 0.1, 0.1)], summary=False)
-    make_run(d / "tp4_skip", None, None, None, summary=False,
-             status={"status": "skipped", "tp": 4, "mode": "jetrl", "rc": None, "reason": "needs 4 processes, 2 available"})
-    make_run(d / "sweep_tp8_jetrl", None, None, None, summary=False,
-             status={"status": "invalid", "tp": 8, "mode": "jetrl", "rc": None, "reason": "config error: TP=8 does not divide 2"})
-    dirs = [d / n for n in ("sweep_tp2_jetrl", "tp4_skip", "sweep_tp1_jetrl", "sweep_tp1_bf16-train-fp8-rollout",
-                            "manual_tp2", "sweep_tp1_bf16", "sweep_tp2_bf16", "sweep_tp8_jetrl", "multi_tp2_rtp2_jetrl",
-                            "multi_tp2_rtp2_bf16")]
+    make_run(
+        d / "tp4_skip",
+        None,
+        None,
+        None,
+        summary=False,
+        status={"status": "skipped", "tp": 4, "mode": "jetrl", "rc": None, "reason": "needs 4 processes, 2 available"},
+    )
+    make_run(
+        d / "sweep_tp8_jetrl",
+        None,
+        None,
+        None,
+        summary=False,
+        status={"status": "invalid", "tp": 8, "mode": "jetrl", "rc": None, "reason": "config error: TP=8 does not divide 2"},
+    )
+    dirs = [
+        d / n
+        for n in (
+            "sweep_tp2_jetrl",
+            "tp4_skip",
+            "sweep_tp1_jetrl",
+            "sweep_tp1_bf16-train-fp8-rollout",
+            "manual_tp2",
+            "sweep_tp1_bf16",
+            "sweep_tp2_bf16",
+            "sweep_tp8_jetrl",
+            "multi_tp2_rtp2_jetrl",
+            "multi_tp2_rtp2_bf16",
+        )
+    ]
     return d, [str(x) for x in dirs]
 
 
@@ -303,9 +407,17 @@ def test_sweep_report_table(sweep, capsys):
     assert "3 run(s) FAILED" in out.err
     rows = list(csv.DictReader(open(d / "sweep_report.csv")))
     assert [(r["tp"], r["mode"], r["status"]) for r in rows] == [
-        ("1", "bf16", "ok"), ("1", "bf16-train-fp8-rollout", "failed"), ("1", "jetrl", "ok"), ("2", "bf16", "failed"),
-        ("2", "bf16-train-fp8-rollout", "failed"), ("2", "jetrl", "ok"), ("2", "bf16", "ok"), ("2", "jetrl", "ok"),
-        ("4", "jetrl", "skipped"), ("8", "jetrl", "invalid")]
+        ("1", "bf16", "ok"),
+        ("1", "bf16-train-fp8-rollout", "failed"),
+        ("1", "jetrl", "ok"),
+        ("2", "bf16", "failed"),
+        ("2", "bf16-train-fp8-rollout", "failed"),
+        ("2", "jetrl", "ok"),
+        ("2", "bf16", "ok"),
+        ("2", "jetrl", "ok"),
+        ("4", "jetrl", "skipped"),
+        ("8", "jetrl", "invalid"),
+    ]
     jet1 = rows[2]
     assert float(jet1["speedup_update"]) == 2.0 and math.isclose(float(jet1["speedup_step"]), 4 / 3)
     assert float(jet1["speedup_rollout"]) == 1.5 and float(jet1["rollout_tokens_per_s"]) == 75.0

@@ -8,17 +8,48 @@ from hypothesis import strategies as st
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.models import ModelArch, from_hf, hf_tensors, model_entries, padded_vocab_size, rank_slice
 
-QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
-QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
-LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+QWEN25_7B = dict(
+    model_type="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+)
+LLAMA31_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
 
 
 def tiny(model_type="qwen3", **overrides):
-    config = dict(model_type=model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300)
+    config = dict(
+        model_type=model_type,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=300,
+    )
     config.update(overrides)
     return ModelArch.from_hf_config(config)
 
@@ -105,7 +136,9 @@ def test_import_then_bf16_export_round_trips(family, tp):
 
 
 @settings(max_examples=10, deadline=None)
-@given(family=st.sampled_from(["qwen2", "qwen3", "llama"]), scale_mode=st.sampled_from(["fp32", "ue8m0"]), seed=st.integers(0, 999))
+@given(
+    family=st.sampled_from(["qwen2", "qwen3", "llama"]), scale_mode=st.sampled_from(["fp32", "ue8m0"]), seed=st.integers(0, 999)
+)
 def test_fp8_export_is_the_trainer_bytes_and_tp_invariant(family, scale_mode, seed):
     arch = tiny(family)
     hf = random_hf_state(arch, seed)
@@ -176,4 +209,4 @@ def test_pipeline_stages_hold_every_layer_once_in_order(num_layers, pp, last):
     assert staged[0][0].megatron == "embedding.word_embeddings.weight" and staged[-1][-1].megatron == "output_layer.weight"
     for r, stage in enumerate(staged):  # local layer numbers 0.. on each stage, global ones contiguous across stages
         hf_layers = sorted({int(h[0].split(".")[2]) for e in stage for h in [e.hf] if h[0].startswith("model.layers.")})
-        assert hf_layers == list(range(sum(layers[:r]), sum(layers[:r + 1])))
+        assert hf_layers == list(range(sum(layers[:r]), sum(layers[: r + 1])))

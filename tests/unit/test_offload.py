@@ -15,7 +15,9 @@ import torch
 from actor_helpers import CONFIGS, hf_state, spawn, write_hf_checkpoint
 
 
-@pytest.fixture(scope="module", params=[(1, False, True), (2, True, True), (1, False, False)], ids=["dp1", "dp2-zero1", "fp32-weights"])
+@pytest.fixture(
+    scope="module", params=[(1, False, True), (2, True, True), (1, False, False)], ids=["dp1", "dp2-zero1", "fp32-weights"]
+)
 def runs(request):
     """Per rank, per setting (sc.offload_round_trips); the last case trains FP32 weights in place (optim.bf16=false)."""
     world, distributed, bf16 = request.param
@@ -49,8 +51,11 @@ def test_offload_frees_what_it_says_and_trains_bit_for_bit(runs):
                 assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
         # a KV cache sized at the engine's start leaves the actor what it will still hold while the engine is awake:
         # Adam's moments and the FP8 copies not made yet, less what the offload takes away then
-        for what, holds in (("none", lambda adam, policy, ref: adam + policy + ref), ("grads", lambda adam, policy, ref: adam + ref),
-                            ("optimizer", lambda adam, policy, ref: 0)):
+        for what, holds in (
+            ("none", lambda adam, policy, ref: adam + policy + ref),
+            ("grads", lambda adam, policy, ref: adam + ref),
+            ("optimizer", lambda adam, policy, ref: 0),
+        ):
             counted, adam, policy, ref = rank[what]["to_come"]
             assert adam > 0 and policy > 0 and ref > 0 and counted == holds(adam, policy, ref)
         grads, ref = rank["grads"]["freed"], rank["optimizer"]["reference_fp8"]
@@ -102,9 +107,11 @@ def test_releasing_the_bf16_linear_weights_trains_bit_for_bit_and_survives_a_ski
 
 def test_releasing_the_bf16_linear_weights_under_the_distributed_optimizer_is_refused(qwen3_checkpoint):
     (message,) = spawn(1, 1, 1, sc.bf16_release_refused_under_the_distributed_optimizer, qwen3_checkpoint)
-    assert message.endswith("its BF16 weight is a view into a larger buffer (megatron's distributed optimizer keeps the "
-                            "parameters in one): it cannot be freed alone; set model.bf16_linear_weights=keep, or "
-                            "optim.distributed=false")
+    assert message.endswith(
+        "its BF16 weight is a view into a larger buffer (megatron's distributed optimizer keeps the "
+        "parameters in one): it cannot be freed alone; set model.bf16_linear_weights=keep, or "
+        "optim.distributed=false"
+    )
 
 
 def test_the_config_releases_where_it_applies_and_refuses_where_it_cannot():
@@ -114,8 +121,11 @@ def test_the_config_releases_where_it_applies_and_refuses_where_it_cannot():
     assert load_config(tiny, []).bf16_linears_released()  # jetrl, local spec, mixed-precision optimizer
     for off in (["precision.mode=bf16"], ["optim.distributed=true"], ["optim.bf16=false"], ["model.bf16_linear_weights=keep"]):
         assert not load_config(tiny, off).bf16_linears_released(), off
-    with pytest.raises(ConfigError, match=r"model.bf16_linear_weights=release needs megatron's mixed-precision optimizer "
-                                          r"\(optim.bf16=true, optim.distributed=false\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.bf16_linear_weights=release needs megatron's mixed-precision optimizer "
+        r"\(optim.bf16=true, optim.distributed=false\)",
+    ):
         load_config(tiny, ["model.bf16_linear_weights=release", "optim.distributed=true"])
     with pytest.raises(ConfigError, match=r"mode 'bf16' with model.spec=local trains none: set it to auto or keep"):
         load_config(tiny, ["model.bf16_linear_weights=release", "precision.mode=bf16"])

@@ -24,8 +24,12 @@ def test_installed_package_carries_the_cpu_patch_and_the_configs(tmp_path):
     for name in ("megatron_jetrl", "patches", "configs", "pyproject.toml", "README.md"):
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, src / name)
     target = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
-                        str(src)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (target / "megatron_jetrl/_patches/megatron_core_0_16_1_cpu.py").is_file()
     assert (target / "megatron_jetrl/_patches/vllm_0_26_0_seeded_sampling.py").is_file()
@@ -33,10 +37,18 @@ def test_installed_package_carries_the_cpu_patch_and_the_configs(tmp_path):
     assert (target / "megatron_jetrl/_configs/models/qwen2.5-7b.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    probe = ("from megatron_jetrl.rl.config import DEFAULT_CONFIG, load_config; from megatron_jetrl.patching import load_patch; "
-             "print(DEFAULT_CONFIG); load_config(); print(load_patch('megatron_core_0_16_1_cpu').__file__)")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
-                       capture_output=True, text=True, timeout=300)
+    probe = (
+        "from megatron_jetrl.rl.config import DEFAULT_CONFIG, load_config; from megatron_jetrl.patching import load_patch; "
+        "print(DEFAULT_CONFIG); load_config(); print(load_patch('megatron_core_0_16_1_cpu').__file__)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=elsewhere,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     config, patch = r.stdout.split()
     assert config == str(target / "megatron_jetrl/_configs/tiny.yaml")
@@ -54,9 +66,11 @@ def test_a_bare_install_says_what_is_missing_in_one_line(monkeypatch, capsys):
         extras.require_train_extras("megatron_jetrl.rl.train")
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["megatron_jetrl.rl.train needs no-such-package==1.0, not installed here: pip install 'megatron-jetrl[train]' "
-                   "(from a clone: pip install '.[train]'; on a CPU machine install torch's CPU build first, as tools/setup.sh "
-                   "does)"]
+    assert err == [
+        "megatron_jetrl.rl.train needs no-such-package==1.0, not installed here: pip install 'megatron-jetrl[train]' "
+        "(from a clone: pip install '.[train]'; on a CPU machine install torch's CPU build first, as tools/setup.sh "
+        "does)"
+    ]
 
 
 def test_configs_resolve_from_any_directory_and_help_lists_every_section(tmp_path, monkeypatch):

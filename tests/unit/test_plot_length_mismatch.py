@@ -15,11 +15,28 @@ spec.loader.exec_module(tool)
 
 
 def row(step: int, **buckets) -> dict:
-    r = {"step": step, "reward/mean": 0.5, "mismatch/tokens": sum(b[0] for b in buckets.values()), "mismatch/mean_abs_diff": 0.1,
-         "mismatch/k3_kl": 0.01, "mismatch/max_abs_diff": 0.5, "mismatch/abs_diff_gt1_frac": 0.0}
+    r = {
+        "step": step,
+        "reward/mean": 0.5,
+        "mismatch/tokens": sum(b[0] for b in buckets.values()),
+        "mismatch/mean_abs_diff": 0.1,
+        "mismatch/k3_kl": 0.01,
+        "mismatch/max_abs_diff": 0.5,
+        "mismatch/abs_diff_gt1_frac": 0.0,
+    }
     for tag, (tokens, responses, mean, mx, seq) in buckets.items():
-        r |= {f"mismatch/{tag}/{k}": v for k, v in dict(tokens=tokens, responses=responses, mean_abs_diff=mean, k3_kl=mean / 10,
-                                                          max_abs_diff=mx, abs_diff_gt1_frac=0.0, seq_abs_log_ratio=seq).items()}
+        r |= {
+            f"mismatch/{tag}/{k}": v
+            for k, v in dict(
+                tokens=tokens,
+                responses=responses,
+                mean_abs_diff=mean,
+                k3_kl=mean / 10,
+                max_abs_diff=mx,
+                abs_diff_gt1_frac=0.0,
+                seq_abs_log_ratio=seq,
+            ).items()
+        }
     return r
 
 
@@ -30,7 +47,10 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_buckets_are_weighted_over_steps():
-    rows = [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2)}), row(1, **{"len4-8": (30, 4, 0.2, 0.2, 0.5), "len16-32": (40, 2, 0.4, 1.5, 3.0)})]
+    rows = [
+        row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2)}),
+        row(1, **{"len4-8": (30, 4, 0.2, 0.2, 0.5), "len16-32": (40, 2, 0.4, 1.5, 3.0)}),
+    ]
     b = tool.by_length(rows)
     assert list(b) == [(4, 8), (16, 32)]
     assert b[(4, 8)]["mean_abs_diff"] == pytest.approx((10 * 0.1 + 30 * 0.2) / 40)  # token-weighted
@@ -46,8 +66,11 @@ def test_png_and_exit_2(tmp_path, capsys):
     assert tool.main([f"a={run}", "--floor", f"f={run / 'metrics.jsonl'}", "-o", str(out), "--min-responses", "1"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
-    for spec, message in [(str(run), "write LABEL=RUN"), (f"b={tmp_path}/nowhere", "no metrics.jsonl there"),
-                          (f"b={old}", "no mismatch/len* buckets")]:
+    for spec, message in [
+        (str(run), "write LABEL=RUN"),
+        (f"b={tmp_path}/nowhere", "no metrics.jsonl there"),
+        (f"b={old}", "no mismatch/len* buckets"),
+    ]:
         assert tool.main([spec, "-o", str(tmp_path / "no.png")]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
@@ -58,8 +81,14 @@ def test_png_and_exit_2(tmp_path, capsys):
 
 def test_table_has_a_row_per_bucket_and_a_column_per_run(tmp_path):
     a = write(tmp_path / "a", [row(0, **{"len4-8": (10, 2, 0.1, 0.3, 0.2), "len32-64": (90, 2, 0.3, 1.2, 2.0)})])
-    floor_without_buckets = {"step": 0, "reward/mean": 0.4, "mismatch/tokens": 50, "mismatch/mean_abs_diff": 0.05,
-                             "mismatch/k3_kl": 0.001, "mismatch/max_abs_diff": 0.2}
+    floor_without_buckets = {
+        "step": 0,
+        "reward/mean": 0.4,
+        "mismatch/tokens": 50,
+        "mismatch/mean_abs_diff": 0.05,
+        "mismatch/k3_kl": 0.001,
+        "mismatch/max_abs_diff": 0.2,
+    }
     f = write(tmp_path / "f", [floor_without_buckets])
     out, md = tmp_path / "p.png", tmp_path / "t.md"
     assert tool.main([f"a={a}", "--floor", f"f={f}", "-o", str(out), "--table", str(md), "--min-responses", "1"]) == 0
@@ -86,13 +115,20 @@ def test_sparse_buckets_are_left_out_of_the_curves_and_named(tmp_path, capsys):
 
 def test_confidence_table_for_runs_that_log_the_buckets(tmp_path):
     conf = lambda tokens, mean: {"tokens": tokens, "mean_abs_diff": mean, "k3_kl": mean / 100}
+
     def with_conf(step, buckets):
         r = row(step, **{"len32-64": (90, 9, 0.3, 1.2, 2.0)})
         for tag, c in buckets.items():
             r |= {f"mismatch/{tag}/{k}": v for k, v in c.items()}
         return r
-    a = write(tmp_path / "a", [with_conf(0, {"p0-0.5": conf(10, 0.2), "p0.99-1": conf(30, 0.001)}),
-                               with_conf(1, {"p0-0.5": conf(30, 0.1), "p0.99-1": conf(30, 0.003)})])
+
+    a = write(
+        tmp_path / "a",
+        [
+            with_conf(0, {"p0-0.5": conf(10, 0.2), "p0.99-1": conf(30, 0.001)}),
+            with_conf(1, {"p0-0.5": conf(30, 0.1), "p0.99-1": conf(30, 0.003)}),
+        ],
+    )
     old = write(tmp_path / "old", [row(0, **{"len32-64": (90, 9, 0.3, 1.2, 2.0)})])
     md = tmp_path / "t.md"
     assert tool.main([f"a={a}", f"old={old}", "-o", str(tmp_path / "p.png"), "--table", str(md)]) == 0

@@ -12,8 +12,18 @@ spec.loader.exec_module(plot)
 
 def metrics(path: Path, mean_abs: float) -> Path:
     """A GRPO run's metrics.jsonl, four steps, with the mismatch keys the trainer logs (and a few it logs beside them)."""
-    rows = [{"step": i, "mode": "jetrl", "reward/mean": 0.0, "mismatch/tokens": 8192, "mismatch/mean_abs_diff": mean_abs * (1 + i / 10),
-             "mismatch/k3_kl": mean_abs / 10, "mismatch/max_abs_diff": mean_abs * 6} for i in range(4)]
+    rows = [
+        {
+            "step": i,
+            "mode": "jetrl",
+            "reward/mean": 0.0,
+            "mismatch/tokens": 8192,
+            "mismatch/mean_abs_diff": mean_abs * (1 + i / 10),
+            "mismatch/k3_kl": mean_abs / 10,
+            "mismatch/max_abs_diff": mean_abs * 6,
+        }
+        for i in range(4)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -25,8 +35,12 @@ def test_plot_from_gpu_shaped_runs_and_refusals(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "cut.jsonl").write_text(json.dumps({"step": 0})[:7])
     (tmp_path / "plain.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 1.0}) + "\n")
-    for spec_, message in [(f"a={tmp_path / 'missing.jsonl'}", "cannot read metrics"), (f"a={tmp_path / 'cut.jsonl'}", "cannot read metrics"),
-                           (f"a={tmp_path / 'plain.jsonl'}", "no mismatch metrics"), (str(tmp_path / "cut.jsonl"), "write label=path")]:
+    for spec_, message in [
+        (f"a={tmp_path / 'missing.jsonl'}", "cannot read metrics"),
+        (f"a={tmp_path / 'cut.jsonl'}", "cannot read metrics"),
+        (f"a={tmp_path / 'plain.jsonl'}", "no mismatch metrics"),
+        (str(tmp_path / "cut.jsonl"), "write label=path"),
+    ]:
         assert plot.main([spec_, "-o", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("plot_mismatch:") and message in err and "\n" not in err

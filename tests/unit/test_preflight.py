@@ -44,14 +44,20 @@ def gpu(monkeypatch):
 
 def test_vllm_needs_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    refused("rollout.engine=vllm", match=rf"rollout.engine=vllm needs a CUDA GPU and this run is on the cpu: set rollout.engine=native, "
-                                         rf"or run on a GPU node with vLLM \(pip install vllm=={VLLM_VERSION}\)")
+    refused(
+        "rollout.engine=vllm",
+        match=rf"rollout.engine=vllm needs a CUDA GPU and this run is on the cpu: set rollout.engine=native, "
+        rf"or run on a GPU node with vLLM \(pip install vllm=={VLLM_VERSION}\)",
+    )
 
 
 def test_vllm_not_installed_names_the_install_line(gpu, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    refused("rollout.engine=vllm", match=rf"vLLM is not installed in this environment: pip install vllm=={VLLM_VERSION}, or set rollout.engine=native")
+    refused(
+        "rollout.engine=vllm",
+        match=rf"vLLM is not installed in this environment: pip install vllm=={VLLM_VERSION}, or set rollout.engine=native",
+    )
 
 
 def test_vllm_of_another_version_is_refused(gpu, monkeypatch):
@@ -64,7 +70,10 @@ def test_vllm_of_another_version_is_refused(gpu, monkeypatch):
 
 def test_an_fp8_backend_this_machine_lacks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    refused("precision.backend=triton", match=r"precision.backend='triton' is not available on this machine's cpu .*set precision.backend=auto")
+    refused(
+        "precision.backend=triton",
+        match=r"precision.backend='triton' is not available on this machine's cpu .*set precision.backend=auto",
+    )
 
 
 def hf_dir(tmp_path: Path, model_type="qwen2", weights=True, tokenizer=True) -> Path:
@@ -80,7 +89,10 @@ def hf_dir(tmp_path: Path, model_type="qwen2", weights=True, tokenizer=True) -> 
 
 
 def test_model_path_problems(tmp_path):
-    refused(f"model.path={tmp_path / 'nope'}", match=r"model.path='.*nope' does not exist or is not a directory: point it at a local HF model")
+    refused(
+        f"model.path={tmp_path / 'nope'}",
+        match=r"model.path='.*nope' does not exist or is not a directory: point it at a local HF model",
+    )
     refused(f"model.path={tmp_path}", match=r"has no config.json: point it at a local HF model directory")
     d = hf_dir(tmp_path, model_type="gpt2")
     refused(f"model.path={d}", match=r"holds a 'gpt2' model; megatron-jetrl supports model_type \['llama', 'qwen2', 'qwen3'\]")
@@ -93,12 +105,17 @@ def test_model_path_without_weights_or_tokenizer(tmp_path):
     refused(f"model.path={d}", match=r"has no \*.safetensors weights")
     (d / "model.safetensors").write_bytes(b"")
     preflight.check(load_config(None, [f"model.path={d}"]))  # the embedded tokenizer: no tokenizer files needed
-    refused(f"model.path={d}", "model.tokenizer=hf", match=r"model.tokenizer=hf but model.path=.* holds none of \['tokenizer.json'")
+    refused(
+        f"model.path={d}", "model.tokenizer=hf", match=r"model.tokenizer=hf but model.path=.* holds none of \['tokenizer.json'"
+    )
 
 
 def test_missing_data_file(tmp_path):
-    refused("data.source=gsm8k", f"data.path={tmp_path / 'gsm8k.jsonl'}",
-            match=r"data.path \(data.source=gsm8k\): .*gsm8k.jsonl does not exist; give a local .jsonl or .parquet file")
+    refused(
+        "data.source=gsm8k",
+        f"data.path={tmp_path / 'gsm8k.jsonl'}",
+        match=r"data.path \(data.source=gsm8k\): .*gsm8k.jsonl does not exist; give a local .jsonl or .parquet file",
+    )
     refused("data.source=math", f"data.path={tmp_path}", match=r"holds no .jsonl or .parquet files")
 
 
@@ -122,8 +139,10 @@ def test_a_rank_refusing_after_torchrun_is_the_launchers_last_line(tmp_path):
     r, _ = launch(tmp_path, "parallel.tp=2", f"run.out_dir={tmp_path / 'run'}", JETRL_NPROC="1")
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("train_grpo.sh: the run failed with exit code 2 (torchrun: 1): rank 0 failed first (exit code 2): "
-                           "config error: this run needs parallel.tp * pp * dp = 2 processes but WORLD_SIZE=1"), last
+    assert last.startswith(
+        "train_grpo.sh: the run failed with exit code 2 (torchrun: 1): rank 0 failed first (exit code 2): "
+        "config error: this run needs parallel.tp * pp * dp = 2 processes but WORLD_SIZE=1"
+    ), last
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -154,18 +173,27 @@ def test_qwen3_8b_on_one_80gib_gpu_is_refused_with_the_breakdown_and_the_fix():
     # one byte each: the policy's W and W^T and the reference's W of every FP8 linear (the frozen reference makes no W^T)
     assert parts["FP8 weights"] == pytest.approx(2 * 36 * 193e6, rel=0.02)
     assert parts["reference FP8"] == pytest.approx(36 * 193e6, rel=0.02)
-    with pytest.raises(ConfigError, match=r"the actor's state alone needs 159\.0 GiB per GPU \(parameters 15\.3, gradients 30\.5, "
-                                          r"optimizer 91\.5, reference 2\.3, FP8 weights 12\.9, reference FP8 6\.5\) at parallel.tp=1 pp=1 dp=1, more "
-                                          r"than 90% of this GPU's 80\.0 GiB, before any activation: raise parallel.tp or "
-                                          r"parallel.pp, or shard the optimizer state"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the actor's state alone needs 159\.0 GiB per GPU \(parameters 15\.3, gradients 30\.5, "
+        r"optimizer 91\.5, reference 2\.3, FP8 weights 12\.9, reference FP8 6\.5\) at parallel.tp=1 pp=1 dp=1, more "
+        r"than 90% of this GPU's 80\.0 GiB, before any activation: raise parallel.tp or "
+        r"parallel.pp, or shard the optimizer state",
+    ):
         preflight.check_memory(cfg, 80 * GIB)
 
 
-@pytest.mark.parametrize("layout,gib", [([], 36.5), (["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"], 36.5),
-                                        (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"], 56.6),
-                                        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1"], 42.3),
-                                        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6"], 45.7),
-                                        (["optim.distributed=true"], 39.8)])
+@pytest.mark.parametrize(
+    "layout,gib",
+    [
+        ([], 36.5),
+        (["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"], 36.5),
+        (["parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "grpo.micro_batch_size=8"], 56.6),
+        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1"], 42.3),
+        (["parallel.tp=1", "parallel.pp=4", "rollout.tp=1", "parallel.pp_last_layers=6"], 45.7),
+        (["optim.distributed=true"], 39.8),
+    ],
+)
 def test_the_four_gpu_layouts_of_qwen3_8b_fit_an_80gib_gpu(layout, gib):
     """The preset (TP 4), TP 2 x PP 2, TP 2 x DP 2 with the optimizer state sharded (the preset's optim.distributed:
     auto), and TP 1 x PP 4, even (the last stage counted: 9 layers and the output layer) or with 6 layers on the last
@@ -179,8 +207,9 @@ def test_the_four_gpu_layouts_of_qwen3_8b_fit_an_80gib_gpu(layout, gib):
 
 def test_what_the_estimate_counts_follows_the_settings():
     base = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2", "optim.distributed=true"))
-    lean = preflight.actor_state_bytes(qwen3_8b("parallel.tp=2", "rollout.tp=2", "optim.distributed=true", "model.fp8_weight_t=backward",
-                                                "loss.kl_coef=0"))
+    lean = preflight.actor_state_bytes(
+        qwen3_8b("parallel.tp=2", "rollout.tp=2", "optim.distributed=true", "model.fp8_weight_t=backward", "loss.kl_coef=0")
+    )
     assert lean["FP8 weights"] * 2 == base["FP8 weights"] == 2 * base["reference FP8"]  # W alone; base: W and W^T
     assert lean["reference"] == lean["reference FP8"] == 0
     assert preflight.actor_state_bytes(qwen3_8b("precision.mode=bf16"))["FP8 weights"] == 0
@@ -205,20 +234,28 @@ def test_kv_cache_that_cannot_hold_one_sequence_is_refused_and_a_short_one_said_
     assert sequences_at_once(10 * 1536 * per_token, arch, 64, 1500) == 10
     assert sequences_at_once(10 * 1536 * per_token - 1, arch, 64, 1500) == 9
     note = turns_note(10 * 1536 * per_token, 64, 10, 1536)
-    assert note.startswith("the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step "
-                           "at their full 1536 tokens: the step runs in turns, vLLM preempting the newest sequences once the "
-                           "cache is full and recomputing them later (counted per step: rollout/preemptions)")
+    assert note.startswith(
+        "the rollout engine's KV cache (2.11 GiB per rank) holds 10 of the 64 sequences it samples a step "
+        "at their full 1536 tokens: the step runs in turns, vLLM preempting the newest sequences once the "
+        "cache is full and recomputing them later (counted per step: rollout/preemptions)"
+    )
     assert note.endswith("or free the actor's state while the engine is awake: rollout.offload=optimizer")
-    with pytest.raises(ValueError, match=r"cannot hold one sequence of rollout.max_model_len=5120 tokens \(0.70 GiB at "
-                                         r"rollout.tp=1\): raise rollout.kv_cache_gb or rollout.kv_cache_fraction, free the "
-                                         r"actor's state while the engine is awake \(rollout.offload=optimizer\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot hold one sequence of rollout.max_model_len=5120 tokens \(0.70 GiB at "
+        r"rollout.tp=1\): raise rollout.kv_cache_gb or rollout.kv_cache_fraction, free the "
+        r"actor's state while the engine is awake \(rollout.offload=optimizer\)",
+    ):
         sequences_at_once(4096 * per_token, arch, 64, 5120)
 
 
-@pytest.mark.parametrize("error", [
-    "CUDA out of memory. Tried to allocate 2.00 GiB",  # torch's caching allocator (torch.OutOfMemoryError)
-    "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",  # vLLM waking its KV cache (a RuntimeError)
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB",  # torch's caching allocator (torch.OutOfMemoryError)
+        "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163",  # vLLM waking its KV cache (a RuntimeError)
+    ],
+)
 def test_an_out_of_memory_failure_names_what_to_lower(error):
     from megatron_jetrl.rl import faults
 
@@ -227,9 +264,11 @@ def test_an_out_of_memory_failure_names_what_to_lower(error):
 
     line = faults.report(OutOfMemoryError(error) if "Tried" in error else RuntimeError(error))
     assert error in line
-    assert line.endswith("; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
-                         "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
-                         "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)")
+    assert line.endswith(
+        "; out of GPU memory: lower grpo.micro_batch_size (activations), rollout.kv_cache_fraction, "
+        "rollout.kv_cache_gb or rollout.max_model_len (the engine's KV cache), free the actor's state while the "
+        "engine is awake (rollout.offload), or spread the actor wider (parallel.tp, parallel.pp, optim.distributed)"
+    )
 
 
 def test_pinning_the_optimizer_state_needs_host_memory_for_every_rank_of_the_node():
@@ -240,8 +279,11 @@ def test_pinning_the_optimizer_state_needs_host_memory_for_every_rank_of_the_nod
     parts = preflight.actor_state_bytes(cfg)
     assert parts["optimizer"] / 2**30 == pytest.approx(22.9, abs=0.1)
     assert parts["reference FP8"] / 2**30 == pytest.approx(1.6, abs=0.05)
-    with pytest.raises(ConfigError, match=r"rollout.offload=optimizer pins 98.\d GiB of host memory on this node \(4 rank\(s\) "
-                                          r"x 24.5 GiB .*of its 64.0 GiB available: use rollout.offload=grads"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.offload=optimizer pins 98.\d GiB of host memory on this node \(4 rank\(s\) "
+        r"x 24.5 GiB .*of its 64.0 GiB available: use rollout.offload=grads",
+    ):
         preflight.check_host_memory(cfg, 64 << 30, 4)
     preflight.check_host_memory(cfg, 512 << 30, 4)
     preflight.check_host_memory(cfg, 0, 4)  # unknown: not refused

@@ -35,8 +35,31 @@ def assert_matches_reference(x, block, scale_mode):
 # Values a quantizer gets wrong first: zeros, subnormals, exact powers of two, numbers at and beyond
 # 448, halfway points of the E4M3 grid, mixed signs, and magnitudes at the ends of each input dtype.
 special = st.sampled_from(
-    [0.0, -0.0, 1e-45, -1e-40, 1e-12, 2.0**-9, 2.0**-6, 1.0, 1.0625, 1.125, -3.5, 447.0, 448.0, 449.0,
-     464.0, 480.0, 1e4, 6.5e4, -6.5e4, 1e30, -3e38, 0.1, -0.3]
+    [
+        0.0,
+        -0.0,
+        1e-45,
+        -1e-40,
+        1e-12,
+        2.0**-9,
+        2.0**-6,
+        1.0,
+        1.0625,
+        1.125,
+        -3.5,
+        447.0,
+        448.0,
+        449.0,
+        464.0,
+        480.0,
+        1e4,
+        6.5e4,
+        -6.5e4,
+        1e30,
+        -3e38,
+        0.1,
+        -0.3,
+    ]
 )
 value = st.one_of(special, st.floats(-1e3, 1e3, allow_nan=False, width=32))
 
@@ -176,8 +199,12 @@ def test_dequantize_is_q_times_s_per_block(block):
 
 
 @given(
-    rows_blocks=st.integers(1, 4), cols_blocks=st.integers(1, 4), parts=st.sampled_from([1, 2, 4]),
-    dim=st.sampled_from([0, 1]), scale_mode=st.sampled_from(["fp32", "ue8m0"]), seed=st.integers(0, 10_000),
+    rows_blocks=st.integers(1, 4),
+    cols_blocks=st.integers(1, 4),
+    parts=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([0, 1]),
+    scale_mode=st.sampled_from(["fp32", "ue8m0"]),
+    seed=st.integers(0, 10_000),
 )
 @settings(max_examples=40, deadline=None)
 def test_tp_shard_invariance(rows_blocks, cols_blocks, parts, dim, scale_mode, seed):

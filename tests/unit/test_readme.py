@@ -35,7 +35,9 @@ def test_the_plot_example_does_not_overwrite_tracked_files():
     plot = next(c for c in commands() if "tools/plot_run.py" in c)
     out = plot.split("-o")[1].split()[0]
     assert out.startswith("runs/"), plot  # runs/ is not tracked; docs/tiny_run.png is
-    assert re.search(r"~[0-9.]+ min on 2 cores", README.split("tools/plot_run.py")[0][-400:])  # the foil run it needs, and its cost
+    assert re.search(
+        r"~[0-9.]+ min on 2 cores", README.split("tools/plot_run.py")[0][-400:]
+    )  # the foil run it needs, and its cost
 
 
 def test_the_tools_table_lists_every_tool():

@@ -29,8 +29,14 @@ VARIANTS = {  # overrides on top of preset + mode: as shipped, on whatever machi
     "run.device=auto": ["run.device=auto"],
     "vllm": ["run.device=auto", "rollout.engine=vllm"],
     "dp 2": ["optim.distributed=auto", "parallel.dp=2"],
-    "all auto": ["run.device=auto", "model.batch_invariant=auto", "model.bf16_linear_weights=auto", "rollout.glue=auto",
-                 "precision.exact_logprobs=auto", "optim.distributed=auto"],
+    "all auto": [
+        "run.device=auto",
+        "model.batch_invariant=auto",
+        "model.bf16_linear_weights=auto",
+        "rollout.glue=auto",
+        "precision.exact_logprobs=auto",
+        "optim.distributed=auto",
+    ],
 }
 
 
@@ -71,8 +77,16 @@ def expected(data: dict, cfg, device: str) -> dict:
     want["rollout.glue"] = glue
     exact = raw(data, "precision.exact_logprobs", "auto")  # config.py: on in jetrl with vLLM at TP 1-2 where it holds
     if exact == "auto":
-        exact = (p.mode == "jetrl" and r.engine == "vllm" and cfg.parallel.tp <= 2 and m.spec == "local" and not bi
-                 and glue != "vllm" and not m.hf_config.get("rope_scaling") and r.tp == cfg.parallel.tp)
+        exact = (
+            p.mode == "jetrl"
+            and r.engine == "vllm"
+            and cfg.parallel.tp <= 2
+            and m.spec == "local"
+            and not bi
+            and glue != "vllm"
+            and not m.hf_config.get("rope_scaling")
+            and r.tp == cfg.parallel.tp
+        )
     want["precision.exact_logprobs"] = exact
     return want
 
@@ -143,7 +157,9 @@ def test_the_machine_is_asked_only_for_run_device_auto(monkeypatch):
 def test_a_gpu_only_config_resolved_to_cuda_is_refused_on_a_cpu_machine_naming_the_setting(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(None, ["rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm needs a CUDA GPU and this run is on the cpu: set rollout.engine=native"):
+    with pytest.raises(
+        ConfigError, match=r"^rollout.engine=vllm needs a CUDA GPU and this run is on the cpu: set rollout.engine=native"
+    ):
         cfg.run.device_type()
     with pytest.raises(ConfigError, match=r"^run.device='cuda' but no CUDA device is visible"):
         load_config(None, ["run.device=cuda"]).run.device_type()
@@ -153,8 +169,14 @@ def test_a_gpu_only_config_resolved_to_cuda_is_refused_on_a_cpu_machine_naming_t
 
 def test_what_resolve_decided_is_recorded():
     cfg = load_config(None, ["optim.distributed=true"], device="cpu")
-    assert cfg.resolved_autos() == {"run.device", "model.batch_invariant", "precision.backend", "model.bf16_linear_weights",
-                                    "rollout.glue", "precision.exact_logprobs"}
+    assert cfg.resolved_autos() == {
+        "run.device",
+        "model.batch_invariant",
+        "precision.backend",
+        "model.bf16_linear_weights",
+        "rollout.glue",
+        "precision.exact_logprobs",
+    }
     assert load_config(None, ["optim.distributed=auto"], device="cpu").resolved_autos() >= {"optim.distributed"}
 
 
@@ -169,8 +191,11 @@ def test_the_bool_keys_that_take_auto_refuse_other_words():
 
 
 def test_gemm_sms_on_a_batch_invariant_run_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"precision.gemm_sms=120 .* batch-invariant \(model.batch_invariant: auto, true on "
-                                          r"the CPU\) .*leave precision.gemm_sms at 0 or set model.batch_invariant=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"precision.gemm_sms=120 .* batch-invariant \(model.batch_invariant: auto, true on "
+        r"the CPU\) .*leave precision.gemm_sms at 0 or set model.batch_invariant=false",
+    ):
         load_config(None, ["precision.gemm_sms=120"], device="cpu")
     assert load_config(None, ["precision.gemm_sms=120"], device="cuda").precision.gemm_sms == 120
 
@@ -203,10 +228,12 @@ def test_docstrings_and_notices_state_rules_not_measurements():
         text = Path(module.__file__).read_text()
         assert not [m.group(0) for m in NUMBER.finditer(text)], module.__name__
     e2e = [CONFIGS / "models/qwen3-8b-base.yaml", CONFIGS / "e2e_8b.yaml"]
-    noted = [*load_config(CONFIGS / "gpu_8b_shapes.yaml", ["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=1"]).notices(),
-             *load_config(CONFIGS / "learning_curves.yaml").notices(),
-             *load_config(e2e, ["parallel.pp=1", "parallel.pp_last_layers=0", "parallel.tp=4", "rollout.tp=4"]).notices(),
-             *load_config(e2e, ["parallel.pp_last_layers=0", "optim.distributed=true"]).notices()]
+    noted = [
+        *load_config(CONFIGS / "gpu_8b_shapes.yaml", ["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=1"]).notices(),
+        *load_config(CONFIGS / "learning_curves.yaml").notices(),
+        *load_config(e2e, ["parallel.pp=1", "parallel.pp_last_layers=0", "parallel.tp=4", "rollout.tp=4"]).notices(),
+        *load_config(e2e, ["parallel.pp_last_layers=0", "optim.distributed=true"]).notices(),
+    ]
     assert len(noted) == 5 and all("BENCHMARKS.md" in n or "GiB a GPU here" in n for n in noted)
     assert not [m.group(0) for n in noted for m in NUMBER.finditer(n)]
 

@@ -73,7 +73,11 @@ def test_a_rollout_split_other_than_the_trainers_is_noted_in_jetrl_only():
     base = ["rollout.engine=vllm", "parallel.tp=2"]
     cfg = load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=1"])
     notes = cfg.notices()
-    assert len(notes) == 1 and "rollout.tp=1 differs from parallel.tp=2" in notes[0] and notes[0].endswith("set rollout.tp=2 for the lowest mismatch")
+    assert (
+        len(notes) == 1
+        and "rollout.tp=1 differs from parallel.tp=2" in notes[0]
+        and notes[0].endswith("set rollout.tp=2 for the lowest mismatch")
+    )
     assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=2"]).notices() == []
     assert load_config(CONFIGS / "gpu_8b_shapes.yaml", base + ["rollout.tp=1", "precision.mode=bf16"]).notices() == []
     assert load_config().notices() == []
@@ -91,7 +95,9 @@ def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
     from megatron_jetrl.rl.config_schema import balanced_last_layers
 
     tp4 = load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", ND]).notices()
-    assert len(tp4) == 1 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
+    assert (
+        len(tp4) == 1 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
+    )
     assert load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
     assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "rollout.tp=2", ND]).notices() == []
     pp4 = load_config(E2E_8B, ["parallel.pp_last_layers=0", ND])  # an even split
@@ -110,7 +116,9 @@ def test_the_presets_shard_the_optimizer_only_over_data_parallel_ranks():
     assert not load_config(E2E_8B).optim.distributed
     assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2"]).optim.distributed
     assert load_config(E2E_8B, ["optim.distributed=true"]).optim.distributed
-    assert not load_config(E2E_8B, [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "optim.distributed=false"]).optim.distributed
+    assert not load_config(
+        E2E_8B, [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2", "optim.distributed=false"]
+    ).optim.distributed
     assert load_config(None, ["optim.distributed=auto", "parallel.dp=2"]).optim.distributed
     assert load_config(E2E_8B, ["precision.mode=jetrl"]).model.bf16_linear_weights == "release"  # auto, at DP 1
     with pytest.raises(ConfigError, match="optim.distributed"):
@@ -123,11 +131,19 @@ def test_the_distributed_optimizer_at_dp_1_is_noted_with_the_memory_it_keeps():
     2 bytes a parameter, on one TP rank); not at DP 2, nor in bf16, nor where the setting is given."""
     zero1 = "optim.distributed=true"
     pp4 = load_config(E2E_8B, [zero1]).notices()
-    assert pp4 == ["optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 linears' "
-                   "BF16 weights through every train step; optim.distributed=false frees them (3.6 GiB a GPU here, "
-                   "model.bf16_linear_weights)"]  # 10 layers x 193M linear parameters x 2 bytes
-    assert any("(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", zero1]).notices())  # 36 x 193M x 2 / 4
-    for quiet in ([*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2"], ["precision.mode=bf16"], ["model.bf16_linear_weights=keep"]):
+    assert pp4 == [
+        "optim.distributed=true at parallel.dp=1 shards nothing, and its parameter buffers keep the FP8 linears' "
+        "BF16 weights through every train step; optim.distributed=false frees them (3.6 GiB a GPU here, "
+        "model.bf16_linear_weights)"
+    ]  # 10 layers x 193M linear parameters x 2 bytes
+    assert any(
+        "(3.2 GiB a GPU here" in n for n in load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", zero1]).notices()
+    )  # 36 x 193M x 2 / 4
+    for quiet in (
+        [*PP1, "parallel.tp=2", "parallel.dp=2", "rollout.tp=2"],
+        ["precision.mode=bf16"],
+        ["model.bf16_linear_weights=keep"],
+    ):
         assert not any(n.startswith("optim.distributed=true") for n in load_config(E2E_8B, [zero1, *quiet]).notices()), quiet
 
 
@@ -167,18 +183,23 @@ def test_wrong_two_node_layouts_are_refused_with_their_reason():
     assert "TP=16 does not divide num_key_value_heads=8" in str(model_says.value)
     # an intermediate size of 97 blocks: whole at TP 1, 12.125 blocks per shard at TP 8 (BF16 has no blocks: fine)
     odd = ["model.hf_config.intermediate_size=12416"]
-    assert re.search(r"(?s)^parallel.tp=8: qwen3 model cannot run FP8 128x128 blocks at TP=8.*intermediate_size\): "
-                     r"12416 / 8 = 1552 is not a multiple of 128 \(TP sizes that work for it: \[1\]\)$", _refusal(*odd))
+    assert re.search(
+        r"(?s)^parallel.tp=8: qwen3 model cannot run FP8 128x128 blocks at TP=8.*intermediate_size\): "
+        r"12416 / 8 = 1552 is not a multiple of 128 \(TP sizes that work for it: \[1\]\)$",
+        _refusal(*odd),
+    )
     assert load_config(EIGHT_B, [*TWO_NODES, *odd, "precision.mode=bf16"]).arch().intermediate_size == 12416
     # the engines' own split must hold FP8 blocks too: a TP-16 engine over 8 KV heads, whatever the trainer's TP
     assert _refusal("rollout.tp=16") == f"rollout.tp=16: {model_says.value}"
     # rollout.tp must divide the 16 ranks
-    assert _refusal("rollout.tp=3") == ("rollout.tp=3 must divide the number of ranks parallel.tp * pp * dp = 16 "
-                                        "(each rank runs one TP rank of one vLLM engine)")
+    assert _refusal("rollout.tp=3") == (
+        "rollout.tp=3 must divide the number of ranks parallel.tp * pp * dp = 16 (each rank runs one TP rank of one vLLM engine)"
+    )
     # 64 prompts x 4 samples = 256 sequences do not split over DP 2 x micro-batches of 3
     assert _refusal("grpo.micro_batch_size=3") == (
         "grpo.prompts_per_step * rollout.n = 256 sequences do not split into parallel.dp=2 x grpo.updates_per_step=1 x "
-        "grpo.micro_batch_size=3: pick sizes whose product divides 256")
+        "grpo.micro_batch_size=3: pick sizes whose product divides 256"
+    )
     assert "do not split into parallel.dp=2" in _refusal("grpo.prompts_per_step=65")
 
 

@@ -25,20 +25,31 @@ from megatron_jetrl.grpo.data import (
 from megatron_jetrl.grpo.rewards import compute_rewards
 
 GSM8K_ROWS = [
-    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to friends "
-                 "in May. How many clips did Natalia sell altogether in April and May?",
-     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
-               "altogether in April and May.\n#### 72"},
-    {"question": "A store sold 1,200 pens at $1.50 each. How much money did it make?",
-     "answer": "1,200 * 1.5 = <<1200*1.5=1800>>1800\n#### 1,800"},
+    {
+        "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to friends "
+        "in May. How many clips did Natalia sell altogether in April and May?",
+        "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+        "altogether in April and May.\n#### 72",
+    },
+    {
+        "question": "A store sold 1,200 pens at $1.50 each. How much money did it make?",
+        "answer": "1,200 * 1.5 = <<1200*1.5=1800>>1800\n#### 1,800",
+    },
 ]
 MATH_ROWS = [
-    {"problem": "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express your answer as a "
-                "common fraction.",
-     "solution": "$f(-2)+f(-1)+f(0)=\\frac{-8}{-4}+\\frac{-5}{-3}+\\frac{-2}{-2}=2+\\frac{5}{3}+1="
-                 "\\boxed{\\frac{14}{3}}$", "level": "Level 3", "type": "Algebra"},
-    {"problem": "What is the set of solutions of $x^2 = 1$?",
-     "solution": "Both signs work, so the answer is $\\boxed{\\{-1, 1\\}}$.", "level": "Level 1", "type": "Algebra"},
+    {
+        "problem": "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express your answer as a "
+        "common fraction.",
+        "solution": "$f(-2)+f(-1)+f(0)=\\frac{-8}{-4}+\\frac{-5}{-3}+\\frac{-2}{-2}=2+\\frac{5}{3}+1=\\boxed{\\frac{14}{3}}$",
+        "level": "Level 3",
+        "type": "Algebra",
+    },
+    {
+        "problem": "What is the set of solutions of $x^2 = 1$?",
+        "solution": "Both signs work, so the answer is $\\boxed{\\{-1, 1\\}}$.",
+        "level": "Level 1",
+        "type": "Algebra",
+    },
 ]
 DEEPMATH_ROWS = [
     {"question": "Evaluate $\\lim_{x \\to 0} \\frac{\\sin x}{x}$.", "final_answer": "1", "difficulty": 2.0},
@@ -154,8 +165,9 @@ def test_load_problems_dispatch(tmp_path):
 def test_prompt_templates():
     p = Problem("t/0", "What is {x} if x = 2?", "2", "math")
     assert format_prompt(p, "arithmetic") == "What is {x} if x = 2?"
-    assert format_prompt(p, "boxed") == ("What is {x} if x = 2?\nPlease reason step by step, and put your final "
-                                         "answer within \\boxed{}.")
+    assert format_prompt(p, "boxed") == (
+        "What is {x} if x = 2?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
     assert format_prompt(p, "gsm8k").endswith('output the final answer after "####".')
     assert set(TEMPLATE_ANSWER_STYLE) == set(PROMPT_TEMPLATES)
     with pytest.raises(ValueError, match=r"unknown prompt template 'chat': use one of \['arithmetic', 'boxed', 'gsm8k'\]"):
@@ -164,6 +176,7 @@ def test_prompt_templates():
 
 # ---------------------------------------------------------------------------------------------------------
 # arithmetic task
+
 
 def test_arithmetic_problems_are_correct_and_deterministic():
     task = ArithmeticTask()
@@ -190,8 +203,12 @@ def test_arithmetic_options():
     for p in problems:
         assert eval(p.question[:-1]) == int(p.answer)  # noqa: S307 - our own generated digits and operators
     assert any(p.answer.startswith("-") for p in problems) and any("*" in p.question for p in problems)
-    for kw, match in [(dict(low=-1), "0 <= low <= high"), (dict(low=5, high=4), "0 <= low <= high"),
-                      (dict(ops=()), "non-empty"), (dict(ops=("/",)), "non-empty selection")]:
+    for kw, match in [
+        (dict(low=-1), "0 <= low <= high"),
+        (dict(low=5, high=4), "0 <= low <= high"),
+        (dict(ops=()), "non-empty"),
+        (dict(ops=("/",)), "non-empty selection"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ArithmeticTask(**kw)
 
@@ -249,6 +266,7 @@ def test_multiplication_trace_tokenizes_one_character_a_token_and_apart_as_toget
 # ---------------------------------------------------------------------------------------------------------
 # sampler
 
+
 def test_sampler_epochs_are_permutations():
     problems = ArithmeticTask().problems(10, seed=0)
     sampler = PromptSampler(problems, prompts_per_step=5, seed=1)
@@ -296,8 +314,13 @@ def test_sampler_refuses_a_foreign_state():
 
 TASKS = st.one_of(
     st.builds(ArithmeticTask, low=st.integers(0, 3), high=st.integers(4, 12), ops=st.sampled_from(["+", "-", "*", "+-*"])),
-    st.builds(MultiplicationTraceTask, operand_max=st.integers(2, 12), multiplier_min=st.integers(1, 3),
-              multiplier_max=st.integers(3, 9), multiplier_sampling=st.sampled_from(["uniform", "log"])),
+    st.builds(
+        MultiplicationTraceTask,
+        operand_max=st.integers(2, 12),
+        multiplier_min=st.integers(1, 3),
+        multiplier_max=st.integers(3, 9),
+        multiplier_sampling=st.sampled_from(["uniform", "log"]),
+    ),
 )
 
 
@@ -317,8 +340,12 @@ def test_heldout_questions_never_reach_training_and_draws_are_deterministic(task
 
 
 def test_num_questions_counts_every_distinct_question():
-    for task in (ArithmeticTask(low=0, high=6), ArithmeticTask(low=2, high=5, ops="-"), ArithmeticTask(high=4, ops="-", allow_negative=True),
-                 MultiplicationTraceTask(operand_max=7, multiplier_min=2, multiplier_max=6)):
+    for task in (
+        ArithmeticTask(low=0, high=6),
+        ArithmeticTask(low=2, high=5, ops="-"),
+        ArithmeticTask(high=4, ops="-", allow_negative=True),
+        MultiplicationTraceTask(operand_max=7, multiplier_min=2, multiplier_max=6),
+    ):
         assert len({p.question for p in task.problems(20000, seed=0)}) == task.num_questions
         assert len(task.problems(task.num_questions, seed=3, distinct=True)) == task.num_questions
 
@@ -356,4 +383,6 @@ def test_split_heldout_is_disjoint_and_independent_of_order(values, rnd, data):
     shuffled = problems[:]
     rnd.shuffle(shuffled)
     train2, held2 = split_heldout(shuffled, n)
-    assert {p.question for p in held2} == {p.question for p in held} and sorted(p.id for p in train2) == sorted(p.id for p in train)
+    assert {p.question for p in held2} == {p.question for p in held} and sorted(p.id for p in train2) == sorted(
+        p.id for p in train
+    )

@@ -17,10 +17,11 @@ HYP = settings(max_examples=60, deadline=None)
 # ---------------------------------------------------------------------------------------------------------
 # advantages
 
+
 def reference_advantages(rewards: list[float], n: int, scale: str, eps: float) -> list[float]:
     out = []
     for g in range(0, len(rewards), n):
-        group = rewards[g:g + n]
+        group = rewards[g : g + n]
         mean, std = statistics.fmean(group), statistics.pstdev(group)
         for r in group:
             if max(group) == min(group):
@@ -42,8 +43,7 @@ def test_advantages_by_hand():
 
 
 @HYP
-@given(st.integers(2, 6), st.integers(1, 5), st.data(), st.sampled_from(["std", "none"]),
-       st.sampled_from([0.0, 1e-6, 0.5]))
+@given(st.integers(2, 6), st.integers(1, 5), st.data(), st.sampled_from(["std", "none"]), st.sampled_from([0.0, 1e-6, 0.5]))
 def test_advantages_match_fp64_reference(n, prompts, data, scale, eps):
     values = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False))
     rewards = data.draw(st.lists(values, min_size=n * prompts, max_size=n * prompts))
@@ -74,14 +74,17 @@ def test_advantage_dtypes():
     assert group_advantages(torch.tensor([1.0, 0.0], dtype=torch.bfloat16), 2).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("rewards,n,kw,match", [
-    (torch.zeros(2, 4), 4, {}, "1-D"),
-    (torch.zeros(6), 4, {}, "groups of n=4"),
-    (torch.zeros(0), 2, {}, "groups of n=2"),
-    (torch.zeros(4), 1, {}, ">= 2"),
-    (torch.zeros(4), 2, {"scale": "mad"}, "unknown advantage scale"),
-    (torch.zeros(4), 2, {"eps": -1.0}, "eps"),
-])
+@pytest.mark.parametrize(
+    "rewards,n,kw,match",
+    [
+        (torch.zeros(2, 4), 4, {}, "1-D"),
+        (torch.zeros(6), 4, {}, "groups of n=4"),
+        (torch.zeros(0), 2, {}, "groups of n=2"),
+        (torch.zeros(4), 1, {}, ">= 2"),
+        (torch.zeros(4), 2, {"scale": "mad"}, "unknown advantage scale"),
+        (torch.zeros(4), 2, {"eps": -1.0}, "eps"),
+    ],
+)
 def test_advantage_bad_input(rewards, n, kw, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards, n, **kw)
@@ -89,6 +92,7 @@ def test_advantage_bad_input(rewards, n, kw, match):
 
 # ---------------------------------------------------------------------------------------------------------
 # policy loss: an independent FP64 reference, one token at a time
+
 
 def reference_loss(lp, old, adv, mask, cfg, ref=None, roll=None):
     """(loss, pg, kl, clip_frac, ratio_mean, tis_mean, tis_clip) in Python floats, straight from the formulas."""
@@ -135,8 +139,15 @@ def reference_loss(lp, old, adv, mask, cfg, ref=None, roll=None):
 
     pg, kl = agg(pg_seq), agg(kl_seq)
     loss = pg + (cfg.kl_coef * kl if cfg.uses_kl else 0.0)
-    return {"loss": loss, "pg_loss": pg, "kl": kl, "clip_frac": clipped / tokens, "ratio_mean": ratios / tokens,
-            "tis_weight_mean": tis_w / tokens, "tis_clip_frac": tis_hit / tokens}
+    return {
+        "loss": loss,
+        "pg_loss": pg,
+        "kl": kl,
+        "clip_frac": clipped / tokens,
+        "ratio_mean": ratios / tokens,
+        "tis_weight_mean": tis_w / tokens,
+        "tis_clip_frac": tis_hit / tokens,
+    }
 
 
 def make_batch(seed, b=3, t=7, dtype=torch.float64, spread=0.4, every_row=True):
@@ -152,8 +163,12 @@ def make_batch(seed, b=3, t=7, dtype=torch.float64, spread=0.4, every_row=True):
     return [x.to(dtype) if x.is_floating_point() else x for x in (lp, old, adv, mask, ref, roll)]
 
 
-CONFIGS = [PolicyLossConfig(agg=agg, kl_estimator=kl, tis_cap=cap, kl_coef=0.1)
-           for agg in AGGREGATIONS for kl in KL_ESTIMATORS for cap in (None, 1.3)]
+CONFIGS = [
+    PolicyLossConfig(agg=agg, kl_estimator=kl, tis_cap=cap, kl_coef=0.1)
+    for agg in AGGREGATIONS
+    for kl in KL_ESTIMATORS
+    for cap in (None, 1.3)
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_estimator}-tis{c.tis_cap}")
@@ -206,15 +221,18 @@ def test_negative_advantage_below_clip_keeps_gradient_positive_advantage_low_rat
     cfg = PolicyLossConfig(kl_estimator="none")
     # A=+1 with r=0.5 < 0.8 and A=-1 with r=1.5 > 1.28: the unclipped term is the max, gradient flows
     lp = torch.log(torch.tensor([[0.5], [1.5]], dtype=torch.float64)).requires_grad_()
-    loss, m = policy_loss(lp, torch.zeros(2, 1, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64),
-                          torch.ones(2, 1), cfg=cfg)
+    loss, m = policy_loss(
+        lp, torch.zeros(2, 1, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 1), cfg=cfg
+    )
     assert loss.item() == pytest.approx((-0.5 + 1.5) / 2, abs=1e-15)
     assert m["clip_frac"].item() == 0.0
     loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-0.5 / 2, 1.5 / 2], abs=1e-15)
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[i] for i in (0, 5, 11, 14, 23)], ids=lambda c: f"{c.agg}-{c.kl_estimator}-tis{c.tis_cap}")
+@pytest.mark.parametrize(
+    "cfg", [CONFIGS[i] for i in (0, 5, 11, 14, 23)], ids=lambda c: f"{c.agg}-{c.kl_estimator}-tis{c.tis_cap}"
+)
 def test_gradient_matches_finite_differences(cfg):
     lp, old, adv, mask, ref, roll = make_batch(3, b=3, t=5)
     f = lambda x: policy_loss(x, old, adv, mask, cfg=cfg, ref_logprobs=ref, rollout_logprobs=roll)[0]
@@ -241,8 +259,9 @@ def test_only_logprobs_receive_gradient():
     lp, old, adv, mask, ref, roll = make_batch(5)
     others = [t.clone().requires_grad_() for t in (old, adv, ref, roll)]
     lp.requires_grad_()
-    loss, metrics = policy_loss(lp, others[0], others[1], mask, cfg=PolicyLossConfig(tis_cap=2.0),
-                                ref_logprobs=others[2], rollout_logprobs=others[3])
+    loss, metrics = policy_loss(
+        lp, others[0], others[1], mask, cfg=PolicyLossConfig(tis_cap=2.0), ref_logprobs=others[2], rollout_logprobs=others[3]
+    )
     loss.backward()
     assert lp.grad is not None and all(t.grad is None for t in others)
     assert all(not v.requires_grad for v in metrics.values())
@@ -262,9 +281,11 @@ def test_ratio_one_gives_minus_mean_advantage(batch, agg):
     lp, _, adv, mask, _, _ = batch
     loss, m = policy_loss(lp, lp.clone(), adv, mask, cfg=PolicyLossConfig(agg=agg, kl_estimator="none"))
     counts = mask.sum(dim=1).double()
-    want = {"token-mean": -(adv * counts).sum() / counts.sum(),
-            "seq-mean-token-mean": -adv.mean(),
-            "seq-mean-token-sum": -(adv * counts).mean()}[agg]
+    want = {
+        "token-mean": -(adv * counts).sum() / counts.sum(),
+        "seq-mean-token-mean": -adv.mean(),
+        "seq-mean-token-sum": -(adv * counts).mean(),
+    }[agg]
     assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
     assert m["ratio_mean"].item() == 1.0 and m["clip_frac"].item() == 0.0
 
@@ -323,8 +344,18 @@ def test_kl_coef_zero_reports_kl_but_leaves_loss_alone():
     assert "kl" not in m
 
 
-@pytest.mark.parametrize("kw", [dict(clip_low=1.0), dict(clip_low=-0.1), dict(clip_high=-0.1), dict(kl_coef=-1.0),
-                                dict(kl_estimator="k4"), dict(agg="mean"), dict(tis_cap=0.0)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(clip_low=1.0),
+        dict(clip_low=-0.1),
+        dict(clip_high=-0.1),
+        dict(kl_coef=-1.0),
+        dict(kl_estimator="k4"),
+        dict(agg="mean"),
+        dict(tis_cap=0.0),
+    ],
+)
 def test_config_validation(kw):
     with pytest.raises(ValueError, match="invalid PolicyLossConfig: " + next(iter(kw))):
         PolicyLossConfig(**kw)
@@ -348,8 +379,7 @@ def test_bad_inputs_are_named():
     for change, match in cases:
         args = {**base, **change}
         with pytest.raises(ValueError, match=match):
-            policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"), args.pop("mask"),
-                        cfg=cfg, **args)
+            policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"), args.pop("mask"), cfg=cfg, **args)
     with pytest.raises(ValueError, match="needs rollout_logprobs"):
         policy_loss(lp, old, adv, mask, cfg=PolicyLossConfig(tis_cap=2.0), ref_logprobs=ref)
     empty_row = mask.clone()
@@ -369,8 +399,7 @@ def test_checked_policy_loss_never_reads_a_tensor_on_the_host(monkeypatch):
         with monkeypatch.context() as m:
             for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
                 m.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host sync: Tensor.{_n}"))
-            got, got_m = policy_loss(lp, old, adv, mask.double(), cfg=cfg, ref_logprobs=ref, rollout_logprobs=roll,
-                                     checked=True)
+            got, got_m = policy_loss(lp, old, adv, mask.double(), cfg=cfg, ref_logprobs=ref, rollout_logprobs=roll, checked=True)
         assert torch.equal(got, want) and all(torch.equal(got_m[k], v) for k, v in want_m.items())
 
 

@@ -18,44 +18,69 @@ MATH_COMPLETION = (
 )
 
 
-@pytest.mark.parametrize("text,want", [
-    (GSM8K_COMPLETION, "18"),
-    ("Total: 1234 dollars\n#### 1,234", "1,234"),
-    ("#### 5\nso #### 7\n\nQuestion: next one...", "7"),   # the last '####', first line after it
-    ("####   42  ", "42"),
-    ("the answer is 18", None),
-    ("#### \n", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        (GSM8K_COMPLETION, "18"),
+        ("Total: 1234 dollars\n#### 1,234", "1,234"),
+        ("#### 5\nso #### 7\n\nQuestion: next one...", "7"),  # the last '####', first line after it
+        ("####   42  ", "42"),
+        ("the answer is 18", None),
+        ("#### \n", None),
+    ],
+)
 def test_extract_gsm8k(text, want):
     assert extract_answer(text, "gsm8k") == want
 
 
-@pytest.mark.parametrize("text,want", [
-    (MATH_COMPLETION, "\\dfrac{14}{3}"),
-    ("\\boxed{1} then \\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),   # last box, nested braces
-    ("so $\\boxed{\\left\\{ 1, 2 \\right\\}}$", "\\left\\{ 1, 2 \\right\\}"),
-    ("The answer is $\\boxed 5$.", "5"),
-    ("\\fbox{x^{2}}", "x^{2}"),
-    ("\\boxed{3} and finally \\boxed{\\frac{1}{2}", None),    # the last box never closes (truncated)
-    ("\\boxed{}", None),
-    ("no box at all: 5", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        (MATH_COMPLETION, "\\dfrac{14}{3}"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),  # last box, nested braces
+        ("so $\\boxed{\\left\\{ 1, 2 \\right\\}}$", "\\left\\{ 1, 2 \\right\\}"),
+        ("The answer is $\\boxed 5$.", "5"),
+        ("\\fbox{x^{2}}", "x^{2}"),
+        ("\\boxed{3} and finally \\boxed{\\frac{1}{2}", None),  # the last box never closes (truncated)
+        ("\\boxed{}", None),
+        ("no box at all: 5", None),
+    ],
+)
 def test_extract_boxed(text, want):
     assert extract_answer(text, "boxed") == want
 
 
-@pytest.mark.parametrize("text,want", [
-    ("82", "82"), ("82</s>", "82"), (" 119+3", "119"), ("-7", "-7"), ("8.5x", "8.5"), ("007", "007"),
-    ("", None), ("=82", None), ("abc 82", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("82", "82"),
+        ("82</s>", "82"),
+        (" 119+3", "119"),
+        ("-7", "-7"),
+        ("8.5x", "8.5"),
+        ("007", "007"),
+        ("", None),
+        ("=82", None),
+        ("abc 82", None),
+    ],
+)
 def test_extract_number(text, want):
     assert extract_answer(text, "number") == want
 
 
-@pytest.mark.parametrize("text,want", [
-    ("1*7=7,2*7=14", "14"), ("1*7=7,2*7=14\n", "14"), ("=5", "5"), ("1*7=7,2*7", None), ("1*7=7,", None),
-    ("", None), ("14", None), ("1*7=7,2*7=-3", "-3"),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("1*7=7,2*7=14", "14"),
+        ("1*7=7,2*7=14\n", "14"),
+        ("=5", "5"),
+        ("1*7=7,2*7", None),
+        ("1*7=7,", None),
+        ("", None),
+        ("14", None),
+        ("1*7=7,2*7=-3", "-3"),
+    ],
+)
 def test_extract_final(text, want):
     assert extract_answer(text, "final") == want
 
@@ -73,20 +98,45 @@ def test_unknown_style():
         compute_rewards(["1"], ["1"], "latex")
 
 
-@pytest.mark.parametrize("pred,gold", [
-    ("\\frac{1}{2}", "0.5"), ("0.5", "\\frac{1}{2}"), ("1/2", "\\frac12"), ("\\dfrac{3}{4}", "0.75"),
-    ("1,234", "1234"), ("1234", "1,234"), ("5.0", "5"), ("007", "7"), ("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}"),
-    ("1+x", "x+1"), ("A", "\\text{(A)}"), ("\\$18", "18"), ("\\dfrac{14}{3}", "\\frac{14}{3}"), ("\\pi", "\\pi"),
-    ("3.14159265", "\\pi"),
-])
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("\\frac{1}{2}", "0.5"),
+        ("0.5", "\\frac{1}{2}"),
+        ("1/2", "\\frac12"),
+        ("\\dfrac{3}{4}", "0.75"),
+        ("1,234", "1234"),
+        ("1234", "1,234"),
+        ("5.0", "5"),
+        ("007", "7"),
+        ("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}"),
+        ("1+x", "x+1"),
+        ("A", "\\text{(A)}"),
+        ("\\$18", "18"),
+        ("\\dfrac{14}{3}", "\\frac{14}{3}"),
+        ("\\pi", "\\pi"),
+        ("3.14159265", "\\pi"),
+    ],
+)
 def test_verify_equivalent(pred, gold):
     assert verify(pred, gold)
 
 
-@pytest.mark.parametrize("pred,gold", [
-    ("83", "82"), ("-82", "82"), ("0.51", "0.5"), ("0.33", "\\frac{1}{3}"), ("x", "5"), ("", "5"), ("5", ""),
-    ("\\frac{14}{5}", "\\frac{14}{3}"), ("x+2", "x+1"), ("B", "\\text{(A)}"),
-])
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("83", "82"),
+        ("-82", "82"),
+        ("0.51", "0.5"),
+        ("0.33", "\\frac{1}{3}"),
+        ("x", "5"),
+        ("", "5"),
+        ("5", ""),
+        ("\\frac{14}{5}", "\\frac{14}{3}"),
+        ("x+2", "x+1"),
+        ("B", "\\text{(A)}"),
+    ],
+)
 def test_verify_different(pred, gold):
     assert not verify(pred, gold)
 

@@ -116,8 +116,9 @@ def hf_tokenizer_dir(directory, config_eos, generation_eos=None):
     raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     raw.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=["<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>", additional_special_tokens=["<|im_end|>"]
+    )
     fast.save_pretrained(directory)
     (directory / "config.json").write_text(json.dumps({"eos_token_id": config_eos}))
     if generation_eos is not None:

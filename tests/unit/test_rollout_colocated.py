@@ -27,8 +27,10 @@ class SeededEngine:
 
     def generate(self, prompts, sampling, *, request_seeds=None):
         self.calls.append((len(prompts), list(request_seeds)))
-        return [RequestOutput(list(p), [Completion([sum(p) % 97, s % 89], [-0.5, -1.5], "length")], s)
-                for p, s in zip(prompts, request_seeds)]
+        return [
+            RequestOutput(list(p), [Completion([sum(p) % 97, s % 89], [-0.5, -1.5], "length")], s)
+            for p, s in zip(prompts, request_seeds)
+        ]
 
     def wake(self, tags=("weights", "kv_cache")):
         self.events.append(("wake", tuple(tags)))
@@ -55,8 +57,13 @@ def _pool_scenario(rollout_tp):
     outputs = pool.generate(prompts, SamplingParams(seed=1000, max_new_tokens=2))
     pool.sleep()
     stats = pool.sync([("a.weight", torch.zeros(3, dtype=torch.bfloat16)), ("b.weight", torch.zeros(2))])
-    return dist.get_rank(), engine.calls, [(o.prompt_token_ids, o.completions[0].token_ids, o.request_seed) for o in outputs], \
-        engine.events, (stats.tensors, stats.bytes)
+    return (
+        dist.get_rank(),
+        engine.calls,
+        [(o.prompt_token_ids, o.completions[0].token_ids, o.request_seed) for o in outputs],
+        engine.events,
+        (stats.tensors, stats.bytes),
+    )
 
 
 @pytest.mark.parametrize("rollout_tp", [2])  # tp=1 is the same code with one-rank groups
@@ -94,8 +101,14 @@ def _failure_scenario(bad_rank):
 
 def test_an_engine_that_fails_stops_every_rank_at_once_naming_it():
     messages = spawn(2, 1, 1, _failure_scenario, 1)
-    assert messages == ["the rollout engine failed during generate on rank 1: RuntimeError: CUDA error: an illegal "
-                        "memory access was encountered"] * 2
+    assert (
+        messages
+        == [
+            "the rollout engine failed during generate on rank 1: RuntimeError: CUDA error: an illegal "
+            "memory access was encountered"
+        ]
+        * 2
+    )
 
 
 def test_rank_layout_and_kv_cache_sizing():
@@ -108,9 +121,22 @@ def test_rank_layout_and_kv_cache_sizing():
 
 
 def _arch(layers=28, kv_heads=2, head_dim=128):
-    return ModelArch(family="qwen2", hidden_size=1536, intermediate_size=8960, num_layers=layers, num_heads=12,
-                     num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=151936, max_position_embeddings=1024,
-                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False)
+    return ModelArch(
+        family="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=layers,
+        num_heads=12,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=151936,
+        max_position_embeddings=1024,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        qk_norm=False,
+    )
 
 
 def test_kv_cache_is_what_the_step_can_use_at_most_the_fraction():
@@ -164,7 +190,14 @@ def test_the_trainers_cache_is_emptied_only_when_the_wake_would_not_fit(monkeypa
     cuda = FakeCuda(monkeypatch, free=30 << 30, engine_bytes=6 << 30)
     engine = MemoryEngine(cuda)
     pool = ColocatedPool.__new__(ColocatedPool)
-    pool.engine, pool.rollout_tp, pool.group, pool.last_sync, pool.sleep_seconds, pool.wake_bytes = engine, 1, None, None, None, None
+    pool.engine, pool.rollout_tp, pool.group, pool.last_sync, pool.sleep_seconds, pool.wake_bytes = (
+        engine,
+        1,
+        None,
+        None,
+        None,
+        None,
+    )
     weights = [("a.weight", torch.zeros(3, dtype=torch.bfloat16))]
     stats = pool.sync(weights)  # the first sync: nothing known yet, so room is made
     assert cuda.emptied == 1

@@ -65,9 +65,17 @@ def test_length_buckets_pool_whole_responses_by_length():
     assert m["abs_diff_gt1_frac"] == pytest.approx(2 / 11)
     b = {(x["start"], x["end"]): x for x in m["by_length"]}
     assert sorted(b) == [(1, 2), (2, 4), (4, 8)]
-    assert b[(1, 2)] == {"start": 1, "end": 2, "tokens": 1, "responses": 1, "mean_abs_diff": pytest.approx(0.1),
-                         "k3_kl": pytest.approx(math.exp(0.1) - 1 - 0.1), "max_abs_diff": pytest.approx(0.1),
-                         "abs_diff_gt1_frac": 0.0, "seq_abs_log_ratio": pytest.approx(0.1)}
+    assert b[(1, 2)] == {
+        "start": 1,
+        "end": 2,
+        "tokens": 1,
+        "responses": 1,
+        "mean_abs_diff": pytest.approx(0.1),
+        "k3_kl": pytest.approx(math.exp(0.1) - 1 - 0.1),
+        "max_abs_diff": pytest.approx(0.1),
+        "abs_diff_gt1_frac": 0.0,
+        "seq_abs_log_ratio": pytest.approx(0.1),
+    }
     # log ratios of rows 1 and 2: 0.2 + 1.5 - 0.3 = 1.4 and -0.4 + 0.5 = 0.1
     assert b[(2, 4)]["seq_abs_log_ratio"] == pytest.approx((1.4 + 0.1) / 2)
     assert (b[(2, 4)]["tokens"], b[(2, 4)]["responses"]) == (5, 2)

@@ -17,12 +17,22 @@ JETRL, BF16 = PrecisionFlow("jetrl"), PrecisionFlow("bf16")
 
 
 def tiny_config(model_type="qwen3", **overrides):
-    config = dict(model_type=model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300,
-                  max_position_embeddings=256, eos_token_id=299)
+    config = dict(
+        model_type=model_type,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=300,
+        max_position_embeddings=256,
+        eos_token_id=299,
+    )
     if model_type == "llama":
-        config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                      original_max_position_embeddings=64)
+        config["rope_scaling"] = dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        )
     config.update(overrides)
     return config
 
@@ -78,6 +88,7 @@ def write_checkpoint(path, config, tensors, flow, shards=1):
 
 
 # ---- (a) the forward is fp8_linear_forward on the shipped bytes ----------------------------------------
+
 
 def reference_logits(arch, state, tokens, flow):
     """One sequence, no cache, no batching: every linear is fp8_linear_forward on the HF bytes (or F.linear-
@@ -187,6 +198,7 @@ def test_engine_weights_are_the_trainers_bytes():
 
 # ---- (b) KV-cache decode == teacher-forced score, whatever the batch -----------------------------------
 
+
 @pytest.mark.parametrize("flow", [JETRL, BF16], ids=["jetrl", "bf16"])
 def test_decode_logprobs_equal_score_bitwise_across_batches(flow):
     engine = make_engine("qwen2", flow)
@@ -196,7 +208,7 @@ def test_decode_logprobs_equal_score_bitwise_across_batches(flow):
     batched = engine.score([p + c.token_ids for p, c in seqs])
     for (prompt, c), scored in zip(seqs, batched):
         assert len(c.logprobs) == 6
-        assert scored[len(prompt) - 1:] == c.logprobs  # bitwise: Python floats compare exactly
+        assert scored[len(prompt) - 1 :] == c.logprobs  # bitwise: Python floats compare exactly
         alone = engine.score([prompt + c.token_ids])[0]
         assert alone == scored
     # a sequence generated alone samples and scores the same as inside the batch above
@@ -217,7 +229,7 @@ def test_library_kernels_path_is_close_but_not_required_exact():
     seqs = [(o.prompt_token_ids, c) for o in outs for c in o.completions]
     assert len({len(c.token_ids) for _, c in seqs}) > 1  # some rows stopped early
     for (prompt, c), scored in zip(seqs, exact.score([p + c.token_ids for p, c in seqs])):
-        ref = torch.tensor(scored[len(prompt) - 1:])
+        ref = torch.tensor(scored[len(prompt) - 1 :])
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 2e-2 * ref.abs().max()
 
 
@@ -234,7 +246,6 @@ def test_library_kernels_path_normalizes_as_the_trainer_not_as_torchs_rms_norm()
     got = fast._norm(x, name)
     assert torch.equal(got, rms_norm(x, w, eps))
     assert (got != torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps)).float().mean() > 0.1
-
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -261,10 +272,14 @@ def test_library_kernels_path_rotates_as_the_trainers_attention(family):
         want = rope(x[row].unsqueeze(1), cos[positions[row]], sin[positions[row]]).squeeze(1).transpose(0, 1)
         assert torch.equal(got[row], want)
     cos_e, sin_e = exact._rope_tables(t + 7)
-    assert torch.equal(exact._rotate(x, cos_e[positions], sin_e[positions]),
-                       ops.apply_rope(x.transpose(1, 2), cos_e[positions], sin_e[positions]))
+    assert torch.equal(
+        exact._rotate(x, cos_e[positions], sin_e[positions]),
+        ops.apply_rope(x.transpose(1, 2), cos_e[positions], sin_e[positions]),
+    )
+
 
 # ---- (c) disk == live ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_load_from_disk_equals_live_update(tmp_path, shards):
@@ -295,6 +310,7 @@ def test_checkpoint_precision_must_match_flow(tmp_path):
 
 
 # ---- (d) sampling --------------------------------------------------------------------------------------
+
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     engine = make_engine("llama")
@@ -330,8 +346,9 @@ def test_greedy_and_top_p_semantics():
     assert torch.allclose(torch.bincount(draw(1.0), minlength=3) / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
     assert (torch.bincount(draw(100.0), minlength=3) / 3000 - 1 / 3).abs().max() < 0.04  # high temperature flattens
     assert set(draw(0.01).tolist()) == {0}
-    assert torch.equal(top_p_filter(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]), 0.5),
-                       torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))  # row-wise
+    assert torch.equal(
+        top_p_filter(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]), 0.5), torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    )  # row-wise
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
 
@@ -340,7 +357,7 @@ def test_greedy_and_top_p_semantics():
 def test_a_rows_token_does_not_depend_on_its_batch(temperature, top_p):
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4
     batched = sample_tokens(logits, temperature, top_p, [sequence_generator(9, j) for j in range(6)])
-    alone = [int(sample_tokens(logits[j:j + 1], temperature, top_p, [sequence_generator(9, j)])) for j in range(6)]
+    alone = [int(sample_tokens(logits[j : j + 1], temperature, top_p, [sequence_generator(9, j)])) for j in range(6)]
     assert batched.tolist() == alone
     with pytest.raises(ValueError, match="2 generators for 6 rows"):
         sample_tokens(logits, 1.0, 1.0, [sequence_generator(9, 0)] * 2)
@@ -357,7 +374,9 @@ def test_stop_token_ids_eos_and_stop_strings():
     assert free.finish_reason == "length" and len(free.token_ids) == 8
     stop_tok = free.token_ids[3]
     first = free.token_ids.index(stop_tok)
-    c = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop_tok,)))[0].completions[0]
+    c = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop_tok,)))[0].completions[
+        0
+    ]
     assert c.token_ids == free.token_ids[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
     assert c.logprobs == free.logprobs[: first + 1]
     engine.eos_token_ids = (stop_tok,)  # EOS from config.json works the same way, and ignore_eos turns it off
@@ -376,6 +395,7 @@ def test_stop_token_ids_eos_and_stop_strings():
 
 # ---- (e) refusing bad updates --------------------------------------------------------------------------
 
+
 def _snapshot(engine):
     return {n: t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for n, t in engine.params.items()}
 
@@ -385,25 +405,39 @@ def test_update_weights_refuses_bad_batches_and_applies_nothing():
     before = _snapshot(engine)
     arch = engine.arch
     fresh = dict(live_stream(arch, bf16_state(arch, seed=1), JETRL))
-    good = [(n, fresh[n]) for n in ("model.norm.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv")]
+    good = [
+        (n, fresh[n])
+        for n in ("model.norm.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv")
+    ]
     cases = {
-        r"model\.layers\.0\.mlp\.upp_proj\.weight: not a tensor .*did you mean 'model\.layers\.0\.mlp\.up_proj\.weight'":
-            [("model.layers.0.mlp.upp_proj.weight", fresh["model.layers.0.mlp.up_proj.weight"])],
-        r"q_proj\.bias: shape \(256,\), expected \(512,\)": [("model.layers.0.self_attn.q_proj.bias", torch.zeros(256, dtype=torch.bfloat16))],
+        r"model\.layers\.0\.mlp\.upp_proj\.weight: not a tensor .*did you mean 'model\.layers\.0\.mlp\.up_proj\.weight'": [
+            ("model.layers.0.mlp.upp_proj.weight", fresh["model.layers.0.mlp.up_proj.weight"])
+        ],
+        r"q_proj\.bias: shape \(256,\), expected \(512,\)": [
+            ("model.layers.0.self_attn.q_proj.bias", torch.zeros(256, dtype=torch.bfloat16))
+        ],
         r"dtype torch\.uint8, expected torch\.float8_e4m3fn \(an FP8 byte view": [
             ("model.layers.1.mlp.down_proj.weight", fresh["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)),
-            ("model.layers.1.mlp.down_proj.weight_scale_inv", fresh["model.layers.1.mlp.down_proj.weight_scale_inv"])],
+            ("model.layers.1.mlp.down_proj.weight_scale_inv", fresh["model.layers.1.mlp.down_proj.weight_scale_inv"]),
+        ],
         r"lm_head\.weight: dtype torch\.float32, expected torch\.bfloat16": [("lm_head.weight", fresh["lm_head.weight"].float())],
         r"o_proj\.weight: FP8 weight without its .*o_proj\.weight_scale_inv.*missing scales": [
-            ("model.layers.1.self_attn.o_proj.weight", fresh["model.layers.1.self_attn.o_proj.weight"])],
+            ("model.layers.1.self_attn.o_proj.weight", fresh["model.layers.1.self_attn.o_proj.weight"])
+        ],
         r"gate_proj\.weight_scale_inv: scales without their FP8 weight": [
-            ("model.layers.1.mlp.gate_proj.weight_scale_inv", fresh["model.layers.1.mlp.gate_proj.weight_scale_inv"])],
+            ("model.layers.1.mlp.gate_proj.weight_scale_inv", fresh["model.layers.1.mlp.gate_proj.weight_scale_inv"])
+        ],
         r"scales must be finite and positive": [
             ("model.layers.1.mlp.gate_proj.weight", fresh["model.layers.1.mlp.gate_proj.weight"]),
-            ("model.layers.1.mlp.gate_proj.weight_scale_inv", torch.zeros_like(fresh["model.layers.1.mlp.gate_proj.weight_scale_inv"]))],
+            (
+                "model.layers.1.mlp.gate_proj.weight_scale_inv",
+                torch.zeros_like(fresh["model.layers.1.mlp.gate_proj.weight_scale_inv"]),
+            ),
+        ],
         r"dtype torch\.bfloat16, expected torch\.float8_e4m3fn": [
             ("model.layers.0.self_attn.k_proj.weight", torch.zeros(256, 256, dtype=torch.bfloat16)),
-            ("model.layers.0.self_attn.k_proj.weight_scale_inv", fresh["model.layers.0.self_attn.k_proj.weight_scale_inv"])],
+            ("model.layers.0.self_attn.k_proj.weight_scale_inv", fresh["model.layers.0.self_attn.k_proj.weight_scale_inv"]),
+        ],
     }
     for pattern, bad in cases.items():
         with pytest.raises(WeightUpdateError, match=pattern) as info:
@@ -426,7 +460,10 @@ def test_every_bad_scale_in_a_batch_is_named():
     batch = {}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         base = f"model.layers.1.mlp.{proj}"
-        batch[base + ".weight"], batch[base + ".weight_scale_inv"] = fresh[base + ".weight"], fresh[base + ".weight_scale_inv"].clone()
+        batch[base + ".weight"], batch[base + ".weight_scale_inv"] = (
+            fresh[base + ".weight"],
+            fresh[base + ".weight_scale_inv"].clone(),
+        )
     batch["model.layers.1.mlp.up_proj.weight_scale_inv"].view(-1)[-1] = float("nan")
     batch["model.layers.1.mlp.down_proj.weight_scale_inv"].view(-1)[0] = -1.0
     with pytest.raises(WeightUpdateError) as info:

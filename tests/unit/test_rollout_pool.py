@@ -18,7 +18,10 @@ class Echo:
 
     def generate(self, prompts, sampling, *, request_seeds=None):
         self.calls.append((list(prompts), request_seeds))
-        return [RequestOutput(list(p), [Completion([p[0]], [0.0], "length")], s) for p, s in zip(prompts, request_seeds or [None] * len(prompts))]
+        return [
+            RequestOutput(list(p), [Completion([p[0]], [0.0], "length")], s)
+            for p, s in zip(prompts, request_seeds or [None] * len(prompts))
+        ]
 
     def update_weights(self, weights):
         self.updates.append(list(weights))
@@ -65,14 +68,21 @@ def test_pool_of_native_engines_equals_one_engine_and_sync_reaches_all():
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     sp = SamplingParams(n=2, max_new_tokens=4, seed=5, ignore_eos=True)
     a, b = single.generate(prompts, sp), pool.generate(prompts, sp)
-    assert [[(c.token_ids, c.logprobs) for c in o.completions] for o in a] == [[(c.token_ids, c.logprobs) for c in o.completions] for o in b]
+    assert [[(c.token_ids, c.logprobs) for c in o.completions] for o in a] == [
+        [(c.token_ids, c.logprobs) for c in o.completions] for o in b
+    ]
 
 
 def test_buckets_keep_fp8_weight_and_scale_together():
     w = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     s = torch.ones(2, 2)
-    pairs = [("a.weight", w), ("a.weight_scale_inv", s), ("n.weight", torch.zeros(100, dtype=torch.bfloat16)),
-             ("b.weight", w), ("b.weight_scale_inv", s)]
+    pairs = [
+        ("a.weight", w),
+        ("a.weight_scale_inv", s),
+        ("n.weight", torch.zeros(100, dtype=torch.bfloat16)),
+        ("b.weight", w),
+        ("b.weight_scale_inv", s),
+    ]
     got = [[n for n, _ in b] for b in buckets(pairs, bucket_bytes=1000)]
     assert got == [["a.weight", "a.weight_scale_inv"], ["n.weight"], ["b.weight", "b.weight_scale_inv"]]
     assert [[n for n, _ in b] for b in buckets(pairs, bucket_bytes=1 << 30)] == [[n for n, _ in pairs]]

@@ -15,15 +15,23 @@ spec.loader.exec_module(tool)
 
 
 def native(prompt=256, layers=36):
-    rows = [{"precision": p, "batch": b, "new_tokens": 512, "e2e": {"prefill_s": 1.0, "decode_s": t}}
-            for p, b, t in [("bf16", 64, 7.0), ("fp8", 64, 6.0), ("bf16", 256, 15.0)]]
+    rows = [
+        {"precision": p, "batch": b, "new_tokens": 512, "e2e": {"prefill_s": 1.0, "decode_s": t}}
+        for p, b, t in [("bf16", 64, 7.0), ("fp8", 64, 6.0), ("bf16", 256, 15.0)]
+    ]
     rows.append({"precision": "fp8", "batch": 256, "new_tokens": 512, "e2e": "OOM: out of memory"})
     return {"model": {"layers": layers}, "prompt": prompt, "new_tokens": [512], "results": rows, "device": "H200"}
 
 
 def vllm(mode, rates, new=512):
-    return {"mode": mode, "layers": 36, "prompt": 256, "new_tokens": new, "device": "H200",
-            "decode": {str(b): {"first_tok_s": r / 2, "best_tok_s": r} for b, r in rates.items()}}
+    return {
+        "mode": mode,
+        "layers": 36,
+        "prompt": 256,
+        "new_tokens": new,
+        "device": "H200",
+        "decode": {str(b): {"first_tok_s": r / 2, "best_tok_s": r} for b, r in rates.items()},
+    }
 
 
 def write(tmp_path, name, obj):
@@ -33,7 +41,10 @@ def write(tmp_path, name, obj):
 
 def test_rows_per_batch_with_ratios(tmp_path, capsys):
     n = write(tmp_path, "n.json", native())
-    f, b = write(tmp_path, "f.json", vllm("jetrl", {64: 9000.0, 256: 26000.0})), write(tmp_path, "b.json", vllm("bf16", {64: 7500.0, 256: 20000.0}))
+    f, b = (
+        write(tmp_path, "f.json", vllm("jetrl", {64: 9000.0, 256: 26000.0})),
+        write(tmp_path, "b.json", vllm("bf16", {64: 7500.0, 256: 20000.0})),
+    )
     out = tmp_path / "r.md"
     assert tool.main(["--native", n, "--vllm", f, b, "-o", str(out)]) == 0
     lines = out.read_text().splitlines()
@@ -42,13 +53,19 @@ def test_rows_per_batch_with_ratios(tmp_path, capsys):
     assert capsys.readouterr().out == out.read_text()
 
 
-@pytest.mark.parametrize("case, message", [
-    ("prompt", "does not cover the vLLM runs' setting (layers 36, prompt 256, new tokens 512): run tools/bench/bench_rollout.py with"),
-    ("new", "the vLLM runs differ in"),
-    ("twice", "a second vLLM jetrl run"),
-    ("not json", "cannot read a benchmark JSON"),
-    ("native keys", "the native JSON lacks ['model'"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "prompt",
+            "does not cover the vLLM runs' setting (layers 36, prompt 256, new tokens 512): run tools/bench/bench_rollout.py with",
+        ),
+        ("new", "the vLLM runs differ in"),
+        ("twice", "a second vLLM jetrl run"),
+        ("not json", "cannot read a benchmark JSON"),
+        ("native keys", "the native JSON lacks ['model'"),
+    ],
+)
 def test_mismatched_or_unreadable_inputs_exit_2(tmp_path, capsys, case, message):
     n = native(prompt=128) if case == "prompt" else native()
     if case == "native keys":
@@ -66,21 +83,30 @@ def test_mismatched_or_unreadable_inputs_exit_2(tmp_path, capsys, case, message)
 
 def test_variant_runs_get_their_own_columns(tmp_path):
     n = write(tmp_path, "n.json", native())
-    runs = [vllm("jetrl", {64: 9000.0}), vllm("bf16", {64: 7500.0}), dict(vllm("jetrl", {64: 9750.0}), variant="fused"),
-            dict(vllm("jetrl", {64: 8800.0}), variant="triton-attn"), dict(vllm("bf16", {64: 8000.0}), variant="triton-attn")]
+    runs = [
+        vllm("jetrl", {64: 9000.0}),
+        vllm("bf16", {64: 7500.0}),
+        dict(vllm("jetrl", {64: 9750.0}), variant="fused"),
+        dict(vllm("jetrl", {64: 8800.0}), variant="triton-attn"),
+        dict(vllm("bf16", {64: 8000.0}), variant="triton-attn"),
+    ]
     paths = [write(tmp_path, f"{i}.json", r) for i, r in enumerate(runs)]
     out = tmp_path / "r.md"
     assert tool.main(["--native", n, "--vllm", *paths, "-o", str(out)]) == 0
     head, _, row = out.read_text().splitlines()[2:5]
-    assert head.endswith("| vLLM jetrl fused | vLLM jetrl fused / bf16 | vLLM jetrl triton-attn | "
-                         "vLLM jetrl triton-attn / bf16 triton-attn |")
+    assert head.endswith(
+        "| vLLM jetrl fused | vLLM jetrl fused / bf16 | vLLM jetrl triton-attn | vLLM jetrl triton-attn / bf16 triton-attn |"
+    )
     assert row == "| 64 | 4096 | 4681 | 1.14x | 7500 | 9000 | 4500 | 1.20x | 1.92x | 9750 | 1.30x | 8800 | 1.10x |"
     assert tool.main(["--native", n, "--vllm", *paths, paths[2]]) == 2  # the fused run twice
 
 
 def profiled(mode, busy, cats, context=768.0, **extra):
-    r = dict(vllm(mode, {128: 1.0}), decode_profiles={"128": {"batch": 128, "context": context, "busy_ms": busy,
-                                                               "categories": cats}}, **extra)
+    r = dict(
+        vllm(mode, {128: 1.0}),
+        decode_profiles={"128": {"batch": 128, "context": context, "busy_ms": busy, "categories": cats}},
+        **extra,
+    )
     return r
 
 
@@ -97,28 +123,41 @@ def test_ceiling_bounds_the_fp8_step_by_the_fp8_weights_floor(tmp_path):
     text = out.read_text()
     assert "| 128 | n/a | n/a | n/a | 1 | 1 | 0 | 1.00x | n/a |" in text  # no --native: its columns read n/a
     assert "the FP8 linears' 6.00 GB read at 3000 GB/s take 2.000 ms; FP8 peak 1979 TFLOP/s" in text
-    assert text.rstrip().splitlines()[-1] == ("| 128 | 768 | 10.000 | 6.000 | 3.000 | 0.000 | 8.000 | 3.000 (67%) | 1.000 | "
-                                              "2.000 (read) | 6.000 | **1.67x** | 1.25x | 2.692 ms (2.23 TB/s) |")
+    assert text.rstrip().splitlines()[-1] == (
+        "| 128 | 768 | 10.000 | 6.000 | 3.000 | 0.000 | 8.000 | 3.000 (67%) | 1.000 | "
+        "2.000 (read) | 6.000 | **1.67x** | 1.25x | 2.692 ms (2.23 TB/s) |"
+    )
     # a slow tensor core: 1.536 TFLOP at 500 TFLOP/s take 3.072 ms, above the read and above what 1.3x needs
     assert tool.main(["--vllm", *paths, "--fp8-tflops", "500", "-o", str(out)]) == 0
-    assert out.read_text().rstrip().splitlines()[-1].endswith(
-        "| 3.072 (FLOPs) | 7.072 | **1.41x** | 1.25x | 2.692 ms (2.23 TB/s): below the floor, unreachable |")
+    assert (
+        out.read_text()
+        .rstrip()
+        .splitlines()[-1]
+        .endswith("| 3.072 (FLOPs) | 7.072 | **1.41x** | 1.25x | 2.692 ms (2.23 TB/s): below the floor, unreachable |")
+    )
 
 
 def test_the_ceiling_at_rollout_tp_counts_one_ranks_share_and_its_all_reduces(tmp_path, capsys):
     """Rollout TP 4 (`bench_vllm.py --tp 4`): a rank reads a quarter of the linears (`linear_GB` is its share: 1.5 GB at
     3000 GB/s, 0.5 ms), and its BF16 step of 4 ms holds 1.5 ms of linear GEMMs and 1 ms of NCCL all-reduces that FP8
     leaves as they are: the FP8 step is at least 4 - 1.5 + 0.5 = 3 ms, a 1.33x ceiling. Runs at another TP are refused."""
-    f8 = profiled("jetrl", 3.5, {"GEMM FP8": 0.75, "GEMM BF16": 0.25, "attention": 0.75, "NCCL": 1.0}, linear_GB=1.5,
-                  copy_GBps=3000.0, tp=4)
+    f8 = profiled(
+        "jetrl", 3.5, {"GEMM FP8": 0.75, "GEMM BF16": 0.25, "attention": 0.75, "NCCL": 1.0}, linear_GB=1.5, copy_GBps=3000.0, tp=4
+    )
     bf = profiled("bf16", 4.0, {"GEMM BF16": 1.75, "attention": 0.75, "NCCL": 1.0}, linear_GB=3.0, tp=4)
     out = tmp_path / "r.md"
     assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b.json", bf), "-o", str(out)]) == 0
     text = out.read_text()
     assert "x 36 layers, rollout TP 4 (one engine over 4 GPUs), prompt 256" in text
     assert "the FP8 linears' 1.50 GB (one of 4 TP ranks' share) read at 3000 GB/s take 0.500 ms" in text
-    assert text.rstrip().splitlines()[-1].startswith("| 128 | 768 | 4.000 | 1.500 | 0.750 | 1.000 | 3.500 | 0.750 (67%) | 0.250 | "
-                                                     "0.500 (read) | 3.000 | **1.33x** | 1.14x |")
+    assert (
+        text.rstrip()
+        .splitlines()[-1]
+        .startswith(
+            "| 128 | 768 | 4.000 | 1.500 | 0.750 | 1.000 | 3.500 | 0.750 (67%) | 0.250 | "
+            "0.500 (read) | 3.000 | **1.33x** | 1.14x |"
+        )
+    )
     capsys.readouterr()
     assert tool.main(["--vllm", write(tmp_path, "f.json", f8), write(tmp_path, "b1.json", dict(bf, tp=1))]) == 2
     assert "the vLLM runs differ in" in capsys.readouterr().err

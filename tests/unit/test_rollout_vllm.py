@@ -56,13 +56,17 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
     write_model_dir(tmp_path, config, JETRL)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["quantization_config"] == JETRL.quantization_config() and written["architectures"] == ["Qwen3ForCausalLM"]
-    kw = llm_kwargs(tmp_path, JETRL, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30, seed=7, max_model_len=512, glue="vllm")
+    kw = llm_kwargs(
+        tmp_path, JETRL, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30, seed=7, max_model_len=512, glue="vllm"
+    )
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
     assert kw["enable_sleep_mode"] is True and kw["kv_cache_memory_bytes"] == 1 << 30 and kw["max_model_len"] == 512
     assert kw["logprobs_mode"] == "raw_logprobs" and kw["skip_tokenizer_init"] is True and kw["disable_custom_all_reduce"] is True
-    assert kw["compilation_config"] == {"custom_ops": ["+quant_fp8"], "pass_config": {
-        "fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}}
+    assert kw["compilation_config"] == {
+        "custom_ops": ["+quant_fp8"],
+        "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False},
+    }
     assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True)
     assert "compilation_config" not in llm_kwargs(tmp_path, JETRL, enforce_eager=True, glue="trainer")
     with pytest.raises(ValueError, match="TP=4 does not divide num_key_value_heads=2"):
@@ -73,9 +77,20 @@ def test_llm_kwargs_colocated_dummy_engine_with_pinned_compilation(tmp_path):
 
 
 def test_sampling_kwargs_and_output_parsing():
-    kw = sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=33, stop=("</a>",), stop_token_ids=(2,)), 17, [9, 2])
-    assert kw == dict(n=4, temperature=0.7, top_p=0.9, max_tokens=33, stop=["</a>"], stop_token_ids=[2, 9],
-                      ignore_eos=False, logprobs=0, seed=17 * 1_000_003)
+    kw = sampling_kwargs(
+        SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=33, stop=("</a>",), stop_token_ids=(2,)), 17, [9, 2]
+    )
+    assert kw == dict(
+        n=4,
+        temperature=0.7,
+        top_p=0.9,
+        max_tokens=33,
+        stop=["</a>"],
+        stop_token_ids=[2, 9],
+        ignore_eos=False,
+        logprobs=0,
+        seed=17 * 1_000_003,
+    )
     # vLLM seeds sample j with seed + j: the pool's consecutive request seeds must not share a sample's stream, and
     # sample j of a request gets the native engine's seed for it
     from megatron_jetrl.rollout.engine import request_seeds_for
@@ -94,8 +109,18 @@ def test_sampling_kwargs_and_output_parsing():
     assert "stop_token_ids" not in sampling_kwargs(SamplingParams(ignore_eos=True), None, [9])
     assert "seed" not in sampling_kwargs(SamplingParams(), None) and "stop" not in sampling_kwargs(SamplingParams(), None)
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
-    out = SimpleNamespace(prompt_token_ids=[1, 2], outputs=[
-        SimpleNamespace(token_ids=[5, 6], logprobs=[{5: lp(-0.5), 9: lp(-3.0)}, {6: lp(-0.25)}], finish_reason="stop", stop_reason=6, text="xy")])
+    out = SimpleNamespace(
+        prompt_token_ids=[1, 2],
+        outputs=[
+            SimpleNamespace(
+                token_ids=[5, 6],
+                logprobs=[{5: lp(-0.5), 9: lp(-3.0)}, {6: lp(-0.25)}],
+                finish_reason="stop",
+                stop_reason=6,
+                text="xy",
+            )
+        ],
+    )
     r = parse_output(out)
     assert r.prompt_token_ids == [1, 2]
     c = r.completions[0]
@@ -110,7 +135,12 @@ def test_hf_names_map_to_vllm_fused_parameters_and_tp_slices():
     pre = "model.layers.0."
     assert vllm_target(arch, pre + "self_attn.q_proj.weight") == (pre + "self_attn.qkv_proj.weight", "q", 0, 0)
     assert vllm_target(arch, pre + "self_attn.k_proj.weight") == (pre + "self_attn.qkv_proj.weight", "k", 0, 512)
-    assert vllm_target(arch, pre + "self_attn.v_proj.weight_scale_inv") == (pre + "self_attn.qkv_proj.weight_scale_inv", "v", 0, 6)
+    assert vllm_target(arch, pre + "self_attn.v_proj.weight_scale_inv") == (
+        pre + "self_attn.qkv_proj.weight_scale_inv",
+        "v",
+        0,
+        6,
+    )
     assert vllm_target(arch, pre + "self_attn.v_proj.bias", 1, 2) == (pre + "self_attn.qkv_proj.bias", "v", 0, 384)
     assert vllm_target(arch, pre + "mlp.up_proj.weight", 0, 2) == (pre + "mlp.gate_up_proj.weight", 1, 0, 256)
     assert vllm_target(arch, pre + "mlp.down_proj.weight_scale_inv") == (pre + "mlp.down_proj.weight_scale_inv", None, 1, 0)
@@ -121,10 +151,9 @@ def test_hf_names_map_to_vllm_fused_parameters_and_tp_slices():
     assert torch.equal(rank_piece(arch, pre + "self_attn.q_proj.weight", q, 1, 2), q[256:])
 
 
-
-
 # ---- on-device sync into vLLM's parameters (a stand-in with vLLM 0.26's layout: fused qkv / gate_up, block scales,
 # vocab rows padded to 64 and split by rank); the real layout is checked on the GPU (tests/gpu/test_vllm.py) -------
+
 
 def vllm_params(arch, flow, tp_rank=0, tp=1, poison=float("nan")):
     h, hd, i = arch.hidden_size, arch.head_dim, arch.intermediate_size // tp
@@ -141,8 +170,12 @@ def vllm_params(arch, flow, tp_rank=0, tp=1, poison=float("nan")):
             params |= {pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,)}
         if arch.qkv_bias:
             params[pre + "self_attn.qkv_proj.bias"] = (q + 2 * kv,)
-        for name, shape in {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q),
-                            "mlp.gate_up_proj": (2 * i, h), "mlp.down_proj": (h, i)}.items():
+        for name, shape in {
+            "self_attn.qkv_proj": (q + 2 * kv, h),
+            "self_attn.o_proj": (h, q),
+            "mlp.gate_up_proj": (2 * i, h),
+            "mlp.down_proj": (h, i),
+        }.items():
             params[pre + name + ".weight"] = shape
             if fp8:
                 params[pre + name + ".weight_scale_inv"] = (-(-shape[0] // 128), -(-shape[1] // 128))
@@ -154,8 +187,10 @@ def vllm_params(arch, flow, tp_rank=0, tp=1, poison=float("nan")):
     return out
 
 
-@pytest.mark.parametrize("model_type, flow", [("qwen2", JETRL), ("qwen3", JETRL), ("llama", PrecisionFlow("bf16")),
-                                              ("qwen3", PrecisionFlow("bf16-train-fp8-rollout"))])
+@pytest.mark.parametrize(
+    "model_type, flow",
+    [("qwen2", JETRL), ("qwen3", JETRL), ("llama", PrecisionFlow("bf16")), ("qwen3", PrecisionFlow("bf16-train-fp8-rollout"))],
+)
 def test_copy_plan_writes_every_vllm_parameter_with_the_trainers_bytes(model_type, flow):
     arch = ModelArch.from_hf_config(tiny_config(model_type))
     batch = dict(live_stream(arch, bf16_state(arch), flow))
@@ -165,7 +200,14 @@ def test_copy_plan_writes_every_vllm_parameter_with_the_trainers_bytes(model_typ
             plan = copy_plan(arch, flow, params, rank, tp)
             assert apply_plan(arch, plan, params, batch, rank, tp) == []
             for hf_name, slot in plan.items():
-                piece = rank_piece(arch, hf_name, batch[hf_name], rank, tp, params[slot.param].shape[0] if "embed" in hf_name or "lm_head" in hf_name else None)
+                piece = rank_piece(
+                    arch,
+                    hf_name,
+                    batch[hf_name],
+                    rank,
+                    tp,
+                    params[slot.param].shape[0] if "embed" in hf_name or "lm_head" in hf_name else None,
+                )
                 got = params[slot.param][slot.row : slot.row + slot.rows]
                 assert torch.equal(got.view(torch.uint8), piece.contiguous().view(torch.uint8)), hf_name
             for name, t in params.items():  # nothing left unwritten but the vocabulary's padding rows
@@ -211,6 +253,7 @@ def test_apply_plan_names_the_tensors_whose_bytes_did_not_arrive():
 
 # ---- numerics read back from the engine ----------------------------------------------------------------------
 
+
 class FakeQuant:
     def __init__(self, use_ue8m0=False, floor=None, method="forward_cuda"):
         self.use_ue8m0, self.floor = use_ue8m0, floor
@@ -247,7 +290,8 @@ def test_kernel_and_pass_checks_name_what_differs():
     dyn = type("DynamicKernel", (), {"base": kernel(), "fallback": kernel("MarlinFp8Kernel")})()
     assert "MarlinFp8Kernel" in kernel_problems({"l2.o": dyn}, JETRL)[0]
     assert pass_problems(SimpleNamespace(fuse_norm_quant=False, fuse_act_quant=True)) == [
-        "compilation pass fuse_act_quant=True (must be False: the fused kernel quantizes its own way)"]
+        "compilation pass fuse_act_quant=True (must be False: the fused kernel quantizes its own way)"
+    ]
 
 
 def test_probe_accepts_our_quantizer_and_catches_a_scale_floor():
@@ -277,16 +321,18 @@ def test_config_refuses_vllm_settings_that_cannot_run():
             load_config("configs/gpu_1p5b.yaml", overrides)
 
 
-
 def load_bench_vllm():
     """tools/bench/bench_vllm.py as a module (it is a script, not a package module)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_vllm.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm", Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_vllm.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
+
 
 def test_bench_variants_set_only_what_they_measure(tmp_path):
     bench = load_bench_vllm()
@@ -337,8 +383,10 @@ def test_bench_vllm_at_rollout_tp_runs_under_torchrun_one_process_per_gpu(monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):
         bench.main(["--tp", "4"])
-    assert ("--tp 4 runs one process per GPU of the engine: start it as torchrun --nproc-per-node 4 "
-            "tools/bench/bench_vllm.py --tp 4 ... (this is 1 process(es))") in capsys.readouterr().err
+    assert (
+        "--tp 4 runs one process per GPU of the engine: start it as torchrun --nproc-per-node 4 "
+        "tools/bench/bench_vllm.py --tp 4 ... (this is 1 process(es))"
+    ) in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         bench.main(["--tp", "4"])
@@ -395,8 +443,13 @@ def test_kernel_timeline_merges_overlaps_and_bins_the_idle_gaps():
     """bench_vllm.kernel_timeline: busy time merges overlapping kernels; each idle gap lands in its length's bin."""
     bench = load_bench_vllm()
     us = 1000
-    ivs = [(0, 10 * us, "a"), (5 * us, 12 * us, "b"), (14 * us, 20 * us, "a"),  # overlap, then a 2 us gap
-           (30 * us, 40 * us, "c"), (540 * us, 541 * us, "a")]  # a 10 us gap, then a 500 us gap
+    ivs = [
+        (0, 10 * us, "a"),
+        (5 * us, 12 * us, "b"),
+        (14 * us, 20 * us, "a"),  # overlap, then a 2 us gap
+        (30 * us, 40 * us, "c"),
+        (540 * us, 541 * us, "a"),
+    ]  # a 10 us gap, then a 500 us gap
     by_name, busy_ms, gaps = bench.kernel_timeline(ivs)
     assert by_name == pytest.approx({"a": 0.017, "b": 0.007, "c": 0.010})
     assert busy_ms == pytest.approx(0.029)
@@ -438,8 +491,11 @@ def test_bench_profiles_at_the_runs_mean_context_and_counts_the_layers_linear_by
         with pytest.raises(SystemExit):
             bench.profile_context(512, 512, steps, context, error)
     assert "does not fit the engine's 512 + 512 tokens" in errors[0] and "at least 3" in errors[1]
-    tensors = {"model.layers.0.mlp.down_proj.weight": torch.zeros(8, 4, dtype=torch.float8_e4m3fn),
-               "model.layers.0.mlp.down_proj.weight_scale_inv": torch.zeros(1, 1),
-               "model.layers.0.input_layernorm.weight": torch.zeros(4, dtype=torch.bfloat16),
-               "model.embed_tokens.weight": torch.zeros(16, 4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(16, 4)}
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 4, dtype=torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.zeros(1, 1),
+        "model.layers.0.input_layernorm.weight": torch.zeros(4, dtype=torch.bfloat16),
+        "model.embed_tokens.weight": torch.zeros(16, 4, dtype=torch.bfloat16),
+        "lm_head.weight": torch.zeros(16, 4),
+    }
     assert bench.linear_bytes(tensors) == 8 * 4 + 4

@@ -19,13 +19,18 @@ def test_norm_with_a_residual_normalizes_the_trainers_rounded_sum():
     out, new_res = vllm_glue.norm(x, res, w, 1e-6)
     h = x + res  # the trainer's residual add, in BF16
     assert torch.equal(new_res, h) and torch.equal(out, rms_norm(h, w, 1e-6))
-    exact_sum = (x.float() + res.float())  # what vLLM's reference normalizes: the FP32 sum
+    exact_sum = x.float() + res.float()  # what vLLM's reference normalizes: the FP32 sum
     assert not torch.equal(out, rms_norm(exact_sum, w.float(), 1e-6).bfloat16())
 
 
 @settings(max_examples=20, deadline=None)
-@given(heads=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2]), tokens=st.integers(1, 40), seed=st.integers(0, 2**16),
-       base=st.sampled_from([10000.0, 1e6]))
+@given(
+    heads=st.sampled_from([1, 2, 4]),
+    kv=st.sampled_from([1, 2]),
+    tokens=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    base=st.sampled_from([10000.0, 1e6]),
+)
 def test_rope_at_any_positions_is_the_trainers_rope_of_the_sequence(heads, kv, tokens, seed, base):
     """Tokens of a vLLM batch carry their own positions; each gets what the trainer's RoPE gives that position of a
     sequence (megatron layout [s, b, heads, d], megatron's tables for the sequence's own length)."""
@@ -59,9 +64,21 @@ def test_probe_reads_zero_for_the_trainers_glue_and_names_vllms_rounding():
 
     from megatron_jetrl.models import ModelArch
 
-    arch = ModelArch.from_hf_config(dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300,
-                                         max_position_embeddings=128, rope_theta=1e6, rms_norm_eps=1e-6))
+    arch = ModelArch.from_hf_config(
+        dict(
+            model_type="qwen2",
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=300,
+            max_position_embeddings=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
+    )
     w = (1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(0))).bfloat16()
 
     def layer(norm, rotate):
@@ -143,8 +160,14 @@ def test_a_linear_takes_the_stash_only_for_the_stashed_tensor_unchanged_and_a_ma
     y, q, s = _stashed()
     hits = vllm_glue.FUSED_QUANT["hits"]
     assert vllm_glue.take(torch.randn(6, 256).bfloat16(), Quant()) is None  # another tensor: vLLM quantizes it
-    for op in (Quant(use_ue8m0=True), Quant(static=True), Quant(group_size=64), Quant(column_major_scales=False),
-               Quant(tma_aligned_scales=False), Quant(is_group_quant=False)):
+    for op in (
+        Quant(use_ue8m0=True),
+        Quant(static=True),
+        Quant(group_size=64),
+        Quant(column_major_scales=False),
+        Quant(tma_aligned_scales=False),
+        Quant(is_group_quant=False),
+    ):
         assert vllm_glue.take(y.view(-1, 256), op) is None  # another layout or format than the stash's
     with vllm_glue.unfused():
         assert vllm_glue.take(y.view(-1, 256), Quant()) is None

@@ -44,13 +44,20 @@ def test_subscribers_see_each_phase_in_order_and_ends_in_reverse():
     run.end_step({"step": 4})
     run.event("checkpoint_staged", step=5, directory="d")
     assert log == [
-        ("a", "begin", None, "start-up", "start-up"), ("b", "begin", None, "start-up", "start-up"),
-        ("b", "end", None, "start-up", None), ("a", "end", None, "start-up", None),
-        ("a", "begin", 4, "rollout", "rollout"), ("b", "begin", 4, "rollout", "rollout"),
-        ("a", "begin", 4, "inner", "inner"), ("b", "begin", 4, "inner", "inner"),
-        ("b", "end", 4, "inner", None), ("a", "end", 4, "inner", None),
-        ("b", "end", 4, "rollout", None), ("a", "end", 4, "rollout", None),
-        ("a", "row", 4, {"step": 4}), ("b", "row", 4, {"step": 4}),
+        ("a", "begin", None, "start-up", "start-up"),
+        ("b", "begin", None, "start-up", "start-up"),
+        ("b", "end", None, "start-up", None),
+        ("a", "end", None, "start-up", None),
+        ("a", "begin", 4, "rollout", "rollout"),
+        ("b", "begin", 4, "rollout", "rollout"),
+        ("a", "begin", 4, "inner", "inner"),
+        ("b", "begin", 4, "inner", "inner"),
+        ("b", "end", 4, "inner", None),
+        ("a", "end", 4, "inner", None),
+        ("b", "end", 4, "rollout", None),
+        ("a", "end", 4, "rollout", None),
+        ("a", "row", 4, {"step": 4}),
+        ("b", "row", 4, {"step": 4}),
         ("a", "event", "checkpoint_staged", {"step": 5, "directory": "d"}),
         ("b", "event", "checkpoint_staged", {"step": 5, "directory": "d"}),
     ]

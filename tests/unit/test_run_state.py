@@ -45,7 +45,9 @@ def test_a_changed_hyper_parameter_is_refused_naming_the_key(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config error:" in err and "optim.lr: trained with 0.0001, now 0.0002" in err and "another run.name" in err
     with pytest.raises(ConfigError, match=r"grpo.updates_per_step: trained with 1, now 2"):  # a run that would resume, too
-        previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=9", "grpo.updates_per_step=2", "grpo.micro_batch_size=8"]))
+        previous_run(
+            load_config(None, [f"run.out_dir={out}", "run.steps=9", "grpo.updates_per_step=2", "grpo.micro_batch_size=8"])
+        )
 
 
 def test_a_setting_whose_auto_resolves_otherwise_now_is_refused_with_the_override_that_keeps_it(tmp_path):
@@ -64,8 +66,10 @@ def test_settings_a_resumed_run_may_change_are_applied_and_said(tmp_path):
     cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "run.save_every=1", "run.timeout_s=60"])
     prev = previous_run(cfg)
     assert not prev.complete(cfg) and prev.step == 3
-    assert prev.resume_message(cfg) == (f"resuming {out} at step 3 of 5 (step_000003); applied: run.save_every 20 -> 1, "
-                                        "run.steps 3 -> 5, run.timeout_s 300.0 -> 60.0")
+    assert prev.resume_message(cfg) == (
+        f"resuming {out} at step 3 of 5 (step_000003); applied: run.save_every 20 -> 1, "
+        "run.steps 3 -> 5, run.timeout_s 300.0 -> 60.0"
+    )
 
 
 def test_where_the_fp8_weight_bytes_live_may_change_on_resume_the_model_may_not(tmp_path):
@@ -73,11 +77,22 @@ def test_where_the_fp8_weight_bytes_live_may_change_on_resume_the_model_may_not(
     computes them on fewer SMs: a resume may change them (applied and said); any other model key is another model.
     (A GPU run: on the CPU the run is batch-invariant, and its emulated GEMM takes no gemm_sms.)"""
     out = finished_run(tmp_path, 3, "run.device=cuda")
-    cfg = load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fp8_weight_t=backward", "model.bf16_linear_weights=keep",
-                             "precision.gemm_sms=120", "run.device=cuda"])
-    assert previous_run(cfg).resume_message(cfg) == (f"resuming {out} at step 3 of 5 (step_000003); applied: "
-                                                     "model.bf16_linear_weights 'release' -> 'keep', model.fp8_weight_t 'step' -> "
-                                                     "'backward', precision.gemm_sms 0 -> 120, run.steps 3 -> 5")
+    cfg = load_config(
+        None,
+        [
+            f"run.out_dir={out}",
+            "run.steps=5",
+            "model.fp8_weight_t=backward",
+            "model.bf16_linear_weights=keep",
+            "precision.gemm_sms=120",
+            "run.device=cuda",
+        ],
+    )
+    assert previous_run(cfg).resume_message(cfg) == (
+        f"resuming {out} at step 3 of 5 (step_000003); applied: "
+        "model.bf16_linear_weights 'release' -> 'keep', model.fp8_weight_t 'step' -> "
+        "'backward', precision.gemm_sms 0 -> 120, run.steps 3 -> 5"
+    )
     with pytest.raises(ConfigError, match=r"another model or precision section \(model.fused\)"):
         previous_run(load_config(None, [f"run.out_dir={out}", "run.steps=5", "model.fused=false", "run.device=cuda"]))
 
@@ -86,7 +101,9 @@ def test_a_refused_resume_writes_nothing(tmp_path, capsys):
     out = finished_run(tmp_path)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     assert train.main([f"run.out_dir={out}", "run.steps=6", "precision.mode=bf16"]) == 2
-    assert "another model or precision section (precision.backend, precision.mode)" in capsys.readouterr().err  # jetrl's batch-invariant CPU run pins the emulated GEMM
+    assert (
+        "another model or precision section (precision.backend, precision.mode)" in capsys.readouterr().err
+    )  # jetrl's batch-invariant CPU run pins the emulated GEMM
     assert (out / "config.yaml").read_text() == "the original config.yaml\n"
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 

@@ -16,9 +16,18 @@ from megatron_jetrl.models.mapping import to_hf
 from megatron_jetrl.rl.config import ConfigError, load_config
 
 BLOCKS = [(1, 128), (128, 1), (128, 128)]
-QWEN = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 384,
-        "max_position_embeddings": 64, "tie_word_embeddings": True}
+QWEN = {
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "vocab_size": 384,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
 
 
 def probe(seed=0, m=512, k=1024):
@@ -29,8 +38,8 @@ def probe(seed=0, m=512, k=1024):
     if m >= 384 and k >= 256:
         x[:128, :128] = 0
         x[128:256, :128] = torch.randn(128, 128, generator=g) * 1e-9
-        x[256:384, 128:256] = torch.randn(128, 128, generator=g).clamp(-1, 1) * 448 * 2.0 ** -3
-        x[300, 200] = 448 * 2.0 ** -3
+        x[256:384, 128:256] = torch.randn(128, 128, generator=g).clamp(-1, 1) * 448 * 2.0**-3
+        x[300, 200] = 448 * 2.0**-3
     return x.bfloat16()
 
 
@@ -47,15 +56,24 @@ def test_te_spec_refused_without_te_with_the_install_line(monkeypatch):
     assert load_config(None, []).model.spec == "local"
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.batch_invariant=true"], "set model.batch_invariant=false"),
-    (["run.device=cpu"], r"model\.spec=te needs a GPU run"),
-    (["precision.eps=1.0e-8"], r"leave precision\.eps at its default"),
-    (["precision.gemm_sms=120"], r"leave precision\.gemm_sms at 0 or use model\.spec=local"),
-    (["grpo.micro_batch_size=4", "grpo.prompts_per_step=4", "rollout.n=4"], r"set grpo\.micro_batch_size and .* multiples of 8 \(got 4 and 4\)"),
-    (["grpo.micro_batch_size=8", "grpo.logprob_micro_batch_size=4"], r"grpo\.logprob_micro_batch_size to multiples of 8 \(got 8 and 4\)"),
-    (["run.device=cuda", "rollout.engine=vllm", "rollout.glue=trainer"], r"model\.spec=te trains with Transformer Engine's"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.batch_invariant=true"], "set model.batch_invariant=false"),
+        (["run.device=cpu"], r"model\.spec=te needs a GPU run"),
+        (["precision.eps=1.0e-8"], r"leave precision\.eps at its default"),
+        (["precision.gemm_sms=120"], r"leave precision\.gemm_sms at 0 or use model\.spec=local"),
+        (
+            ["grpo.micro_batch_size=4", "grpo.prompts_per_step=4", "rollout.n=4"],
+            r"set grpo\.micro_batch_size and .* multiples of 8 \(got 4 and 4\)",
+        ),
+        (
+            ["grpo.micro_batch_size=8", "grpo.logprob_micro_batch_size=4"],
+            r"grpo\.logprob_micro_batch_size to multiples of 8 \(got 8 and 4\)",
+        ),
+        (["run.device=cuda", "rollout.engine=vllm", "rollout.glue=trainer"], r"model\.spec=te trains with Transformer Engine's"),
+    ],
+)
 def test_te_spec_refuses_what_it_cannot_honour(monkeypatch, overrides, message):
     monkeypatch.setattr(te_mod, "te_installed", lambda: True)
     with pytest.raises(ConfigError, match=message):
@@ -90,8 +108,13 @@ def test_flow_to_transformer_config_and_quantizer_settings(scale_mode):
     factory = _resolve_callable_from_python_import_path(kw["fp8_quantizer_factory"])
     assert factory is getattr(te_recipe, f"jetrl_{scale_mode}_qfactory")
     for tensor, dim in (("input", 1), ("weight", 2), ("grad_output", 1)):
-        assert te_mod.quantizer_kwargs(flow, tensor) == {"rowwise": True, "columnwise": True, "amax_epsilon": 1e-10,
-                                                         "force_pow_2_scales": scale_mode == "ue8m0", "block_scaling_dim": dim}
+        assert te_mod.quantizer_kwargs(flow, tensor) == {
+            "rowwise": True,
+            "columnwise": True,
+            "amax_epsilon": 1e-10,
+            "force_pow_2_scales": scale_mode == "ue8m0",
+            "block_scaling_dim": dim,
+        }
     for mode in ("bf16", "bf16-train-fp8-rollout"):
         assert te_recipe.te_config_kwargs(PrecisionFlow(mode=mode)) == {}
     with pytest.raises(ValueError, match="leave precision.eps at its default"):
@@ -126,7 +149,7 @@ def test_custom_recipe_from_te_recipe_module():
 
 def test_te_scale_rule():
     """compute_scale_from_amax: eps floor, RN(448/amax), power-of-two by cutting the mantissa (rounds the multiplier down)."""
-    amax = torch.tensor([0.0, 1e-12, 3.0, 448.0, 448.0 * 2 ** -5, 1000.0])
+    amax = torch.tensor([0.0, 1e-12, 3.0, 448.0, 448.0 * 2**-5, 1000.0])
     fp32 = te_mod.te_scale(amax, "fp32")
     assert torch.equal(fp32, torch.tensor(448.0) / amax.clamp_min(1e-10))  # a true division, as __fdiv_rn
     pow2 = te_mod.te_scale(amax, "ue8m0")
@@ -146,7 +169,7 @@ def test_ue8m0_te_bytes_equal_reference_except_tiny_groups(block):
     assert tiny.any() and (~tiny).any()
     assert torch.equal(d["groups_with_scale_diff"], tiny)
     assert not (d["groups_with_byte_diff"] & ~tiny).any()
-    assert (s_te[tiny] < s_ref[tiny]).all() and (s_ref[tiny] == 2.0 ** -33).all()
+    assert (s_te[tiny] < s_ref[tiny]).all() and (s_ref[tiny] == 2.0**-33).all()
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -171,8 +194,8 @@ def test_te_quantize_matches_dequantized_closeness():
         from megatron_jetrl.fp8 import dequantize_blockwise
 
         err = (dequantize_blockwise(q, s, (128, 128)) - x.float()).abs() / x.float().abs().clamp_min(1e-30)
-        big = x.float().abs() > 2 ** -6 * te_mod.group_amax(x, (128, 128)).repeat_interleave(128, 0).repeat_interleave(128, 1)
-        assert err[big].max() <= 2 ** -4 + 1e-6  # E4M3 keeps 3 mantissa bits in the normal range
+        big = x.float().abs() > 2**-6 * te_mod.group_amax(x, (128, 128)).repeat_interleave(128, 0).repeat_interleave(128, 1)
+        assert err[big].max() <= 2**-4 + 1e-6  # E4M3 keeps 3 mantissa bits in the normal range
 
 
 # ---- TE tensor layouts ------------------------------------------------------------------------------------------
@@ -197,8 +220,13 @@ def _te_like(x: torch.Tensor, dim: int, mode: str = "fp32"):
         cs = torch.full((-(-m // 128), r4(k)), float("nan"))
         cs[:, :k] = sc
         cols = qc.t().contiguous()
-    return SimpleNamespace(_rowwise_data=q.view(torch.uint8), _rowwise_scale_inv=rs, _columnwise_data=cols.view(torch.uint8),
-                           _columnwise_scale_inv=cs, _is_2D_scaled=dim == 2)
+    return SimpleNamespace(
+        _rowwise_data=q.view(torch.uint8),
+        _rowwise_scale_inv=rs,
+        _columnwise_data=cols.view(torch.uint8),
+        _columnwise_scale_inv=cs,
+        _is_2D_scaled=dim == 2,
+    )
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (130, 250)])
@@ -229,13 +257,27 @@ def test_te_parameter_names_map_through_the_one_table():
     local, te = model_entries(arch, spec="local"), model_entries(arch, spec="te")
     assert [e.hf for e in local] == [e.hf for e in te]
     renamed = {a.megatron: b.megatron for a, b in zip(local, te) if a.megatron != b.megatron}
-    assert renamed == {f"decoder.layers.{i}.{a}": f"decoder.layers.{i}.{b}" for i in range(2) for a, b in (
-        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-        ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))}
+    assert renamed == {
+        f"decoder.layers.{i}.{a}": f"decoder.layers.{i}.{b}"
+        for i in range(2)
+        for a, b in (
+            ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+            ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+        )
+    }
     layer0 = {e.megatron for e in te if e.megatron.startswith("decoder.layers.0.")}
-    assert layer0 == {"decoder.layers.0." + n for n in (
-        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-        "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
+    assert layer0 == {
+        "decoder.layers.0." + n
+        for n in (
+            "self_attention.linear_qkv.layer_norm_weight",
+            "self_attention.linear_qkv.weight",
+            "self_attention.linear_qkv.bias",
+            "self_attention.linear_proj.weight",
+            "mlp.linear_fc1.layer_norm_weight",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc2.weight",
+        )
+    }
 
 
 @pytest.mark.parametrize("scale_mode", ["fp32", "ue8m0"])
@@ -246,14 +288,24 @@ def test_hf_stream_ships_te_bytes_unchanged(scale_mode):
     flow = PrecisionFlow(mode="jetrl", scale_mode=scale_mode)
     entries = model_entries(arch, spec="te")
     g = torch.Generator().manual_seed(4)
-    shapes = {"linear_qkv.weight": (512, 256), "linear_proj.weight": (256, 256), "linear_fc1.weight": (1024, 256),
-              "linear_fc2.weight": (256, 512)}
+    shapes = {
+        "linear_qkv.weight": (512, 256),
+        "linear_proj.weight": (256, 256),
+        "linear_fc1.weight": (1024, 256),
+        "linear_fc2.weight": (256, 512),
+    }
     params = {}
     for e in entries:
         shape = next((s for k, s in shapes.items() if e.megatron.endswith(k)), None)
-        params[e.megatron] = (torch.randn(shape or ((384, 256) if "embedding" in e.megatron else (512,) if "bias" in e.megatron
-                                                    else (256,)), generator=g) * 0.05).bfloat16()
-    te_weights = {n: te_mod.te_weight(_te_like(p, 2, scale_mode)) for n, p in params.items() if p.dim() == 2 and "embedding" not in n}
+        params[e.megatron] = (
+            torch.randn(
+                shape or ((384, 256) if "embedding" in e.megatron else (512,) if "bias" in e.megatron else (256,)), generator=g
+            )
+            * 0.05
+        ).bfloat16()
+    te_weights = {
+        n: te_mod.te_weight(_te_like(p, 2, scale_mode)) for n, p in params.items() if p.dim() == 2 and "embedding" not in n
+    }
     out = dict(hf_tensors(arch, flow, entries, lambda n: [params[n]], lambda n: [te_weights[n]]))
     ours = dict(hf_tensors(arch, flow, entries, lambda n: [params[n]]))
     differs = False
@@ -267,8 +319,9 @@ def test_hf_stream_ships_te_bytes_unchanged(scale_mode):
             assert torch.equal(out[name.removesuffix("weight") + "weight_scale_inv"], want_s[name])
             differs |= not torch.equal(out[name].view(torch.uint8), ours[name].view(torch.uint8))
     assert differs == (scale_mode == "fp32")  # ue8m0: TE's bytes are ours (no tiny blocks here)
-    assert torch.equal(out["model.layers.0.input_layernorm.weight"],
-                       params["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"])
+    assert torch.equal(
+        out["model.layers.0.input_layernorm.weight"], params["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"]
+    )
 
 
 def test_converter_uses_te_numerics_for_te_checkpoints():
@@ -294,8 +347,15 @@ def test_te_compare_table(tmp_path):
     for spec, step in (("local", 2.0), ("te", 3.0)):
         d = tmp_path / spec
         d.mkdir()
-        rows = [{"loss/total": 0.5 + i, "mismatch/mean_abs_diff": 0.1, "mismatch/max_abs_diff": 0.9, **{f"time/{p}": step
-                 for p in ("rollout", "eval", "update", "sync", "step")}} for i in range(3)]
+        rows = [
+            {
+                "loss/total": 0.5 + i,
+                "mismatch/mean_abs_diff": 0.1,
+                "mismatch/max_abs_diff": 0.9,
+                **{f"time/{p}": step for p in ("rollout", "eval", "update", "sync", "step")},
+            }
+            for i in range(3)
+        ]
         (d / "gpu_jetrl.metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
     run = lambda *a: subprocess.run([sys.executable, "tools/bench/te_compare.py", *map(str, a)], capture_output=True, text=True)  # noqa: E731
     out = run(tmp_path / "local", tmp_path / "te")

@@ -27,8 +27,9 @@ def good(tmp_path_factory):
 
 
 def tool(name: str, *args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / name), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def damaged(src: Path, dst: Path, file_glob: str, how: str) -> Path:
@@ -48,8 +49,15 @@ def one_clear_line(r: subprocess.CompletedProcess, code: int, *words: str) -> No
     assert err.startswith("error: ") and all(w in err for w in words), err
 
 
-@pytest.mark.parametrize("file_glob, how", [("*.safetensors", "truncate"), ("*.safetensors", "head"), ("config.json", "garbage"),
-                                            ("model.safetensors.index.json", "truncate")])
+@pytest.mark.parametrize(
+    "file_glob, how",
+    [
+        ("*.safetensors", "truncate"),
+        ("*.safetensors", "head"),
+        ("config.json", "garbage"),
+        ("model.safetensors.index.json", "truncate"),
+    ],
+)
 def test_verify_exits_2_on_an_unreadable_export(good, tmp_path, file_glob, how):
     bad = damaged(good / "export", tmp_path / "export", file_glob, how)
     one_clear_line(tool("verify_fp8_checkpoint.py", bad, cwd=tmp_path), 2, str(bad), "truncated or corrupt")
@@ -75,7 +83,9 @@ def test_plot_and_sweep_report_on_unreadable_runs(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_bytes(b"\x00\xff" * 500 + b'{"step": 0, "reward/mean"')  # corrupt, then torn
     (run / "summary.json").write_text('{"reward": ')
-    one_clear_line(tool("plot_run.py", run, tmp_path / "missing", "-o", tmp_path / "p.png", cwd=tmp_path), 2, "no run has metrics")
+    one_clear_line(
+        tool("plot_run.py", run, tmp_path / "missing", "-o", tmp_path / "p.png", cwd=tmp_path), 2, "no run has metrics"
+    )
     good = tmp_path / "good"
     good.mkdir()
     (good / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")

@@ -34,8 +34,13 @@ def _triton_site() -> Path:
 def test_fused_quantization_kernels_compile_and_leave_the_norm_as_it_was():
     site = _triton_site()
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py")], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("ok  rms_fwd") == 10 and done.stdout.count("ok  quant_1x128") == 8
 
@@ -49,11 +54,20 @@ def test_sass_counts_the_quantizers_instructions_per_element():
     against 52.8 with SwiGLU (Triton 3.6.0)."""
     site = _triton_site()
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py"), "--sass"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu" / "check_triton_kernels.py"), "--sass"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    counts = {(name, int(div)): float(n) for name, div, n in
-              re.findall(r"sass (quant_1x128(?: SWIGLU)?) DIV=(\d): ([0-9.]+) instructions per element", done.stdout)}
+    counts = {
+        (name, int(div)): float(n)
+        for name, div, n in re.findall(
+            r"sass (quant_1x128(?: SWIGLU)?) DIV=(\d): ([0-9.]+) instructions per element", done.stdout
+        )
+    }
     plain, swiglu = counts[("quant_1x128", 1)], counts[("quant_1x128 SWIGLU", 1)]
     assert 10 < plain < 20 and plain < counts[("quant_1x128", 0)] - 5, done.stdout
     assert plain < swiglu < 45 and swiglu < counts[("quant_1x128 SWIGLU", 0)] - 5, done.stdout

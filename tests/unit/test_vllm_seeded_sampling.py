@@ -26,7 +26,10 @@ def vllm_sampler(monkeypatch):
     def sample_with_exponential_noise(probs, q):
         return (probs / q).argmax(dim=-1).view(-1)
 
-    mod.empty_exponential_noise_like, mod.sample_with_exponential_noise = empty_exponential_noise_like, sample_with_exponential_noise
+    mod.empty_exponential_noise_like, mod.sample_with_exponential_noise = (
+        empty_exponential_noise_like,
+        sample_with_exponential_noise,
+    )
     mod.random_sample = "vLLM's own"
     monkeypatch.setitem(sys.modules, patch.MODULE, mod)
     monkeypatch.setattr(patch, "DRAWS", patch._Draws())

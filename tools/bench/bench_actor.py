@@ -66,9 +66,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=151936, num_hidden_layers=1, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    num_hidden_layers=1,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlow changes on top of it)
     "bf16": ("bf16", {}),
@@ -151,8 +162,14 @@ def bench(fn, device, rep_ms: int, grad_to_none=None):
 CATEGORIES = (  # kernel-name substrings -> category (first match wins)
     ("optimizer (Adam, grad norm)", ("adam", "multi_tensor_apply", "normtwo")),
     ("logprobs (Inductor)", ("_exp_", "amax")),  # actor.logprobs' row kernels (RMSNorm's backward says "expand")
-    ("fused glue (Triton, Inductor)", ("triton_poi_", "triton_per_", "triton_red_", "_rms_", "_rope")),  # actor.fused, megatron's SwiGLU
-    ("quantize", ("_quant", "quant_tile", "swiglu_bwd_tile")),  # the Triton quantizers and the CUDA tile kernels (fp8/cuda_tiles.py)
+    (
+        "fused glue (Triton, Inductor)",
+        ("triton_poi_", "triton_per_", "triton_red_", "_rms_", "_rope"),
+    ),  # actor.fused, megatron's SwiGLU
+    (
+        "quantize",
+        ("_quant", "quant_tile", "swiglu_bwd_tile"),
+    ),  # the Triton quantizers and the CUDA tile kernels (fp8/cuda_tiles.py)
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_gemm_tma", "_gemm_ptr")),
     ("attention core", ("flash", "fmha", "attention", "softmax")),
     ("copy/transpose/cat", ("copy", "transpose", "cat", "memcpy", "memset")),
@@ -253,8 +270,11 @@ def layer_main(a):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     arch = ModelArch.from_hf_config(cfg)
-    print(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; layer hidden {arch.hidden_size}, "
-          f"ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; layer hidden {arch.hidden_size}, "
+        f"ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}",
+        flush=True,
+    )
     torch.manual_seed(0)
     ref_state = build_layer(arch, PrecisionFlow("bf16"), dtype).state_dict()
     ref_state = {k: v.detach().clone() for k, v in ref_state.items() if v is not None and isinstance(v, torch.Tensor)}
@@ -309,9 +329,19 @@ def layer_main(a):
             t_fwd = bench(lambda: fwd(), device, a.rep_ms)
             t_all = bench(fwd_bwd, device, a.rep_ms, grad_to_none=params)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-            row = dict(shape=shape, tokens=seq * mb, variant=name, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
-                       bwd_ms=t_all - t_fwd, rel_err_vs_bf16=err, finite=finite, peak_gib=peak, fp8_linears=len(mods),
-                       host_ms=host_issue_ms(fwd_bwd, params))
+            row = dict(
+                shape=shape,
+                tokens=seq * mb,
+                variant=name,
+                fwd_ms=t_fwd,
+                fwd_bwd_ms=t_all,
+                bwd_ms=t_all - t_fwd,
+                rel_err_vs_bf16=err,
+                finite=finite,
+                peak_gib=peak,
+                fp8_linears=len(mods),
+                host_ms=host_issue_ms(fwd_bwd, params),
+            )
             if name in ("bf16", "bf16/eager"):
                 bases[name] = row
             base = bases.get("bf16/eager" if name.endswith("/eager") else "bf16")
@@ -325,23 +355,37 @@ def layer_main(a):
                     row["profile_error"] = f"{type(e).__name__}: {e}"
                     print("profile failed:", row["profile_error"], flush=True)
             rows.append(row)
-            print(f"{shape:8s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  host {row['host_ms']:7.3f} ms  "
-                  f"x{row['speedup_fwd_bwd']:.3f}  err {err:.3g}  finite {finite}  peak {peak:.1f} GiB", flush=True)
+            print(
+                f"{shape:8s} {name:24s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  bwd {t_all - t_fwd:8.3f} ms  host {row['host_ms']:7.3f} ms  "
+                f"x{row['speedup_fwd_bwd']:.3f}  err {err:.3g}  finite {finite}  peak {peak:.1f} GiB",
+                flush=True,
+            )
             del layer, x, mods, params
             if cuda:
                 torch.cuda.empty_cache()
     destroy_parallel()
-    print("\n| tokens (seq x mb) | variant | fwd ms | bwd ms | fwd+bwd ms | host ms per fwd+bwd | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |")
+    print(
+        "\n| tokens (seq x mb) | variant | fwd ms | bwd ms | fwd+bwd ms | host ms per fwd+bwd | vs BF16 fwd / bwd / fwd+bwd | rel. err vs BF16 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['host_ms']:.2f} | "
-              f"{r['speedup_fwd']:.2f}x / {r['speedup_bwd']:.2f}x / {r['speedup_fwd_bwd']:.2f}x | {r['rel_err_vs_bf16']:.3g} |")
+        print(
+            f"| {r['tokens']} ({r['shape']}) | {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['host_ms']:.2f} | "
+            f"{r['speedup_fwd']:.2f}x / {r['speedup_bwd']:.2f}x / {r['speedup_fwd_bwd']:.2f}x | {r['rel_err_vs_bf16']:.3g} |"
+        )
     print_profiles(rows, f"GPU kernel time per fwd+bwd (torch.profiler, ms), {a.shapes[-1]}:")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                       "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rows": rows}, f, indent=1)
-
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 # ---- the whole actor training step ------------------------------------------------------------------------
@@ -388,10 +432,16 @@ class StepRun:
         self.arch = dataclasses.replace(arch, num_layers=layers)
         cuda = device.type == "cuda"
         optim = cfg.optim if cuda else dataclasses.replace(cfg.optim, bf16=False, distributed=False)  # CPU: FP32 params
-        release = cfg.bf16_linears_released() and optim.bf16 and not optim.distributed  # model.bf16_linear_weights, as a run resolves it
-        self.options = ActorOptions(params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
-                                    max_sequence_length=max(self.arch.max_position_embeddings, 1), fused=cfg.model.fused,
-                                    fp8_weight_t=cfg.model.fp8_weight_t, bf16_linear_weights="release" if release else "keep")
+        release = (
+            cfg.bf16_linears_released() and optim.bf16 and not optim.distributed
+        )  # model.bf16_linear_weights, as a run resolves it
+        self.options = ActorOptions(
+            params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
+            max_sequence_length=max(self.arch.max_position_embeddings, 1),
+            fused=cfg.model.fused,
+            fp8_weight_t=cfg.model.fp8_weight_t,
+            bf16_linear_weights="release" if release else "keep",
+        )
         self.optim = optim
         torch.manual_seed(1234)
         model = build_model(self.arch, self.flow, self.options)
@@ -401,7 +451,9 @@ class StepRun:
             missing, unexpected = model.load_state_dict(state, strict=False)
             missing = [m for m in missing if not m.endswith("_extra_state")]
             if missing or unexpected:
-                raise RuntimeError(f"{label}: the BF16 weights do not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+                raise RuntimeError(
+                    f"{label}: the BF16 weights do not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}"
+                )
         self.unwrap = unwrap
         self.model = model
         self.ddp, self.optimizer = wrap_for_training(model, optim)
@@ -424,11 +476,20 @@ class StepRun:
         check_mask(extras["mask"], loss_cfg.agg, rows_per_loss=mb)
 
         def loss_fn(logprobs, ex):  # as rl.train.update_policy builds it
-            return policy_loss(logprobs, ex["old"], ex["adv"], ex["mask"], cfg=loss_cfg, ref_logprobs=ex.get("ref"),
-                               rollout_logprobs=ex["rollout"], checked=True)
+            return policy_loss(
+                logprobs,
+                ex["old"],
+                ex["adv"],
+                ex["mask"],
+                cfg=loss_cfg,
+                ref_logprobs=ex.get("ref"),
+                rollout_logprobs=ex["rollout"],
+                checked=True,
+            )
 
-        return train_step(self.ddp, self.optimizer, tokens, loss_fn, vocab_size=self.arch.vocab_size, micro_batch_size=mb,
-                          extras=extras)
+        return train_step(
+            self.ddp, self.optimizer, tokens, loss_fn, vocab_size=self.arch.vocab_size, micro_batch_size=mb, extras=extras
+        )
 
     def close(self):
         del self.ddp, self.optimizer, self.model
@@ -460,16 +521,21 @@ def offload_round_trip(run, device) -> dict:
         _sync(device)
         times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
     release, restore, requantize = min(times)
-    return {"offload_release_ms": release, "offload_restore_ms": restore, "offload_requantize_ms": requantize,
-            "offload_gib": freed / 2**30, "fp8_dropped_gib": dropped / 2**30,
-            "offload_gbps": 2 * freed / ((release + restore) / 1e3) / 1e9}
+    return {
+        "offload_release_ms": release,
+        "offload_restore_ms": restore,
+        "offload_requantize_ms": requantize,
+        "offload_gib": freed / 2**30,
+        "fp8_dropped_gib": dropped / 2**30,
+        "offload_gbps": 2 * freed / ((release + restore) / 1e3) / 1e9,
+    }
 
 
 def make_batch(vocab, batch, seq, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     mask = torch.zeros(batch, seq - 1)
-    mask[:, seq // 4:] = 1.0
+    mask[:, seq // 4 :] = 1.0
     adv = torch.randn(batch, generator=g)
     return tokens, mask.to(device), adv.to(device)
 
@@ -505,10 +571,18 @@ def probe_layers(a, variants, cfgs, arch, device):
         per_layer = peaks[2] - peaks[1]
         fixed = peaks[1] - per_layer
         n_fit = int((budget - fixed) // per_layer) if per_layer > 0 else 1
-        fits[label] = dict(peak_1_layer_gib=peaks[1] / 2**30, peak_2_layers_gib=peaks[2] / 2**30, per_layer_gib=per_layer / 2**30,
-                           fixed_gib=fixed / 2**30, fits=n_fit)
-        print(f"  memory probe {label:28s} fixed {fixed / 2**30:6.1f} GiB + {per_layer / 2**30:5.2f} GiB/layer -> {n_fit} layers "
-              f"in {budget / 2**30:.0f} GiB", flush=True)
+        fits[label] = dict(
+            peak_1_layer_gib=peaks[1] / 2**30,
+            peak_2_layers_gib=peaks[2] / 2**30,
+            per_layer_gib=per_layer / 2**30,
+            fixed_gib=fixed / 2**30,
+            fits=n_fit,
+        )
+        print(
+            f"  memory probe {label:28s} fixed {fixed / 2**30:6.1f} GiB + {per_layer / 2**30:5.2f} GiB/layer -> {n_fit} layers "
+            f"in {budget / 2**30:.0f} GiB",
+            flush=True,
+        )
     layers = max(1, min(arch.num_layers, min(f["fits"] for f in fits.values())))
     return layers, {"budget_gib": budget / 2**30, "free_gib": free / 2**30, "total_gib": total / 2**30, "variants": fits}
 
@@ -522,8 +596,15 @@ def run_variants(a, variants, cfgs, arch, layers, device):
     rows, state, old = [], None, None
     cuda = device.type == "cuda"
     for label, mode, _ in variants:
-        row = {"variant": label, "mode": mode, "layers": layers, "tokens_per_step": batch * a.seq, "micro_batches": a.micro_batches,
-               "micro_batch": a.micro_batch, "seq": a.seq}
+        row = {
+            "variant": label,
+            "mode": mode,
+            "layers": layers,
+            "tokens_per_step": batch * a.seq,
+            "micro_batches": a.micro_batches,
+            "micro_batch": a.micro_batch,
+            "seq": a.seq,
+        }
         run = None
         try:
             run = StepRun(label, cfgs[label], arch, layers, device, state=state)
@@ -549,7 +630,9 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                 err = float((c - cr).norm() / cr.norm().clamp_min(1e-30))
                 row["lp_rel_err_vs_bf16"] = err
                 if not (math.isfinite(err) and err < 0.5):
-                    raise RuntimeError(f"logprobs differ from BF16 on the same weights: centered relative error {err:.3g} (bound 0.5)")
+                    raise RuntimeError(
+                        f"logprobs differ from BF16 on the same weights: centered relative error {err:.3g} (bound 0.5)"
+                    )
             if not bool(torch.isfinite(lp).all()):
                 raise RuntimeError("non-finite logprobs before training")
             extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old, "first": response_start(mask)}
@@ -573,12 +656,16 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             if a.step_profile:
                 row["profile"] = profile_step(lambda: run.step(tokens, extras, a.micro_batch), [], iters=1)
             times.sort()
-            row.update(step_ms=times[len(times) // 2], step_ms_all=times,
-                       tokens_per_s=batch * a.seq / (times[len(times) // 2] / 1e3),
-                       first_loss=results[0].get("loss"), first_grad_norm=results[0].get("grad_norm"),
-                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-                       # the caching allocator freeing its cache and retrying cudaMalloc (slow) in the timed steps
-                       alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0)
+            row.update(
+                step_ms=times[len(times) // 2],
+                step_ms_all=times,
+                tokens_per_s=batch * a.seq / (times[len(times) // 2] / 1e3),
+                first_loss=results[0].get("loss"),
+                first_grad_norm=results[0].get("grad_norm"),
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                # the caching allocator freeing its cache and retrying cudaMalloc (slow) in the timed steps
+                alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0,
+            )
         except torch.cuda.OutOfMemoryError:
             if run is not None:
                 run.close()
@@ -596,13 +683,24 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             row["speedup_vs_bf16"] = base / row["step_ms"]
             if rows[0].get("first_grad_norm") and row.get("first_grad_norm"):
                 row["grad_norm_rel_diff"] = abs(row["first_grad_norm"] / rows[0]["first_grad_norm"] - 1)
-        print(f"  {label:28s} layers {layers:2d}  " + (
-            f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
-            f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
-            f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}" if "step_ms" in row else f"FAILED: {row.get('error')}")
-            + (f"  offload {row['offload_gib']:.2f} GiB + FP8 {row['fp8_dropped_gib']:.2f} GiB: release "
-               f"{row['offload_release_ms']:.1f} ms, back {row['offload_restore_ms']:.1f} ms, FP8 again "
-               f"{row['offload_requantize_ms']:.1f} ms" if "offload_gib" in row else ""), flush=True)
+        print(
+            f"  {label:28s} layers {layers:2d}  "
+            + (
+                f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
+                f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
+                f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}"
+                if "step_ms" in row
+                else f"FAILED: {row.get('error')}"
+            )
+            + (
+                f"  offload {row['offload_gib']:.2f} GiB + FP8 {row['fp8_dropped_gib']:.2f} GiB: release "
+                f"{row['offload_release_ms']:.1f} ms, back {row['offload_restore_ms']:.1f} ms, FP8 again "
+                f"{row['offload_requantize_ms']:.1f} ms"
+                if "offload_gib" in row
+                else ""
+            ),
+            flush=True,
+        )
     del state
     _gc()
     return rows
@@ -629,15 +727,24 @@ def step_main(a):
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     init_parallel(tp=1, pp=1)
-    print(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; actor step: hidden "
-          f"{arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}, vocab "
-          f"{arch.vocab_size}; {a.micro_batches} micro-batches of {a.micro_batch}x{a.seq} tokens per step", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; actor step: hidden "
+        f"{arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}, vocab "
+        f"{arch.vocab_size}; {a.micro_batches} micro-batches of {a.micro_batch}x{a.seq} tokens per step",
+        flush=True,
+    )
     for label, _, _ in variants:
         c = cfgs[label]
         print(f"  {label}: precision {c.precision.to_dict()}  optim {c.optim}", flush=True)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "bench": "step", "preset": a.preset,
-           "args": {k: v for k, v in vars(a).items()}, "rows": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "bench": "step",
+        "preset": a.preset,
+        "args": {k: v for k, v in vars(a).items()},
+        "rows": [],
+    }
     counts = []
     for item in a.layers:
         if item == "auto":
@@ -686,15 +793,21 @@ def _write_json(path, obj):
 
 def report_steps(out, arch):
     rows = out["rows"]
-    print("\n| layers | variant | backend | core attention | step ms (median) | tokens/s | vs BF16 | logprob rel. err vs BF16 | first loss | grad norm | peak GiB |")
+    print(
+        "\n| layers | variant | backend | core attention | step ms (median) | tokens/s | vs BF16 | logprob rel. err vs BF16 | first loss | grad norm | peak GiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
-            print(f"| {r['layers']} | {r['variant']} | - | {r.get('core_attention', '-')} | n/a: {r.get('error', '')[:80]} | | | | | | |")
+            print(
+                f"| {r['layers']} | {r['variant']} | - | {r.get('core_attention', '-')} | n/a: {r.get('error', '')[:80]} | | | | | | |"
+            )
             continue
-        print(f"| {r['layers']} | {r['variant']} | {r.get('backend_resolved') or '-'} | {r.get('core_attention', '-')} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-              f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
-              f"{r['first_grad_norm'] if r['first_grad_norm'] is None else round(r['first_grad_norm'], 4)} | {r['peak_gib']:.1f} |")
+        print(
+            f"| {r['layers']} | {r['variant']} | {r.get('backend_resolved') or '-'} | {r.get('core_attention', '-')} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
+            f"{r['first_grad_norm'] if r['first_grad_norm'] is None else round(r['first_grad_norm'], 4)} | {r['peak_gib']:.1f} |"
+        )
     by_variant: dict[str, dict[int, float]] = {}
     for r in rows:
         if "step_ms" in r:
@@ -716,20 +829,26 @@ def report_steps(out, arch):
             print(f"  {v:28s} {t:9.1f} ms  x{fit['bf16'] / t:.3f}  (per layer {out['extrapolated'][v]['per_layer_ms']:.1f} ms)")
     offloaded = [r for r in rows if "offload_gib" in r]
     if offloaded:
-        print("\n| layers | variant | offloaded GiB | FP8 dropped GiB | release ms | copy back ms | FP8 again ms | "
-              "GB/s both ways | vs step ms |")
+        print(
+            "\n| layers | variant | offloaded GiB | FP8 dropped GiB | release ms | copy back ms | FP8 again ms | "
+            "GB/s both ways | vs step ms |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in offloaded:
             cost = r["offload_release_ms"] + r["offload_restore_ms"] + r["offload_requantize_ms"]
-            print(f"| {r['layers']} | {r['variant']} | {r['offload_gib']:.2f} | {r['fp8_dropped_gib']:.2f} | "
-                  f"{r['offload_release_ms']:.1f} | {r['offload_restore_ms']:.1f} | {r['offload_requantize_ms']:.1f} | "
-                  f"{r['offload_gbps']:.1f} | {cost / r['step_ms']:.1%} |")
+            print(
+                f"| {r['layers']} | {r['variant']} | {r['offload_gib']:.2f} | {r['fp8_dropped_gib']:.2f} | "
+                f"{r['offload_release_ms']:.1f} | {r['offload_restore_ms']:.1f} | {r['offload_requantize_ms']:.1f} | "
+                f"{r['offload_gbps']:.1f} | {cost / r['step_ms']:.1%} |"
+            )
     print_profiles(rows, "GPU kernel time of one step (torch.profiler, ms; GEMM includes the BF16 lm_head):")
     for r in rows:
         if r["mode"] == "jetrl" and r["variant"] == "jetrl" and "speedup_vs_bf16" in r:
             ok = r["speedup_vs_bf16"] >= STEP_TARGET
-            print(f"target: whole actor step jetrl (shipped preset) >= {STEP_TARGET}x BF16 at {r['layers']} layers: "
-                  f"{r['speedup_vs_bf16']:.2f}x -> {'MET' if ok else 'NOT MET'}")
+            print(
+                f"target: whole actor step jetrl (shipped preset) >= {STEP_TARGET}x BF16 at {r['layers']} layers: "
+                f"{r['speedup_vs_bf16']:.2f}x -> {'MET' if ok else 'NOT MET'}"
+            )
 
 
 def profile_variants(profile, variants) -> list[str]:
@@ -746,27 +865,42 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="smoke run: hidden 256, a few tokens (CPU: emulated FP8)")
     p.add_argument("--json", default=None)
     g = p.add_argument_group("whole step")
-    g.add_argument("--modes", nargs="+", default=["bf16", "jetrl"],
-                   help="MODE[+section.key=value...]: a configs/modes preset plus overrides; bf16 is the baseline")
+    g.add_argument(
+        "--modes",
+        nargs="+",
+        default=["bf16", "jetrl"],
+        help="MODE[+section.key=value...]: a configs/modes preset plus overrides; bf16 is the baseline",
+    )
     g.add_argument("--preset", default=DEFAULT_PRESET, help="model preset the modes compose onto (default Qwen3-8B-Base)")
     g.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
     g.add_argument("--layers", nargs="+", default=["auto"], help="layer counts, or auto (fit --mem-gib)")
-    g.add_argument("--mem-gib", type=float, default=None,
-                   help="memory budget of --layers auto (default: all free memory; a smaller one compares H100 and H200)")
+    g.add_argument(
+        "--mem-gib",
+        type=float,
+        default=None,
+        help="memory budget of --layers auto (default: all free memory; a smaller one compares H100 and H200)",
+    )
     g.add_argument("--seq", type=int, default=4096)
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (M = micro-batch x seq tokens per GEMM)")
     g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
     g.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    g.add_argument("--step-profile", action="store_true",
-                   help="after timing, profile one more step of every variant: GPU kernel time by category")
+    g.add_argument(
+        "--step-profile",
+        action="store_true",
+        help="after timing, profile one more step of every variant: GPU kernel time by category",
+    )
     g = p.add_argument_group("one layer (--layer)")
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
     g.add_argument("--variants", nargs="*", default=["bf16", "jetrl", "jetrl/cublaslt", "jetrl/cublaslt+requant"])
     g.add_argument("--rep-ms", type=int, default=200)
-    g.add_argument("--profile", nargs="*", default=None,
-                   help="variants to profile (kernel time by category) on the last shape; a bare --profile: every "
-                        "variant (default: bf16 and jetrl, where --variants runs them)")
+    g.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        help="variants to profile (kernel time by category) on the last shape; a bare --profile: every "
+        "variant (default: bf16 and jetrl, where --variants runs them)",
+    )
     a = p.parse_args(argv)
     a.profile = profile_variants(a.profile, a.variants)
     if a.layer and (unknown := [v for v in a.profile if v not in a.variants]):
@@ -782,8 +916,11 @@ def main(argv=None):
     if not a.layer:
         parse_modes(a.modes)  # unknown modes and malformed overrides: exit 2 before anything is built
     if not torch.cuda.is_available() and not a.tiny:
-        print("error: tools/bench/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
-              "(bash tools/gpu/gpu_fp8.sh bench), or --tiny for a CPU smoke run", file=sys.stderr)
+        print(
+            "error: tools/bench/bench_actor.py needs a CUDA GPU and none is visible here; run it on the GPU machine "
+            "(bash tools/gpu/gpu_fp8.sh bench), or --tiny for a CPU smoke run",
+            file=sys.stderr,
+        )
         return 2
     if a.layer:
         layer_main(a)

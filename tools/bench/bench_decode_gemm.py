@@ -60,11 +60,15 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    bf16 = [[(0.02 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16) for _, n, k in SHAPES] for _ in range(args.layers)]
+    bf16 = [
+        [(0.02 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16) for _, n, k in SHAPES] for _ in range(args.layers)
+    ]
     fp8 = [[quantize_blockwise(w, (128, 128), check_finite=False) for w in layer] for layer in bf16]
     gb16 = sum(w.numel() * 2 for layer in bf16 for w in layer) / 1e9
     gb8 = sum(q.numel() + s.numel() * 4 for layer in fp8 for q, s in layer) / 1e9
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.layers} layers: BF16 weights {gb16:.2f} GB, FP8 {gb8:.2f} GB")
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.layers} layers: BF16 weights {gb16:.2f} GB, FP8 {gb8:.2f} GB"
+    )
     rows = []
     for m in args.rows:
         xs = {k: torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for k in (H, I)}
@@ -77,12 +81,24 @@ def main():
 
         variants = {
             "bf16 F.linear": (lambda: [F.linear(xs[k], w) for layer in bf16 for w, (_, _, k) in zip(layer, SHAPES)], gb16, None),
-            "fp8 cublaslt": (lambda: [blockwise_gemm(*xq[k], q, s, backend="cublaslt") for layer in fp8 for (q, s), (_, _, k) in zip(layer, SHAPES)], gb8,
-                             rel(blockwise_gemm(*xq[H], q0, s0, backend="cublaslt", out_dtype=torch.float32))),
-            "fp8 triton (128x128 tiles)": (lambda: [kernels.gemm(*xq[k], q, s) for layer in fp8 for (q, s), (_, _, k) in zip(layer, SHAPES)], gb8,
-                                           rel(kernels.gemm(*xq[H], q0, s0, out_dtype=torch.float32))),
+            "fp8 cublaslt": (
+                lambda: [
+                    blockwise_gemm(*xq[k], q, s, backend="cublaslt") for layer in fp8 for (q, s), (_, _, k) in zip(layer, SHAPES)
+                ],
+                gb8,
+                rel(blockwise_gemm(*xq[H], q0, s0, backend="cublaslt", out_dtype=torch.float32)),
+            ),
+            "fp8 triton (128x128 tiles)": (
+                lambda: [kernels.gemm(*xq[k], q, s) for layer in fp8 for (q, s), (_, _, k) in zip(layer, SHAPES)],
+                gb8,
+                rel(kernels.gemm(*xq[H], q0, s0, out_dtype=torch.float32)),
+            ),
         }
-        variants["quantize (4 per layer)"] = (lambda: [kernels.quantize_1x128(xs[k], check_finite=False) for _ in range(args.layers) for k in (H, H, H, I)], 0, None)
+        variants["quantize (4 per layer)"] = (
+            lambda: [kernels.quantize_1x128(xs[k], check_finite=False) for _ in range(args.layers) for k in (H, H, H, I)],
+            0,
+            None,
+        )
         for name, (fn, gb, err) in variants.items():
             try:
                 ms = graph_ms(fn)
@@ -90,7 +106,12 @@ def main():
                 print(f"M={m:4d} {name:40s} FAILED {type(e).__name__}: {str(e)[:160]}")
                 continue
             rows.append((m, name, ms, gb / ms if gb else None, err))
-            print(f"M={m:4d} {name:40s} {ms:8.3f} ms" + (f"  {gb / ms:6.2f} TB/s" if gb else "") + (f"  rel err {err:.1e}" if err is not None else ""), flush=True)
+            print(
+                f"M={m:4d} {name:40s} {ms:8.3f} ms"
+                + (f"  {gb / ms:6.2f} TB/s" if gb else "")
+                + (f"  rel err {err:.1e}" if err is not None else ""),
+                flush=True,
+            )
     return rows
 
 

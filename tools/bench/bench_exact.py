@@ -80,7 +80,7 @@ def bench_lm_head(rows):
         differ = []
         for m in (1, 3, 64, 128, 129, 256, 1000, 4096):
             for off, ref in ((0, full), (517, full517)):
-                part = fn(x[off:off + m], w)
+                part = fn(x[off : off + m], w)
                 if not torch.equal(part, ref[:m]):
                     differ.append(f"{m}@{off}")
         row = {"variant": name, "batch_invariant": not differ, "differ_at": differ[:6]}
@@ -102,9 +102,19 @@ def _recompute_backward_attention():
         def forward(ctx, q, k, v, scale):
             b, s, h, d = q.shape
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-            out = flash_attn_varlen_func(q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
-                                         max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu,
-                                         softmax_scale=scale, causal=True, fa_version=3, num_splits=1)
+            out = flash_attn_varlen_func(
+                q.reshape(b * s, h, d),
+                k.reshape(b * s, -1, d),
+                v.reshape(b * s, -1, d),
+                max_seqlen_q=s,
+                cu_seqlens_q=cu,
+                max_seqlen_k=s,
+                cu_seqlens_k=cu,
+                softmax_scale=scale,
+                causal=True,
+                fa_version=3,
+                num_splits=1,
+            )
             ctx.save_for_backward(q, k, v)
             ctx.scale = scale
             return out.view(b, s, h, d)
@@ -125,19 +135,22 @@ def attention_variants():
     from megatron_jetrl.actor.rollout_kernels import fa3_causal_attention
 
     def sdpa(q, k, v, scale):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                              scale=scale, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(1, 2)
 
     return {"sdpa": sdpa, "fa3+recompute": _recompute_backward_attention(), "fa3+lse (shipped)": fa3_causal_attention}
 
 
 def bench_attention(b, s):
-    scale = D ** -0.5
+    scale = D**-0.5
     table = []
     for name, fn in attention_variants().items():
         g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v = (torch.randn(2, 256, h, D, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
-                   for h in (HEADS, GROUPS, GROUPS))
+        q, k, v = (
+            torch.randn(2, 256, h, D, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for h in (HEADS, GROUPS, GROUPS)
+        )
         out = fn(q, k, v, scale)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), grad)
@@ -147,9 +160,12 @@ def bench_attention(b, s):
         errs = [float((a.double() - r.transpose(1, 2)).abs().max() / r.abs().max()) for a, r in zip(got, ref)]
         q, k, v = (torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (HEADS, GROUPS, GROUPS))
         grad = torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16)
-        row = {"variant": name, "fwd_ms": round(ms(lambda: fn(q.detach(), k.detach(), v.detach(), scale)), 3),
-               "fwd_bwd_ms": round(ms(lambda: torch.autograd.grad(fn(q, k, v, scale), (q, k, v), grad)), 3),
-               "grad_rel_err_dq_dk_dv": [f"{e:.2e}" for e in errs]}
+        row = {
+            "variant": name,
+            "fwd_ms": round(ms(lambda: fn(q.detach(), k.detach(), v.detach(), scale)), 3),
+            "fwd_bwd_ms": round(ms(lambda: torch.autograd.grad(fn(q, k, v, scale), (q, k, v), grad)), 3),
+            "grad_rel_err_dq_dk_dv": [f"{e:.2e}" for e in errs],
+        }
         table.append(row)
         print(row, flush=True)
     return table
@@ -168,14 +184,25 @@ def bench_logprobs(m):
         return torch.log_softmax(x.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
     table = [
-        {"op": "logprob: torch log_softmax fp32 + gather", "fwd_ms": ms(lambda: torch_lp(logits.detach())),
-         "fwd_bwd_ms": ms(lambda: torch.autograd.grad(torch_lp(logits).sum(), logits))},
-        {"op": "logprob: vLLM compute_token_logprobs (exact)", "fwd_ms": ms(lambda: compute_token_logprobs(logits.detach(), targets[:, None])),
-         "fwd_bwd_ms": ms(lambda: torch.autograd.grad(_ExactLogprobs.apply(logits, targets, V).sum(), logits))},
+        {
+            "op": "logprob: torch log_softmax fp32 + gather",
+            "fwd_ms": ms(lambda: torch_lp(logits.detach())),
+            "fwd_bwd_ms": ms(lambda: torch.autograd.grad(torch_lp(logits).sum(), logits)),
+        },
+        {
+            "op": "logprob: vLLM compute_token_logprobs (exact)",
+            "fwd_ms": ms(lambda: compute_token_logprobs(logits.detach(), targets[:, None])),
+            "fwd_bwd_ms": ms(lambda: torch.autograd.grad(_ExactLogprobs.apply(logits, targets, V).sum(), logits)),
+        },
     ]
     probs = torch.randn(256, V, device="cuda", dtype=torch.float32)
-    table += [{"op": "sampler softmax [256, V] fp32: torch", "fwd_ms": ms(lambda: torch.softmax(probs, -1))},
-              {"op": "sampler softmax [256, V] fp32: vLLM batch-invariant", "fwd_ms": ms(lambda: bi.softmax_batch_invariant(probs, -1))}]
+    table += [
+        {"op": "sampler softmax [256, V] fp32: torch", "fwd_ms": ms(lambda: torch.softmax(probs, -1))},
+        {
+            "op": "sampler softmax [256, V] fp32: vLLM batch-invariant",
+            "fwd_ms": ms(lambda: bi.softmax_batch_invariant(probs, -1)),
+        },
+    ]
     for row in table:
         for key in ("fwd_ms", "fwd_bwd_ms"):
             if key in row:
@@ -197,8 +224,12 @@ def main():
     ap.add_argument("--attn", type=int, nargs=2, default=[16, 640], metavar=("B", "S"), help="attention micro-batch")
     ap.add_argument("--json", help="write the three tables here")
     args = ap.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "lm_head": bench_lm_head(args.rows),
-              "attention": bench_attention(*args.attn), "logprobs": bench_logprobs(8192)}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "lm_head": bench_lm_head(args.rows),
+        "attention": bench_attention(*args.attn),
+        "logprobs": bench_logprobs(8192),
+    }
     for name in ("lm_head", "attention", "logprobs"):
         print(f"\n### {name} ({result['device']})\n\n{markdown(result[name])}")
     if args.json:

@@ -100,7 +100,10 @@ def ceilings(res):
     copy_gbs = 2 * n * 2 / t / 1e6
     del src, dst
     m = n_ = k = 8192
-    sets = [(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), torch.randn(n_, k, device=DEV, dtype=torch.bfloat16)) for _ in range(2)]
+    sets = [
+        (torch.randn(m, k, device=DEV, dtype=torch.bfloat16), torch.randn(n_, k, device=DEV, dtype=torch.bfloat16))
+        for _ in range(2)
+    ]
     t = bench(rotating(lambda a, b: torch.mm(a, b.t()), sets))
     bf16 = 2 * m * n_ * k / t / 1e9
     res["ceilings"] = {"copy_GBps": copy_gbs, "bf16_gemm_8192_TFLOPs": bf16}
@@ -128,20 +131,44 @@ def quant_section(res, copy_gbs, sweep):
             return
         gbs = nbytes / ms / 1e6
         rows.append({"kernel": name, "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "note": extra})
-        print(f"  {name:44s} {ms*1e3:8.1f} us {gbs:7.0f} GB/s {100*gbs/copy_gbs:5.1f}% of copy {extra}", flush=True)
+        print(f"  {name:44s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}% of copy {extra}", flush=True)
 
     print(f"quantization kernels on [{t_}, {n_}] (bytes = read + written):", flush=True)
     add("1x128 (bf16 in)", lambda: K.quantize_1x128(x, check_finite=False), elems * 3 + t_ * nb * 4)
     add("1x128 fused SwiGLU ([T, 2I] bf16 in)", lambda: K.swiglu_quantize_1x128(gu, check_finite=False), elems * 5 + t_ * nb * 4)
     add("dual 1x128 + 128x1^T (bf16 in)", lambda: K.quantize_dual(x, check_finite=False), elems * 4 + (t_ * nb + n_ * tb) * 4)
     add("128x1^T only (bf16 in)", lambda: K.quantize_dual(x, check_finite=False, rows=False), elems * 3 + n_ * tb * 4)
-    add("128x1^T from E4M3 + 1x128 scales", lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs), elems * 2 + (t_ * nb + n_ * tb) * 4)
+    add(
+        "128x1^T from E4M3 + 1x128 scales",
+        lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs),
+        elems * 2 + (t_ * nb + n_ * tb) * 4,
+    )
     # the shipped dual mode ("cuda": fp8/cuda_tiles.py) against the Triton kernels it replaced
-    add("  dual as Triton 1x128 + CUDA 128x1^T", lambda: K.quantize_dual(x, check_finite=False, mode="cuda-split"), elems * 4 + (t_ * nb + n_ * tb) * 4)
-    add("  dual as one CUDA kernel", lambda: K.quantize_dual(x, check_finite=False, mode="cuda"), elems * 4 + (t_ * nb + n_ * tb) * 4)
-    add("  Triton: dual as 1x128 + 128x1^T kernels", lambda: K.quantize_dual(x, check_finite=False, mode="split"), elems * 4 + (t_ * nb + n_ * tb) * 4)
-    add("  Triton: 128x1^T only (bf16 in)", lambda: K.quantize_dual(x, check_finite=False, rows=False, mode="split"), elems * 3 + n_ * tb * 4)
-    add("  Triton: 128x1^T from E4M3 + 1x128 scales", lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs, mode="split"), elems * 2 + (t_ * nb + n_ * tb) * 4)
+    add(
+        "  dual as Triton 1x128 + CUDA 128x1^T",
+        lambda: K.quantize_dual(x, check_finite=False, mode="cuda-split"),
+        elems * 4 + (t_ * nb + n_ * tb) * 4,
+    )
+    add(
+        "  dual as one CUDA kernel",
+        lambda: K.quantize_dual(x, check_finite=False, mode="cuda"),
+        elems * 4 + (t_ * nb + n_ * tb) * 4,
+    )
+    add(
+        "  Triton: dual as 1x128 + 128x1^T kernels",
+        lambda: K.quantize_dual(x, check_finite=False, mode="split"),
+        elems * 4 + (t_ * nb + n_ * tb) * 4,
+    )
+    add(
+        "  Triton: 128x1^T only (bf16 in)",
+        lambda: K.quantize_dual(x, check_finite=False, rows=False, mode="split"),
+        elems * 3 + n_ * tb * 4,
+    )
+    add(
+        "  Triton: 128x1^T from E4M3 + 1x128 scales",
+        lambda: K.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs, mode="split"),
+        elems * 2 + (t_ * nb + n_ * tb) * 4,
+    )
     # the MLP backward's d[gate | up] (gate_up = gu, d_out = x, I = n_): fused (never stored) against the two kernels;
     # bytes = the fused kernel's (read gate_up and d_out, write rows and columns of [T, 2I])
     sw_bytes = elems * 10 + (t_ * 2 * nb + 2 * n_ * tb) * 4
@@ -153,8 +180,16 @@ def quant_section(res, copy_gbs, sweep):
     # the shipped 1x128 / 128x128 mode ("cuda": fp8/cuda_tiles.py) against the Triton kernels
     add("  Triton: 1x128 (bf16 in)", lambda: K.quantize_1x128(x, check_finite=False, mode="triton"), elems * 3 + t_ * nb * 4)
     add("  Triton: 128x128 (bf16 in)", lambda: K.quantize_128x128(w, check_finite=False, mode="triton"), elems * 3)
-    add("  Triton: 128x128 + transposed copy", lambda: K.quantize_128x128(w, check_finite=False, transposed=True, mode="triton"), elems * 4)
-    add("reference torch quantizer 1x128 (eager)", lambda: quantize_blockwise(x, (1, 128), check_finite=False), elems * 3 + t_ * nb * 4)
+    add(
+        "  Triton: 128x128 + transposed copy",
+        lambda: K.quantize_128x128(w, check_finite=False, transposed=True, mode="triton"),
+        elems * 4,
+    )
+    add(
+        "reference torch quantizer 1x128 (eager)",
+        lambda: quantize_blockwise(x, (1, 128), check_finite=False),
+        elems * 3 + t_ * nb * 4,
+    )
     add("check_finite=True 1x128 (one host sync)", lambda: K.quantize_1x128(x, check_finite=True), elems * 3 + t_ * nb * 4)
     if sweep:
         print("  sweep 1x128 (BLOCK_M, groups/program, warps):", flush=True)
@@ -168,7 +203,15 @@ def quant_section(res, copy_gbs, sweep):
                     ms = bench(lambda: K.quantize_1x128(x, check_finite=False, block_m=bm, num_warps=wp, groups=gr))
                     gbs = (elems * 3 + t_ * nb * 4) / ms / 1e6
                     print(f"    1x128 bm={bm:3d} g={gr} warps={wp} {gbs:6.0f} GB/s ok={ok}", flush=True)
-                    rows.append({"kernel": f"sweep 1x128 bm={bm} g={gr} w={wp}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "ok": ok})
+                    rows.append(
+                        {
+                            "kernel": f"sweep 1x128 bm={bm} g={gr} w={wp}",
+                            "ms": ms,
+                            "GBps": gbs,
+                            "pct_copy": 100 * gbs / copy_gbs,
+                            "ok": ok,
+                        }
+                    )
         _, _, qt0, st0 = K.quantize_dual(x, check_finite=False, rows=False, cols_cfg=dict(block_n=128, trans=True))
         for bn in (16, 32, 64, 128):
             for wp in (2, 4, 8):
@@ -179,7 +222,15 @@ def quant_section(res, copy_gbs, sweep):
                     ms = bench(lambda: K.quantize_dual(x, check_finite=False, rows=False, cols_cfg=cfg))
                     gbs = (elems * 3 + n_ * tb * 4) / ms / 1e6
                     print(f"    cols bn={bn:3d} warps={wp} trans={tr} {gbs:6.0f} GB/s ok={ok}", flush=True)
-                    rows.append({"kernel": f"sweep cols bn={bn} w={wp} trans={tr}", "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "ok": ok})
+                    rows.append(
+                        {
+                            "kernel": f"sweep cols bn={bn} w={wp} trans={tr}",
+                            "ms": ms,
+                            "GBps": gbs,
+                            "pct_copy": 100 * gbs / copy_gbs,
+                            "ok": ok,
+                        }
+                    )
         for wp in (4, 8):
             ms = bench(lambda: K.quantize_dual(x, check_finite=False, num_warps=wp, mode="fused"))
             gbs = (elems * 4 + (t_ * nb + n_ * tb) * 4) / ms / 1e6
@@ -209,18 +260,29 @@ def check_rows(out, a_q, a_s, b_q, b_s, b_block, rows=256):
 
 
 SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, GROUP_M, warps, stages, tma[, lookahead[, warp_specialize]])
-    (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True), (128, 64, 8, 4, 5, True), (128, 64, 8, 4, 4, True),
-    (128, 64, 8, 4, 6, True), (128, 64, 16, 4, 5, True), (64, 128, 8, 4, 5, True), (64, 64, 8, 4, 6, True),
-    (256, 64, 8, 8, 4, True), (128, 64, 8, 4, 5, False), (128, 128, 8, 8, 4, False),
-    (128, 64, 8, 4, 4, True, True), (128, 128, 8, 8, 3, True, True), (256, 64, 8, 8, 3, True, True),
-    (128, 64, 8, 4, 4, True, False, True), (128, 128, 8, 8, 3, True, False, True),
+    (128, 128, 8, 8, 3, True),
+    (128, 128, 8, 8, 4, True),
+    (128, 64, 8, 4, 5, True),
+    (128, 64, 8, 4, 4, True),
+    (128, 64, 8, 4, 6, True),
+    (128, 64, 16, 4, 5, True),
+    (64, 128, 8, 4, 5, True),
+    (64, 64, 8, 4, 6, True),
+    (256, 64, 8, 8, 4, True),
+    (128, 64, 8, 4, 5, False),
+    (128, 128, 8, 8, 4, False),
+    (128, 64, 8, 4, 4, True, True),
+    (128, 128, 8, 8, 3, True, True),
+    (256, 64, 8, 8, 3, True, True),
+    (128, 64, 8, 4, 4, True, False, True),
+    (128, 128, 8, 8, 3, True, False, True),
 ]
 
 
 def gemm_sweep(res):
     print("triton GEMM tile sweep (BLOCK_M, BLOCK_N, GROUP_M, warps, stages, tma):", flush=True)
     out = []
-    for (m, n, k, b_block, label) in [
+    for m, n, k, b_block, label in [
         (8192, 24576, 4096, (128, 128), "8B gate_up M=8192"),
         (8192, 4096, 4096, (128, 128), "8B o M=8192"),
         (4096, 4096, 8192, (1, 128), "8B wgrad o (N=4096,K=4096,T=8192)"),
@@ -282,7 +344,9 @@ def gemm_section(res, backends, models=tuple(MODELS), ms_list=MS):
             t_bf = bench(rotating(lambda a, b, *_: torch.mm(a, b.t()), sets))
             row = {"model": "Qwen3-8B", "linear": f"{name} {kind}", "M": gm, "N": gn, "K": gk, "bf16_TFLOPs": flops / t_bf / 1e9}
             for be in backends:
-                t = bench(rotating(lambda a, b, a_q, a_s, b_q, b_s: blockwise_gemm(a_q, a_s, b_q, b_s, b_block=bb, backend=be), sets))
+                t = bench(
+                    rotating(lambda a, b, a_q, a_s, b_q, b_s: blockwise_gemm(a_q, a_s, b_q, b_s, b_block=bb, backend=be), sets)
+                )
                 row[f"{be}_TFLOPs"] = flops / t / 1e9
                 row[f"{be}_ratio"] = t_bf / t
             rows.append(row)
@@ -304,8 +368,6 @@ LINEAR_TARGETS = {"sum": 1.5, "each": 1.3, "layer": 1.35}
 def shipped_flow() -> PrecisionFlow:
     """What users run: `PrecisionFlow(mode="jetrl")` with every other field at its default."""
     return PrecisionFlow(mode="jetrl")
-
-
 
 
 def describe_flow(flow: PrecisionFlow) -> str:
@@ -358,7 +420,11 @@ def te_autocast(te, recipe):
     def ctx():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            cm = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            cm = (
+                te.autocast(enabled=True, recipe=recipe)
+                if hasattr(te, "autocast")
+                else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            )
             with cm:
                 yield
 
@@ -392,7 +458,11 @@ def check_linear(mod, x, dy, ref, ctx, bound):
     if delta is not None and grad is not None:
         where = "main_grad AND weight.grad (counted twice under DDP)"
     dw = delta if delta is not None else grad
-    errs = {"y": rel_err(y, ref["y"]), "dx": rel_err(x1.grad, ref["dx"]), "dw": rel_err(dw, ref["dw"]) if dw is not None else float("inf")}
+    errs = {
+        "y": rel_err(y, ref["y"]),
+        "dx": rel_err(x1.grad, ref["dx"]),
+        "dw": rel_err(dw, ref["dw"]) if dw is not None else float("inf"),
+    }
     w.grad = None
     bad = {k: v for k, v in errs.items() if not v <= bound}
     if bad:
@@ -464,9 +534,15 @@ def linear_section(res, m=8192, te_fused=True):
         "BF16 = torch.nn.Linear, plain autograd (dW into weight.grad, BF16)",
         f"ours = FP8Linear + PrecisionFlow(mode='jetrl') shipped defaults ({describe_flow(flows['ours'])}), weight.main_grad attached (FP32, as megatron DDP)",
         f"ours_cublaslt = the same with backend='cublaslt' ({describe_flow(flows['ours_cublaslt'])}), weight.main_grad attached",
-        "TE = te.Linear(params_dtype=bf16) under Float8BlockScaling()" + (f", NVTE_FP8_BLOCK_SCALING_FP32_SCALES={os.environ.get('NVTE_FP8_BLOCK_SCALING_FP32_SCALES')}" if te else f": {te_recipe}"),
+        "TE = te.Linear(params_dtype=bf16) under Float8BlockScaling()"
+        + (
+            f", NVTE_FP8_BLOCK_SCALING_FP32_SCALES={os.environ.get('NVTE_FP8_BLOCK_SCALING_FP32_SCALES')}"
+            if te
+            else f": {te_recipe}"
+        ),
         "TE_fused = te.Linear(fuse_wgrad_accumulation=True) with weight.main_grad (megatron's gradient_accumulation_fusion)",
-        "ceiling = DeepGEMM GEMMs only: FProp 1D2D + DGrad 1D2D + WGrad 1D1D FP32-accumulate on pre-quantized operands" + ("" if dg else ": DeepGEMM not installed"),
+        "ceiling = DeepGEMM GEMMs only: FProp 1D2D + DGrad 1D2D + WGrad 1D1D FP32-accumulate on pre-quantized operands"
+        + ("" if dg else ": DeepGEMM not installed"),
     ]
     print(f"linear forward+backward, Qwen3-8B shapes, M={m} (ms; ratio = BF16 ms / variant ms):", flush=True)
     for n_ in notes:
@@ -546,8 +622,11 @@ def linear_section(res, m=8192, te_fused=True):
             if row.get(f"{c_}_ms") and row.get("bf16_ms"):
                 row[f"{c_}_ratio"] = row["bf16_ms"] / row[f"{c_}_ms"]
         rows.append(row)
-        print(f"  {name:8s} N={n:5d} K={k:5d}  bf16 {_fmt_ms(row.get('bf16_ms'))}  "
-              + "  ".join(f"{c_} {_cell(row, c_)}" for c_ in cols), flush=True)
+        print(
+            f"  {name:8s} N={n:5d} K={k:5d}  bf16 {_fmt_ms(row.get('bf16_ms'))}  "
+            + "  ".join(f"{c_} {_cell(row, c_)}" for c_ in cols),
+            flush=True,
+        )
         del lin, xs, dys, sets, ref
         torch.cuda.empty_cache()
     total = {"linear": "all four", "M": m}
@@ -579,9 +658,18 @@ def _cell(row, col):
 
 
 def print_linear_table(rows, cols, notes):
-    heads = {"ours": "ours, shipped defaults", "ours_cublaslt": "ours, backend=cublaslt", "te": "TE 2.20.2 te.Linear Float8BlockScaling",
-             "te_fused": "TE, fuse_wgrad_accumulation", "ceiling": "DeepGEMM GEMMs only (ceiling)"}
-    print(f"\n| Qwen3-8B linear, M={rows[0]['M']}, fwd+bwd | BF16 nn.Linear ms | " + " | ".join(f"{heads[c]} ms (ratio)" for c in cols) + " |")
+    heads = {
+        "ours": "ours, shipped defaults",
+        "ours_cublaslt": "ours, backend=cublaslt",
+        "te": "TE 2.20.2 te.Linear Float8BlockScaling",
+        "te_fused": "TE, fuse_wgrad_accumulation",
+        "ceiling": "DeepGEMM GEMMs only (ceiling)",
+    }
+    print(
+        f"\n| Qwen3-8B linear, M={rows[0]['M']}, fwd+bwd | BF16 nn.Linear ms | "
+        + " | ".join(f"{heads[c]} ms (ratio)" for c in cols)
+        + " |"
+    )
     print("|---|---|" + "---|" * len(cols))
     for r in rows:
         label = f"{r['linear']} (N={r['N']}, K={r['K']})" if "N" in r else "**all four**"
@@ -596,14 +684,23 @@ def linear_targets(res):
     ratios = [r.get("ours_ratio") for r in rows]
     s = tot.get("ours_ratio")
     each_ok = all(x is not None and x >= LINEAR_TARGETS["each"] for x in ratios)
-    print(f"target: sum of the four linears >= {LINEAR_TARGETS['sum']}x with shipped defaults: "
-          f"{f'{s:.2f}x' if s else 'n/a'} -> {'MET' if s and s >= LINEAR_TARGETS['sum'] else 'NOT MET'}")
-    print(f"target: no single linear < {LINEAR_TARGETS['each']}x: "
-          + ", ".join(f"{r['linear']} {f'{x:.2f}x' if x else 'n/a'}" for r, x in zip(rows, ratios))
-          + f" -> {'MET' if each_ok else 'NOT MET'}")
+    print(
+        f"target: sum of the four linears >= {LINEAR_TARGETS['sum']}x with shipped defaults: "
+        f"{f'{s:.2f}x' if s else 'n/a'} -> {'MET' if s and s >= LINEAR_TARGETS['sum'] else 'NOT MET'}"
+    )
+    print(
+        f"target: no single linear < {LINEAR_TARGETS['each']}x: "
+        + ", ".join(f"{r['linear']} {f'{x:.2f}x' if x else 'n/a'}" for r, x in zip(rows, ratios))
+        + f" -> {'MET' if each_ok else 'NOT MET'}"
+    )
     if tot.get("ceiling_ratio"):
-        print(f"ceiling (DeepGEMM GEMMs only): {tot['ceiling_ratio']:.2f}x; shipped defaults reach "
-              f"{100 * tot['ceiling_ms'] / tot['ours_ms']:.0f}% of it" if tot.get("ours_ms") else "", flush=True)
+        print(
+            f"ceiling (DeepGEMM GEMMs only): {tot['ceiling_ratio']:.2f}x; shipped defaults reach "
+            f"{100 * tot['ceiling_ms'] / tot['ours_ms']:.0f}% of it"
+            if tot.get("ours_ms")
+            else "",
+            flush=True,
+        )
     copy = (res.get("ceilings") or {}).get("copy_GBps")
     if copy and all(r.get("ceiling_ms") and r.get("bf16_ms") for r in rows):
         linear_floor(rows, tot, copy)
@@ -615,8 +712,10 @@ def recipe_quant_bytes(m: int, n: int, k: int) -> int:
       X   forward: BF16 read, 1x128 E4M3 rows written (FProp); backward: those rows and scales read back and
           re-quantized along tokens (WGrad's 128x1 groups of the dequantized activation, the quantizer contract);
       dY  backward: BF16 read, 1x128 rows (DGrad) and 128x1 token groups (WGrad) written in one pass."""
+
     def scales(rows, cols):  # 1x128 row scales + 128x1 token-group scales of a [rows, cols] tensor
         return 4 * rows * -(-cols // 128), 4 * cols * -(-rows // 128)
+
     xr, xc = scales(m, k)
     dr, dc = scales(m, n)
     x = 2 * m * k + m * k + xr + (m * k + xr) + m * k + xc
@@ -637,8 +736,11 @@ def linear_floor(rows, tot, copy_gbps: float) -> None:
         parts.append(f"{r['linear']} {r['floor_ratio']:.2f}x")
     tot["floor_ms"], tot["floor_ratio"] = total_ms, tot["bf16_ms"] / total_ms
     share = f"; shipped defaults reach {100 * total_ms / tot['ours_ms']:.0f}% of it" if tot.get("ours_ms") else ""
-    print(f"floor (DeepGEMM GEMMs + the recipe's quantization bytes at {copy_gbps:.0f} GB/s): {', '.join(parts)}; "
-          f"sum {tot['floor_ratio']:.2f}x ({total_ms:.3f} ms){share}", flush=True)
+    print(
+        f"floor (DeepGEMM GEMMs + the recipe's quantization bytes at {copy_gbps:.0f} GB/s): {', '.join(parts)}; "
+        f"sum {tot['floor_ratio']:.2f}x ({total_ms:.3f} ms){share}",
+        flush=True,
+    )
 
 
 # ---- profile: where the time of the FP8 linear goes ---------------------------------------------------
@@ -666,9 +768,11 @@ def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6, s
     start to the last end, the time some kernel ran (overlaps merged), their difference (the idle time), and the
     largest idle stretches summed by the kernel that ended them (the launch that came late)."""
     if not intervals or passes < 1 or len(intervals) % (passes + skip):
-        raise ValueError(f"timeline needs the same kernels in each of at least one pass, got {len(intervals)} kernels "
-                         f"for {passes} + {skip} passes")
-    ivs = sorted(intervals)[len(intervals) // (passes + skip) * skip:]
+        raise ValueError(
+            f"timeline needs the same kernels in each of at least one pass, got {len(intervals)} kernels "
+            f"for {passes} + {skip} passes"
+        )
+    ivs = sorted(intervals)[len(intervals) // (passes + skip) * skip :]
     busy, idle_before = 0, {}
     cur_start, cur_end = ivs[0][0], ivs[0][1]
     for start, end, name in ivs[1:]:
@@ -680,16 +784,23 @@ def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6, s
     busy += cur_end - cur_start
     span = cur_end - ivs[0][0]
     worst = sorted(idle_before.items(), key=lambda kv: -kv[1])[:top]
-    return {"span_ms": span / passes / 1e6, "busy_ms": busy / passes / 1e6, "idle_ms": (span - busy) / passes / 1e6,
-            "idle_before": [[k, ns / passes / 1e6] for k, ns in worst]}
+    return {
+        "span_ms": span / passes / 1e6,
+        "busy_ms": busy / passes / 1e6,
+        "idle_ms": (span - busy) / passes / 1e6,
+        "idle_before": [[k, ns / passes / 1e6] for k, ns in worst],
+    }
 
 
 def kernel_intervals(prof) -> list[tuple[int, int, str]]:
     """(start_ns, end_ns, name) of every CUDA kernel a torch.profiler run recorded (memcpy/memset included)."""
     from torch.autograd import DeviceType
 
-    return [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-            if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()]
+    return [
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()
+    ]
 
 
 def profile_section(res, m=8192, iters=5):
@@ -698,7 +809,10 @@ def profile_section(res, m=8192, iters=5):
     from torch.profiler import ProfilerActivity, profile
 
     flow = shipped_flow()
-    print(f"profile: the four Qwen3-8B FP8 linears fwd+bwd, M={m}, shipped defaults ({describe_flow(flow)}), {iters} passes:", flush=True)
+    print(
+        f"profile: the four Qwen3-8B FP8 linears fwd+bwd, M={m}, shipped defaults ({describe_flow(flow)}), {iters} passes:",
+        flush=True,
+    )
     mods, sets = [], []
     for name, (n, k) in linear_shapes("Qwen3-8B").items():
         mod = FP8Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16, flow=flow)
@@ -706,8 +820,12 @@ def profile_section(res, m=8192, iters=5):
             mod.weight.normal_(0, 0.02)
         mod.weight.main_grad = torch.zeros_like(mod.weight, dtype=torch.float32)
         mods.append((name, mod))
-        sets.append((torch.randn(m, k, device=DEV, dtype=torch.bfloat16).requires_grad_(True),
-                     torch.randn(m, n, device=DEV, dtype=torch.bfloat16) * 0.01))
+        sets.append(
+            (
+                torch.randn(m, k, device=DEV, dtype=torch.bfloat16).requires_grad_(True),
+                torch.randn(m, n, device=DEV, dtype=torch.bfloat16) * 0.01,
+            )
+        )
 
     def one_pass():
         for (_, mod), (x, dy) in zip(mods, sets):
@@ -758,16 +876,28 @@ def profile_section(res, m=8192, iters=5):
             print(f"| | `{k_[:90]}` | {ms:.3f} | {100 * ms / wall:.1f}% |")
         table.append({"category": cat, "ms": tot, "kernels": [[k_, ms] for k_, ms in ks]})
     idle = wall - kernel_sum
-    print(f"| **no kernel running** (launch gaps, host work, syncs; and L2: the timed wall flushes it per pass, the profiled "
-          f"kernels run warm; the timeline below measures the gaps themselves) | wall - sum of kernels | **{idle:.3f}** | {100 * idle / wall:.1f}% |")
+    print(
+        f"| **no kernel running** (launch gaps, host work, syncs; and L2: the timed wall flushes it per pass, the profiled "
+        f"kernels run warm; the timeline below measures the gaps themselves) | wall - sum of kernels | **{idle:.3f}** | {100 * idle / wall:.1f}% |"
+    )
     print(f"| **wall** (do_bench median of one pass) | | **{wall:.3f}** | 100% |")
     gap = {}
     if ceiling:
         gemm = sum(t["ms"] for t in table if t["category"].startswith("GEMM"))
-        gap = {"wall_ms": wall, "ceiling_ms": ceiling, "gap_ms": wall - ceiling, "gemm_over_ceiling_ms": gemm - ceiling,
-               **{f"{t['category']}_ms": t["ms"] for t in table if not t["category"].startswith("GEMM")}, "idle_ms": idle}
-        print(f"\ngap from the DeepGEMM GEMMs-only ceiling: wall {wall:.3f} ms - ceiling {ceiling:.3f} ms = {wall - ceiling:.3f} ms, of which:")
-        print(f"  GEMM kernels above the ceiling's GEMM time (other backend, layouts, no L2 flush here): {gemm - ceiling:+.3f} ms")
+        gap = {
+            "wall_ms": wall,
+            "ceiling_ms": ceiling,
+            "gap_ms": wall - ceiling,
+            "gemm_over_ceiling_ms": gemm - ceiling,
+            **{f"{t['category']}_ms": t["ms"] for t in table if not t["category"].startswith("GEMM")},
+            "idle_ms": idle,
+        }
+        print(
+            f"\ngap from the DeepGEMM GEMMs-only ceiling: wall {wall:.3f} ms - ceiling {ceiling:.3f} ms = {wall - ceiling:.3f} ms, of which:"
+        )
+        print(
+            f"  GEMM kernels above the ceiling's GEMM time (other backend, layouts, no L2 flush here): {gemm - ceiling:+.3f} ms"
+        )
         for t in table:
             if not t["category"].startswith("GEMM"):
                 print(f"  {t['category']}: {t['ms']:.3f} ms")
@@ -780,16 +910,31 @@ def profile_section(res, m=8192, iters=5):
         print(f"timeline: {e}", flush=True)
     if tl:
         tl["idle_ms_with_first_pass"] = timeline(intervals, iters + 1)["idle_ms"]
-        print(f"timeline of {iters} passes issued behind a first one, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
-              f"{tl['busy_ms']:.3f} ms, idle {tl['idle_ms']:.3f} ms; host time to issue one pass {host_ms:.3f} ms "
-              f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'}); counting the first pass (issued into an "
-              f"empty queue) too: idle {tl['idle_ms_with_first_pass']:.3f} ms per pass")
-        print("  idle stretches by the kernel that ended them: " + "; ".join(f"`{k[:120]}` {ms:.3f} ms" for k, ms in tl["idle_before"]),
-              flush=True)
-    res["profile"] = {"M": m, "iters": iters, "flow": describe_flow(flow), "wall_ms": wall, "kernel_sum_ms": kernel_sum,
-                      "categories": table, "gap": gap, "timeline": tl, "host_issue_ms": host_ms}
+        print(
+            f"timeline of {iters} passes issued behind a first one, per pass: GPU span {tl['span_ms']:.3f} ms, some kernel running "
+            f"{tl['busy_ms']:.3f} ms, idle {tl['idle_ms']:.3f} ms; host time to issue one pass {host_ms:.3f} ms "
+            f"({'host-bound' if host_ms > tl['span_ms'] else 'the GPU is the bottleneck'}); counting the first pass (issued into an "
+            f"empty queue) too: idle {tl['idle_ms_with_first_pass']:.3f} ms per pass"
+        )
+        print(
+            "  idle stretches by the kernel that ended them: "
+            + "; ".join(f"`{k[:120]}` {ms:.3f} ms" for k, ms in tl["idle_before"]),
+            flush=True,
+        )
+    res["profile"] = {
+        "M": m,
+        "iters": iters,
+        "flow": describe_flow(flow),
+        "wall_ms": wall,
+        "kernel_sum_ms": kernel_sum,
+        "categories": table,
+        "gap": gap,
+        "timeline": tl,
+        "host_issue_ms": host_ms,
+    }
     del mods, sets
     torch.cuda.empty_cache()
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, h):
@@ -838,8 +983,11 @@ def attach_main_grads(module):
 
 
 def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
-    print(f"one {model} decoder layer forward+backward, {batch}x{seq} tokens (attention BF16 SDPA, linears FP8; "
-          "BF16 = nn.Linear with plain autograd; FP8 weights carry main_grad as under megatron DDP):", flush=True)
+    print(
+        f"one {model} decoder layer forward+backward, {batch}x{seq} tokens (attention BF16 SDPA, linears FP8; "
+        "BF16 = nn.Linear with plain autograd; FP8 weights carry main_grad as under megatron DDP):",
+        flush=True,
+    )
     torch.manual_seed(0)
     ref = Layer(model)
     with torch.no_grad():
@@ -862,7 +1010,10 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
     y_ref, dx_ref = y_ref.detach().float(), x0.grad.float()
     t_bf = bench(step(ref), grad_to_none=grads_none(ref))
     row = {"model": model, "tokens": batch * seq, "bf16_ms": t_bf, "variants": {}}
-    variants = {"jetrl (shipped defaults)": shipped_flow, "jetrl backend=cublaslt": lambda: PrecisionFlow(mode="jetrl", backend="cublaslt")}
+    variants = {
+        "jetrl (shipped defaults)": shipped_flow,
+        "jetrl backend=cublaslt": lambda: PrecisionFlow(mode="jetrl", backend="cublaslt"),
+    }
     for label, make in variants.items():
         v = {}
         try:
@@ -879,7 +1030,9 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
             v["err_y"] = rel_err(y.detach().float() - x0.detach().float(), y_ref - x0.detach().float())
             v["err_dx"] = rel_err(x1.grad.float() - dys[0].float(), dx_ref - dys[0].float())
             if not (v["err_y"] < 0.3 and v["err_dx"] < 0.4):  # FP8 noise of the branch ~0.05-0.1; a wrong GEMM ~1
-                raise RuntimeError(f"wrong result: relative error vs the BF16 layer y-x {v['err_y']:.3g}, dx-dy {v['err_dx']:.3g}")
+                raise RuntimeError(
+                    f"wrong result: relative error vs the BF16 layer y-x {v['err_y']:.3g}, dx-dy {v['err_dx']:.3g}"
+                )
             del y, x1
             t = bench(step(lay), grad_to_none=grads_none(lay))
             v["ms"], v["ratio"] = t, t_bf / t
@@ -888,13 +1041,22 @@ def layer_section(res, model="Qwen3-8B", batch=2, seq=4096):
             v["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["variants"][label] = v
         torch.cuda.empty_cache()
-    print(f"  bf16 {t_bf:.3f} ms  " + "  ".join(
-        f"{k}: " + (f"{v['ms']:.3f} ms ({v['ratio']:.2f}x, err y {v['err_y']:.3f})" if "ms" in v else f"n/a ({v.get('error')})")
-        for k, v in row["variants"].items()), flush=True)
+    print(
+        f"  bf16 {t_bf:.3f} ms  "
+        + "  ".join(
+            f"{k}: "
+            + (f"{v['ms']:.3f} ms ({v['ratio']:.2f}x, err y {v['err_y']:.3f})" if "ms" in v else f"n/a ({v.get('error')})")
+            for k, v in row["variants"].items()
+        ),
+        flush=True,
+    )
     shipped = row["variants"]["jetrl (shipped defaults)"]
     r = shipped.get("ratio")
-    print(f"target: decoder layer fwd+bwd >= {LINEAR_TARGETS['layer']}x with shipped defaults: "
-          f"{f'{r:.2f}x' if r else 'n/a'} -> {'MET' if r and r >= LINEAR_TARGETS['layer'] else 'NOT MET'}", flush=True)
+    print(
+        f"target: decoder layer fwd+bwd >= {LINEAR_TARGETS['layer']}x with shipped defaults: "
+        f"{f'{r:.2f}x' if r else 'n/a'} -> {'MET' if r and r >= LINEAR_TARGETS['layer'] else 'NOT MET'}",
+        flush=True,
+    )
     res["layer"] = row
 
 
@@ -904,7 +1066,9 @@ def summary(res, backends):
     for be in backends:
         if g:
             rs = [r[f"{be}_ratio"] for r in g]
-            print(f"GEMM {be:9s} 8B fprop shapes (12): min {min(rs):.2f}x  geo-mean {math.exp(sum(map(math.log, rs)) / len(rs)):.2f}x  max {max(rs):.2f}x  (target >= 1.6x)")
+            print(
+                f"GEMM {be:9s} 8B fprop shapes (12): min {min(rs):.2f}x  geo-mean {math.exp(sum(map(math.log, rs)) / len(rs)):.2f}x  max {max(rs):.2f}x  (target >= 1.6x)"
+            )
     for r in res.get("quant", []):
         if not r["kernel"].startswith("sweep") and "pct_copy" in r:
             print(f"quant {r['kernel']:44s} {r['pct_copy']:5.1f}% of copy (target >= 80%)")
@@ -930,8 +1094,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_fp8.json"))
     ap.add_argument("--sweep", nargs="?", const="gemm,quant", default="", help="also time Triton launch configs: gemm,quant")
-    ap.add_argument("--sections", nargs="+", default=[DEFAULT_SECTIONS],
-                    help=f"space- or comma-separated, any of {', '.join(SECTIONS)} (default: {DEFAULT_SECTIONS})")
+    ap.add_argument(
+        "--sections",
+        nargs="+",
+        default=[DEFAULT_SECTIONS],
+        help=f"space- or comma-separated, any of {', '.join(SECTIONS)} (default: {DEFAULT_SECTIONS})",
+    )
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values of the gemm section")
     ap.add_argument("--linear-m", type=int, default=8192, help="tokens M of the linear and profile sections")
@@ -951,8 +1119,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("error: tools/bench/bench_fp8.py needs a CUDA GPU (sm90 for DeepGEMM/cuBLASLt) and none is visible here; "
-              "run it on the GPU machine (bash tools/gpu/gpu_fp8.sh bench)", file=sys.stderr)
+        print(
+            "error: tools/bench/bench_fp8.py needs a CUDA GPU (sm90 for DeepGEMM/cuBLASLt) and none is visible here; "
+            "run it on the GPU machine (bash tools/gpu/gpu_fp8.sh bench)",
+            file=sys.stderr,
+        )
         return 2
     try:
         import triton
@@ -977,8 +1148,11 @@ def main(argv=None):
     }
     dg = import_deep_gemm()
     res["deep_gemm"] = getattr(dg, "__version__", "?") if dg else None
-    print(f"{res['date']}  {res['gpu']}  torch {res['torch']}  triton {res['triton']}  backends {backends}  "
-          f"DeepGEMM {res['deep_gemm']}  shipped flow: {res['shipped_flow']}", flush=True)
+    print(
+        f"{res['date']}  {res['gpu']}  torch {res['torch']}  triton {res['triton']}  backends {backends}  "
+        f"DeepGEMM {res['deep_gemm']}  shipped flow: {res['shipped_flow']}",
+        flush=True,
+    )
 
     def save():
         with open(args.json, "w") as f:

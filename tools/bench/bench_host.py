@@ -90,12 +90,14 @@ def main(argv=None) -> int:
                     module(x).backward(dy)
             else:
                 module(x).backward(dy)
+
         return run
 
     def no_grad(fn):
         def run():
             with torch.no_grad():
                 fn()
+
         return run
 
     rows = [
@@ -106,25 +108,43 @@ def main(argv=None) -> int:
         ("FP8Linear fwd under no_grad (old and reference logprobs)", no_grad(lambda: lin(x))),
         ("  kernels.quantize_1x128 (FProp input)", lambda: kernels.quantize_1x128(x.detach(), check_finite=False)),
         ("  kernels.quantize_dual rows+cols (dY)", lambda: kernels.quantize_dual(dy, check_finite=False)),
-        ("  kernels.quantize_dual cols from E4M3 (X for WGrad)", lambda: kernels.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs)),
+        (
+            "  kernels.quantize_dual cols from E4M3 (X for WGrad)",
+            lambda: kernels.quantize_dual(xq, check_finite=False, rows=False, x_scale=xs),
+        ),
         ("  FiniteWatch.record", lambda: watch.record("x", xs)),
         ("  blockwise_gemm FProp", lambda: blockwise_gemm(xq, xs, qw.q, qw.s)),
-        ("  blockwise_gemm WGrad into main_grad", lambda: blockwise_gemm(dtq, dts, xtq, xts, b_block=(1, 128), acc=lin.weight.main_grad)),
+        (
+            "  blockwise_gemm WGrad into main_grad",
+            lambda: blockwise_gemm(dtq, dts, xtq, xts, b_block=(1, 128), acc=lin.weight.main_grad),
+        ),
         ("  _check_operands", lambda: _check_operands(xq, xs, qw.q, qw.s, (128, 128), None)),
         ("  torch.empty(M, N)", lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16)),
     ]
     if dg is not None:
-        rows.append(("  deep_gemm.fp8_gemm_nt 1D2D, called directly", lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True)))
+        rows.append(
+            (
+                "  deep_gemm.fp8_gemm_nt 1D2D, called directly",
+                lambda: dg.fp8_gemm_nt((xq, xs), (qw.q, qw.s), out, disable_ue8m0_cast=True),
+            )
+        )
     if args.linear_rows:  # which tree this process imported rides along: the parent checks it is the one it meant
         import megatron_jetrl
 
         times = {name: host_us(fn, args.iters)[0] for name, fn in rows[:5]}
-        print(json.dumps({"imported": os.path.dirname(os.path.dirname(os.path.abspath(megatron_jetrl.__file__))), **times}), flush=True)
+        print(
+            json.dumps({"imported": os.path.dirname(os.path.dirname(os.path.abspath(megatron_jetrl.__file__))), **times}),
+            flush=True,
+        )
         return 0
     direct = launch._direct_ok()  # the probe's verdict for this process
-    print(f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "
-          f"direct launch {'allowed' if direct else 'REFUSED by ' + launch.ENV + ' or the probe'}")
-    print("| what | host us, direct launch | host us, JITFunction.run | direct / Triton | wall us, direct |\n|---|---|---|---|---|")
+    print(
+        f"{torch.cuda.get_device_name()}, M={m} N={n} K={k}, {args.iters} calls per row and path; flow {flow}; "
+        f"direct launch {'allowed' if direct else 'REFUSED by ' + launch.ENV + ' or the probe'}"
+    )
+    print(
+        "| what | host us, direct launch | host us, JITFunction.run | direct / Triton | wall us, direct |\n|---|---|---|---|---|"
+    )
     for name, fn in rows:
         times = {True: [], False: []}
         for _ in range(args.rounds):
@@ -154,22 +174,43 @@ def against(args) -> int:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     trees = {"this tree": here, f"against {args.against}": os.path.abspath(args.against)}
     if not os.path.isfile(os.path.join(trees[f"against {args.against}"], "megatron_jetrl", "__init__.py")):
-        print(f"bench_host.py --against: {args.against} holds no megatron_jetrl package; give the root of another checkout "
-              "(e.g. `git worktree add /tmp/base HEAD~1`, then --against /tmp/base)", file=sys.stderr)
+        print(
+            f"bench_host.py --against: {args.against} holds no megatron_jetrl package; give the root of another checkout "
+            "(e.g. `git worktree add /tmp/base HEAD~1`, then --against /tmp/base)",
+            file=sys.stderr,
+        )
         return 2
     times: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, root in trees.items():
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-            done = subprocess.run([sys.executable, "-W", "ignore", os.path.abspath(__file__), "--linear-rows", "--m", str(args.m),
-                                   "--iters", str(args.iters)], env=env, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-W",
+                    "ignore",
+                    os.path.abspath(__file__),
+                    "--linear-rows",
+                    "--m",
+                    str(args.m),
+                    "--iters",
+                    str(args.iters),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if done.returncode:
                 print(f"bench_host.py --against: the process for {name} ({root}) failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 return 1
             row = json.loads(done.stdout.strip().splitlines()[-1])
             if os.path.realpath(row.pop("imported")) != os.path.realpath(root):
-                print(f"bench_host.py --against: the process for {name} imported megatron_jetrl from elsewhere, not {root} "
-                      "(an installed copy ahead of PYTHONPATH?): the A/B would compare one tree with itself", file=sys.stderr)
+                print(
+                    f"bench_host.py --against: the process for {name} imported megatron_jetrl from elsewhere, not {root} "
+                    "(an installed copy ahead of PYTHONPATH?): the A/B would compare one tree with itself",
+                    file=sys.stderr,
+                )
                 return 1
             times[name].append(row)
     rows = list(times["this tree"][0])

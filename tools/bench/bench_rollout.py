@@ -57,15 +57,24 @@ from megatron_jetrl.rollout.decode_graphs import SPAN_STEP, DecodeGraphs  # noqa
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import E4M3, SCALE_SUFFIX, KVCache, NativeEngine  # noqa: E402
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936
+)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=300)
 GiB = 1 << 30
 ROW_COST_GUESS_S = 2.5e-4  # per row per decode step for sampling + bookkeeping, until a run has measured it
 
 
 def hf_config(shape: dict, layers: int) -> dict:
-    return dict(model_type="qwen3", num_hidden_layers=layers, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, **shape)
+    return dict(
+        model_type="qwen3",
+        num_hidden_layers=layers,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **shape,
+    )
 
 
 def sync(device):
@@ -111,7 +120,7 @@ def build_engines(arch: ModelArch, fp8_flow: PrecisionFlow, device, seed: int):
             if len(shape) == 1:  # norms: around 1
                 batch[name] = (1.0 + 0.05 * torch.randn(shape, device=device, generator=g)).to(torch.bfloat16)
             else:
-                batch[name] = (0.02 * torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16))
+                batch[name] = 0.02 * torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
         bf16.update_weights(batch.items())
         fp8_batch = {}
         for name, w in batch.items():
@@ -194,8 +203,11 @@ def end_to_end(engine: NativeEngine, batch: int, prompt: int, new: int, seed: in
     in_vocab = all(0 <= t < engine.arch.vocab_size for o in outs for c in o.completions for t in c.token_ids)
     finite = all(lp == lp and lp <= 0 for o in outs for c in o.completions for lp in c.logprobs)
     return {
-        "total_s": total_s, "prefill_s": prefill[0], "decode_s": total_s - prefill[0],
-        "tokens_generated": sum(lengths), "tokens_ok": lengths == [new] * batch and in_vocab and finite,
+        "total_s": total_s,
+        "prefill_s": prefill[0],
+        "decode_s": total_s - prefill[0],
+        "tokens_generated": sum(lengths),
+        "tokens_ok": lengths == [new] * batch and in_vocab and finite,
         "first_tokens": outs[0].completions[0].token_ids[:8],
     }
 
@@ -212,12 +224,16 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (random ids), default 512")
     ap.add_argument("--backend", default="auto", help="FP8 GEMM backend of the jetrl flow (auto: fastest the device has)")
     ap.add_argument("--check-finite", action="store_true", help="FP8 quantizer NaN/inf check (one host sync per quantization)")
-    ap.add_argument("--budget-s", type=float, default=None, help="wall-time budget of the whole script (default 400; --quick 150)")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="wall-time budget of the whole script (default 400; --quick 150)"
+    )
     ap.add_argument("--reps", type=int, default=5, help="timed single-token decode forwards per model-step measurement")
     ap.add_argument("--no-e2e", action="store_true", help="model-step measurements only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="4 layers, new tokens 128 256, budget 150 s")
-    ap.add_argument("--tiny", action="store_true", help="tiny model (hidden 256, 2 layers, vocab 300), batch 2, prompt 8, new 4: smoke run")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny model (hidden 256, 2 layers, vocab 300), batch 2, prompt 8, new 4: smoke run"
+    )
     ap.add_argument("--json", default=None, help="default $OUT/bench_rollout.json when $OUT is set")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -248,26 +264,46 @@ def main(argv=None) -> dict:
     res = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
         "command": " ".join(sys.argv) if argv is None else " ".join(argv),
         "model": {"shape": "tiny" if args.tiny else "Qwen3-8B", "layers": args.layers, **shape},
-        "fp8_flow": fp8_flow.to_dict(), "fp8_backend": backend, "batch_invariant": False,
-        "prompt": args.prompt, "batches": args.batches, "new_tokens": args.new_tokens, "budget_s": args.budget_s,
-        "temperature": 1.0, "ignore_eos": True,
+        "fp8_flow": fp8_flow.to_dict(),
+        "fp8_backend": backend,
+        "batch_invariant": False,
+        "prompt": args.prompt,
+        "batches": args.batches,
+        "new_tokens": args.new_tokens,
+        "budget_s": args.budget_s,
+        "temperature": 1.0,
+        "ignore_eos": True,
     }
-    print(f"{res['date']}  {res['device']}  torch {res['torch']}  model {res['model']['shape']} x {args.layers} layers  "
-          f"FP8 backend {backend} (check_finite={args.check_finite})  prompt {args.prompt}", flush=True)
+    print(
+        f"{res['date']}  {res['device']}  torch {res['torch']}  model {res['model']['shape']} x {args.layers} layers  "
+        f"FP8 backend {backend} (check_finite={args.check_finite})  prompt {args.prompt}",
+        flush=True,
+    )
     if not args.tiny and args.layers < 36:
-        print(f"NOTE: {args.layers} of Qwen3-8B's 36 layers (per-layer costs are the same; embedding/lm_head/sampling weigh more)", flush=True)
+        print(
+            f"NOTE: {args.layers} of Qwen3-8B's 36 layers (per-layer costs are the same; embedding/lm_head/sampling weigh more)",
+            flush=True,
+        )
 
     t_build, (bf16, fp8) = timed(device, lambda: build_engines(arch, fp8_flow, device, args.seed))
     engines = {"fp8": fp8, "bf16": bf16}
     res["setup_s"] = t_build
-    res["weights_GiB"] = {"bf16": weight_gib(bf16), "fp8": weight_gib(fp8) - sum(
-        t.numel() * t.element_size() for n, t in fp8.params.items() if t.dtype == torch.bfloat16) / GiB, "shared_bf16": sum(
-        t.numel() * t.element_size() for n, t in fp8.params.items() if t.dtype == torch.bfloat16) / GiB}
-    print(f"weights on {device} in {t_build:.1f} s: BF16 engine {res['weights_GiB']['bf16']:.2f} GiB, FP8 engine own "
-          f"{res['weights_GiB']['fp8']:.2f} GiB (+ {res['weights_GiB']['shared_bf16']:.2f} GiB BF16 embed/lm_head/norms shared)", flush=True)
+    res["weights_GiB"] = {
+        "bf16": weight_gib(bf16),
+        "fp8": weight_gib(fp8)
+        - sum(t.numel() * t.element_size() for n, t in fp8.params.items() if t.dtype == torch.bfloat16) / GiB,
+        "shared_bf16": sum(t.numel() * t.element_size() for n, t in fp8.params.items() if t.dtype == torch.bfloat16) / GiB,
+    }
+    print(
+        f"weights on {device} in {t_build:.1f} s: BF16 engine {res['weights_GiB']['bf16']:.2f} GiB, FP8 engine own "
+        f"{res['weights_GiB']['fp8']:.2f} GiB (+ {res['weights_GiB']['shared_bf16']:.2f} GiB BF16 embed/lm_head/norms shared)",
+        flush=True,
+    )
 
     configs = sorted(((b, n) for b in args.batches for n in args.new_tokens), key=lambda c: c[0] * (args.prompt + c[1]))
     rows: dict[tuple, dict] = {}
@@ -281,7 +317,9 @@ def main(argv=None) -> dict:
             t, _ = timed(device, lambda: model_step(eng, b, args.prompt, min(args.new_tokens), 1, args.seed))
             print(f"warm-up {prec} batch {b}: {t:.1f} s", flush=True)
 
-    print("model step (prefill forward; single-token decode step + lm_head of every row, graph and eager, no sampling):", flush=True)
+    print(
+        "model step (prefill forward; single-token decode step + lm_head of every row, graph and eager, no sampling):", flush=True
+    )
     for b, n in configs:
         for prec, eng in engines.items():
             r = rows[(prec, b, n)]
@@ -297,10 +335,21 @@ def main(argv=None) -> dict:
                 print(f"  {prec:4s} B={b:4d} new={n:5d}: OOM", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            r.update(prefill_fwd_s=pre, prefill_tok_s=b * args.prompt / pre, decode_step_s=step, eager_decode_step_s=eager,
-                     model_decode_tok_s=b / step, eager_decode_tok_s=b / eager, model_step_peak_GiB=peak_gib(device))
-            print(f"  {prec:4s} B={b:4d} new={n:5d}: prefill {pre * 1e3:9.1f} ms ({b * args.prompt / pre:9.0f} tok/s)  "
-                  f"decode step {step * 1e3:8.2f} ms ({b / step:8.0f} tok/s; eager {eager * 1e3:8.2f} ms)" + (f"  peak {peak_gib(device):6.1f} GiB" if device.type == "cuda" else ""), flush=True)
+            r.update(
+                prefill_fwd_s=pre,
+                prefill_tok_s=b * args.prompt / pre,
+                decode_step_s=step,
+                eager_decode_step_s=eager,
+                model_decode_tok_s=b / step,
+                eager_decode_tok_s=b / eager,
+                model_step_peak_GiB=peak_gib(device),
+            )
+            print(
+                f"  {prec:4s} B={b:4d} new={n:5d}: prefill {pre * 1e3:9.1f} ms ({b * args.prompt / pre:9.0f} tok/s)  "
+                f"decode step {step * 1e3:8.2f} ms ({b / step:8.0f} tok/s; eager {eager * 1e3:8.2f} ms)"
+                + (f"  peak {peak_gib(device):6.1f} GiB" if device.type == "cuda" else ""),
+                flush=True,
+            )
 
     res["e2e_skipped"] = []
     if not args.no_e2e:
@@ -320,7 +369,11 @@ def main(argv=None) -> dict:
             est = predict(b, n)
             left = deadline - time.perf_counter()
             if est is None or est > left:
-                why = "no model-step numbers" if est is None else f"est. {est:.0f} s for FP8+BF16 > {max(left, 0):.0f} s left of --budget-s {args.budget_s:.0f}"
+                why = (
+                    "no model-step numbers"
+                    if est is None
+                    else f"est. {est:.0f} s for FP8+BF16 > {max(left, 0):.0f} s left of --budget-s {args.budget_s:.0f}"
+                )
                 res["e2e_skipped"].append({"batch": b, "new_tokens": n, "estimate_s": est, "why": why})
                 print(f"  B={b:4d} new={n:5d}: skipped ({why})", flush=True)
                 continue
@@ -334,16 +387,24 @@ def main(argv=None) -> dict:
                     print(f"  {prec:4s} B={b:4d} new={n:5d}: OOM", flush=True)
                     torch.cuda.empty_cache()
                     continue
-                e.update(decode_tok_s=b * n / e["decode_s"], prefill_tok_s=b * args.prompt / e["prefill_s"], peak_GiB=peak_gib(device))
-                e["sampling_overhead_per_step_s"] = max(0.0, e["decode_s"] / n - r["decode_step_s"]) if "decode_step_s" in r else None
+                e.update(
+                    decode_tok_s=b * n / e["decode_s"], prefill_tok_s=b * args.prompt / e["prefill_s"], peak_GiB=peak_gib(device)
+                )
+                e["sampling_overhead_per_step_s"] = (
+                    max(0.0, e["decode_s"] / n - r["decode_step_s"]) if "decode_step_s" in r else None
+                )
                 r["e2e"] = e
                 if e["sampling_overhead_per_step_s"] is not None:
                     seen = e["sampling_overhead_per_step_s"] / b
                     row_cost["value"] = seen if not row_cost["measured"] else max(row_cost["value"], seen)
                     row_cost["measured"] = True
-                print(f"  {prec:4s} B={b:4d} new={n:5d}: {e['total_s']:7.1f} s  prefill {e['prefill_tok_s']:9.0f} tok/s  "
-                      f"decode {e['decode_tok_s']:8.0f} tok/s  sampling+python {1e3 * (e['sampling_overhead_per_step_s'] or 0):6.1f} ms/step  "
-                      f"tokens {'ok' if e['tokens_ok'] else 'WRONG'}" + (f"  peak {e['peak_GiB']:6.1f} GiB" if e["peak_GiB"] is not None else ""), flush=True)
+                print(
+                    f"  {prec:4s} B={b:4d} new={n:5d}: {e['total_s']:7.1f} s  prefill {e['prefill_tok_s']:9.0f} tok/s  "
+                    f"decode {e['decode_tok_s']:8.0f} tok/s  sampling+python {1e3 * (e['sampling_overhead_per_step_s'] or 0):6.1f} ms/step  "
+                    f"tokens {'ok' if e['tokens_ok'] else 'WRONG'}"
+                    + (f"  peak {e['peak_GiB']:6.1f} GiB" if e["peak_GiB"] is not None else ""),
+                    flush=True,
+                )
             sync(device)
         res["row_cost_s"] = row_cost
 
@@ -383,16 +444,25 @@ def main(argv=None) -> dict:
     for b, n in configs:
         for prec in engines:
             r = rows[(prec, b, n)]
-            lines.append(f"{b:4d} {n:5d} {prec:>4s} | {fmt(e2e(r, 'decode_tok_s'), '10.0f')} {fmt(e2e(r, 'prefill_tok_s'), '11.0f')} "
-                         f"{fmt(e2e(r, 'peak_GiB'), '6.1f')} | {fmt(r.get('model_decode_tok_s'), '12.0f')} "
-                         f"{fmt(r.get('prefill_tok_s'), '13.0f')} {fmt(r.get('model_step_peak_GiB'), '6.1f')}")
+            lines.append(
+                f"{b:4d} {n:5d} {prec:>4s} | {fmt(e2e(r, 'decode_tok_s'), '10.0f')} {fmt(e2e(r, 'prefill_tok_s'), '11.0f')} "
+                f"{fmt(e2e(r, 'peak_GiB'), '6.1f')} | {fmt(r.get('model_decode_tok_s'), '12.0f')} "
+                f"{fmt(r.get('prefill_tok_s'), '13.0f')} {fmt(r.get('model_step_peak_GiB'), '6.1f')}"
+            )
     lines.append("FP8/BF16 throughput ratio (>1: FP8 faster):")
     for q in ratios:
-        lines.append(f"{q['batch']:4d} {q['new_tokens']:5d}      | e2e decode {fmt(q['e2e_decode'], '5.2f')}x   "
-                     f"model decode {fmt(q['model_decode'], '5.2f')}x (eager {fmt(q['eager_decode'], '5.2f')}x)   prefill {fmt(q['prefill'], '5.2f')}x")
+        lines.append(
+            f"{q['batch']:4d} {q['new_tokens']:5d}      | e2e decode {fmt(q['e2e_decode'], '5.2f')}x   "
+            f"model decode {fmt(q['model_decode'], '5.2f')}x (eager {fmt(q['eager_decode'], '5.2f')}x)   prefill {fmt(q['prefill'], '5.2f')}x"
+        )
     if res["e2e_skipped"]:
-        lines.append("e2e not run (budget): " + ", ".join(f"B={s['batch']}/new={s['new_tokens']}" + (f" (~{s['estimate_s']:.0f} s)" if s["estimate_s"] else "")
-                                                        for s in res["e2e_skipped"]))
+        lines.append(
+            "e2e not run (budget): "
+            + ", ".join(
+                f"B={s['batch']}/new={s['new_tokens']}" + (f" (~{s['estimate_s']:.0f} s)" if s["estimate_s"] else "")
+                for s in res["e2e_skipped"]
+            )
+        )
     lines.append(f"wall {res['wall_s']:.0f} s (budget {args.budget_s:.0f} s)")
     res["table"] = lines
     print("\n" + "\n".join(lines), flush=True)

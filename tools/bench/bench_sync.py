@@ -62,9 +62,19 @@ from megatron_jetrl.models.mapping import from_hf, padded_vocab_size, rank_slice
 from megatron_jetrl.rollout.native import NativeEngine  # noqa: E402
 from megatron_jetrl.rollout.sync import stream_weights  # noqa: E402
 
-QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                tie_word_embeddings=False)
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 MODES = ("bf16", "jetrl", "bf16-train-fp8-rollout")
 GB = 1e9
@@ -149,10 +159,18 @@ def bench_mode(mode, arch, entries, params, device, a, log) -> dict:
                 times["quantize"].append(t)
                 times["quantize_checked"].append(tc)
         t_exp, _ = timed(device, lambda: sum(1 for _ in export_stream(arch, flow, entries, fetch, fetch_fp8)))
-        t_wire, _ = timed(device, lambda: stream_weights(export_stream(arch, flow, entries, fetch, fetch_fp8), [SinkEngine()],
-                                                         bucket_bytes=a.bucket_mb << 20))
-        t_tot, stats = timed(device, lambda: stream_weights(export_stream(arch, flow, entries, fetch, fetch_fp8), [engine],
-                                                            bucket_bytes=a.bucket_mb << 20))
+        t_wire, _ = timed(
+            device,
+            lambda: stream_weights(
+                export_stream(arch, flow, entries, fetch, fetch_fp8), [SinkEngine()], bucket_bytes=a.bucket_mb << 20
+            ),
+        )
+        t_tot, stats = timed(
+            device,
+            lambda: stream_weights(
+                export_stream(arch, flow, entries, fetch, fetch_fp8), [engine], bucket_bytes=a.bucket_mb << 20
+            ),
+        )
         if r:
             times["export"].append(t_exp)
             times["wire"].append(t_wire)
@@ -160,7 +178,11 @@ def bench_mode(mode, arch, entries, params, device, a, log) -> dict:
             times["engine_host"].append(stats.per_engine_seconds[0])
     med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
     # bitwise: what the engine holds is what the export yields
-    mismatched = [n for n, t in export_stream(arch, flow, entries, fetch, fetch_fp8) if not torch.equal(as_bytes(engine.params[n]), as_bytes(t))]
+    mismatched = [
+        n
+        for n, t in export_stream(arch, flow, entries, fetch, fetch_fp8)
+        if not torch.equal(as_bytes(engine.params[n]), as_bytes(t))
+    ]
     missing = engine.missing_weights()
     fp8_bytes = sum(nbytes(t) for n, t in engine.params.items() if t.dtype == torch.float8_e4m3fn)
     scale_bytes = sum(nbytes(t) for n, t in engine.params.items() if n.endswith(".weight_scale_inv"))
@@ -170,15 +192,26 @@ def bench_mode(mode, arch, entries, params, device, a, log) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, not fatal for the timing
         score_ok = f"{type(e).__name__}: {e}"
     res.update(
-        bytes=stats.bytes, tensors=stats.tensors, buckets=stats.buckets, fp8_bytes=fp8_bytes, scale_bytes=scale_bytes,
-        bf16_bytes=stats.bytes - fp8_bytes - scale_bytes, mismatched=mismatched[:5], n_mismatched=len(mismatched), missing=missing[:5],
-        score_ok=score_ok, **{f"{k}_s": v for k, v in med.items()}, samples={k: v for k, v in times.items()},
+        bytes=stats.bytes,
+        tensors=stats.tensors,
+        buckets=stats.buckets,
+        fp8_bytes=fp8_bytes,
+        scale_bytes=scale_bytes,
+        bf16_bytes=stats.bytes - fp8_bytes - scale_bytes,
+        mismatched=mismatched[:5],
+        n_mismatched=len(mismatched),
+        missing=missing[:5],
+        score_ok=score_ok,
+        **{f"{k}_s": v for k, v in med.items()},
+        samples={k: v for k, v in times.items()},
     )
     res["step_s"] = med["quantize"] + med["total"]  # jetrl: the trainer's re-quantize + the sync
     res["gbps_total"] = stats.bytes / med["total"] / GB
-    log(f"{mode:24s} bytes {stats.bytes / GB:7.3f} GB ({stats.tensors} tensors, {stats.buckets} buckets)  quantize {med['quantize'] * 1e3:8.1f} ms "
+    log(
+        f"{mode:24s} bytes {stats.bytes / GB:7.3f} GB ({stats.tensors} tensors, {stats.buckets} buckets)  quantize {med['quantize'] * 1e3:8.1f} ms "
         f"(checked {med['quantize_checked'] * 1e3:.1f})  export {med['export'] * 1e3:8.1f}  +wire {med['wire'] * 1e3:8.1f}  total {med['total'] * 1e3:8.1f} ms  "
-        f"({res['gbps_total']:.1f} GB/s)  bitwise {'ok' if not mismatched and not missing else 'MISMATCH'}  score {score_ok}")
+        f"({res['gbps_total']:.1f} GB/s)  bitwise {'ok' if not mismatched and not missing else 'MISMATCH'}  score {score_ok}"
+    )
     del engine
     return res
 
@@ -242,8 +275,10 @@ def bench_actor_stream(a, arch: ModelArch, device, rank: int, log) -> list[dict]
                 if dist.is_initialized():
                     dist.barrier()
                 if rank == 0:
-                    t_s, stats = timed(device, lambda: stream_weights(actor_weight_stream(model, arch, flow), [engine],
-                                                                      bucket_bytes=a.bucket_mb << 20))
+                    t_s, stats = timed(
+                        device,
+                        lambda: stream_weights(actor_weight_stream(model, arch, flow), [engine], bucket_bytes=a.bucket_mb << 20),
+                    )
                 else:
                     t_s, stats = timed(device, lambda: sum(1 for _ in actor_weight_stream(model, arch, flow)))
                 tt = torch.tensor([t_q, t_s], device=device, dtype=torch.float64)
@@ -260,11 +295,25 @@ def bench_actor_stream(a, arch: ModelArch, device, rank: int, log) -> list[dict]
                     score_ok = f"{type(e).__name__}: {e}"
                 q = statistics.median(x[0] for x in samples)
                 st = statistics.median(x[1] for x in samples)
-                row = dict(tp=tp, mode=mode, build_s=t_build, quantize_s=q, stream_s=st, total_s=q + st, bytes=stats.bytes,
-                           tensors=stats.tensors, buckets=stats.buckets, missing=missing[:5], score_ok=score_ok, samples=samples)
+                row = dict(
+                    tp=tp,
+                    mode=mode,
+                    build_s=t_build,
+                    quantize_s=q,
+                    stream_s=st,
+                    total_s=q + st,
+                    bytes=stats.bytes,
+                    tensors=stats.tensors,
+                    buckets=stats.buckets,
+                    missing=missing[:5],
+                    score_ok=score_ok,
+                    samples=samples,
+                )
                 rows.append(row)
-                log(f"actor stream TP{tp} {mode:24s} re-quantize {q * 1e3:7.1f} ms  gather+export+stream {st * 1e3:7.1f} ms  "
-                    f"total {(q + st) * 1e3:7.1f} ms  {stats.bytes / GB:.3f} GB  complete {not missing}  score {score_ok}  (build {t_build:.1f}s)")
+                log(
+                    f"actor stream TP{tp} {mode:24s} re-quantize {q * 1e3:7.1f} ms  gather+export+stream {st * 1e3:7.1f} ms  "
+                    f"total {(q + st) * 1e3:7.1f} ms  {stats.bytes / GB:.3f} GB  complete {not missing}  score {score_ok}  (build {t_build:.1f}s)"
+                )
             del model, engine, mods
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -278,8 +327,13 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--modes", nargs="*", default=list(MODES))
-    p.add_argument("--actor-tp", type=int, nargs="*", default=[1, 2],
-                   help="TP sizes of the live-actor stream phase (megatron GPTModel + actor_weight_stream); none: skip")
+    p.add_argument(
+        "--actor-tp",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="TP sizes of the live-actor stream phase (megatron GPTModel + actor_weight_stream); none: skip",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (hidden 256, 2 layers)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -308,8 +362,10 @@ def main():
     arch = ModelArch.from_hf_config(cfg)
     entries = model_entries(arch)
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    log(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; Qwen3-8B shapes, {a.layers} layers"
-        f"{' (tiny)' if a.tiny else ''}; bucket {a.bucket_mb} MiB; world {world}")
+    log(
+        f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; Qwen3-8B shapes, {a.layers} layers"
+        f"{' (tiny)' if a.tiny else ''}; bucket {a.bucket_mb} MiB; world {world}"
+    )
     results = {"tp1": [], "tp2": None}
     params = None
     if rank == 0:
@@ -330,8 +386,14 @@ def main():
             dist.all_reduce(tq, op=dist.ReduceOp.MAX)
             if rank == 0:
                 engine = NativeEngine(arch, flow, device=device, batch_invariant=False)
-                t_s, stats = timed(device, lambda: stream_weights(
-                    hf_tensors(arch, flow, entries, lambda n: bf16[n], lambda n: fp8[n]), [engine], bucket_bytes=a.bucket_mb << 20))
+                t_s, stats = timed(
+                    device,
+                    lambda: stream_weights(
+                        hf_tensors(arch, flow, entries, lambda n: bf16[n], lambda n: fp8[n]),
+                        [engine],
+                        bucket_bytes=a.bucket_mb << 20,
+                    ),
+                )
                 if r == a.repeats:  # bytes of the TP2 export == TP1 export
                     cache = quantize_all(params, entries, flow)
                     tp1 = hf_tensors(arch, flow, entries, lambda n: [params[n]], lambda n: [cache[n]])
@@ -347,12 +409,23 @@ def main():
             dist.barrier()
         if rank == 0:
             med = {k: statistics.median(x[k] for x in rounds) for k in ("quantize_max_rank_s", "gather_s", "stream_s")}
-            gathered = sum(nbytes(v) for e in entries for v in ([shards[e.megatron]] if not e.fp8 else []) if e.tp_dim is not None)
-            results["tp2"] = dict(**med, total_s=sum(med.values()), bytes=rounds[-1]["bytes"], bitwise_vs_tp1=rounds[-1]["bad"] == [],
-                                  bad=(rounds[-1]["bad"] or [])[:5], samples=rounds, vocab_parallel_bf16_bytes_per_rank=gathered)
-            log(f"TP2 jetrl: re-quantize shards {med['quantize_max_rank_s'] * 1e3:.1f} ms (slowest rank), all-gather {med['gather_s'] * 1e3:.1f} ms, "
+            gathered = sum(
+                nbytes(v) for e in entries for v in ([shards[e.megatron]] if not e.fp8 else []) if e.tp_dim is not None
+            )
+            results["tp2"] = dict(
+                **med,
+                total_s=sum(med.values()),
+                bytes=rounds[-1]["bytes"],
+                bitwise_vs_tp1=rounds[-1]["bad"] == [],
+                bad=(rounds[-1]["bad"] or [])[:5],
+                samples=rounds,
+                vocab_parallel_bf16_bytes_per_rank=gathered,
+            )
+            log(
+                f"TP2 jetrl: re-quantize shards {med['quantize_max_rank_s'] * 1e3:.1f} ms (slowest rank), all-gather {med['gather_s'] * 1e3:.1f} ms, "
                 f"export+stream {med['stream_s'] * 1e3:.1f} ms, total {results['tp2']['total_s'] * 1e3:.1f} ms; "
-                f"export bit-equal to TP1: {results['tp2']['bitwise_vs_tp1']}")
+                f"export bit-equal to TP1: {results['tp2']['bitwise_vs_tp1']}"
+            )
     params = shards = None
     if cuda:
         torch.cuda.empty_cache()
@@ -361,30 +434,50 @@ def main():
         scale = None
         if not a.tiny and a.layers != 36:
             scale = f"times x{36 / a.layers:.2f} would give 36 layers for the per-layer part only"
-        print("\n| mode | bytes/sync GB (FP8 + scales + BF16) | tensors | re-quantize ms | export ms | +wire ms | total sync ms | GB/s | quantize + sync ms |")
+        print(
+            "\n| mode | bytes/sync GB (FP8 + scales + BF16) | tensors | re-quantize ms | export ms | +wire ms | total sync ms | GB/s | quantize + sync ms |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in results["tp1"]:
-            print(f"| {r['mode']} | {r['bytes'] / GB:.3f} ({r['fp8_bytes'] / GB:.3f} + {r['scale_bytes'] / GB:.4f} + {r['bf16_bytes'] / GB:.3f}) | "
-                  f"{r['tensors']} | {r['quantize_s'] * 1e3:.1f} | {r['export_s'] * 1e3:.1f} | {r['wire_s'] * 1e3:.1f} | {r['total_s'] * 1e3:.1f} | "
-                  f"{r['gbps_total']:.1f} | {r['step_s'] * 1e3:.1f} |")
+            print(
+                f"| {r['mode']} | {r['bytes'] / GB:.3f} ({r['fp8_bytes'] / GB:.3f} + {r['scale_bytes'] / GB:.4f} + {r['bf16_bytes'] / GB:.3f}) | "
+                f"{r['tensors']} | {r['quantize_s'] * 1e3:.1f} | {r['export_s'] * 1e3:.1f} | {r['wire_s'] * 1e3:.1f} | {r['total_s'] * 1e3:.1f} | "
+                f"{r['gbps_total']:.1f} | {r['step_s'] * 1e3:.1f} |"
+            )
         if results["tp2"]:
             t2 = results["tp2"]
-            print(f"| jetrl, TP2 trainer (2 GPUs, NCCL all-gather) | {t2['bytes'] / GB:.3f} | | {t2['quantize_max_rank_s'] * 1e3:.1f} (per rank) | "
-                  f"gather {t2['gather_s'] * 1e3:.1f} | | {t2['stream_s'] * 1e3:.1f} (export+stream) | | {t2['total_s'] * 1e3:.1f} |")
+            print(
+                f"| jetrl, TP2 trainer (2 GPUs, NCCL all-gather) | {t2['bytes'] / GB:.3f} | | {t2['quantize_max_rank_s'] * 1e3:.1f} (per rank) | "
+                f"gather {t2['gather_s'] * 1e3:.1f} | | {t2['stream_s'] * 1e3:.1f} (export+stream) | | {t2['total_s'] * 1e3:.1f} |"
+            )
         if results["actor"]:
-            print("\n| live actor stream (actor_weight_stream -> stream_weights -> NativeEngine) | trainer TP | bytes/sync GB | "
-                  "re-quantize ms | gather + export + stream ms | total ms |")
+            print(
+                "\n| live actor stream (actor_weight_stream -> stream_weights -> NativeEngine) | trainer TP | bytes/sync GB | "
+                "re-quantize ms | gather + export + stream ms | total ms |"
+            )
             print("|---|---|---|---|---|---|")
             for r in results["actor"]:
-                print(f"| {r['mode']} | {r['tp']} | {r['bytes'] / GB:.3f} | {r['quantize_s'] * 1e3:.1f} | {r['stream_s'] * 1e3:.1f} | "
-                      f"{r['total_s'] * 1e3:.1f} |")
+                print(
+                    f"| {r['mode']} | {r['tp']} | {r['bytes'] / GB:.3f} | {r['quantize_s'] * 1e3:.1f} | {r['stream_s'] * 1e3:.1f} | "
+                    f"{r['total_s'] * 1e3:.1f} |"
+                )
         if scale:
             print(scale)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "layers": a.layers,
-                           "bucket_mb": a.bucket_mb, "results": results}, f, indent=1, default=str)
+                json.dump(
+                    {
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "torch": torch.__version__,
+                        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                        "layers": a.layers,
+                        "bucket_mb": a.bucket_mb,
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                    default=str,
+                )
     if distributed:
         dist.destroy_process_group()
 

@@ -70,9 +70,20 @@ from megatron_jetrl.models import ModelArch  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import expected_tensors  # noqa: E402
 
-QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, eos_token_id=151645)
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=151645,
+)
 
 
 def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -105,8 +116,10 @@ def profile_context(prompt: int, new: int, steps: int, context: int | None, erro
         error(f"--profile-steps must be at least 3 (the profile subtracts a 2-token generate), got {steps}")
     context = prompt + new // 2 - steps // 2 if context is None else context
     if context < 1 or context + steps > prompt + new:
-        error(f"the profiled window (prompt {context}, {steps} steps) does not fit the engine's {prompt} + {new} tokens: "
-              "give --profile-context and --profile-steps with context + steps <= prompt + new")
+        error(
+            f"the profiled window (prompt {context}, {steps} steps) does not fit the engine's {prompt} + {new} tokens: "
+            "give --profile-context and --profile-steps with context + steps <= prompt + new"
+        )
     return context
 
 
@@ -114,7 +127,9 @@ def deep_gemm_cache_dir() -> Path:
     """Where DeepGEMM keeps its JIT-compiled kernels in a vLLM process: DG_JIT_CACHE_DIR, which vLLM 0.26 sets to
     $VLLM_CACHE_ROOT/deep_gemm when unset (`vllm/utils/deep_gemm.py`; VLLM_CACHE_ROOT defaults to
     $XDG_CACHE_HOME/vllm, else ~/.cache/vllm). Its kernel count before the engine starts tells a cold start from a warm one."""
-    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "vllm")
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "vllm"
+    )
     return Path(os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(root, "deep_gemm")).expanduser()
 
 
@@ -156,7 +171,9 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         return {"glue": "vllm"}, True
     if variant == "unfused-quant":
         if mode != "jetrl":
-            raise ValueError("--variant unfused-quant changes where FP8 activations are quantized: it applies to --mode jetrl only")
+            raise ValueError(
+                "--variant unfused-quant changes where FP8 activations are quantized: it applies to --mode jetrl only"
+            )
         return {"fused_quant": False}, True
     return {}, True
 
@@ -200,8 +217,13 @@ def _kernels(run) -> tuple[dict[str, float], float, list[float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return kernel_timeline(sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                                  if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()))
+    return kernel_timeline(
+        sorted(
+            (e.start_ns(), e.end_ns(), e.name())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()
+        )
+    )
 
 
 def kernel_timeline(ivs: list[tuple[int, int, str]]) -> tuple[dict[str, float], float, list[float]]:
@@ -242,9 +264,17 @@ def decode_profile(engine, prompts, steps: int = 64, seed: int | None = 1) -> di
     for name, ms in step_k.items():
         cats[decode_category(name)] = cats.get(decode_category(name), 0.0) + ms
     top = sorted(step_k.items(), key=lambda kv: -kv[1])[:12]
-    return {"batch": len(prompts), "steps": n, "context": len(prompts[0]) + steps / 2, "wall_ms": (w - w2) / n, "busy_ms": (b - b2) / n,
-            "kernel_ms": sum(step_k.values()), "categories": cats, "top": [[name[:120], ms] for name, ms in top],
-            "idle_ms_by_gap_us": {label: (g[i] - g2[i]) / n for i, label in enumerate(_gap_labels())}}
+    return {
+        "batch": len(prompts),
+        "steps": n,
+        "context": len(prompts[0]) + steps / 2,
+        "wall_ms": (w - w2) / n,
+        "busy_ms": (b - b2) / n,
+        "kernel_ms": sum(step_k.values()),
+        "categories": cats,
+        "top": [[name[:120], ms] for name, ms in top],
+        "idle_ms_by_gap_us": {label: (g[i] - g2[i]) / n for i, label in enumerate(_gap_labels())},
+    }
 
 
 def _gap_labels() -> list[str]:
@@ -253,8 +283,11 @@ def _gap_labels() -> list[str]:
 
 
 def print_decode_profile(tag: str, p: dict) -> None:
-    print(f"[{tag}] decode step at batch {p['batch']}, context ~{p['context']:.0f} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
-          f"{p['busy_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms", flush=True)
+    print(
+        f"[{tag}] decode step at batch {p['batch']}, context ~{p['context']:.0f} (mean of {p['steps']} steps): wall {p['wall_ms']:.3f} ms, GPU busy "
+        f"{p['busy_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms",
+        flush=True,
+    )
     idle = ", ".join(f"{label} us {ms:.3f}" for label, ms in p.get("idle_ms_by_gap_us", {}).items())
     print(f"[{tag}]   GPU idle ms by gap length: {idle}", flush=True)
     for cat, ms in sorted(p["categories"].items(), key=lambda kv: -kv[1]):
@@ -283,20 +316,35 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
-    ap.add_argument("--profile-batch", type=int, nargs="+", default=None,
-                    help="after the timings, where one decode step's time goes at each of these batches (torch.profiler; see decode_profile)")
+    ap.add_argument(
+        "--profile-batch",
+        type=int,
+        nargs="+",
+        default=None,
+        help="after the timings, where one decode step's time goes at each of these batches (torch.profiler; see decode_profile)",
+    )
     ap.add_argument("--profile-steps", type=int, default=64, help="decode steps profiled per batch (default 64)")
-    ap.add_argument("--profile-context", type=int, default=None,
-                    help="prompt length of the profiled generates (default: the timed runs' mean decode context, "
-                         "prompt + new/2 - steps/2, so that the profiled steps' KV cache is the average one)")
-    ap.add_argument("--tp", type=int, default=1, help="one engine over this many GPUs (vLLM TP, as rollout.tp); run it "
-                                                      "under torchrun --nproc-per-node TP (default 1)")
+    ap.add_argument(
+        "--profile-context",
+        type=int,
+        default=None,
+        help="prompt length of the profiled generates (default: the timed runs' mean decode context, "
+        "prompt + new/2 - steps/2, so that the profiled steps' KV cache is the average one)",
+    )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="one engine over this many GPUs (vLLM TP, as rollout.tp); run it under torchrun --nproc-per-node TP (default 1)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.tp < 1 or world != a.tp:
-        ap.error(f"--tp {a.tp} runs one process per GPU of the engine: start it as torchrun --nproc-per-node {a.tp} "
-                 f"tools/bench/bench_vllm.py --tp {a.tp} ... (this is {world} process(es))")
+        ap.error(
+            f"--tp {a.tp} runs one process per GPU of the engine: start it as torchrun --nproc-per-node {a.tp} "
+            f"tools/bench/bench_vllm.py --tp {a.tp} ... (this is {world} process(es))"
+        )
     try:
         extra, verify = variant_settings(a.variant, a.mode)
     except ValueError as e:
@@ -321,14 +369,34 @@ def main(argv=None) -> dict:
     flow = PrecisionFlow(a.mode)
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
-    res = {"mode": a.mode, "variant": a.variant, "layers": a.layers, "tp": a.tp, "eager": a.eager, "device": torch.cuda.get_device_name(),
-           "prompt": a.prompt, "new_tokens": a.new, "deep_gemm_cache": str(deep_gemm_cache_dir()),
-           "deep_gemm_cache_entries": len(list(deep_gemm_cache_dir().glob("**/*.cubin")))}
+    res = {
+        "mode": a.mode,
+        "variant": a.variant,
+        "layers": a.layers,
+        "tp": a.tp,
+        "eager": a.eager,
+        "device": torch.cuda.get_device_name(),
+        "prompt": a.prompt,
+        "new_tokens": a.new,
+        "deep_gemm_cache": str(deep_gemm_cache_dir()),
+        "deep_gemm_cache_entries": len(list(deep_gemm_cache_dir().glob("**/*.cubin"))),
+    }
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()
-    engine = VllmEngine(model_dir, flow, tp=a.tp, tp_rank=rank, eos_token_ids=[config["eos_token_id"]], seed=0,
-                        kv_cache_memory_bytes=int(a.kv_gb * 2**30), gpu_memory_utilization=0.9, enforce_eager=a.eager,
-                        max_model_len=a.prompt + a.new + 16, verify_numerics=verify, **extra)
+    engine = VllmEngine(
+        model_dir,
+        flow,
+        tp=a.tp,
+        tp_rank=rank,
+        eos_token_ids=[config["eos_token_id"]],
+        seed=0,
+        kv_cache_memory_bytes=int(a.kv_gb * 2**30),
+        gpu_memory_utilization=0.9,
+        enforce_eager=a.eager,
+        max_model_len=a.prompt + a.new + 16,
+        verify_numerics=verify,
+        **extra,
+    )
     res["start_s"] = time.perf_counter() - t0
     res["numerics"] = engine.numerics
     batch = device_stream(arch, flow)
@@ -344,8 +412,11 @@ def main(argv=None) -> dict:
     res["pool_cycle_parts"] = pool.last_sync.parts
     del batch
     torch.cuda.empty_cache()
-    print(f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s ({res['deep_gemm_cache_entries']} DeepGEMM kernels cached before it), sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
-          f"copy {res['copy_GBps']:.0f} GB/s), pool cycle {res['pool_cycle_s']:.3f} s", flush=True)
+    print(
+        f"[{a.mode} {a.variant}] start {res['start_s']:.1f} s ({res['deep_gemm_cache_entries']} DeepGEMM kernels cached before it), sync best {res['sync_best_s']:.3f} s ({res['sync_GBps']:.0f} GB/s, "
+        f"copy {res['copy_GBps']:.0f} GB/s), pool cycle {res['pool_cycle_s']:.3f} s",
+        flush=True,
+    )
 
     g = torch.Generator().manual_seed(0)
     res["decode"] = {}
@@ -354,8 +425,11 @@ def main(argv=None) -> dict:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=sampling_seed(a.variant))
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
         res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
-        print(f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
-              f"{res['decode'][b]['best_tok_s']:.0f} tok/s", flush=True)
+        print(
+            f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
+            f"{res['decode'][b]['best_tok_s']:.0f} tok/s",
+            flush=True,
+        )
     res["decode_profiles"] = {}
     for b in a.profile_batch or ():
         prompts = torch.randint(0, arch.vocab_size - 1, (b, a.profile_context), generator=g).tolist()

@@ -63,14 +63,18 @@ def vllm_runs(paths: list[str]) -> dict[str, dict]:
         r.setdefault("tp", 1)  # (runs before --tp)
     keys = ("layers", "prompt", "new_tokens", "tp")
     if len({tuple(r.get(k) for k in keys) for r in runs.values()}) > 1:
-        raise ValueError("the vLLM runs differ in " + ", ".join(f"{m}: {dict((k, r.get(k)) for k in keys)}" for m, r in runs.items()))
+        raise ValueError(
+            "the vLLM runs differ in " + ", ".join(f"{m}: {dict((k, r.get(k)) for k in keys)}" for m, r in runs.items())
+        )
     return runs
 
 
 def native_rate(native: dict, precision: str, batch: int, new: int) -> float | None:
     """Generated tokens/s of the native engine's end-to-end run (prefill + decode), or None if it did not run."""
     for r in native.get("results", []):
-        if (r.get("precision"), r.get("batch"), r.get("new_tokens")) == (precision, batch, new) and isinstance(r.get("e2e"), dict):
+        if (r.get("precision"), r.get("batch"), r.get("new_tokens")) == (precision, batch, new) and isinstance(
+            r.get("e2e"), dict
+        ):
             return batch * new / (r["e2e"]["prefill_s"] + r["e2e"]["decode_s"])
     return None
 
@@ -80,9 +84,11 @@ def check_native(native: dict, layers, prompt, new) -> None:
     if missing:
         raise ValueError(f"the native JSON lacks {missing}: give the output of tools/bench/bench_rollout.py --json")
     if (native["model"]["layers"], native["prompt"]) != (layers, prompt) or new not in native["new_tokens"]:
-        raise ValueError(f"the native run (layers {native['model']['layers']}, prompt {native['prompt']}, new tokens "
-                         f"{native['new_tokens']}) does not cover the vLLM runs' setting (layers {layers}, prompt {prompt}, "
-                         f"new tokens {new}): run tools/bench/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}")
+        raise ValueError(
+            f"the native run (layers {native['model']['layers']}, prompt {native['prompt']}, new tokens "
+            f"{native['new_tokens']}) does not cover the vLLM runs' setting (layers {layers}, prompt {prompt}, "
+            f"new tokens {new}): run tools/bench/bench_rollout.py with --layers {layers} --prompt {prompt} --new-tokens {new}"
+        )
 
 
 def table(native: dict | None, runs: dict[str, dict]) -> str:
@@ -98,21 +104,30 @@ def table(native: dict | None, runs: dict[str, dict]) -> str:
     base = {k: f"bf16 {k.split(' ', 1)[1]}" if f"bf16 {k.split(' ', 1)[1]}" in runs else "bf16" for k in variants}
     extra_head = "".join(f" vLLM {k} | vLLM {k} / {base[k]} |" for k in variants)
     tp = f", rollout TP {ref['tp']} (one engine over {ref['tp']} GPUs)" if ref.get("tp", 1) > 1 else ""
-    lines = [f"Generated tokens/s, Qwen3-8B shapes x {layers} layers{tp}, prompt {prompt}, {new} new tokens "
-             + (f"(native on {native['device']}, vLLM on {ref['device']})." if native["device"] else
-                f"(vLLM on {ref['device']}; the native engine not run)."), "",
-             "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | "
-             "vLLM/native, FP8 |" + extra_head,
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(variants)]
+    lines = [
+        f"Generated tokens/s, Qwen3-8B shapes x {layers} layers{tp}, prompt {prompt}, {new} new tokens "
+        + (
+            f"(native on {native['device']}, vLLM on {ref['device']})."
+            if native["device"]
+            else f"(vLLM on {ref['device']}; the native engine not run)."
+        ),
+        "",
+        "| batch | native BF16 | native FP8 | native FP8/BF16 | vLLM BF16 | vLLM FP8 | vLLM FP8 first run | vLLM FP8/BF16 | "
+        "vLLM/native, FP8 |" + extra_head,
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(variants),
+    ]
     batches = sorted({int(b) for r in runs.values() for b in r["decode"]})
     for b in batches:
         nb, nf = native_rate(native, "bf16", b, new), native_rate(native, "fp8", b, new)
         get = lambda run, key: runs.get(run, {}).get("decode", {}).get(str(b), {}).get(key)
         vb, vf, vf0 = get("bf16", "best_tok_s"), get("jetrl", "best_tok_s"), get("jetrl", "first_tok_s")
-        extra = "".join(f" {f(get(k, 'best_tok_s'))} | {ratio(get(k, 'best_tok_s'), get(base[k], 'best_tok_s'))} |"
-                        for k in variants)
-        lines.append(f"| {b} | {f(nb)} | {f(nf)} | {ratio(nf, nb)} | {f(vb)} | {f(vf)} | {f(vf0)} | {ratio(vf, vb)} | "
-                     f"{ratio(vf, nf)} |" + extra)
+        extra = "".join(
+            f" {f(get(k, 'best_tok_s'))} | {ratio(get(k, 'best_tok_s'), get(base[k], 'best_tok_s'))} |" for k in variants
+        )
+        lines.append(
+            f"| {b} | {f(nb)} | {f(nf)} | {ratio(nf, nb)} | {f(vb)} | {f(vf)} | {f(vf0)} | {ratio(vf, vb)} | "
+            f"{ratio(vf, nf)} |" + extra
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +150,10 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
     for b in batches:
         F, B = pf[b], pb[b]
         if F.get("context") != B.get("context"):
-            raise ValueError(f"batch {b}: the jetrl profile ran at context {F.get('context')}, the bf16 one at "
-                             f"{B.get('context')}: profile both with the same --prompt, --new and --profile-context")
+            raise ValueError(
+                f"batch {b}: the jetrl profile ran at context {F.get('context')}, the bf16 one at "
+                f"{B.get('context')}: profile both with the same --prompt, --new and --profile-context"
+            )
         lm_head = F["categories"].get("GEMM BF16", 0.0)  # the only BF16 GEMM of an FP8 engine
         lin_b = B["categories"].get("GEMM BF16", 0.0) - lm_head
         lin_f = F["categories"].get("GEMM FP8", 0.0)
@@ -146,32 +163,46 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
         extra = F["busy_ms"] - B["busy_ms"] + lin_b - lin_f
         best = B["busy_ms"] - lin_b + floor
         need = B["busy_ms"] / GOAL - (B["busy_ms"] - lin_b) - extra  # FP8 GEMM ms for the goal, with today's extra work
-        need_rate = ("below zero: unreachable" if need <= 0 else f"{need:.3f} ms ({f8['linear_GB'] / need:.2f} TB/s)"
-                     + (": below the floor, unreachable" if need < floor else ""))
-        lines.append(f"| {b} | {B['context']:.0f} | {B['busy_ms']:.3f} | {lin_b:.3f} | {B['categories'].get('attention', 0.0):.3f} | "
-                     f"{B['categories'].get('NCCL', 0.0):.3f} | "
-                     f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {extra:.3f} | "
-                     f"{floor:.3f} ({'read' if read_f >= flops_f else 'FLOPs'}) | {best:.3f} | **{B['busy_ms'] / best:.2f}x** | "
-                     f"{B['busy_ms'] / F['busy_ms']:.2f}x | {need_rate} |")
+        need_rate = (
+            "below zero: unreachable"
+            if need <= 0
+            else f"{need:.3f} ms ({f8['linear_GB'] / need:.2f} TB/s)" + (": below the floor, unreachable" if need < floor else "")
+        )
+        lines.append(
+            f"| {b} | {B['context']:.0f} | {B['busy_ms']:.3f} | {lin_b:.3f} | {B['categories'].get('attention', 0.0):.3f} | "
+            f"{B['categories'].get('NCCL', 0.0):.3f} | "
+            f"{F['busy_ms']:.3f} | {lin_f:.3f} ({read_f / lin_f:.0%}) | {extra:.3f} | "
+            f"{floor:.3f} ({'read' if read_f >= flops_f else 'FLOPs'}) | {best:.3f} | **{B['busy_ms'] / best:.2f}x** | "
+            f"{B['busy_ms'] / F['busy_ms']:.2f}x | {need_rate} |"
+        )
     if not lines:
         return ""
     share = f" (one of {f8['tp']} TP ranks' share)" if f8.get("tp", 1) > 1 else ""
-    head = (f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB{share} read at "
-            f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms; FP8 peak {fp8_tflops:.0f} TFLOP/s).\n\n"
-            "| batch | context | BF16 step | its linear GEMMs | attention | NCCL | FP8 step | its FP8 GEMMs (copy-rate share) | "
-            "FP8's other extra work | FP8 GEMMs' floor | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 | "
-            f"FP8 GEMMs for {GOAL}x with today's extra work |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = (
+        f"What FP8 weights can buy one decode step (GPU-busy ms; the FP8 linears' {f8['linear_GB']:.2f} GB{share} read at "
+        f"{f8['copy_GBps']:.0f} GB/s take {read_f:.3f} ms; FP8 peak {fp8_tflops:.0f} TFLOP/s).\n\n"
+        "| batch | context | BF16 step | its linear GEMMs | attention | NCCL | FP8 step | its FP8 GEMMs (copy-rate share) | "
+        "FP8's other extra work | FP8 GEMMs' floor | FP8 step at the ceiling | ceiling FP8/BF16 | measured FP8/BF16 | "
+        f"FP8 GEMMs for {GOAL}x with today's extra work |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     return "\n" + head + "\n" + "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--native", help="tools/bench/bench_rollout.py JSON (its columns read n/a without it)")
     ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench/bench_vllm.py JSON, one per mode and --variant")
-    ap.add_argument("--fp8-tflops", type=float, default=FP8_PEAK_TFLOPS,
-                    help="the FP8 tensor-core peak for the ceiling's FLOP floor (default 1979: H100/H200 SXM, dense)")
+    ap.add_argument(
+        "--fp8-tflops",
+        type=float,
+        default=FP8_PEAK_TFLOPS,
+        help="the FP8 tensor-core peak for the ceiling's FLOP floor (default 1979: H100/H200 SXM, dense)",
+    )
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
     try:

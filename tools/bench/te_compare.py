@@ -38,8 +38,12 @@ def fmt(v, spec=".4g") -> str:
 
 
 def table(local: dict[str, list[dict]], te: dict[str, list[dict]]) -> str:
-    lines = ["| mode | spec | steps | step-0 loss | step-0 mismatch mean abs dlogp | mean loss | mean mismatch | max abs dlogp | "
-             + " | ".join(f"{p} s" for p in PHASES) + " | step te/local |", "|" + "---|" * (9 + len(PHASES))]
+    lines = [
+        "| mode | spec | steps | step-0 loss | step-0 mismatch mean abs dlogp | mean loss | mean mismatch | max abs dlogp | "
+        + " | ".join(f"{p} s" for p in PHASES)
+        + " | step te/local |",
+        "|" + "---|" * (9 + len(PHASES)),
+    ]
     for mode in sorted(set(local) | set(te)):
         base = mean(local.get(mode, [])[1:], "time/step")
         for spec, rows in (("local", local.get(mode)), ("te", te.get(mode))):
@@ -53,7 +57,9 @@ def table(local: dict[str, list[dict]], te: dict[str, list[dict]]) -> str:
                 f"| {mode} | {spec} | {len(rows)} | {fmt(rows[0].get('loss/total'))} | {fmt(rows[0].get('mismatch/mean_abs_diff'))} | "
                 f"{fmt(mean(rows, 'loss/total'))} | {fmt(mean(rows, 'mismatch/mean_abs_diff'))} | "
                 f"{fmt(max((r.get('mismatch/max_abs_diff') or 0) for r in rows), '.3g')} | "
-                + " | ".join(fmt(mean(later, f"time/{p}"), ".3f") for p in PHASES) + f" | {ratio} |")
+                + " | ".join(fmt(mean(later, f"time/{p}"), ".3f") for p in PHASES)
+                + f" | {ratio} |"
+            )
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ KERNELS = ("quant_tile", "swiglu_bwd_tile")
 def _wheel_file(*candidates: tuple[str, ...]) -> Path | None:
     """The first of `candidates` (paths under the `nvidia` namespace package of NVIDIA's pip wheels) that exists."""
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations if spec else []):
+    for root in spec.submodule_search_locations if spec else []:
         for parts in candidates:
             if Path(root, *parts).exists():
                 return Path(root, *parts)
@@ -56,8 +56,13 @@ def nvrtc_ptx(lib: ctypes.CDLL, source: str, arch: str) -> str:
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"cuda_tiles.cu", 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture=compute_{arch}".encode(), b"-D__CUDA_NO_HALF_OPERATORS__", b"-D__CUDA_NO_HALF_CONVERSIONS__",
-            b"-D__CUDA_NO_BFLOAT16_CONVERSIONS__", b"-D__CUDA_NO_HALF2_OPERATORS__"]
+    opts = [
+        f"--gpu-architecture=compute_{arch}".encode(),
+        b"-D__CUDA_NO_HALF_OPERATORS__",
+        b"-D__CUDA_NO_HALF_CONVERSIONS__",
+        b"-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        b"-D__CUDA_NO_HALF2_OPERATORS__",
+    ]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -76,8 +81,9 @@ def ptxas_report(ptxas: Path, ptx: str, arch: str) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d, "k.ptx")
         src.write_text(ptx)
-        out = subprocess.run([str(ptxas), f"-arch=sm_{arch}", "-v", str(src), "-o", str(Path(d, "k.cubin"))],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [str(ptxas), f"-arch=sm_{arch}", "-v", str(src), "-o", str(Path(d, "k.cubin"))], capture_output=True, text=True
+        )
     if out.returncode:
         raise RuntimeError(f"ptxas failed:\n{out.stderr}")
     report, name = {}, None
@@ -110,7 +116,9 @@ def main() -> int:
     ap.add_argument("--arch", default="90")
     a = ap.parse_args()
     if a.nvrtc is None or a.ptxas is None:
-        print("needs NVRTC and ptxas: pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 (or pass --nvrtc / --ptxas)")
+        print(
+            "needs NVRTC and ptxas: pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 (or pass --nvrtc / --ptxas)"
+        )
         return 2
     lib = load_nvrtc(a.nvrtc)
     bad = 0
@@ -129,7 +137,9 @@ def main() -> int:
                 bad += 1
                 continue
             variant = " ".join(f"{k}={v}" for k, v in flags.items())
-            print(f"{variant:<44} {kernel:<16} {r['registers']:>5} {r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<6} {r['smem']:>6}")
+            print(
+                f"{variant:<44} {kernel:<16} {r['registers']:>5} {r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<6} {r['smem']:>6}"
+            )
     print("OK: every variant compiles" if not bad else f"{bad} kernel variant(s) missing")
     return 1 if bad else 0
 

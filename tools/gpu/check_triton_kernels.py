@@ -49,14 +49,26 @@ def _compile(fn, signature: dict, constexprs: dict, warps: int, aligned: tuple =
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 def _signature(fn, pointers: dict, floats: tuple, constexprs: tuple) -> dict:
-    return {n: pointers.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in floats else "constexpr" if n in constexprs
-            else "i32" for n in fn.arg_names}
+    return {
+        n: pointers.get(n, "*bf16")
+        if n.endswith("_ptr")
+        else "fp32"
+        if n in floats
+        else "constexpr"
+        if n in constexprs
+        else "i32"
+        for n in fn.arg_names
+    }
 
 
 _LOC = re.compile(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
@@ -87,19 +99,27 @@ def check() -> list[str]:
 
     problems = []
     rms = glue_kernels._k()["rms_fwd"].fn
-    sig = _signature(rms, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "r_ptr": "*fp32"}, ("inv_n", "eps", "q_eps"),
-                     ("BLOCK_R", "BLOCK_N", "HAS_RES", "QUANT"))
+    sig = _signature(
+        rms,
+        {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "r_ptr": "*fp32"},
+        ("inv_n", "eps", "q_eps"),
+        ("BLOCK_R", "BLOCK_N", "HAS_RES", "QUANT"),
+    )
     for block_n, block_r, warps in NORM_SHAPES:
         for res in (False, True):
-            plain_ops, fused_ops = (norm_part(_compile(rms, sig, dict(BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=res, QUANT=q),
-                                                       warps).asm["ttgir"]) for q in (False, True))
+            plain_ops, fused_ops = (
+                norm_part(_compile(rms, sig, dict(BLOCK_R=block_r, BLOCK_N=block_n, HAS_RES=res, QUANT=q), warps).asm["ttgir"])
+                for q in (False, True)
+            )
             where = f"rms_fwd BLOCK_N={block_n} BLOCK_R={block_r} residual={res}"
             if plain_ops != fused_ops:
                 problems.append(f"{where}: with QUANT the norm's ops or layouts up to y's store differ from the plain kernel's")
             else:
                 print(f"ok  {where}: {len(plain_ops)} ops up to y's store, identical with QUANT", flush=True)
     quant = kernels._k()["quant_1x128"].fn
-    sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), ("BLOCK_M", "G", "UE8M0", "SWIGLU", "EVEN", "PRODUCT", "DIV"))
+    sig = _signature(
+        quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), ("BLOCK_M", "G", "UE8M0", "SWIGLU", "EVEN", "PRODUCT", "DIV")
+    )
     for product, div in ((False, 1), (True, 1), (True, 0), (True, 2)):
         for even in (False, True):
             _compile(quant, sig, dict(BLOCK_M=16, G=1, UE8M0=False, SWIGLU=True, EVEN=even, PRODUCT=product, DIV=div), 4)
@@ -117,9 +137,13 @@ def sass_per_element(swiglu: bool, div: int) -> tuple[float, collections.Counter
 
     cfg = kernels.QUANT_CFG["1x128"]
     quant = kernels._k()["quant_1x128"].fn
-    const = dict(BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, DIV=div, stride_sm=1)
+    const = dict(
+        BLOCK_M=cfg["block_m"], G=cfg["groups"], UE8M0=False, SWIGLU=swiglu, EVEN=True, PRODUCT=False, DIV=div, stride_sm=1
+    )
     sig = _signature(quant, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ("eps",), tuple(const))
-    aligned = tuple(n for n in quant.arg_names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm"))
+    aligned = tuple(
+        n for n in quant.arg_names if n.endswith("_ptr") or n in ("M", "K", "stride_xm", "stride_qm", "stride_sk", "stride_pm")
+    )
     cubin = _compile(quant, sig, const, cfg["num_warps"], aligned).asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

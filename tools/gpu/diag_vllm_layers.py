@@ -39,8 +39,11 @@ def vllm_inputs(engine):
         parts = name.split(".")
         if parts[-1] in LINEARS and "layers" in parts:
             key = (int(parts[parts.index("layers") + 1]), LINEARS[parts[-1]])
-            handles.append(module.register_forward_pre_hook(
-                lambda m, args, key=key: seen.setdefault(key, args[0].detach().reshape(-1, args[0].shape[-1]).clone())))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, args, key=key: seen.setdefault(key, args[0].detach().reshape(-1, args[0].shape[-1]).clone())
+                )
+            )
     return seen, handles
 
 
@@ -82,9 +85,12 @@ def op_probes(engine, arch) -> list[tuple[str, str, float]]:
     want = F.silu(gate) * up
     for method in ("forward_cuda", "forward_native"):
         shares = vllm_glue.probe(layer, arch, "cuda", method=method)
-        rows += [("RMSNorm", method, shares["rms_norm"]), ("RMSNorm + residual", method, shares["rms_norm_residual"]),
-                 ("RoPE (q, k)", method, shares["rope"]),
-                 ("SiLU * up", method, (getattr(layer.mlp.act_fn, method)(gu.clone()) != want).float().mean().item())]
+        rows += [
+            ("RMSNorm", method, shares["rms_norm"]),
+            ("RMSNorm + residual", method, shares["rms_norm_residual"]),
+            ("RoPE (q, k)", method, shares["rope"]),
+            ("SiLU * up", method, (getattr(layer.mlp.act_fn, method)(gu.clone()) != want).float().mean().item()),
+        ]
     return rows
 
 
@@ -99,9 +105,17 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--tokens", type=int, default=256, help="length of the scored sequence")
     p.add_argument("--attention", default="", help="vLLM attention backend (default: vLLM's choice, FlashAttention 3 on Hopper)")
-    p.add_argument("--custom-ops", default="", help="vLLM compilation_config custom_ops, comma list (e.g. -silu_and_mul: torch's forward_native)")
-    p.add_argument("--glue", choices=("vllm", "trainer"), default="vllm",
-                   help="trainer: vLLM's RMSNorm and RoPE replaced by the trainer's (rollout.vllm_glue.register)")
+    p.add_argument(
+        "--custom-ops",
+        default="",
+        help="vLLM compilation_config custom_ops, comma list (e.g. -silu_and_mul: torch's forward_native)",
+    )
+    p.add_argument(
+        "--glue",
+        choices=("vllm", "trainer"),
+        default="vllm",
+        help="trainer: vLLM's RMSNorm and RoPE replaced by the trainer's (rollout.vllm_glue.register)",
+    )
     p.add_argument("--show", type=int, default=4, help="table rows: the first SHOW layers and the last")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -121,17 +135,37 @@ def main(argv=None) -> int:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29613", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl", rank=0, world_size=1)
-    config = dict(model_type=args.model_type, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                  head_dim=128, vocab_size=args.vocab, max_position_embeddings=2048, eos_token_id=args.vocab - 1,
-                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    config = dict(
+        model_type=args.model_type,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=128,
+        vocab_size=args.vocab,
+        max_position_embeddings=2048,
+        eos_token_id=args.vocab - 1,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
     flow, arch = PrecisionFlow("jetrl"), ModelArch.from_hf_config(config)
     extra = {"attention_config": {"backend": args.attention}} if args.attention else {}
     if args.custom_ops:
         extra["compilation_config"] = {"custom_ops": args.custom_ops.split(",")}
-    engine = VllmEngine(write_model_dir(tempfile.mkdtemp(), config, flow), flow, eos_token_ids=[args.vocab - 1], seed=0,
-                        kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.6, enforce_eager=True, max_model_len=2048,
-                        glue=args.glue, **extra)
+    engine = VllmEngine(
+        write_model_dir(tempfile.mkdtemp(), config, flow),
+        flow,
+        eos_token_ids=[args.vocab - 1],
+        seed=0,
+        kv_cache_memory_bytes=4 << 30,
+        gpu_memory_utilization=0.6,
+        enforce_eager=True,
+        max_model_len=2048,
+        glue=args.glue,
+        **extra,
+    )
     state = {k: v.cuda() for k, v in bf16_state(arch, seed=3).items()}
     batch = dict(live_stream(arch, state, flow))
     engine.update_weights(batch.items())
@@ -140,15 +174,19 @@ def main(argv=None) -> int:
 
     seq = torch.randint(0, args.vocab - 1, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     theirs, handles = vllm_inputs(engine)
-    out = engine.llm.generate([{"prompt_token_ids": seq}], engine._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    out = engine.llm.generate(
+        [{"prompt_token_ids": seq}], engine._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
     for h in handles:
         h.remove()
     ours = native_inputs(native)
     scores = native.score([seq])[0]
     v_lp = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
     n_lp = torch.tensor(scores[: len(v_lp)])
-    print(f"{torch.cuda.get_device_name()}; {config['model_type']} hidden {args.hidden}, {args.layers} layers, heads "
-          f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; custom_ops {args.custom_ops or 'default'}; glue {engine.numerics['glue']}; kernels {engine.numerics.get('kernels')}")
+    print(
+        f"{torch.cuda.get_device_name()}; {config['model_type']} hidden {args.hidden}, {args.layers} layers, heads "
+        f"{args.heads}/{args.kv_heads}; vLLM attention {args.attention or 'default'}; custom_ops {args.custom_ops or 'default'}; glue {engine.numerics['glue']}; kernels {engine.numerics.get('kernels')}"
+    )
     print("| op (vLLM layer 0 vs the trainer's function) | vLLM method | output elements that differ |\n|---|---|---|")
     for op, method, share in op_probes(engine, arch):
         print(f"| {op} | {method} | {share:.2%} |")
@@ -158,13 +196,17 @@ def main(argv=None) -> int:
         for kind in LINEARS.values():
             a, b = theirs.get((layer, kind)), ours.get((layer, kind))
             if a is None or b is None or a.shape != b.shape:
-                print(f"| {layer} | {kind} | shapes vLLM {None if a is None else tuple(a.shape)} native {None if b is None else tuple(b.shape)} | | |")
+                print(
+                    f"| {layer} | {kind} | shapes vLLM {None if a is None else tuple(a.shape)} native {None if b is None else tuple(b.shape)} | | |"
+                )
                 continue
             d, q, r = compare(a, b, flow)
             print(f"| {layer} | {kind} | {d:.2%} | {q:.2%} | {r:.2e} |")
     diff = (v_lp - n_lp).abs()
-    print(f"prompt logprobs, vLLM vs native on the same bytes: mean |dlogp| {diff.mean():.4f}, max {diff.max():.4f} "
-          f"({len(diff)} tokens)")
+    print(
+        f"prompt logprobs, vLLM vs native on the same bytes: mean |dlogp| {diff.mean():.4f}, max {diff.max():.4f} "
+        f"({len(diff)} tokens)"
+    )
     dist.destroy_process_group()
     return 0
 

@@ -45,9 +45,19 @@ FAMILIES = ("qwen3", "qwen2")
 
 
 def hf_config(family: str, a) -> dict:
-    cfg = dict(model_type=family, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-               num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=128, vocab_size=a.vocab,
-               max_position_embeddings=max(a.seq, 64), rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+    cfg = dict(
+        model_type=family,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=128,
+        vocab_size=a.vocab,
+        max_position_embeddings=max(a.seq, 64),
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+    )
     cfg["tie_word_embeddings"] = family == "qwen2"
     return cfg
 
@@ -64,12 +74,19 @@ def random_hf_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         state["lm_head.weight"] = rnd(V, H)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": rnd(nh * hd, H), p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
-            p + "self_attn.v_proj.weight": rnd(nkv * hd, H), p + "self_attn.o_proj.weight": rnd(H, nh * hd),
-            p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H), p + "mlp.down_proj.weight": rnd(H, I),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+                p + "self_attn.q_proj.weight": rnd(nh * hd, H),
+                p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
+                p + "self_attn.v_proj.weight": rnd(nkv * hd, H),
+                p + "self_attn.o_proj.weight": rnd(H, nh * hd),
+                p + "mlp.gate_proj.weight": rnd(I, H),
+                p + "mlp.up_proj.weight": rnd(I, H),
+                p + "mlp.down_proj.weight": rnd(H, I),
+            }
+        )
         if cfg["model_type"] == "qwen2":
             state.update({p + f"self_attn.{x}_proj.bias": rnd(n * hd, std=0.1) for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
         if cfg["model_type"] == "qwen3":
@@ -85,7 +102,10 @@ def write_checkpoints(root: Path, a) -> None:
         d = root / family
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(cfg))
-        save_file({n: t.contiguous() for n, t in random_hf_state(cfg, seed=a.seed * 1000 + 100 + k).items()}, str(d / "model.safetensors"))
+        save_file(
+            {n: t.contiguous() for n, t in random_hf_state(cfg, seed=a.seed * 1000 + 100 + k).items()},
+            str(d / "model.safetensors"),
+        )
 
 
 def grpo_like_loss(logprobs, extras):
@@ -150,7 +170,11 @@ def run_layout(tp: int, a, root: Path, device, tokens, advantages, var_list) -> 
         for name, kw in var_list:
             if name.endswith(BUG) and tp == 1:
                 continue  # the base variant's TP1 run is the reference
-            flow = PrecisionFlow(**kw, check_finite="sync" if a.check_finite else "off") if kw["mode"] != "bf16" else PrecisionFlow(**kw)
+            flow = (
+                PrecisionFlow(**kw, check_finite="sync" if a.check_finite else "off")
+                if kw["mode"] != "bf16"
+                else PrecisionFlow(**kw)
+            )
             model = build_model(arch, flow, ActorOptions(params_dtype=dtype, max_sequence_length=max(a.seq, 64)))
             if device.type == "cuda":
                 # build_model leaves the native spec's RMSNorm weights on the CPU (torch.ones without a device);
@@ -169,17 +193,35 @@ def run_layout(tp: int, a, root: Path, device, tokens, advantages, var_list) -> 
             for _ in range(a.steps):
                 sync(device)
                 t0 = time.perf_counter()
-                steps.append(train_step(ddp, opt, tokens, grpo_like_loss, vocab_size=arch.vocab_size,
-                                        micro_batch_size=a.micro, extras={"advantages": advantages}))
+                steps.append(
+                    train_step(
+                        ddp,
+                        opt,
+                        tokens,
+                        grpo_like_loss,
+                        vocab_size=arch.vocab_size,
+                        micro_batch_size=a.micro,
+                        extras={"advantages": advantages},
+                    )
+                )
                 sync(device)
                 t_steps.append(time.perf_counter() - t0)
             lp1 = compute_logprobs(ddp, tokens, vocab_size=arch.vocab_size, micro_batch_size=a.micro)
             n_fp8 = len(fp8_weights(model))
-            out[family, name] = {"lp0": lp0.cpu(), "lp1": lp1.cpu(), "steps": steps, "t_logprobs_s": t_fwd,
-                                 "t_steps_s": t_steps, "n_fp8_linears": n_fp8}
+            out[family, name] = {
+                "lp0": lp0.cpu(),
+                "lp1": lp1.cpu(),
+                "steps": steps,
+                "t_logprobs_s": t_fwd,
+                "t_steps_s": t_steps,
+                "n_fp8_linears": n_fp8,
+            }
             if dist.get_rank() == 0:
-                print(f"[tp{tp}] {family:6s} {name:16s} logprobs {t_fwd:6.2f}s  steps {' '.join(f'{t:.2f}s' for t in t_steps)}  "
-                      f"losses {[round(s.get('loss', float('nan')), 6) for s in steps]}  fp8 linears {n_fp8}", flush=True)
+                print(
+                    f"[tp{tp}] {family:6s} {name:16s} logprobs {t_fwd:6.2f}s  steps {' '.join(f'{t:.2f}s' for t in t_steps)}  "
+                    f"losses {[round(s.get('loss', float('nan')), 6) for s in steps]}  fp8 linears {n_fp8}",
+                    flush=True,
+                )
             del model, ddp, opt
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -203,23 +245,33 @@ def compare(tp1: dict, tp1_peer: dict, tp2: dict, tp2_peer: dict, var_names: lis
             r1, r2 = tp1[family, base], tp2[family, name]
             s1, s2 = r1["steps"], r2["steps"]
             row = {
-                "family": family, "variant": name,
+                "family": family,
+                "variant": name,
                 "lp": diff(r2["lp0"], r1["lp0"]),
                 "lp_after_steps": diff(r2["lp1"], r1["lp1"]),
                 "loss_rel": [rel(b["loss"], c["loss"]) for b, c in zip(s2, s1)],
                 "grad_norm_rel": [rel(b["grad_norm"], c["grad_norm"]) for b, c in zip(s2, s1)],
-                "loss_tp1": [c["loss"] for c in s1], "loss_tp2": [b["loss"] for b in s2],
-                "grad_norm_tp1": [c["grad_norm"] for c in s1], "grad_norm_tp2": [b["grad_norm"] for b in s2],
+                "loss_tp1": [c["loss"] for c in s1],
+                "loss_tp2": [b["loss"] for b in s2],
+                "grad_norm_tp1": [c["grad_norm"] for c in s1],
+                "grad_norm_tp2": [b["grad_norm"] for b in s2],
                 "ok": all(s["ok"] for s in s1 + s2),
                 "loss_abs": [abs(b["loss"] - c["loss"]) for b, c in zip(s2, s1)],
-                "tp1_ranks_bit_equal": bool(torch.equal(tp1_peer[family, base]["lp0"], r1["lp0"])
-                                            and torch.equal(tp1_peer[family, base]["lp1"], r1["lp1"])),
+                "tp1_ranks_bit_equal": bool(
+                    torch.equal(tp1_peer[family, base]["lp0"], r1["lp0"])
+                    and torch.equal(tp1_peer[family, base]["lp1"], r1["lp1"])
+                ),
                 "tp2_ranks_bit_equal": bool(torch.equal(tp2_peer[family, name]["lp0"], r2["lp0"])),
                 "lp_magnitude": float(r1["lp0"].abs().mean()),
                 "fp8_vs_bf16_tp1": diff(r1["lp0"], tp1[family, "bf16"]["lp0"]) if base != "bf16" else None,
-                "vs_emulated_tp1": (diff(r1["lp0"], tp1[family, "jetrl/emulated"]["lp0"])
-                                    if base.startswith("jetrl/") and base != "jetrl/emulated" and not name.endswith(BUG)
-                                    and (family, "jetrl/emulated") in tp1 else None),
+                "vs_emulated_tp1": (
+                    diff(r1["lp0"], tp1[family, "jetrl/emulated"]["lp0"])
+                    if base.startswith("jetrl/")
+                    and base != "jetrl/emulated"
+                    and not name.endswith(BUG)
+                    and (family, "jetrl/emulated") in tp1
+                    else None
+                ),
                 "t_logprobs_s": {"tp1": r1["t_logprobs_s"], "tp2": r2["t_logprobs_s"]},
                 "t_steps_s": {"tp1": r1["t_steps_s"], "tp2": r2["t_steps_s"]},
                 "n_fp8_linears": {"tp1": r1["n_fp8_linears"], "tp2": r2["n_fp8_linears"]},
@@ -230,25 +282,59 @@ def compare(tp1: dict, tp1_peer: dict, tp2: dict, tp2_peer: dict, var_names: lis
 
 def print_table(rows: list[dict]) -> None:
     print("\nTP2 vs TP1 (same weights, same tokens); losses/grad norms relative, logprobs absolute")
-    hdr = ("family", "variant", "lp max|d|", "lp mean|d|", "lp bit-eq", "loss1 rel", "gnorm1 rel", "loss2 rel",
-           "gnorm2 rel", "lp@2 max|d|", "ranks eq", "FP8 vs bf16 max|d|")
+    hdr = (
+        "family",
+        "variant",
+        "lp max|d|",
+        "lp mean|d|",
+        "lp bit-eq",
+        "loss1 rel",
+        "gnorm1 rel",
+        "loss2 rel",
+        "gnorm2 rel",
+        "lp@2 max|d|",
+        "ranks eq",
+        "FP8 vs bf16 max|d|",
+    )
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in rows:
         lr, gr = r["loss_rel"] + [float("nan")] * 2, r["grad_norm_rel"] + [float("nan")] * 2
         f8 = r["fp8_vs_bf16_tp1"]
-        cells = [r["family"], r["variant"], f"{r['lp']['max']:.3g}", f"{r['lp']['mean']:.3g}", f"{r['lp']['bit_equal']:.3f}",
-                 f"{lr[0]:.2g}", f"{gr[0]:.2g}", f"{lr[1]:.2g}", f"{gr[1]:.2g}", f"{r['lp_after_steps']['max']:.3g}",
-                 f"{'y' if r['tp1_ranks_bit_equal'] else 'N'}/{'y' if r['tp2_ranks_bit_equal'] else 'N'}",
-                 "-" if f8 is None else f"{f8['max']:.3g}"]
+        cells = [
+            r["family"],
+            r["variant"],
+            f"{r['lp']['max']:.3g}",
+            f"{r['lp']['mean']:.3g}",
+            f"{r['lp']['bit_equal']:.3f}",
+            f"{lr[0]:.2g}",
+            f"{gr[0]:.2g}",
+            f"{lr[1]:.2g}",
+            f"{gr[1]:.2g}",
+            f"{r['lp_after_steps']['max']:.3g}",
+            f"{'y' if r['tp1_ranks_bit_equal'] else 'N'}/{'y' if r['tp2_ranks_bit_equal'] else 'N'}",
+            "-" if f8 is None else f"{f8['max']:.3g}",
+        ]
         print("| " + " | ".join(cells) + " |")
-    print("\nlosses (step 1, step 2) TP1 -> TP2: " + "; ".join(
-        f"{r['family']} {r['variant']}: " + ", ".join(f"{x:.5f}->{y:.5f}" for x, y in zip(r["loss_tp1"], r["loss_tp2"])) for r in rows))
+    print(
+        "\nlosses (step 1, step 2) TP1 -> TP2: "
+        + "; ".join(
+            f"{r['family']} {r['variant']}: " + ", ".join(f"{x:.5f}->{y:.5f}" for x, y in zip(r["loss_tp1"], r["loss_tp2"]))
+            for r in rows
+        )
+    )
     extra = [r for r in rows if r["vs_emulated_tp1"]]
     if extra:
-        print("\nbackend vs emulated at TP1 (logprobs): " + "; ".join(
-            f"{r['family']} {r['variant']}: max {r['vs_emulated_tp1']['max']:.3g}, mean {r['vs_emulated_tp1']['mean']:.3g}" for r in extra))
-    print("mean |logprob|: " + ", ".join(sorted({f"{r['family']} {r['lp_magnitude']:.2f}" for r in rows if r['variant'] == 'bf16'})))
+        print(
+            "\nbackend vs emulated at TP1 (logprobs): "
+            + "; ".join(
+                f"{r['family']} {r['variant']}: max {r['vs_emulated_tp1']['max']:.3g}, mean {r['vs_emulated_tp1']['mean']:.3g}"
+                for r in extra
+            )
+        )
+    print(
+        "mean |logprob|: " + ", ".join(sorted({f"{r['family']} {r['lp_magnitude']:.2f}" for r in rows if r["variant"] == "bf16"}))
+    )
 
 
 def main():
@@ -291,8 +377,12 @@ def main():
     if rank == 0:
         t0 = time.perf_counter()
         write_checkpoints(root, a)
-        print(f"checkpoints in {root} ({time.perf_counter() - t0:.1f}s); device {device}"
-              + (f" {torch.cuda.get_device_name(device)}" if cuda else "") + f", torch {torch.__version__}", flush=True)
+        print(
+            f"checkpoints in {root} ({time.perf_counter() - t0:.1f}s); device {device}"
+            + (f" {torch.cuda.get_device_name(device)}" if cuda else "")
+            + f", torch {torch.__version__}",
+            flush=True,
+        )
     dist.barrier()
     g = torch.Generator().manual_seed(a.seed * 1000 + 7)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(device)
@@ -316,8 +406,11 @@ def main():
     print_table(rows)
     if a.json:
         meta = {k: v for k, v in vars(a).items()}
-        meta.update(torch=torch.__version__, device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        meta.update(
+            torch=torch.__version__,
+            device=torch.cuda.get_device_name(device) if cuda else "cpu",
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
         Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=1))
 
 

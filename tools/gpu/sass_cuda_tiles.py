@@ -23,8 +23,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 VARIANTS = {  # name: (FP8_IN, ROWS, COLS, UE8M0, BLOCK128)
-    "dual": (0, 1, 1, 0, 0), "1x128 rows": (0, 1, 0, 0, 0), "128x1^T cols": (0, 0, 1, 0, 0),
-    "128x1^T from E4M3": (1, 0, 1, 0, 0), "128x128": (0, 1, 0, 0, 1), "128x128 + T": (0, 1, 1, 0, 1), "dual ue8m0": (0, 1, 1, 1, 0),
+    "dual": (0, 1, 1, 0, 0),
+    "1x128 rows": (0, 1, 0, 0, 0),
+    "128x1^T cols": (0, 0, 1, 0, 0),
+    "128x1^T from E4M3": (1, 0, 1, 0, 0),
+    "128x128": (0, 1, 0, 0, 1),
+    "128x128 + T": (0, 1, 1, 0, 1),
+    "dual ue8m0": (0, 1, 1, 1, 0),
 }
 
 
@@ -33,7 +38,9 @@ def sass_ops(source: str, workdir: str, dump: Path | None = None) -> dict[str, i
     cu = os.path.join(workdir, "tile.cu")
     Path(cu).write_text(source)
     subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", cu + ".cubin", cu], check=True, capture_output=True)
-    sass = subprocess.run(["cuobjdump", "-sass", "-fun", "quant_tile", cu + ".cubin"], check=True, capture_output=True, text=True).stdout
+    sass = subprocess.run(
+        ["cuobjdump", "-sass", "-fun", "quant_tile", cu + ".cubin"], check=True, capture_output=True, text=True
+    ).stdout
     if dump:
         dump.write_text(sass)
     ops: dict[str, int] = {}
@@ -61,10 +68,21 @@ def main() -> int:
     else:
         from megatron_jetrl.fp8 import cuda_tiles as tiles
     props = torch.cuda.get_device_properties(0)
-    clock = float(subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
-                                 check=True, capture_output=True, text=True).stdout.split()[0]) * 1e6
+    clock = (
+        float(
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()[0]
+        )
+        * 1e6
+    )
     n_tiles = -(-a.tokens // 128) * -(-a.features // 128)
-    print(f"{props.name}: {props.multi_processor_count} SMs, max SM clock {clock / 1e9:.2f} GHz; [{a.tokens}, {a.features}]: {n_tiles} tiles")
+    print(
+        f"{props.name}: {props.multi_processor_count} SMs, max SM clock {clock / 1e9:.2f} GHz; [{a.tokens}, {a.features}]: {n_tiles} tiles"
+    )
     with tempfile.TemporaryDirectory() as d:
         for name, flags in VARIANTS.items():
             if a.dump:
