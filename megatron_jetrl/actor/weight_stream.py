@@ -23,6 +23,7 @@ from megatron_jetrl.actor.fp8_layers import fp8_weights, unwrap
 from megatron_jetrl.actor.gpt import model_spec, stage_entries
 from megatron_jetrl.actor.parallel import group_device
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight
+from megatron_jetrl.fp8.quant import wire_bytes
 from megatron_jetrl.models import ModelArch, hf_tensors
 from megatron_jetrl.models.export import stream_layout
 
@@ -33,8 +34,7 @@ def _tp_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
     if ps.get_tensor_model_parallel_world_size() == 1:
         return [tensor]
-    wire = tensor.detach().contiguous()
-    wire = wire.view(torch.uint8) if wire.dtype == torch.float8_e4m3fn else wire
+    wire = wire_bytes(tensor.detach().contiguous())
     parts = [torch.empty_like(wire) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, wire, group=ps.get_tensor_model_parallel_group())
     return [p.view(tensor.dtype) for p in parts]
@@ -114,8 +114,7 @@ def _across_stages(
                 wire = tensor.detach().contiguous()
             else:
                 wire = torch.empty(shape, dtype=dtype, device=device)
-            bytes_ = wire.view(torch.uint8) if dtype == torch.float8_e4m3fn else wire
-            dist.broadcast(bytes_, src=ranks[source], group=group)
+            dist.broadcast(wire_bytes(wire), src=ranks[source], group=group)
             yield name, wire
         if sending and next(it, None) is not None:
             raise RuntimeError(f"pipeline stage {stage} streams more tensors than the mapping table gives it")

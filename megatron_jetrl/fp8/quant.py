@@ -133,6 +133,12 @@ def dequantize_blockwise(q: torch.Tensor, s: torch.Tensor, block) -> torch.Tenso
     return q.to(torch.float32) * full
 
 
+def wire_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a collective carries it: an FP8 tensor's bytes (a uint8 view: gloo sends no FP8 dtype, and bytes are what
+    the contract keeps), any other tensor itself. `received.view(dtype)` is the tensor again."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def aligned_tp_sizes(size: int, block: int = 128, candidates=(1, 2, 4, 8, 16, 32, 64)) -> list[int]:
     """TP sizes that split `size` into equal shards of whole blocks."""
     return [tp for tp in candidates if size % tp == 0 and (size // tp) % block == 0]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron_jetrl.fp8 import FP8Linear, NonFiniteInputError, PrecisionFlow, blockwise_gemm, quantize_blockwise
 from megatron_jetrl.fp8.gemm import available_backends, gemm_emulated
+from megatron_jetrl.fp8.quant import wire_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -68,9 +69,7 @@ def adversarial(m, k, dtype, seed):
 
 
 def same(a, b):
-    return torch.equal(
-        a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
-    )
+    return torch.equal(wire_bytes(a), wire_bytes(b))
 
 
 def same_scales(a, b):

@@ -66,21 +66,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-QWEN3_8B = dict(
-    model_type="qwen3",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    num_hidden_layers=1,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+from tools.bench import common  # noqa: E402
+
+QWEN3_8B = dict(common.QWEN3_8B, num_hidden_layers=1)
+TINY = dict(common.TINY, num_hidden_layers=1)
+
 VARIANTS = {  # one-layer variants: name -> (precision mode preset, PrecisionFlow changes on top of it)
     "bf16": ("bf16", {}),
     "jetrl": ("jetrl", {}),

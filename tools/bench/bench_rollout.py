@@ -56,6 +56,7 @@ from megatron_jetrl.models import ModelArch  # noqa: E402
 from megatron_jetrl.rollout.decode_graphs import SPAN_STEP, DecodeGraphs  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import E4M3, SCALE_SUFFIX, KVCache, NativeEngine  # noqa: E402
+from tools.bench.common import sync, timed  # noqa: E402
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936
@@ -77,11 +78,6 @@ def hf_config(shape: dict, layers: int) -> dict:
     )
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak(device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -90,14 +86,6 @@ def reset_peak(device):
 
 def peak_gib(device):
     return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
-
-
-def timed(device, fn):
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
 
 
 # ---- model ------------------------------------------------------------------------------------------

@@ -61,21 +61,8 @@ from megatron_jetrl.models.export import hf_tensors  # noqa: E402
 from megatron_jetrl.models.mapping import from_hf, padded_vocab_size, rank_slice  # noqa: E402
 from megatron_jetrl.rollout.native import NativeEngine  # noqa: E402
 from megatron_jetrl.rollout.sync import stream_weights  # noqa: E402
+from tools.bench.common import QWEN3_8B, TINY, timed  # noqa: E402
 
-QWEN3_8B = dict(
-    model_type="qwen3",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 MODES = ("bf16", "jetrl", "bf16-train-fp8-rollout")
 GB = 1e9
 
@@ -86,19 +73,6 @@ class SinkEngine:
     def update_weights(self, weights):
         for _ in weights:
             pass
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device, fn):
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
 
 
 def hf_random(arch: ModelArch, name: str, device, seed: int) -> torch.Tensor:

@@ -69,21 +69,9 @@ from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.models import ModelArch  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import expected_tensors  # noqa: E402
+from tools.bench import common  # noqa: E402
 
-QWEN3_8B = dict(
-    model_type="qwen3",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    eos_token_id=151645,
-)
+QWEN3_8B = dict(common.QWEN3_8B, eos_token_id=151645)
 
 
 def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,39 @@
+"""What the benchmarks share: the Qwen3-8B shapes they time (and a tiny stand-in for CPU smoke runs), and a timer that
+ends with a device sync. Imported as `tools.bench.common` (each benchmark puts the repository on sys.path first)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+"""Qwen3-8B's HF config, less its layer count (each benchmark sets `num_hidden_layers`)."""
+TINY = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+"""The same family at toy size: the benchmarks' `--tiny` CPU smoke runs."""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn):
+    """(seconds, result) of `fn()`, the device's queued work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
