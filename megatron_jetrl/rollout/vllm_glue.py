@@ -1,6 +1,6 @@
 """The trainer's RMSNorm and RoPE inside vLLM 0.26, through vLLM's own out-of-tree op registry.
 
-Why: measured on an H100 (`tools/gpu/diag_vllm_layers.py`, BENCHMARKS.md "Train/rollout mismatch at hidden 2048"), vLLM's
+Why: measured on an H100 (`tools/gpu/diag_vllm_layers.py`, docs/benchmarks/mismatch_floors.md, "Per step, hidden 2048"), vLLM's
 layer-0 modules differ from the trainer's functions on one input each:
 - RMSNorm: 25% of outputs. vLLM rounds once, at the end; the trainer (the HF formula) rounds the normalized row to BF16
   before the weight multiplies it. vLLM's reference for the residual-fused variant (`vllm/ir/ops/layernorm.py`)

@@ -3,7 +3,7 @@
 Runs `torchrun --nproc-per-node=2 tools/gpu/gpu_actor_tp.py --backends cublaslt` (Qwen3- and Qwen2-style models,
 hidden 1024, 4 layers, vocab 32011, batch 4 x 512 tokens; bf16 and jetrl on cuBLASLt; plus the `+bug`
 calibration variants) and checks the TP2-vs-TP1 differences against bounds measured on 2 H200s
-(BENCHMARKS.md, "Actor TP1 vs TP2 on 2 H200"). Needs 2 GPUs and megatron-core importable (on the H200
+(the bounds below). Needs 2 GPUs and megatron-core importable (on the H200
 machine: the cp312 wheel installed with `pip install --no-index --no-deps --target DIR` and DIR on
 PYTHONPATH); skipped otherwise. `JETRL_TP_JSON=path` checks an existing `--json` output instead of running.
 

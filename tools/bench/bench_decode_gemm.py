@@ -9,7 +9,7 @@ read per second. Inputs are quantized once up front for the FP8 GEMM-only rows; 
 activation quantizer the engine adds (once for q/k/v, o, gate/up, down). Each FP8 variant is checked
 against the emulated GEMM (relative error) on the first layer's q weight.
 
-Results and reading: BENCHMARKS.md, "Decode-shaped GEMMs". A split-K Triton variant (K blocks spread over
+Results and reading: BENCHMARKS.md, "What does not help". A split-K Triton variant (K blocks spread over
 programs, FP32 partials summed in order) was measured with this script at commit 091d2f7 and removed: it
 only tied cuBLASLt at M = 64 and lost at M = 128.
 """
