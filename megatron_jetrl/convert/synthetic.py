@@ -54,6 +54,50 @@ def random_hf_state(arch: ModelArch, seed: int = 0, std: float = 0.05) -> dict[s
     return state
 
 
+def hf_state_for(
+    config: dict,
+    seed: int = 0,
+    *,
+    std: float = 0.05,
+    embed_std: float = 0.1,
+    norm_std: float = 0.1,
+    bias_std: float = 0.5,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Random HF-named weights for an HF `config` dict (Qwen2, Qwen3, Llama), drawn in one fixed order whatever the
+    dtype: linears ~N(0, std^2), embeddings ~N(0, embed_std^2), norm weights 1 + N(0, norm_std^2), Qwen2's QKV biases
+    ~N(0, bias_std^2), Qwen3's QK norms; each drawn in FP32 and cast to `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    nh, nkv, V = config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]
+    rnd = lambda *shape, s=std: (torch.randn(*shape, generator=g) * s).to(dtype)
+    norm = lambda n: (1.0 + torch.randn(n, generator=g) * norm_std).to(dtype)
+    state = {"model.embed_tokens.weight": rnd(V, H, s=embed_std), "model.norm.weight": norm(H)}
+    if not config["tie_word_embeddings"]:
+        state["lm_head.weight"] = rnd(V, H)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = norm(H)
+        state[p + "post_attention_layernorm.weight"] = norm(H)
+        for name, shape in (
+            ("self_attn.q_proj", (nh * hd, H)),
+            ("self_attn.k_proj", (nkv * hd, H)),
+            ("self_attn.v_proj", (nkv * hd, H)),
+            ("self_attn.o_proj", (H, nh * hd)),
+            ("mlp.gate_proj", (I, H)),
+            ("mlp.up_proj", (I, H)),
+            ("mlp.down_proj", (H, I)),
+        ):
+            state[p + name + ".weight"] = rnd(*shape)
+        if config["model_type"] == "qwen2":
+            state.update(
+                {p + f"self_attn.{x}_proj.bias": rnd(n * hd, s=bias_std) for x, n in (("q", nh), ("k", nkv), ("v", nkv))}
+            )
+        if config["model_type"] == "qwen3":
+            state.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
+    return state
+
+
 def save_synthetic_checkpoint(
     directory: str | Path,
     hf_config: dict,

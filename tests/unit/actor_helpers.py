@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from gloo import free_port, one_gloo_rank  # noqa: F401  (re-exported for the actor tests)
 from safetensors.torch import save_file
 
+from megatron_jetrl.convert.synthetic import hf_state_for
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 32
 
@@ -50,35 +52,7 @@ CONFIGS = {
 
 def hf_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random HF-named FP32 weights (norm weights near 1, linears ~N(0, 0.05^2), embeddings ~N(0, 0.1^2))."""
-    g = torch.Generator().manual_seed(seed)
-    H, I, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    nh, nkv, V = config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]
-    qkv_bias, qk_norm = config["model_type"] == "qwen2", config["model_type"] == "qwen3"
-    rnd = lambda *shape, std=0.05: torch.randn(*shape, generator=g) * std  # noqa: E731
-    norm = lambda n: 1.0 + rnd(n, std=0.1)  # noqa: E731
-    state = {"model.embed_tokens.weight": rnd(V, H, std=0.1), "model.norm.weight": norm(H)}
-    if not config["tie_word_embeddings"]:
-        state["lm_head.weight"] = rnd(V, H)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        state.update(
-            {
-                p + "input_layernorm.weight": norm(H),
-                p + "post_attention_layernorm.weight": norm(H),
-                p + "self_attn.q_proj.weight": rnd(nh * hd, H),
-                p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
-                p + "self_attn.v_proj.weight": rnd(nkv * hd, H),
-                p + "self_attn.o_proj.weight": rnd(H, nh * hd),
-                p + "mlp.gate_proj.weight": rnd(I, H),
-                p + "mlp.up_proj.weight": rnd(I, H),
-                p + "mlp.down_proj.weight": rnd(H, I),
-            }
-        )
-        if qkv_bias:
-            state.update({p + f"self_attn.{x}_proj.bias": rnd(n * hd, std=0.5) for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
-        if qk_norm:
-            state.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
-    return state
+    return hf_state_for(config, seed)
 
 
 def write_hf_checkpoint(directory: Path, config: dict, state: dict, *, sharded: bool, dtype=torch.bfloat16) -> Path:

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_jetrl.convert.synthetic import random_hf_state
 from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
 from megatron_jetrl.models import ModelArch, from_hf, hf_tensors, model_entries, padded_vocab_size, rank_slice
 
@@ -81,33 +82,6 @@ def test_misaligned_model_is_refused_with_layer_dimension_and_working_tp():
         arch.check_fp8_tp(2)
     with pytest.raises(ValueError, match=r"k and v rows of one query group \(head_dim\): 64"):
         tiny(head_dim=64).check_fp8_tp(1)
-
-
-def random_hf_state(arch, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = {}
-    for e in model_entries(arch):
-        for name in e.hf:
-            shapes[name] = None
-    state = {}
-    hd, h = arch.head_dim, arch.hidden_size
-    for name in shapes:
-        if name.endswith(("norm.weight", "layernorm.weight")):
-            shape = (hd,) if ("q_norm" in name or "k_norm" in name) else (h,)
-        elif "embed_tokens" in name or "lm_head" in name:
-            shape = (arch.vocab_size, h)
-        elif "q_proj" in name:
-            shape = (arch.num_heads * hd, h) if name.endswith("weight") else (arch.num_heads * hd,)
-        elif "k_proj" in name or "v_proj" in name:
-            shape = (arch.num_kv_heads * hd, h) if name.endswith("weight") else (arch.num_kv_heads * hd,)
-        elif "o_proj" in name:
-            shape = (h, arch.num_heads * hd)
-        elif "gate_proj" in name or "up_proj" in name:
-            shape = (arch.intermediate_size, h)
-        else:
-            shape = (h, arch.intermediate_size)
-        state[name] = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
-    return state
 
 
 def import_ranks(arch, hf, tp):

@@ -64,34 +64,9 @@ def hf_config(family: str, a) -> dict:
 
 def random_hf_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """HF-named BF16 weights: linears ~N(0, 0.02^2), embeddings ~N(0, 0.05^2), norms ~1 + N(0, 0.05^2)."""
-    g = torch.Generator().manual_seed(seed)
-    H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nh, nkv, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-    rnd = lambda *shape, std=0.02: (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)  # noqa: E731
-    norm = lambda n: (1.0 + torch.randn(n, generator=g) * 0.05).to(torch.bfloat16)  # noqa: E731
-    state = {"model.embed_tokens.weight": rnd(V, H, std=0.05), "model.norm.weight": norm(H)}
-    if not cfg["tie_word_embeddings"]:
-        state["lm_head.weight"] = rnd(V, H)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        state.update(
-            {
-                p + "input_layernorm.weight": norm(H),
-                p + "post_attention_layernorm.weight": norm(H),
-                p + "self_attn.q_proj.weight": rnd(nh * hd, H),
-                p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
-                p + "self_attn.v_proj.weight": rnd(nkv * hd, H),
-                p + "self_attn.o_proj.weight": rnd(H, nh * hd),
-                p + "mlp.gate_proj.weight": rnd(I, H),
-                p + "mlp.up_proj.weight": rnd(I, H),
-                p + "mlp.down_proj.weight": rnd(H, I),
-            }
-        )
-        if cfg["model_type"] == "qwen2":
-            state.update({p + f"self_attn.{x}_proj.bias": rnd(n * hd, std=0.1) for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
-        if cfg["model_type"] == "qwen3":
-            state.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
-    return state
+    from megatron_jetrl.convert.synthetic import hf_state_for
+
+    return hf_state_for(cfg, seed, std=0.02, embed_std=0.05, norm_std=0.05, bias_std=0.1, dtype=torch.bfloat16)
 
 
 def write_checkpoints(root: Path, a) -> None:
