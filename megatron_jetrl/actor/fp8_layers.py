@@ -149,8 +149,8 @@ class SDPAttention(torch.nn.Module):
     megatron's fused RoPE needs Transformer Engine and its unfused one is five kernels per tensor and direction.
     Here it is `actor.fused.rope` with megatron's tables (`rope_cos_sin`) and formula: one Triton kernel per
     tensor and direction on CUDA (`fused=True`), megatron's ops to the bit on FP32 tensors (the CPU).
-    megatron's local `DotProductAttention` materialises FP32 [b * heads, s, s] scores: at 8K tokens it took
-    61 of a Qwen3-8B layer's 85 ms (H200) and most of its memory. Megatron layout in and out, as
+    megatron's local `DotProductAttention` materialises FP32 [b * heads, s, s] scores: at long sequences they take most
+    of a layer's time and memory. Megatron layout in and out, as
     `BatchInvariantAttention`; megatron passes no mask for causal self-attention, so `is_causal` is the mask."""
 
     def __init__(

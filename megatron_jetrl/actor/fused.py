@@ -2,11 +2,11 @@
 
 megatron-core's fused norm and RoPE need apex or Transformer Engine; without them its local layer runs each as a
 chain of torch ops (RMSNorm: cast, square, mean, rsqrt, two multiplies and a cast, and autograd's backward of each;
-RoPE: two multiplies, a chunk, a negation, two cats). On a Qwen3-8B layer at 8192 tokens that glue took 7.3 ms of
-25.4 (H100, BENCHMARKS.md), about as much as the FP8 GEMMs save. `actor.glue_kernels` computes each formula below in
+RoPE: two multiplies, a chunk, a negation, two cats). On a Qwen3-8B layer that glue costs about as much time as
+the FP8 GEMMs save (BENCHMARKS.md). `actor.glue_kernels` computes each formula below in
 one Triton kernel forward and one backward, reading and writing each tensor once, behind a `torch.autograd.Function`
 (host cost: one launch). An earlier version compiled these formulas with Inductor: as fast on the GPU, but Dynamo's
-and AOTAutograd's per-call host work (~0.4 ms per op and direction) left a 4096-token layer waiting on the host.
+and AOTAutograd's per-call host work left a 4096-token layer waiting on the host.
 
 The formulas are the ones the eager path runs, so CPU numerics are untouched: CPU tensors take the functions
 eagerly. On CUDA the kernels keep the formulas' own roundings and differ from eager only where a sum runs in another

@@ -1,9 +1,8 @@
 """Triton kernels for `actor.fused` on CUDA: RMSNorm and RoPE, forward and backward, each one launch.
 
 Why hand-written: at 4096 tokens per micro-batch a Qwen3-8B layer's FP8 GEMMs take less GPU time than the host needs
-to issue the layer, and the Inductor-compiled glue cost about 0.4 ms of host time per op and direction (Dynamo's
-guards, AOTAutograd's runtime wrappers, Inductor's launcher: cProfile on an H200, BENCHMARKS.md). A
-`torch.autograd.Function` around one Triton launch costs a tenth of that.
+to issue the layer, and the Inductor-compiled glue pays host work per op and direction (Dynamo's guards, AOTAutograd's
+runtime wrappers, Inductor's launcher); a `torch.autograd.Function` around one Triton launch pays one launch.
 
 Both compute the formulas of `actor.fused.rms_norm` / `actor.fused.rope` in FP32 with the same roundings to the
 tensor's dtype; a sum (the RMS statistic, the weight gradient) runs in another order and Triton may contract a

@@ -28,7 +28,7 @@ CHECK_MODES = ("step", "sync", "off")
 class FiniteWatch:
     """Device-side record of every quantization of one step: its site name and the sum of |scales|.
 
-    A reduction per quantization would cost a kernel launch (~15 us of host time, three per FP8 linear fwd+bwd);
+    A reduction per quantization would cost a kernel launch of host time (three per FP8 linear fwd+bwd);
     the watch holds the scales of up to `CHUNK` quantizations and reduces them together with `torch._foreach_norm`
     (ord 1, FP32: NaN and Inf survive the sum; finite scales could only sum past FP32's range for inputs near
     1e33, far beyond anything BF16 training survives)."""

@@ -61,8 +61,8 @@ def _check_acc(acc, m: int, n: int) -> None:
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Backends that can run on `device`, fastest first (what `auto` picks is the first).
 
-    On Hopper: DeepGEMM when `deep_gemm` or vLLM's bundled copy imports (FProp/DGrad 1.7-2.1x and WGrad
-    1.25-1.3x BF16 on the H200, FACTS.md), then cuBLASLt (torch >= 2.10), then Triton; elsewhere Triton on
+    On Hopper: DeepGEMM when `deep_gemm` or vLLM's bundled copy imports (the fastest FP8 GEMM measured here:
+    BENCHMARKS.md), then cuBLASLt (torch >= 2.10), then Triton; elsewhere Triton on
     any sm89+ GPU; the emulated reference everywhere.
     """
     device = torch.device(device)

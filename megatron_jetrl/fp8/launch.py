@@ -1,8 +1,8 @@
 """Triton launches without Triton's per-call host work (matched against Triton 3.6.0, `triton/runtime/jit.py`).
 
 `kernel[grid](*args, **kw)` through `JITFunction.run` binds the arguments, specializes each one, formats the options
-into the cache key, builds launch metadata and calls the (empty) launch-hook chains on every call: the host needs
-~50 us per `quantize_1x128` on the H100 machine, twice a whole DeepGEMM GEMM's 25 us (BENCHMARKS.md).
+into the cache key, builds launch metadata and calls the (empty) launch-hook chains on every call: on the host a
+`quantize_1x128` then costs more than a whole DeepGEMM GEMM (BENCHMARKS.md).
 The FP8 linear and megatron's glue issue about 17 such launches per layer fwd+bwd, and at 4096-token micro-batches
 the GPU then waits on the host.
 

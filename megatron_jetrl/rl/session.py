@@ -139,8 +139,8 @@ def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
 
 
 ENGINE_START_SPARE = 2 << 30
-"""Free memory vLLM's start-up check may find missing against the measurement before it (its own NCCL communicators:
-0.2-0.3 GiB at rollout TP 2 measured): the KV cache is sized explicitly, so the utilization only passes that check."""
+"""Free memory vLLM's start-up check may find missing against the measurement before it (its own NCCL communicators
+at rollout TP > 1): the KV cache is sized explicitly, so the utilization only passes that check."""
 
 
 def start_pool(s: Session) -> TrainerPool:

@@ -5,8 +5,8 @@ kernel after another, become one parallel wave over the node's cores.
 
 DeepGEMM JIT-compiles a kernel per weight shape (N, K) and block configuration, and its heuristic picks the block
 configuration from M, the rows of the call: decode batch sizes and prefill chunks in the vLLM engine, micro-batch
-tokens in the trainer. A cold run meets them one by one inside its engine start-up and first step (Qwen3-8B shapes on
-one H100: engine start 214 s against 40 s in BF16, first step 75.6 s against 10.0 s; BENCHMARKS.md). Here every FP8
+tokens in the trainer. A cold run meets them one by one inside its engine start-up and first step, which then take
+minutes at Qwen3-8B shapes (BENCHMARKS.md). Here every FP8
 linear of the config -- per rank, at the trainer's `parallel.tp` and the engines' `rollout.tp` (1 for the native
 engine) -- runs through the
 actor's own FP8 linear (`fp8.linear`: the same quantizers, layouts and DeepGEMM calls as the run, the engine's FProp

@@ -114,8 +114,8 @@ def validate_weights(
 def _invalid_scales(scales: dict[str, torch.Tensor]) -> list[str]:
     """Names of the scale tensors that are not all finite and > 0, with one host sync per device (a weight
     sync streams hundreds of scale tensors; one sync each would stall the stream that many times). All of a device's
-    scales are checked in one concatenation (a few kernels: a check per tensor was 15-25 ms of launches per sync
-    at Qwen3-8B shapes, BENCHMARKS.md); only a batch that fails is checked tensor by tensor, to name them."""
+    scales are checked in one concatenation (a few kernels, where a check per tensor costs a launch per tensor per
+    sync); only a batch that fails is checked tensor by tensor, to name them."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in scales.items():
         by_device.setdefault(tensor.device, []).append((name, tensor))

@@ -6,8 +6,8 @@ layer-0 modules differ from the trainer's functions on one input each:
   before the weight multiplies it. vLLM's reference for the residual-fused variant (`vllm/ir/ops/layernorm.py`)
   also normalizes the FP32 sum, where the trainer normalizes the BF16-rounded residual.
 - RoPE: 18-24% of outputs. vLLM uses BF16 cos/sin and BF16 math; the trainer uses megatron's FP32 tables and FP32 math.
-SiLU-and-mul matched exactly. Each differing BF16 value before a quantizer can move a whole E4M3 step, so at hidden
-2048 jetrl with vLLM measured 1.6x the mismatch of the native engine.
+SiLU-and-mul matched exactly. Each differing BF16 value before a quantizer can move a whole E4M3 step, so jetrl with
+vLLM's own glue shows a larger mismatch than the native engine (docs/benchmarks/mismatch_floors.md).
 
 `register()` makes vLLM build `TrainerRMSNorm` / `TrainerRotaryEmbedding` wherever a model asks for `RMSNorm` /
 `RotaryEmbedding` (`CustomOp.register_oot`, read in vllm 0.26.0's `model_executor/custom_op.py`). They run `norm` and
