@@ -39,9 +39,12 @@ def model_spec(model) -> str:
     return "te" if getattr(options, "spec", "local") == "te" else "local"
 
 
-def stage_entries(model, arch: ModelArch, *, pp_rank: int | None = None, spec: str | None = None) -> list:
+def stage_entries(
+    model, arch: ModelArch, *, pp_rank: int | None = None, spec: str | None = None, kv_scales: bool = False
+) -> list:
     """The mapping table's entries (`models.mapping.model_entries`) of pipeline stage `pp_rank` (default: this rank's)
-    of a model built by `actor.provider.build_model`: its layer spec's names (or `spec`'s) and its layer split."""
+    of a model built by `actor.provider.build_model`: its layer spec's names (or `spec`'s) and its layer split
+    (`kv_scales`: with its attention's FP8 KV cache scales)."""
     from megatron.core import parallel_state as ps
 
     from megatron_jetrl.models.mapping import model_entries
@@ -52,6 +55,7 @@ def stage_entries(model, arch: ModelArch, *, pp_rank: int | None = None, spec: s
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         spec=spec or model_spec(model),
         last_layers=pp_last_layers(model),
+        kv_scales=kv_scales,
     )
 
 

@@ -164,7 +164,7 @@ def layer_spec(
         from megatron_jetrl.actor import rollout_kernels as rk
 
         overrides = {
-            "core": partial(rk.FA3Attention, arch=arch),
+            "core": partial(rk.FA3Attention, arch=arch, kv_fp8=flow.kv_cache == "fp8"),
             "bf16_linears": (rk.RolloutColumnParallelLinear, rk.RolloutRowParallelLinear),
         }
     return native_block_spec(flow, arch, layers, batch_invariant, fused, **overrides)

@@ -14,6 +14,17 @@ the same bytes in the actor (teacher-forced over whole sequences, micro-batch af
   `vllm.vllm_flash_attn`) and vLLM runs with one split (its batch-invariant mode). The backward is flash attention's
   gradient kernel fed FA3's output and log-sum-exp (no forward recomputed): a correct gradient; only the forward must
   match;
+- attention over an FP8 KV cache (`PrecisionFlow.kv_cache: fp8`): vLLM quantizes Q with `scaled_fp8_quant` (x times
+  the scale's reciprocal) and K/V with its cache write (x divided by the scale), one scale per layer and tensor,
+  saturated at +-448. The actor calls those very ops (`fp8_qkv`): a torch restatement of them matched their bytes on
+  random tensors, yet GRPO runs with it at scales other than 1 lost exactness in a few tokens. It then runs FA3's FP8
+  forward with the same scales as descales. Its bytes do not depend on a
+  contiguous or a paged K/V, on chunking or on the batch, but FA3 picks a one-warpgroup kernel when the launch's
+  `max_seqlen_q * heads / kv_heads <= 64` (a decode batch), whose FP8 bytes differ from the two-warpgroup kernel of a
+  prefill in about 1 output in 12 (H200, Qwen3-8B heads). Both sides therefore launch with `max_seqlen_q` at least
+  `fp8_attention_min_q` (patches/vllm_0_26_0_fp8_attention_tile.py in vLLM), which costs a decode step nothing
+  measurable. `FA3Attention(kv_fp8=True)` holds the layer's scales (`kv_scale`, set by the trainer and shipped at
+  sync) and the amax its forwards saw (`kv_amax`, the next scales' input: `rl.kv_scales`);
 - lm_head: cuBLAS picks its kernel by the number of rows, and promises nothing about them. Both sides call
   DeepGEMM's BF16 GEMM (`lm_head_gemm`): no split-K on Hopper, so a row's bytes do not depend on the rows beside it
   (checked at M = 1 ... 8192, tools/bench/bench_exact.py), at cuBLAS's speed; vLLM's lm_head runs it through the
@@ -53,6 +64,43 @@ def _batch_invariant():
     return batch_invariant
 
 
+E4M3_MAX = 448.0
+FP8_ONE_WARPGROUP_ROWS = 64
+"""FA3 (vLLM's build) runs a launch on one MMA warpgroup when `max_seqlen_q * heads / kv_heads` is at most this."""
+
+
+def fp8_attention_min_q(heads: int, kv_heads: int) -> int:
+    """The least `max_seqlen_q` at which FA3's FP8 forward runs its two-warpgroup kernel for this head ratio: both sides
+    launch with at least this many (module docstring)."""
+    return FP8_ONE_WARPGROUP_ROWS // (heads // kv_heads) + 1
+
+
+def fp8_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor):
+    """`[b, s, heads or groups, d]` q, k, v -> their E4M3 bytes as vLLM writes them with per-tensor `scales` `[q, k, v]`:
+    q by its query quantizer (`scaled_fp8_quant`), k and v by its FP8 cache write (`reshape_and_cache_flash`, into a
+    cache of one-token blocks in token order)."""
+    from vllm import _custom_ops as ops
+
+    b, s, heads, d = q.shape
+    n, groups = b * s, k.shape[2]
+    q8, _ = ops.scaled_fp8_quant(q.reshape(n, heads * d), scales[0:1])
+    k8, v8 = (torch.empty(n, 1, groups, d, dtype=torch.uint8, device=q.device) for _ in range(2))
+    slots = torch.arange(n, device=q.device)
+    ops.reshape_and_cache_flash(k.reshape(n, groups, d), v.reshape(n, groups, d), k8, v8, slots, "fp8", scales[1:2], scales[2:3])
+    return q8.view(b, s, heads, d), *(t.view(torch.float8_e4m3fn).view(b, s, groups, d) for t in (k8, v8))
+
+
+def _flash_backward(grad, q, k, v, out, lse, scale: float):
+    """Flash attention's gradient kernel (torch's FlashAttention 2) at `[b, s, heads, d]`, fed a forward's output and
+    varlen log-sum-exp `[heads, b * s]`."""
+    b, s, heads, _ = q.shape
+    lse = lse.view(heads, b, s).transpose(0, 1).contiguous()  # varlen [heads, tokens] -> batched [b, heads, s]
+    none = torch.empty(0, device=q.device)
+    return torch.ops.aten._flash_attention_backward(
+        grad.contiguous(), q, k, v, out, lse, None, None, s, s, 0.0, True, none, none, scale=scale
+    )[:3]
+
+
 class _FA3(torch.autograd.Function):
     """Causal attention `[b, s, heads, d]` (k/v with fewer heads: GQA): forward FA3 over each row as one sequence,
     backward flash attention's gradient kernel (torch's FlashAttention 2) fed FA3's own output and log-sum-exp, so
@@ -86,18 +134,64 @@ class _FA3(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        b, s, heads, _ = q.shape
-        lse = lse.view(heads, b, s).transpose(0, 1).contiguous()  # varlen [heads, tokens] -> batched [b, heads, s]
-        none = torch.empty(0, device=q.device)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, None, None, s, s, 0.0, True, none, none, scale=ctx.scale
-        )
-        return dq, dk, dv, None
+        return (*_flash_backward(grad, q, k, v, out, lse, ctx.scale), None)
 
 
 def fa3_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """`[b, s, heads, d]` causal attention with vLLM's FA3 kernel, one KV split (differentiable)."""
     return _FA3.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+
+class _FA3FP8(torch.autograd.Function):
+    """FA3's FP8 forward on `fp8_qkv`'s bytes of q, k and v with `scales = [q, k, v]` as descales, launched as vLLM
+    launches it (one split, `fp8_attention_min_q`); backward flash attention's BF16 gradient at the dequantized
+    inputs, fed the FP8 forward's output and log-sum-exp, passed straight through the quantizers (a saturated element
+    gets the gradient of its clamped value)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scales, scale: float):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        b, s, heads, d = q.shape
+        groups = k.shape[2]
+        q8, k8, v8 = fp8_qkv(q, k, v, scales)
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        descale = [scales[i : i + 1].expand(b, groups) for i in range(3)]
+        out, lse = flash_attn_varlen_func(
+            q8.view(b * s, heads, d),
+            k8.view(b * s, groups, d),
+            v8.view(b * s, groups, d),
+            max_seqlen_q=max(s, fp8_attention_min_q(heads, groups)),
+            cu_seqlens_q=cu,
+            max_seqlen_k=s,
+            cu_seqlens_k=cu,
+            softmax_scale=scale,
+            causal=True,
+            fa_version=FA_VERSION,
+            num_splits=1,
+            return_softmax_lse=True,
+            q_descale=descale[0],
+            k_descale=descale[1],
+            v_descale=descale[2],
+        )
+        out = out.view(b, s, heads, d)
+        ctx.save_for_backward(q8, k8, v8, scales, out, lse)
+        ctx.scale, ctx.dtype = scale, q.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q8, k8, v8, scales, out, lse = ctx.saved_tensors
+        q, k, v = ((t.float() * scales[i]).to(ctx.dtype) for i, t in enumerate((q8, k8, v8)))
+        return (*_flash_backward(grad, q, k, v, out, lse, ctx.scale), None, None)
+
+
+def fa3_fp8_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`[b, s, heads, d]` causal attention as vLLM computes it over an FP8 KV cache with per-tensor `scales`
+    `[q, k, v]` (FP32, on the device): the same bytes (module docstring), differentiable."""
+    return _FA3FP8.apply(q.contiguous(), k.contiguous(), v.contiguous(), scales, scale)
 
 
 class FA3Attention(torch.nn.Module):
@@ -118,8 +212,13 @@ class FA3Attention(torch.nn.Module):
         pg_collection=None,
         *,
         arch: ModelArch,
+        kv_fp8: bool = False,
     ):
         super().__init__()
+        self.kv_fp8 = kv_fp8
+        if kv_fp8:  # not in the state dict: the run records the scales (`rl.kv_scales`)
+            self.register_buffer("kv_scale", torch.ones(3), persistent=False)
+            self.register_buffer("kv_amax", torch.zeros(3), persistent=False)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"FA3Attention is causal only, got attn_mask_type={attn_mask_type}")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
@@ -139,7 +238,12 @@ class FA3Attention(torch.nn.Module):
         cos, sin = rope_cos_sin(self.head_dim, self.rope_kwargs, s, query.device)
         query, key = fused_rope(query, cos, sin), fused_rope(key, cos, sin)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads or groups, d]
-        return fa3_causal_attention(q, k, v, self.scale).transpose(0, 1).reshape(s, b, -1)
+        if not self.kv_fp8:
+            return fa3_causal_attention(q, k, v, self.scale).transpose(0, 1).reshape(s, b, -1)
+        with torch.no_grad():
+            seen = torch.stack([t.detach().abs().amax().float() for t in (q, k, v)])
+            torch.maximum(self.kv_amax, seen, out=self.kv_amax)
+        return fa3_fp8_causal_attention(q, k, v, self.kv_scale, self.scale).transpose(0, 1).reshape(s, b, -1)
 
 
 def lm_head_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
         raise ValueError(f"to must be 'rank0' or 'all', got {to!r}")
     if to == "rank0" and ps.get_data_parallel_rank() != 0:
         return
-    params = dict(unwrap(model).named_parameters())
+    params = dict(unwrap(model).named_parameters()) | dict(unwrap(model).named_buffers())  # (buffers: the KV scales)
     spec = model_spec(model)
     quantized = {}
     if flow.train_fp8:
@@ -70,12 +70,16 @@ def actor_weight_stream(model, arch: ModelArch, flow: PrecisionFlow, to: str = "
         return [QuantizedWeight(q, s) for q, s in zip(_tp_gather(w.q), _tp_gather(w.s))]
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    mine = hf_tensors(arch, flow, stage_entries(model, arch), fetch, fetch_fp8)
+    kv = flow.trainer_kv_scales
+    mine = hf_tensors(arch, flow, stage_entries(model, arch, kv_scales=kv), fetch, fetch_fp8)
     pairs = (
         mine
         if pp == 1
         else _across_stages(
-            mine, stage, pp, [stream_layout(arch, flow, stage_entries(model, arch, pp_rank=source)) for source in range(pp)]
+            mine,
+            stage,
+            pp,
+            [stream_layout(arch, flow, stage_entries(model, arch, pp_rank=source, kv_scales=kv)) for source in range(pp)],
         )
     )
     if to == "all" or dist.get_rank() == 0:

@@ -11,6 +11,9 @@ from megatron_jetrl.fp8.quant import EPS, SCALE_MODES
 
 MODES = ("bf16", "bf16-train-fp8-rollout", "jetrl")
 GEMMS = ("fprop", "dgrad", "wgrad")
+KV_CACHES = ("bf16", "fp8")
+KV_SCALES = ("auto", "none", "amax", "running_max", "fixed", "engine")
+TRAINER_KV_SCALES = ("amax", "running_max", "fixed")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,22 @@ class PrecisionFlow:
     `JetRLConfig.exact_logprobs_holds`): on in mode jetrl with vLLM at TP 1 and 2 wherever it can hold (its cost in
     the step: BENCHMARKS.md), else off."""
 
+    kv_cache: str = "bf16"
+    """The rollout engine's KV cache: `bf16`, or `fp8` (E4M3, one scale per layer for each of K and V; vLLM's FA3 then
+    quantizes Q too and runs its FP8 attention). The trainer and the engine read this one field: under
+    `exact_logprobs` the actor's attention quantizes Q, K and V to the engine's bytes with the same scales and calls the
+    same FP8 kernel (`actor.rollout_kernels`); its backward is a BF16 attention gradient on the dequantized inputs,
+    passed straight through the quantizers. vLLM engines on Hopper only."""
+
+    kv_scales: str = "auto"
+    """Who decides the FP8 KV cache's Q/K/V scales, and how (s = amax / 448 per layer and tensor, all ranks agreeing):
+    `amax` the trainer, from the amax its attention saw in the previous step's passes; `running_max` the trainer, from
+    the largest amax of any step so far; `fixed` the trainer, once, after the first step; `engine` vLLM, from its own
+    first forward (`calculate_kv_scales`), which the actor cannot know: never under `exact_logprobs`. The trainer's
+    scales are shipped with the weights at every sync; the first step runs at 1.0 (vLLM's default for a checkpoint
+    without scales). `none` with a BF16 cache. A run config's `auto` resolves (`rl.resolve`) to `running_max` with
+    `exact_logprobs`, else `engine` (`none` with a BF16 cache)."""
+
     gemms: tuple[str, ...] = field(init=False)
     """Derived: the training GEMMs that run in FP8."""
 
@@ -121,9 +140,45 @@ class PrecisionFlow:
                 "exact_logprobs cannot hold in mode 'bf16-train-fp8-rollout': it trains in BF16 and samples in "
                 "FP8, two forwards by design; use mode 'jetrl' (or 'bf16') with exact_logprobs"
             )
+        problems += self._kv_problems()
         if problems:
             raise ValueError("invalid PrecisionFlow: " + "; ".join(problems))
         object.__setattr__(self, "gemms", GEMMS if self.mode == "jetrl" else ())
+
+    def _kv_problems(self) -> list[str]:
+        if self.kv_cache not in KV_CACHES:
+            return [f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}"]
+        if self.kv_scales not in KV_SCALES:
+            return [f"kv_scales must be one of {KV_SCALES}, got {self.kv_scales!r}"]
+        if self.kv_cache == "bf16" and self.kv_scales not in ("auto", "none"):
+            return [
+                f"kv_scales={self.kv_scales!r} scales an FP8 KV cache, but kv_cache='bf16': set kv_cache='fp8' or kv_scales='none'"
+            ]
+        if self.kv_cache == "fp8" and self.kv_scales == "none":
+            return ["kv_cache='fp8' needs scales: kv_scales auto, amax, running_max, fixed or engine, not 'none'"]
+        if self.kv_cache == "fp8" and self.exact_logprobs is True and self.kv_scales == "engine":
+            return [
+                "kv_scales='engine' lets vLLM compute its own K/V scales from its first forward, which the actor cannot "
+                "know, so exact_logprobs cannot hold: use kv_scales running_max, amax or fixed (the trainer's)"
+            ]
+        return []
+
+    @property
+    def trainer_kv_scales(self) -> bool:
+        """Whether the trainer decides the FP8 KV cache's scales and ships them at every sync (`kv_scales`; it reads the
+        amax in its exact-logprob attention: a run refuses a trainer policy without `exact_logprobs`, `rl.resolve`)."""
+        if self.kv_cache != "fp8":
+            return False
+        return self.kv_scales in TRAINER_KV_SCALES or (self.kv_scales == "auto" and self.exact_logprobs is True)
+
+    @property
+    def kv_scale_policy(self) -> str:
+        """`kv_scales` with `auto` resolved by this flow's `exact_logprobs` (see the field)."""
+        if self.kv_cache != "fp8":
+            return "none"
+        if self.kv_scales != "auto":
+            return self.kv_scales
+        return "running_max" if self.exact_logprobs is True else "engine"
 
     @property
     def train_fp8(self) -> bool:

@@ -26,6 +26,8 @@ def quantize_ranks(fetch: RankTensors, flow: PrecisionFlow) -> RankFP8:
 def hf_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
     """Shape of HF tensor `name` of this architecture."""
     h, hd = arch.hidden_size, arch.head_dim
+    if name.endswith(("attn.q_scale", "attn.k_scale", "attn.v_scale")):
+        return (1,)
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return (hd,)
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -63,7 +65,7 @@ def stream_layout(
                     (name.removesuffix("weight") + "weight_scale_inv", scale_shape(shape, (128, 128)), torch.float32),
                 ]
             else:
-                out.append((name, shape, dtype))
+                out.append((name, shape, torch.float32 if entry.fp32 else dtype))
     return out
 
 
@@ -100,4 +102,4 @@ def hf_tensors(
                 yield name.removesuffix("weight") + "weight_scale_inv", s
         else:
             for name, tensor in _gather(entry, arch, fetch(entry.megatron), 1, hf_rows):
-                yield name, tensor.to(dtype)
+                yield name, tensor.to(torch.float32 if entry.fp32 else dtype)

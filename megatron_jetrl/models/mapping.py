@@ -31,13 +31,16 @@ class Entry:
     hf: tuple[str, ...]
     """HF tensor names this parameter holds, in fused order; `{i}` is the global layer index."""
     fuse: str = "none"
-    """`none`, `qkv` (per-query-group interleave) or `gate_up` ([gate; up] on every rank)."""
+    """`none`, `qkv` (per-query-group interleave), `gate_up` ([gate; up] on every rank) or `stack` (one row per HF
+    tensor: the KV-cache scales `[q, k, v]`)."""
     tp_dim: int | None = None
     """Dimension split across TP ranks (0: column-parallel/vocab, 1: row-parallel input), None: replicated."""
     fp8: bool = False
     """A linear weight that the FP8 rollout checkpoint stores as E4M3 + `weight_scale_inv`."""
     vocab: bool = False
     """Rows are the (padded) vocabulary."""
+    fp32: bool = False
+    """FP32 values kept in FP32 in every stream (the FP8 KV cache's per-layer Q/K/V scales), not cast to BF16."""
 
     def at(self, local_layer: int, global_layer: int) -> Entry:
         return Entry(
@@ -47,11 +50,17 @@ class Entry:
             self.tp_dim,
             self.fp8,
             self.vocab,
+            self.fp32,
         )
 
 
-def layer_entries(arch: ModelArch, spec: str = "local") -> list[Entry]:
-    """Per-layer entries. `spec="te"` names the norms as TE's fused LayerNormLinear does."""
+KV_SCALE = "decoder.layers.{i}.self_attention.core_attention.kv_scale"
+"""The actor's per-layer FP8 KV cache scales `[q, k, v]` (a buffer of `actor.rollout_kernels.FA3Attention`)."""
+
+
+def layer_entries(arch: ModelArch, spec: str = "local", kv_scales: bool = False) -> list[Entry]:
+    """Per-layer entries. `spec="te"` names the norms as TE's fused LayerNormLinear does. `kv_scales`: with the FP8 KV
+    cache's Q/K/V scales, as vLLM names them (`self_attn.attn.{q,k,v}_scale`, what its loader and our sync take)."""
     a, m, h = "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp.", "model.layers.{i}."
     qkv = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
     te = spec == "te"
@@ -76,6 +85,8 @@ def layer_entries(arch: ModelArch, spec: str = "local") -> list[Entry]:
             Entry(f"{a}q_layernorm.weight", (f"{h}self_attn.q_norm.weight",)),
             Entry(f"{a}k_layernorm.weight", (f"{h}self_attn.k_norm.weight",)),
         ]
+    if kv_scales:
+        entries.append(Entry(KV_SCALE, tuple(f"{h}self_attn.attn.{t}_scale" for t in "qkv"), "stack", fp32=True))
     return entries
 
 
@@ -102,16 +113,17 @@ def stage_layers(num_layers: int, pp: int, last: int = 0) -> tuple[int, ...]:
 
 
 def model_entries(
-    arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local", last_layers: int = 0
+    arch: ModelArch, *, pp_rank: int = 0, pp_size: int = 1, spec: str = "local", last_layers: int = 0, kv_scales: bool = False
 ) -> list[Entry]:
-    """All entries a pipeline stage holds, with layer indices filled in (`last_layers`: `stage_layers`' uneven split)."""
+    """All entries a pipeline stage holds, with layer indices filled in (`last_layers`: `stage_layers`' uneven split;
+    `kv_scales`: `layer_entries`')."""
     layers = stage_layers(arch.num_layers, pp_size, last_layers)
     first = sum(layers[:pp_rank])
     entries = []
     if pp_rank == 0:
         entries.append(Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True))
     for local in range(layers[pp_rank]):
-        entries += [e.at(local, first + local) for e in layer_entries(arch, spec)]
+        entries += [e.at(local, first + local) for e in layer_entries(arch, spec, kv_scales)]
     if pp_rank == pp_size - 1:
         entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",)))
         if not arch.tie_word_embeddings:
@@ -136,6 +148,8 @@ def to_hf(entry: Entry, arch: ModelArch, local: torch.Tensor, unit: int = 1) -> 
     """Cut one TP rank's tensor into that rank's pieces of each HF tensor."""
     if entry.fuse == "none":
         return {entry.hf[0]: local}
+    if entry.fuse == "stack":
+        return dict(zip(entry.hf, local.split(1), strict=True))
     sizes = _piece_rows(entry, arch, local.shape[0], unit)
     if entry.fuse == "gate_up":
         return dict(zip(entry.hf, local.split(sizes, dim=0)))
@@ -149,7 +163,7 @@ def from_hf(entry: Entry, arch: ModelArch, pieces: dict[str, torch.Tensor], unit
     parts = [pieces[name] for name in entry.hf]
     if entry.fuse == "none":
         return parts[0]
-    if entry.fuse == "gate_up":
+    if entry.fuse in ("gate_up", "stack"):
         return torch.cat(parts, dim=0)
     hd = arch.head_dim // unit
     groups = parts[1].shape[0] // hd

@@ -124,6 +124,12 @@ class JetRLConfig:
             _check(problem is None, f"{problem}: set it to auto or keep")
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
+        if self.precision.kv_cache == "fp8":
+            _check(
+                self.rollout.engine == "vllm",
+                f"precision.kv_cache=fp8 is vLLM's FP8 KV cache (FlashAttention 3 on Hopper); the {self.rollout.engine} "
+                "engine keeps a BF16 cache: set rollout.engine=vllm or precision.kv_cache=bf16",
+            )
         if self.model.hf_config:
             arch = self.arch()  # architecture problems surface here, before anything is built
             self.rollout.check_positions(arch.max_position_embeddings)
@@ -201,6 +207,11 @@ class JetRLConfig:
             not scaled,
             f"precision.exact_logprobs: this model's scaled RoPE ({scaled}) runs vLLM's own RoPE class, "
             f"which the trainer's glue does not replace: {fix}",
+        )
+        _check(
+            not (self.precision.kv_cache == "fp8" and self.precision.kv_scales == "engine"),
+            "precision.exact_logprobs with precision.kv_scales=engine: vLLM would compute its own K/V scales from its "
+            f"first forward, which the actor cannot know: use kv_scales auto, running_max, amax or fixed, or {fix}",
         )
         _check(
             self.rollout.tp == self.parallel.tp,

@@ -17,6 +17,9 @@ reads concrete values, and a resume compares resolved configs:
   (`rollout.vllm_engine.resolve_glue`, which an engine built with glue="auto" also applies).
 * `precision.exact_logprobs` (auto, also when absent; true, false): true wherever it holds
   (`JetRLConfig.exact_logprobs_holds`: jetrl, vLLM, TP 1 or 2, ...).
+* `precision.kv_scales` (auto, none, amax, running_max, fixed, engine): with an FP8 KV cache running_max under
+  exact_logprobs, else engine; none with a BF16 cache (`PrecisionFlow.kv_scale_policy`). A trainer policy (amax,
+  running_max, fixed) without exact_logprobs is refused: the trainer reads the amax in its exact-logprob attention.
 
 Two keys say `auto` and keep it, for they are policies, not values (`POLICIES`): `run.resume` (what to do with a run
 directory that holds checkpoints) and `precision.backend` outside a batch-invariant FP8 run, which `fp8.gemm.resolve_backend`
@@ -40,7 +43,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig
+from megatron_jetrl.fp8.flow import TRAINER_KV_SCALES
+from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig, _plain
 
 BOOL_AUTOS = {"precision.exact_logprobs": True, "optim.distributed": False}
 """Bool-typed keys a raw config may set to `auto`: whether an absent key means `auto` too (exact_logprobs: a run
@@ -54,6 +58,7 @@ AUTO_KEYS = (
     "model.bf16_linear_weights",
     "rollout.glue",
     "precision.exact_logprobs",
+    "precision.kv_scales",
 )
 """The keys `resolve` decides, in the order it decides them (a later rule reads the earlier keys' values)."""
 
@@ -150,6 +155,13 @@ def _resolve(cfg: JetRLConfig, device: str | None, autos: set[str], done: list[s
         put("rollout.glue", resolve_glue("auto", _arch_or_none(cfg), cfg.model.spec))
     if "precision.exact_logprobs" in autos:
         put("precision.exact_logprobs", cfg.exact_logprobs_holds())
+    if cfg.precision.kv_scales == "auto":
+        put("precision.kv_scales", cfg.precision.kv_scale_policy)
+    if cfg.precision.kv_scales in TRAINER_KV_SCALES and not cfg.precision.exact_logprobs:
+        raise ConfigError(
+            f"precision.kv_scales={cfg.precision.kv_scales}: the trainer reads the K/V amax in its exact-logprob "
+            "attention, and precision.exact_logprobs is off here: set it true, or precision.kv_scales=engine"
+        )
     return cfg
 
 
@@ -189,6 +201,10 @@ def resolve_saved(saved: dict, cfg: JetRLConfig) -> dict:
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in saved.items()}
     resolved = cfg.to_dict()
     defaults = {f.name: f.default_factory() for f in dataclasses.fields(JetRLConfig)}
+    for section, values in out.items():  # keys added since it was saved: their defaults (autos resolved below)
+        if isinstance(values, dict) and section in defaults:
+            fields = dataclasses.fields(defaults[section])
+            out[section] = {**{g.name: _plain(getattr(defaults[section], g.name)) for g in fields if g.init}, **values}
     for key in AUTO_KEYS:
         section, name = key.split(".")
         values = out.get(section)

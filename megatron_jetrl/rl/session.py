@@ -42,6 +42,7 @@ from megatron_jetrl.models.shards import CheckpointError, atomic_write_bytes
 from megatron_jetrl.rl.config import ConfigError, JetRLConfig
 from megatron_jetrl.rl.context import RunContext
 from megatron_jetrl.rl.jit_cache import pin_cache_dirs
+from megatron_jetrl.rl.kv_scales import KvScaleState
 from megatron_jetrl.rl.resolve import resolve_saved
 from megatron_jetrl.rl.run_state import STATE_FILE, complete_checkpoints, newest_checkpoint, sound_checkpoint
 from megatron_jetrl.rollout.engine import TrainerPool
@@ -75,6 +76,7 @@ class Session:
     pool: TrainerPool | None = None  # the rollout engines (`start_pool`, once the policy is warm)
     heldout: list[Problem] = field(default_factory=list)  # data.heldout problems, never trained on
     offload: TrainStateOffload | None = None  # rollout.offload: the actor's state off the GPU while the engine is awake
+    kv_scales: KvScaleState | None = None  # the FP8 KV cache's scales when the trainer decides them (rl/kv_scales.py)
 
     @property
     def is_main(self) -> bool:
@@ -191,11 +193,12 @@ def vllm_pool(s: Session):
     max_len = r.window(s.arch.max_position_embeddings)
     groups = dist.get_world_size() // r.tp
     seqs = -(-s.cfg.grpo.prompts_per_step // groups) * r.n  # an engine's share of a step: also bounds its CUDA graph sizes
+    element = 1 if s.flow.kv_cache == "fp8" else 2
     kv = int(r.kv_cache_gb * 2**30) or kv_cache_bytes(
-        later, weights, r.kv_cache_fraction, kv_cache_need(s.arch, seqs, max_len, r.tp)
+        later, weights, r.kv_cache_fraction, kv_cache_need(s.arch, seqs, max_len, r.tp, element)
     )
     try:
-        at_once = sequences_at_once(kv, s.arch, seqs, max_len, r.tp)
+        at_once = sequences_at_once(kv, s.arch, seqs, max_len, r.tp, element)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     note = turns_note(kv, seqs, at_once, max_len)
@@ -299,6 +302,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         run,
         heldout=heldout,
         offload=offload,
+        kv_scales=KvScaleState.start(arch.num_layers) if flow.trainer_kv_scales else None,
     )
 
 
@@ -417,6 +421,8 @@ def save(s: Session, step: int, warmup_done: bool) -> Path:
         save_checkpoint(s.reference, staging / "ref", hf_config=hf_config, flow=s.flow, iteration=step, spec=spec)
     if s.is_main:
         state = {"step": step, "warmup_done": warmup_done, "sampler": s.sampler.state_dict(), "config": s.cfg.to_dict()}
+        if s.kv_scales is not None:
+            state["kv_scales"] = s.kv_scales.to_dict()
         atomic_write_bytes(staging / STATE_FILE, json.dumps(state, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -488,6 +494,8 @@ def resume(s: Session) -> dict | None:
     except CheckpointError as e:
         raise CheckpointError(f"{e}; if it is damaged, {elsewhere}") from None
     s.sampler.load_state_dict(state["sampler"])
+    if s.kv_scales is not None and "kv_scales" in state:
+        s.kv_scales = KvScaleState.from_dict(state["kv_scales"])
     return state
 
 

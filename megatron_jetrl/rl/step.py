@@ -24,6 +24,7 @@ from megatron_jetrl.grpo.batch import RolloutBatch, StepOutcome, assemble, check
 from megatron_jetrl.grpo.data import format_prompt
 from megatron_jetrl.grpo.loss import check_mask, policy_loss
 from megatron_jetrl.grpo.rewards import compute_rewards
+from megatron_jetrl.rl import kv_scales
 from megatron_jetrl.rollout.engine import SamplingParams
 from megatron_jetrl.rollout.metrics import flat_metrics, length_means, mismatch_metrics
 from megatron_jetrl.rollout.sampling import step_seed
@@ -31,14 +32,20 @@ from megatron_jetrl.rollout.sync import ALLOCATOR_STALLS, Phases
 
 
 def sync(s) -> dict:
-    """Re-quantized FP8 bytes (or BF16) of the actor -> the engines, bucketed; time and bytes. The actor's training
-    state leaves the GPU first, its FP8 weight copies once streamed (rollout.offload: the engine wakes into that
-    memory)."""
+    """Re-quantized FP8 bytes (or BF16) of the actor -> the engines, bucketed; time and bytes. With the trainer's FP8
+    KV cache scales, the next ones are decided first and ship with the weights. The actor's training state leaves the
+    GPU first, its FP8 weight copies once streamed (rollout.offload: the engine wakes into that memory)."""
+    scales = {}
+    if s.kv_scales is not None:  # the FP8 KV cache's next scales, into the actor (and the reference) before they stream
+        s.kv_scales = kv_scales.refresh(s.model, s.flow.kv_scale_policy, s.kv_scales)
+        if s.reference is not None:
+            kv_scales.apply(s.reference, s.kv_scales)
+        scales = kv_scales.scale_metrics(s.kv_scales)
     pairs = actor_weight_stream(s.model, s.arch, s.flow, to=s.pool.weight_target)
     if s.offload is not None:
         s.offload.release()
         pairs = s.offload.streamed(pairs)
-    stats = s.pool.sync(pairs).as_metrics()
+    stats = s.pool.sync(pairs).as_metrics() | scales
     if s.offload is not None:
         stats |= {"sync/offload_gib": s.offload.freed["state"] / 2**30, "sync/fp8_dropped_gib": s.offload.freed["fp8"] / 2**30}
     return stats

@@ -54,17 +54,17 @@ KV_ALIGN = 256
 """Tokens a sequence's KV cache is rounded up to (a multiple of every vLLM block size: 16 by default on Hopper)."""
 
 
-def kv_bytes_per_token(arch, tp: int = 1) -> int:
-    """BF16 K and V of one token, all layers, on one TP rank (KV heads are split over TP ranks, or replicated when
-    there are fewer heads than ranks)."""
-    return arch.num_layers * 2 * max(1, arch.num_kv_heads // tp) * arch.head_dim * 2
+def kv_bytes_per_token(arch, tp: int = 1, element_bytes: int = 2) -> int:
+    """K and V of one token, all layers, on one TP rank (KV heads are split over TP ranks, or replicated when there are
+    fewer heads than ranks); `element_bytes` 2 for a BF16 cache, 1 for FP8 (`PrecisionFlow.kv_cache`)."""
+    return arch.num_layers * 2 * max(1, arch.num_kv_heads // tp) * arch.head_dim * element_bytes
 
 
-def kv_cache_need(arch, seqs: int, max_len: int, tp: int = 1) -> int:
+def kv_cache_need(arch, seqs: int, max_len: int, tp: int = 1, element_bytes: int = 2) -> int:
     """The most KV cache an engine can use: `seqs` sequences (its `max_num_seqs`) of `max_len` tokens, each rounded
     up to `KV_ALIGN` tokens, plus one such slab for vLLM's reserved blocks."""
     tokens = (seqs + 1) * -(-max_len // KV_ALIGN) * KV_ALIGN
-    return tokens * kv_bytes_per_token(arch, tp)
+    return tokens * kv_bytes_per_token(arch, tp, element_bytes)
 
 
 def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: int | None = None) -> int:
@@ -79,13 +79,13 @@ def kv_cache_bytes(free_bytes: int, weight_bytes: int, fraction: float, need: in
     return int(left * fraction) if need is None else min(int(left * fraction), need)
 
 
-def sequences_at_once(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1) -> int:
+def sequences_at_once(kv_bytes: int, arch, seqs: int, max_len: int, tp: int = 1, element_bytes: int = 2) -> int:
     """How many of an engine's `seqs` sequences its KV cache of `kv_bytes` holds at their full `max_len` tokens (at
     most `seqs`). Fewer than `seqs`: vLLM still starts them all while they are short, and once the cache is full it
     preempts the newest (frees its blocks; it resumes later by recomputing its prompt and the tokens it has, a
     prefill, and samples on: its logprobs are those of an uninterrupted decode, since the engine's rows do not depend on
     their batch) -- the step runs in turns of about this many. ValueError, naming the settings, when not even one fits."""
-    per_seq = -(-max_len // KV_ALIGN) * KV_ALIGN * kv_bytes_per_token(arch, tp)
+    per_seq = -(-max_len // KV_ALIGN) * KV_ALIGN * kv_bytes_per_token(arch, tp, element_bytes)
     held = kv_bytes // per_seq
     if held < 1:
         raise ValueError(

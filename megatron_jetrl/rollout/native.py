@@ -43,8 +43,10 @@ class WeightUpdateError(ValueError):
 
 
 def expected_tensors(arch: ModelArch, flow: PrecisionFlow) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every HF tensor the engine holds: name -> (shape, dtype), from the one mapping table."""
-    return {name: (shape, dtype) for name, shape, dtype in stream_layout(arch, flow, model_entries(arch))}
+    """Every HF tensor the engine holds: name -> (shape, dtype), from the one mapping table (with the FP8 KV cache's
+    scales where the trainer decides them: `PrecisionFlow.trainer_kv_scales`)."""
+    entries = model_entries(arch, kv_scales=flow.trainer_kv_scales)
+    return {name: (shape, dtype) for name, shape, dtype in stream_layout(arch, flow, entries)}
 
 
 def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -60,12 +62,16 @@ def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
     return batch
 
 
+KV_SCALE_SUFFIXES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale")
+"""The FP8 KV cache's per-layer scales in the stream (`models.mapping.KV_SCALE`)."""
+
+
 def validate_weights(
     specs: dict, batch: dict[str, torch.Tensor], *, require_complete: bool = False, family: str = ""
 ) -> list[str]:
     """Every problem of a weight batch against `expected_tensors` specs (empty list: acceptable).
 
-    Unknown names, wrong dtypes or shapes, non-positive/non-finite scales, an FP8 weight without its
+    Unknown names, wrong dtypes or shapes, non-positive/non-finite scales (of weights and of the KV cache), an FP8 weight without its
     scales (or scales without their weight) in the same batch, and -- with `require_complete` -- missing tensors.
     """
     problems: list[str] = []
@@ -92,7 +98,7 @@ def validate_weights(
             problems.append(f"{name}: dtype {tensor.dtype}, expected {dtype}{hint}")
         if tuple(tensor.shape) != shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
-        if name.endswith(SCALE_SUFFIX) and tensor.dtype == torch.float32 and tuple(tensor.shape) == shape:
+        if name.endswith((SCALE_SUFFIX, *KV_SCALE_SUFFIXES)) and tensor.dtype == torch.float32 and tuple(tensor.shape) == shape:
             scales[name] = tensor
     problems += [f"{name}: scales must be finite and positive" for name in _invalid_scales(scales)]
     for name in batch:  # FP8 bytes and their scales only make sense together

@@ -193,6 +193,9 @@ def llm_kwargs(
     )
     if flow.exact_logprobs:
         kwargs["disable_cascade_attn"] = True  # (vLLM 0.26's default; a shared prefix's two kernels would differ)
+    if flow.kv_cache == "fp8":  # scales: the trainer's, written at every sync, or vLLM's from its first forward
+        kwargs["kv_cache_dtype"] = "fp8"
+        kwargs["calculate_kv_scales"] = flow.kv_scale_policy == "engine"
     if resolve_glue(glue, arch) == "trainer" and not enforce_eager:
         kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["+quant_fp8"]}
     elif flow.rollout_fp8 and not enforce_eager:
@@ -536,6 +539,71 @@ def check_numerics(model, flow: PrecisionFlow, pass_config, *, compiled: bool) -
     return {"kernels": sorted({type(k).__name__ for k in kernels.values()}), "fp8_linears": len(kernels), "probed": probed}
 
 
+def attention_layers(model) -> dict[str, object]:
+    """HF layer prefix (`model.layers.N.self_attn`) -> vLLM's attention layer (`.attn`) of that decoder layer."""
+    return {name.removesuffix(".attn"): m for name, m in model.named_modules() if name.endswith("self_attn.attn")}
+
+
+def kv_scale_params(layers: dict[str, object]) -> dict[str, torch.Tensor]:
+    """The mapping table's HF names of the FP8 KV cache's scales -> one-element views of the buffers vLLM's attention
+    quantizes with and descales by (`_q_scale`, `_k_scale`, `_v_scale`)."""
+    return {f"{prefix}.attn.{t}_scale": getattr(layer, f"_{t}_scale").view(1) for prefix, layer in layers.items() for t in "qkv"}
+
+
+def sync_scale_floats(layers: dict[str, object]) -> None:
+    """vLLM keeps host copies of the scales beside the buffers (read by backends other than FA3): set them too."""
+    values = torch.stack([getattr(layer, f"_{t}_scale") for layer in layers.values() for t in "qkv"]).tolist()
+    for i, layer in enumerate(layers.values()):
+        layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = values[3 * i : 3 * i + 3]
+        layer._k_scale_cpu.fill_(layer._k_scale_float)
+        layer._v_scale_cpu.fill_(layer._v_scale_float)
+
+
+def kv_cache_problems(layers: dict[str, object], flow: PrecisionFlow, tile_patched: bool) -> list[str]:
+    """What in a running engine's attention layers differs from the flow's KV cache: the cache dtype, who computes the
+    scales, and under `exact_logprobs` with an FP8 cache, a query not quantized with the layer's scale, FA3's FP8 launch
+    not pinned to one kernel (patches/vllm_0_26_0_fp8_attention_tile.py)."""
+    problems = []
+    fp8 = flow.kv_cache == "fp8"
+    for name, layer in list(layers.items())[:3]:
+        dtype = getattr(layer, "kv_cache_dtype", None)
+        if str(dtype).startswith("fp8") != fp8:
+            problems.append(f"{name}: vLLM's KV cache dtype is {dtype!r}, the flow's precision.kv_cache is {flow.kv_cache!r}")
+            continue
+        if not fp8:
+            continue
+        engine = bool(getattr(layer, "calculate_kv_scales", False))
+        if engine and flow.kv_scale_policy != "engine":
+            problems.append(
+                f"{name}: vLLM computes its own K/V scales (calculate_kv_scales), the trainer's "
+                f"({flow.kv_scale_policy}) would be overwritten: start the engine with calculate_kv_scales=False"
+            )
+        if flow.exact_logprobs and getattr(layer, "query_quant", None) is None:
+            problems.append(
+                f"{name}: vLLM's attention does not quantize the query with the layer's q scale (no query_quant), "
+                "so its FP8 attention is not the actor's: use the FlashAttention 3 backend"
+            )
+    if fp8 and flow.exact_logprobs and not tile_patched:
+        problems.append(
+            "FA3's FP8 forward would pick its kernel by the batch (patches/vllm_0_26_0_fp8_attention_tile.py did not "
+            "take effect before the engine started)"
+        )
+    return problems
+
+
+def check_kv_cache(layers: dict[str, object], flow: PrecisionFlow) -> dict:
+    """`kv_cache_problems` of a running engine; any refuses it."""
+    tile = False
+    if flow.exact_logprobs and flow.kv_cache == "fp8":
+        from megatron_jetrl.patching import load_patch
+
+        tile = load_patch("vllm_0_26_0_fp8_attention_tile").applied()
+    problems = kv_cache_problems(layers, flow, tile)
+    if problems:
+        raise EngineConformanceError("vLLM's KV cache is not the flow's:\n  - " + "\n  - ".join(problems))
+    return {"dtype": flow.kv_cache, "scales": flow.kv_scale_policy, "layers": len(layers)}
+
+
 # ---- the engine -------------------------------------------------------------------------------------
 
 
@@ -582,6 +650,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
 
         if flow.exact_logprobs and flow.rollout_fp8:  # (a BF16 rollout runs vLLM's batch-invariant mode: flow.vllm_env)
             load_patch("vllm_0_26_0_one_split_attention").apply()
+        if flow.exact_logprobs and flow.kv_cache == "fp8":
+            load_patch("vllm_0_26_0_fp8_attention_tile").apply()
         if glue == "trainer":
             vllm_glue.register()
             fused = fused_quant and flow.rollout_fp8 and flow.scale_mode == "fp32"
@@ -619,7 +689,11 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         if flow.exact_logprobs:
             self.numerics["exact_logprobs"] = self._check_exact(glue)
         self.numerics["compilation"] = {"mode": str(compilation.mode), "cudagraph_mode": str(compilation.cudagraph_mode)}
+        self.attention = attention_layers(self.model)
+        self.numerics["kv_cache"] = check_kv_cache(self.attention, flow)
         self.params = dict(self.model.named_parameters())
+        if flow.trainer_kv_scales:  # the trainer's scales land in the buffers vLLM's attention reads
+            self.params |= kv_scale_params(self.attention)
         self.plan = copy_plan(self.arch, flow, self.params, tp_rank, tp)
         self.ready = False  # dummy weights until the first complete, verified update
         self.sleeping: set[str] = set()
@@ -721,6 +795,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
                 f"after the copy, vLLM's bytes differ from the trainer's in {len(differ)} tensor(s): "
                 f"{differ[:5]}; the engine refuses to generate until a complete update lands"
             )
+        if self.flow.trainer_kv_scales:
+            sync_scale_floats(self.attention)
         self.ready = True
         if "kv_cache" not in self.sleeping:
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

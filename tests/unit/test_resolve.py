@@ -88,6 +88,10 @@ def expected(data: dict, cfg, device: str) -> dict:
             and r.tp == cfg.parallel.tp
         )
     want["precision.exact_logprobs"] = exact
+    kv = raw(data, "precision.kv_scales", "auto")  # flow.py: running_max under exact logprobs, else engine; none for BF16
+    if kv == "auto":
+        kv = ("running_max" if exact else "engine") if raw(data, "precision.kv_cache", "bf16") == "fp8" else "none"
+    want["precision.kv_scales"] = kv
     return want
 
 
@@ -176,6 +180,7 @@ def test_what_resolve_decided_is_recorded():
         "model.bf16_linear_weights",
         "rollout.glue",
         "precision.exact_logprobs",
+        "precision.kv_scales",
     }
     assert load_config(None, ["optim.distributed=auto"], device="cpu").resolved_autos() >= {"optim.distributed"}
 
@@ -209,6 +214,8 @@ def test_a_checkpoint_saved_with_autos_compares_as_resolved():
     old["rollout"]["glue"], old["precision"]["backend"] = "auto", "auto"
     assert resolve_saved(old, cfg) == cfg.to_dict()
     del old["rollout"]["glue"]  # a key added since: its default, auto, resolved too
+    assert resolve_saved(old, cfg) == cfg.to_dict()
+    del old["precision"]["kv_cache"], old["precision"]["kv_scales"]  # keys added since, one with a plain default
     assert resolve_saved(old, cfg) == cfg.to_dict()
     old["model"]["batch_invariant"], old["precision"]["exact_logprobs"] = False, True
     kept = resolve_saved(old, cfg)
@@ -250,3 +257,43 @@ def test_the_te_spec_resolves_to_a_gpu_run_with_vllms_glue(monkeypatch):
         cfg.run.device_type()
     with pytest.raises(ConfigError, match=r"^model.spec=te needs a CUDA GPU .*use model.spec=local on the CPU"):
         load_config(None, ["model.spec=te"], device="cpu").run.device_type()
+
+
+@pytest.mark.parametrize(
+    "overrides,scales",
+    [
+        (["precision.kv_cache=fp8"], "running_max"),
+        (["precision.kv_cache=fp8", "precision.exact_logprobs=false"], "engine"),
+        (["precision.kv_cache=fp8", "precision.kv_scales=amax"], "amax"),
+        (["precision.kv_cache=fp8", "precision.kv_scales=fixed"], "fixed"),
+        ([], "none"),
+    ],
+)
+def test_the_kv_cache_scales_resolve_to_the_trainers_under_exact_logprobs_else_the_engines(overrides, scales):
+    cfg = load_config([CONFIGS / "gpu_1p5b.yaml"], ["rollout.engine=vllm", *overrides], device="cuda")
+    assert cfg.precision.kv_scales == scales
+    assert cfg.precision.trainer_kv_scales == (scales in ("running_max", "amax", "fixed"))
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["precision.kv_cache=fp8", "precision.kv_scales=amax", "precision.exact_logprobs=false"], "exact-logprob attention"),
+        (["precision.kv_cache=fp8", "precision.kv_scales=engine", "precision.exact_logprobs=true"], "cannot know"),
+        (["precision.kv_cache=fp8", "rollout.engine=native", "run.device=cuda"], "native engine keeps a BF16 cache"),
+        (["precision.kv_scales=amax"], "kv_cache='bf16'"),
+        (["precision.kv_cache=fp16"], "kv_cache must be one of"),
+    ],
+)
+def test_kv_cache_settings_that_cannot_hold_are_refused_naming_the_fix(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config([CONFIGS / "gpu_1p5b.yaml"], ["rollout.engine=vllm", *overrides], device="cuda")
+
+
+def test_kv_scales_engine_keeps_exact_logprobs_auto_off():
+    cfg = load_config(
+        [CONFIGS / "gpu_1p5b.yaml"],
+        ["rollout.engine=vllm", "precision.kv_cache=fp8", "precision.kv_scales=engine"],
+        device="cuda",
+    )
+    assert cfg.precision.exact_logprobs is False and cfg.precision.kv_scale_policy == "engine"

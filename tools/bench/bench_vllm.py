@@ -2,6 +2,7 @@
 
     python tools/bench/bench_vllm.py --mode jetrl [--layers 36] [--batches 64 128 256] [--prompt 256] [--new 512] --json out.json
     python tools/bench/bench_vllm.py --mode bf16 ...         # the same engine in BF16 (vLLM's own BF16 kernels)
+    python tools/bench/bench_vllm.py --mode jetrl --kv-cache fp8 ...  # with an FP8 KV cache (precision.kv_cache)
     torchrun --nproc-per-node 4 tools/bench/bench_vllm.py --tp 4 --mode jetrl ...   # rollout TP 4, as rollout.tp=4 runs it
 
 One engine per process (vLLM's external launcher on a one-rank NCCL group, as the trainer runs it), or with --tp one
@@ -302,6 +303,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--sync-reps", type=int, default=5)
     ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument(
+        "--kv-cache",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="the engine's KV cache (precision.kv_cache; fp8 with vLLM's own scales: the kernels a run with the "
+        "trainer's scales runs, without the exact-logprob pins)",
+    )
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
     ap.add_argument(
@@ -354,12 +362,14 @@ def main(argv=None) -> dict:
     dist.init_process_group("nccl", rank=rank, world_size=a.tp)
     if rank:  # every rank runs the engine; rank 0 speaks
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
-    flow = PrecisionFlow(a.mode)
+    flow = PrecisionFlow(a.mode, kv_cache=a.kv_cache, kv_scales="engine" if a.kv_cache == "fp8" else "none")
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
     res = {
         "mode": a.mode,
         "variant": a.variant,
+        "kv_cache": a.kv_cache,
+        "kv_gb": a.kv_gb,
         "layers": a.layers,
         "tp": a.tp,
         "eager": a.eager,
@@ -411,11 +421,16 @@ def main(argv=None) -> dict:
     for b in a.batches:
         prompts = torch.randint(0, arch.vocab_size - 1, (b, a.prompt), generator=g).tolist()
         sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=sampling_seed(a.variant))
+        before = engine.preemptions() or 0
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
-        res["decode"][b] = {"first_tok_s": b * a.new / runs[0], "best_tok_s": b * a.new / min(runs[1:])}
+        res["decode"][b] = {
+            "first_tok_s": b * a.new / runs[0],
+            "best_tok_s": b * a.new / min(runs[1:]),
+            "preemptions_per_run": ((engine.preemptions() or 0) - before) / len(runs),
+        }
         print(
-            f"[{a.mode} {a.variant}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
-            f"{res['decode'][b]['best_tok_s']:.0f} tok/s",
+            f"[{a.mode} {a.variant} kv {a.kv_cache}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
+            f"{res['decode'][b]['best_tok_s']:.0f} tok/s, {res['decode'][b]['preemptions_per_run']:.0f} preemptions a run",
             flush=True,
         )
     res["decode_profiles"] = {}

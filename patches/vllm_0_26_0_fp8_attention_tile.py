@@ -1,0 +1,59 @@
+"""vLLM 0.26.0: FlashAttention 3's FP8 forward always on its two-warpgroup kernel, whatever the batch.
+
+Why: with an FP8 KV cache (`precision.kv_cache: fp8`) vLLM runs FA3's FP8 forward, and FA3 (vLLM's build) picks a
+kernel on one MMA warpgroup with a 64-row tile when `max_seqlen_q * heads / kv_heads <= 64` -- a pure decode batch --
+and its two-warpgroup kernel otherwise. In BF16 the two give the same bytes; in FP8 they do not (about 1 output in 12
+differs, H200, Qwen3-8B heads: tools/gpu/probe_fp8_attention.py). A decode token's attention would then depend on
+whether a prefill shared its step, and the actor's forward over whole sequences (`actor.rollout_kernels`) could not
+match it. The launch's `max_seqlen_q` only sizes the grid and picks the kernel; each sequence's own query count comes
+from `cu_seqlens_q`.
+
+The change: the FlashAttention backend module's `flash_attn_varlen_func` is wrapped so that an FP8 query launches
+with `max_seqlen_q` at least `actor.rollout_kernels.fp8_attention_min_q(heads, kv_heads)`, the least at which FA3
+takes the two-warpgroup kernel; BF16 calls pass through unchanged. The actor launches with the same floor. Apply
+before the engine captures its CUDA graphs. `VllmEngine` applies it under `exact_logprobs` with an FP8 KV cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from megatron_jetrl.patching import load_patch
+
+TARGET_VERSION = "0.26.0"
+MODULE = "vllm.v1.attention.backends.flash_attn"
+
+
+def applied() -> bool:
+    """Whether vLLM's FlashAttention backend launches FP8 attention through this patch."""
+    return getattr(importlib.import_module(MODULE).flash_attn_varlen_func, "jetrl_fp8_tile", False)
+
+
+def apply() -> bool:
+    """Wrap vLLM 0.26.0's FlashAttention launch (see above). Raises `VllmVersionError` for another vLLM; safe to call again."""
+    import torch
+
+    from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q
+
+    sampling = load_patch("vllm_0_26_0_seeded_sampling")
+    version = sampling.installed_version()
+    if version != TARGET_VERSION:
+        raise sampling.VllmVersionError(
+            f"patches/vllm_0_26_0_fp8_attention_tile.py targets vllm=={TARGET_VERSION} "
+            f"(it wraps {MODULE}'s flash_attn_varlen_func of that release), but vllm=={version} is installed"
+        )
+    module = importlib.import_module(MODULE)
+    if applied():
+        return True
+    launch = module.flash_attn_varlen_func
+
+    @functools.wraps(launch)
+    def two_warpgroups(q, k, v, max_seqlen_q, *args, **kwargs):
+        if q.dtype == torch.float8_e4m3fn:
+            max_seqlen_q = max(max_seqlen_q, fp8_attention_min_q(q.shape[-2], k.shape[-2]))
+        return launch(q, k, v, max_seqlen_q, *args, **kwargs)
+
+    two_warpgroups.jetrl_fp8_tile = True
+    module.flash_attn_varlen_func = two_warpgroups
+    return True

@@ -1,0 +1,276 @@
+"""FP8 attention as vLLM 0.26 runs it with an FP8 KV cache (FA3, e4m3 Q/K/V, per-tensor descales): which actor-side
+calls give the engine's bytes, what the quantizers compute, the backward's error, and the kernels' times.
+
+    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+E4M3 = torch.float8_e4m3fn
+H, HK, D = 32, 8, 128
+SCALE = D**-0.5
+dev = "cuda"
+
+
+def rows(*ts):
+    return [t.contiguous() for t in ts]
+
+
+def paged_cache(k, v, lengths, page, k_scale, v_scale, dtype="fp8", shuffle=True, seed=0):
+    """vLLM's cache (num_blocks, page, HK, 2D) filled by its own op, blocks in a shuffled order; -> (kc, vc, table)."""
+    pages = [(n + page - 1) // page for n in lengths]
+    total = sum(pages) + 3
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(total)
+    cache = torch.zeros(total, page, HK, 2 * D, dtype=torch.uint8 if dtype == "fp8" else torch.bfloat16, device=dev)
+    kc, vc = cache[..., :D], cache[..., D:]
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32, device=dev)
+    slots, at = [], 0
+    for i, (n, p) in enumerate(zip(lengths, pages)):
+        blocks = order[at : at + p]
+        at += p
+        table[i, :p] = blocks.to(dev, torch.int32)
+        t = torch.arange(n)
+        slots.append(blocks[t // page] * page + t % page)
+    ops.reshape_and_cache_flash(k, v, kc, vc, torch.cat(slots).to(dev), dtype, k_scale, v_scale)
+    if dtype == "fp8":
+        kc, vc = kc.view(E4M3), vc.view(E4M3)
+    return kc, vc, table
+
+
+def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=None, causal=True):
+    qd, kd, vd = descales if descales else (None, None, None)
+    n = cu_q.numel() - 1
+    ex = (lambda s: s.expand(n, HK)) if descales else (lambda s: None)
+    return flash_attn_varlen_func(
+        q,
+        kc,
+        vc,
+        max_seqlen_q=max_q,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=max_k,
+        seqused_k=None if cu_k is not None else seqused,
+        cu_seqlens_k=cu_k,
+        block_table=table,
+        softmax_scale=SCALE,
+        causal=causal,
+        fa_version=3,
+        num_splits=1,
+        return_softmax_lse=lse,
+        q_descale=ex(qd) if descales else None,
+        k_descale=ex(kd) if descales else None,
+        v_descale=ex(vd) if descales else None,
+    )
+
+
+def cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+
+
+def quantizers():
+    print("== quantizers: vLLM's ops against torch arithmetic (bytes differing / elements)")
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = (torch.randn(4096, HK * D, generator=g, device=dev) * 3).bfloat16()
+    x[0, :8] = torch.tensor([1e4, -1e4, 0.0, -0.0, 448 * 0.7, 1e-9, float("inf"), 3.0])
+    for s in (0.013, 0.7, 1.0, 2.5e-3):
+        sc = torch.tensor(s, device=dev)
+        kc = torch.zeros(4096, 1, HK, 2 * D, dtype=torch.uint8, device=dev)
+        ops.reshape_and_cache_flash(
+            x.view(4096, HK, D), x.view(4096, HK, D), kc[..., :D], kc[..., D:], torch.arange(4096, device=dev), "fp8", sc, sc
+        )
+        cache = kc[..., :D].reshape(4096, HK * D)
+        qq, _ = ops.scaled_fp8_quant(x, sc)
+        div = (x.float() / sc).clamp(-448, 448).to(E4M3).view(torch.uint8)
+        mul = (x.float() * (1.0 / sc)).clamp(-448, 448).to(E4M3).view(torch.uint8)
+        print(
+            f"scale {s:>8}: cache op vs div {int((cache != div).sum())}, vs mul-recip {int((cache != mul).sum())}; "
+            f"scaled_fp8_quant vs div {int((qq.view(torch.uint8) != div).sum())}, vs mul {int((qq.view(torch.uint8) != mul).sum())}, "
+            f"vs cache op {int((qq.view(torch.uint8) != cache).sum())}"
+        )
+
+
+def equality(lengths, page, chunk):
+    g = torch.Generator(device=dev).manual_seed(2)
+    n = sum(lengths)
+    q = torch.randn(n, H, D, generator=g, device=dev).bfloat16() * 2
+    k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16() * 2
+    v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+    qs, ks, vs = (torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v))
+    q8, _ = ops.scaled_fp8_quant(q.reshape(n, H * D), qs)
+    q8 = q8.view(n, H, D)
+    kc, vc, table = paged_cache(k, v, lengths, page, ks, vs)
+    cq = cu(lengths)
+    L = max(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    whole = fa(q8, kc, vc, cq, L, lens, L, table, (qs, ks, vs))
+    out = {"dtype": str(whole.dtype)}
+    # contiguous K/V (no block table): the actor's former call
+    k8 = (k.float() / ks).clamp(-448, 448).to(E4M3)
+    v8 = (v.float() / vs).clamp(-448, 448).to(E4M3)
+    contig = fa(q8, k8, v8, cq, L, None, L, None, (qs, ks, vs), cu_k=cq)
+    out["contiguous vs paged"] = int((contig != whole).sum())
+    # chunked prefill: [0, c) then [c, n) of each sequence
+    first = [min(chunk, x) for x in lengths]
+    rest = [x - f for x, f in zip(lengths, first)]
+    starts = cq[:-1].tolist()
+    qa = torch.cat([q8[s : s + f] for s, f in zip(starts, first)])
+    qb = torch.cat([q8[s + f : s + x] for s, f, x in zip(starts, first, lengths)])
+    a = fa(qa, kc, vc, cu(first), max(first), torch.tensor(first, dtype=torch.int32, device=dev), max(first), table, (qs, ks, vs))
+    b = fa(qb, kc, vc, cu(rest), max(rest), lens, L, table, (qs, ks, vs))
+    chunked = torch.cat(
+        [
+            torch.cat([a[sa : sa + f], b[sb : sb + r]])
+            for sa, sb, f, r in zip(cu(first)[:-1].tolist(), cu(rest)[:-1].tolist(), first, rest)
+        ]
+    )
+    out["chunked vs whole"] = int((chunked != whole).sum())
+    # paged decode: one query per sequence, a batch of all sequences, at several positions; variants of the call
+    kb, vb, tb = paged_cache(k, v, lengths, page, ks, vs, dtype="auto")
+    wb = fa(q, kb, vb, cq, L, lens, L, tb, None)
+    diff = {"decode": 0, "decode max_q=2": 0, "decode causal=False": 0, "decode in mixed batch": 0, "bf16 decode": 0}
+    for back in (1, 2, 7, 100, 513):
+        pos = [x - back for x in lengths]
+        qd = torch.stack([q8[s + p] for s, p in zip(starts, pos)])
+        used = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev)
+        want = torch.stack([whole[s + p] for s, p in zip(starts, pos)])
+        one = cu([1] * len(lengths))
+        d = fa(qd, kc, vc, one, 1, used, max(pos) + 1, table, (qs, ks, vs))
+        diff["decode"] += int((d != want).sum())
+        d = fa(qd, kc, vc, one, 2, used, max(pos) + 1, table, (qs, ks, vs))
+        diff["decode max_q=2"] += int((d != want).sum())
+        d = fa(qd, kc, vc, one, 1, used, max(pos) + 1, table, (qs, ks, vs), causal=False)
+        diff["decode causal=False"] += int((d != want).sum())
+        # sequence 0 prefills its last 64 tokens while the others decode one token
+        n0 = min(64, pos[0] + 1)
+        qm = torch.cat([q8[starts[0] + pos[0] + 1 - n0 : starts[0] + pos[0] + 1], qd[1:]])
+        d = fa(qm, kc, vc, cu([n0] + [1] * (len(lengths) - 1)), n0, used, max(pos) + 1, table, (qs, ks, vs))
+        diff["decode in mixed batch"] += int((torch.cat([d[n0 - 1 : n0], d[n0:]]) != want).sum())
+        qdb = torch.stack([q[s + p] for s, p in zip(starts, pos)])
+        d = fa(qdb, kb, vb, one, 1, used, max(pos) + 1, tb, None)
+        diff["bf16 decode"] += int((d != torch.stack([wb[s + p] for s, p in zip(starts, pos)])).sum())
+    out.update(diff)
+    # every token its own one-query sequence (decode-style) against the engine's decode
+    m = min(lengths[0], 300)
+    pos = torch.arange(lengths[0] - m, lengths[0], device=dev)
+    tok = fa(q8[pos], kc, vc, cu([1] * m), 1, (pos + 1).int(), lengths[0], table[:1].expand(m, -1).contiguous(), (qs, ks, vs))
+    d = fa(q8[pos[-1:]], kc, vc, cu([1]), 1, (pos[-1:] + 1).int(), lengths[0], table[:1], (qs, ks, vs))
+    out["per-token decode-style vs decode (last token)"] = int((tok[-1:] != d).sum())
+    out["per-token decode-style vs whole"] = int((tok != whole[pos]).sum())
+    # the same query alone (batch of one) vs in the batch
+    one = fa(q8[: lengths[0]], kc, vc, cu(lengths[:1]), lengths[0], lens[:1], lengths[0], table[:1], (qs, ks, vs))
+    out["alone vs batch"] = int((one != whole[: lengths[0]]).sum())
+    # FP8 against BF16 attention
+    ref = wb
+    out["fp8 vs bf16 rel err"] = f"{((whole.float() - ref.float()).norm() / ref.float().norm()).item():.4f}"
+    return out
+
+
+def backward():
+    """Forward FP8 FA3 (paged), backward flash attention's BF16 gradient on the dequantized inputs, against FP64."""
+    g = torch.Generator(device=dev).manual_seed(3)
+    b, s = 2, 512
+    q = torch.randn(b * s, H, D, generator=g, device=dev).bfloat16()
+    k = torch.randn(b * s, HK, D, generator=g, device=dev).bfloat16()
+    v = torch.randn(b * s, HK, D, generator=g, device=dev).bfloat16()
+    qs, ks, vs = (torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v))
+    q8, _ = ops.scaled_fp8_quant(q.reshape(b * s, H * D), qs)
+    kc, vc, table = paged_cache(k, v, [s] * b, 16, ks, vs)
+    out, lse = fa(
+        q8.view(b * s, H, D),
+        kc,
+        vc,
+        cu([s] * b),
+        s,
+        torch.tensor([s] * b, dtype=torch.int32, device=dev),
+        s,
+        table,
+        (qs, ks, vs),
+        lse=True,
+    )
+    deq = lambda t8, sc: (t8.float() * sc).bfloat16()  # noqa: E731
+    qd = deq(q8.view(b * s, H, D), qs).view(b, s, H, D)
+    kd = deq((k.float() / ks).clamp(-448, 448).to(E4M3), ks).view(b, s, HK, D)
+    vd = deq((v.float() / vs).clamp(-448, 448).to(E4M3), vs).view(b, s, HK, D)
+    grad = torch.randn(b, s, H, D, generator=g, device=dev).bfloat16()
+    lse_b = lse.view(H, b, s).transpose(0, 1).contiguous()
+    none = torch.empty(0, device=dev)
+    kk, vv = (t.repeat_interleave(H // HK, dim=2) for t in (kd, vd))
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad, qd, kk, vv, out.view(b, s, H, D), lse_b, None, None, s, s, 0.0, True, none, none, scale=SCALE
+    )
+    dk = dk.view(b, s, HK, H // HK, D).sum(3)
+    dv = dv.view(b, s, HK, H // HK, D).sum(3)
+    res = {}
+    for name, inputs in (
+        ("dequantized", (qd, kd, vd)),
+        ("bf16 inputs", (q.view(b, s, H, D), k.view(b, s, HK, D), v.view(b, s, HK, D))),
+    ):
+        qt, kt, vt = (t.double().transpose(1, 2).requires_grad_() for t in inputs)
+        ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=SCALE, enable_gqa=True)
+        rq, rk, rv = torch.autograd.grad(ref, (qt, kt, vt), grad.double().transpose(1, 2))
+        ref = ref.transpose(1, 2)
+        res[f"out vs fp64 ({name})"] = ((out.view(b, s, H, D).double() - ref).norm() / ref.norm()).item()
+        for nm, mine, want in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+            want = want.transpose(1, 2)
+            res[f"{nm} vs fp64 ({name})"] = ((mine.double() - want).norm() / want.norm()).item()
+    for key, val in res.items():
+        print(f"  {key}: {val:.4f}")
+
+
+def timed(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def speed():
+    print("== kernel times (ms), one split, page 16")
+    for label, lengths, decode in (
+        ("prefill 4 x 8192", [8192] * 4, False),
+        ("decode 64 x ctx 8192", [8192] * 64, True),
+        ("decode 256 x ctx 4096", [4096] * 256, True),
+        ("decode 128 x ctx 1024", [1024] * 128, True),
+    ):
+        n = sum(lengths)
+        g = torch.Generator(device=dev).manual_seed(4)
+        k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        nq = len(lengths) if decode else n
+        q = torch.randn(nq, H, D, generator=g, device=dev).bfloat16()
+        one = torch.tensor(1.0, device=dev)
+        lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        cq = cu([1] * len(lengths)) if decode else cu(lengths)
+        mq = 1 if decode else max(lengths)
+        res = []
+        for dtype in ("auto", "fp8"):
+            kc, vc, table = paged_cache(k, v, lengths, 16, one, one, dtype=dtype, shuffle=False)
+            qq = ops.scaled_fp8_quant(q.reshape(nq, -1), one)[0].view(nq, H, D) if dtype == "fp8" else q
+            d = (one, one, one) if dtype == "fp8" else None
+            res.append(timed(lambda: fa(qq, kc, vc, cq, mq, lens, max(lengths), table, d)))
+            if dtype == "fp8" and decode:
+                res.append(timed(lambda: fa(qq, kc, vc, cq, 2, lens, max(lengths), table, d)))
+            del kc, vc
+        print(
+            f"  {label}: bf16 {res[0]:.3f}  fp8 {res[1]:.3f}  ratio {res[0] / res[1]:.2f}x"
+            + (f"  fp8 max_q=2 {res[2]:.3f}" if decode else "")
+        )
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name())
+    quantizers()
+    print("== FP8 FA3 bytes: actor-side calls against the engine's (elements differing)")
+    for lengths, page, chunk in (([700, 1500, 2048], 16, 512), ([4096, 777, 1200], 16, 1000), ([2100, 640, 900], 64, 128)):
+        print(f"  lengths {lengths} page {page} chunk {chunk}: {equality(lengths, page, chunk)}")
+    print("== backward (relative norm error)")
+    backward()
+    speed()
