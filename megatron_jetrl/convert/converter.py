@@ -71,6 +71,9 @@ class Plan:
     stages: list[list[Entry]] = field(default_factory=list)
     spec: str = "local"
     """The checkpoint's layer spec (meta.json): `te` with an FP8-trained flow exports TE's weight bytes."""
+    kv_scales: torch.Tensor | None = None
+    """`[layers, 3]` Q/K/V scales of the FP8 KV cache the run decided last (its `trainer_state.json`), exported with an
+    FP8 checkpoint of a run whose trainer decided them: a vLLM started with `kv_cache_dtype="fp8"` loads them."""
 
     @property
     def fp8(self) -> bool:
@@ -78,7 +81,8 @@ class Plan:
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(e.hf) * (2 if (e.fp8 and self.fp8) else 1) for stage in self.stages for e in stage)
+        weights = sum(len(e.hf) * (2 if (e.fp8 and self.fp8) else 1) for stage in self.stages for e in stage)
+        return weights + (0 if self.kv_scales is None else self.kv_scales.numel())
 
     def hf_config(self) -> dict:
         return rollout_hf_config(self.checkpoint.meta["hf_config"], self.arch, self.flow)
@@ -94,6 +98,10 @@ class Plan:
                 fetch,
                 quantize_ranks_in_rows(fetch, self.flow, quant_rows or QUANT_ROWS, self.weight_quantizer()),
             )
+        if self.kv_scales is not None:  # the mapping table's KV scale entries, numbered as at PP 1
+            entries = [e for e in model_entries(self.arch, kv_scales=True) if e.fp32]
+            rows = {e.megatron: [self.kv_scales[i]] for i, e in enumerate(entries)}
+            yield from hf_tensors(self.arch, self.flow, entries, rows.__getitem__)
 
     def weight_quantizer(self):
         """`QuantizedWeight.quantize`, or for a TE-spec checkpoint trained in FP8 `fp8.te.te_quantize_weight`: TE's
@@ -218,7 +226,27 @@ def plan(checkpoint_dir: str | Path, *, dtype: str = "fp8", rollout_tp: int = 1,
                         f"{name}: {key} has shape {list(shape)}, but TP rank {t} of TP={tp} holds {list(want)} "
                         f"for this {arch.family} config -- TP/PP metadata and shards disagree"
                     )
-    return Plan(ckpt, arch, flow, source_flow, dtype, rollout_tp, stages, spec)
+    return Plan(
+        ckpt, arch, flow, source_flow, dtype, rollout_tp, stages, spec, _kv_scales(ckpt.directory, arch, source_flow, flow)
+    )
+
+
+def _kv_scales(directory: Path, arch: ModelArch, source: PrecisionFlow, flow: PrecisionFlow) -> torch.Tensor | None:
+    """The FP8 KV cache's last scales from the checkpoint's `trainer_state.json`, where the run's trainer decided them
+    and the export is FP8; None otherwise (also for a checkpoint saved without a trainer state, e.g. converted alone)."""
+    state = Path(directory) / "trainer_state.json"
+    if not (source.trainer_kv_scales and flow.rollout_fp8 and state.is_file()):
+        return None
+    try:
+        saved = json.loads(state.read_text()).get("kv_scales")
+        scales = None if saved is None else torch.tensor(saved["scales"], dtype=torch.float32)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{state}: unreadable kv_scales ({e})") from e
+    if scales is not None and (scales.shape != (arch.num_layers, 3) or not bool((torch.isfinite(scales) & (scales > 0)).all())):
+        raise ConversionError(
+            f"{state}: kv_scales must be {arch.num_layers} x 3 finite positive scales, got {tuple(scales.shape)}"
+        )
+    return scales
 
 
 @dataclass
@@ -312,6 +340,7 @@ def convert(
                 "quantization_config": p.flow.quantization_config(),
                 "flow": p.flow.to_dict(),
                 "rollout_tp_checked": rollout_tp,
+                "kv_scales": p.kv_scales is not None,
                 "source": {
                     "directory": str(source),
                     "iteration": meta.get("iteration"),

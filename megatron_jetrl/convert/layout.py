@@ -18,10 +18,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def expected_hf_tensors(arch: ModelArch, fp8: bool) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor of the HF checkpoint (FP8 block format when `fp8`)."""
+def expected_hf_tensors(arch: ModelArch, fp8: bool, kv_scales: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor of the HF checkpoint (FP8 block format when `fp8`; with the FP8 KV
+    cache's per-layer Q/K/V scales when `kv_scales`)."""
     flow = PrecisionFlow(mode="jetrl" if fp8 else "bf16")
-    return {name: (dtype, shape) for name, shape, dtype in stream_layout(arch, flow, model_entries(arch))}
+    entries = model_entries(arch, kv_scales=kv_scales)
+    return {name: (dtype, shape) for name, shape, dtype in stream_layout(arch, flow, entries)}
 
 
 def local_shapes(arch: ModelArch, entry: Entry, tp: int) -> list[tuple[int, ...]]:

@@ -28,6 +28,7 @@ from megatron_jetrl.convert.hf_writer import INDEX_NAME, MANIFEST_NAME, verify_m
 from megatron_jetrl.convert.layout import expected_hf_tensors, rollout_tp_problems
 from megatron_jetrl.fp8.quant import dequantize_blockwise, quantize_blockwise
 from megatron_jetrl.models.arch import ModelArch
+from megatron_jetrl.models.mapping import KV_SCALE_SUFFIXES
 
 ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 EXPECTED_QCONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -171,7 +172,8 @@ def verify_checkpoint(directory: str | Path, *, rollout_tps=(1,), reference: str
 
     headers, index_problems = ckpt.headers()
     problems += index_problems
-    expected = expected_hf_tensors(arch, fp8)
+    kv_scales = fp8 and any(name.endswith(KV_SCALE_SUFFIXES) for name in headers)
+    expected = expected_hf_tensors(arch, fp8, kv_scales)
     missing = sorted(set(expected) - set(headers))
     extra = sorted(set(headers) - set(expected))
     if missing:
@@ -206,6 +208,9 @@ def verify_checkpoint(directory: str | Path, *, rollout_tps=(1,), reference: str
         if ref_missing:
             problems.append(f"reference {reference} lacks {ref_missing[:4]}")
             return report
+    for name in (n for n in expected if n.endswith(KV_SCALE_SUFFIXES)):
+        if not bool((torch.isfinite(ckpt.get(name)) & (ckpt.get(name) > 0)).all()):
+            problems.append(f"{name}: KV cache scales must be finite and > 0")
     for name, (dtype, _shape) in expected.items():
         if dtype == torch.float32:
             continue

@@ -56,6 +56,8 @@ class Entry:
 
 KV_SCALE = "decoder.layers.{i}.self_attention.core_attention.kv_scale"
 """The actor's per-layer FP8 KV cache scales `[q, k, v]` (a buffer of `actor.rollout_kernels.FA3Attention`)."""
+KV_SCALE_SUFFIXES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale")
+"""How the HF stream and checkpoint name those scales' tensors (`{layer}.self_attn.attn.q_scale`, ...)."""
 
 
 def layer_entries(arch: ModelArch, spec: str = "local", kv_scales: bool = False) -> list[Entry]:

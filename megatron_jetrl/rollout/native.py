@@ -30,6 +30,7 @@ from megatron_jetrl.fp8.quant import NonFiniteInputError
 from megatron_jetrl.models import ModelArch, model_entries
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.export import stream_layout
+from megatron_jetrl.models.mapping import KV_SCALE_SUFFIXES
 from megatron_jetrl.rollout.decode_graphs import DecodeGraphs
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
 from megatron_jetrl.rollout.sampling import sample_tokens, sequence_generator
@@ -60,10 +61,6 @@ def collect_batch(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
     if twice:
         raise WeightUpdateError(f"refused a weight update: {twice[:5]} sent twice in one batch; nothing was applied")
     return batch
-
-
-KV_SCALE_SUFFIXES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale")
-"""The FP8 KV cache's per-layer scales in the stream (`models.mapping.KV_SCALE`)."""
 
 
 def validate_weights(

@@ -406,3 +406,32 @@ def test_clis_help_and_exit_codes(qwen2_tp2pp2, tmp_path):
     assert out.returncode == 0 and out.stdout.strip().endswith("OK") and "requant_equal" in out.stdout
     out = subprocess.run(ver + ["--rollout-tp", "4"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "FAILED" in out.stdout
+
+
+def test_an_fp8_export_carries_the_runs_last_kv_cache_scales_where_the_trainer_decided_them(tmp_path):
+    """The mapping table's KV scale entries feed the converter as they feed the sync: the scales of the run's
+    trainer_state.json, as vLLM names them; none for a BF16 export or a run whose engine decides its scales."""
+    flow = PrecisionFlow("jetrl", exact_logprobs=True, kv_cache="fp8")
+    save_synthetic_checkpoint(tmp_path / "ckpt", tiny_config("qwen3"), tp=2, pp=2, flow=flow, seed=4)
+    scales = torch.tensor([[0.01, 0.02, 0.03], [0.04, 0.05, 0.06]])
+    state = {"step": 0, "kv_scales": {"scales": scales.tolist(), "running": scales.tolist(), "decided": True}}
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps(state))
+    convert(tmp_path / "ckpt", tmp_path / "fp8")
+    out = load_dir(tmp_path / "fp8")
+    for layer in range(2):
+        for column, t in enumerate("qkv"):
+            got = out[f"model.layers.{layer}.self_attn.attn.{t}_scale"]
+            assert got.dtype == torch.float32 and got.tolist() == [scales[layer, column].item()]
+    assert json.loads((tmp_path / "fp8" / MANIFEST_NAME).read_text())["kv_scales"] is True
+    assert verify_checkpoint(tmp_path / "fp8").ok
+    convert(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
+    assert not any(n.endswith("_scale") for n in load_dir(tmp_path / "bf16"))
+    state["kv_scales"]["scales"][1][2] = -1.0
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ConversionError, match="finite positive scales"):
+        convert(tmp_path / "ckpt", tmp_path / "bad")
+    engine = PrecisionFlow("bf16-train-fp8-rollout", kv_cache="fp8", kv_scales="engine")
+    save_synthetic_checkpoint(tmp_path / "engine", tiny_config("qwen3"), flow=engine, seed=4)
+    (tmp_path / "engine" / "trainer_state.json").write_text(json.dumps(state))
+    convert(tmp_path / "engine", tmp_path / "engine_fp8")
+    assert not any(n.endswith("_scale") for n in load_dir(tmp_path / "engine_fp8"))
