@@ -101,6 +101,35 @@ def _flash_backward(grad, q, k, v, out, lse, scale: float):
     )[:3]
 
 
+def _causal_rows(q, k, v, scale: float, min_q: int = 0, scales: torch.Tensor | None = None):
+    """vLLM's FA3 over each row of `[b, s, heads or groups, d]` as one causal sequence, one KV split, launched with
+    `max_seqlen_q` at least `min_q`; FP8 inputs descaled by `scales` `[q, k, v]`. -> (out `[b, s, heads, d]`, varlen
+    log-sum-exp `[heads, b * s]`)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    b, s, heads, d = q.shape
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+    descale = {}
+    if scales is not None:
+        descale = {f"{t}_descale": scales[i : i + 1].expand(b, k.shape[2]) for i, t in enumerate("qkv")}
+    out, lse = flash_attn_varlen_func(
+        q.reshape(b * s, heads, d),
+        k.reshape(b * s, -1, d),
+        v.reshape(b * s, -1, d),
+        max_seqlen_q=max(s, min_q),
+        cu_seqlens_q=cu,
+        max_seqlen_k=s,
+        cu_seqlens_k=cu,
+        softmax_scale=scale,
+        causal=True,
+        fa_version=FA_VERSION,
+        num_splits=1,
+        return_softmax_lse=True,
+        **descale,
+    )
+    return out.view(b, s, heads, d), lse
+
+
 class _FA3(torch.autograd.Function):
     """Causal attention `[b, s, heads, d]` (k/v with fewer heads: GQA): forward FA3 over each row as one sequence,
     backward flash attention's gradient kernel (torch's FlashAttention 2) fed FA3's own output and log-sum-exp, so
@@ -108,25 +137,7 @@ class _FA3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-        b, s, heads, d = q.shape
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        out, lse = flash_attn_varlen_func(
-            q.reshape(b * s, heads, d),
-            k.reshape(b * s, -1, d),
-            v.reshape(b * s, -1, d),
-            max_seqlen_q=s,
-            cu_seqlens_q=cu,
-            max_seqlen_k=s,
-            cu_seqlens_k=cu,
-            softmax_scale=scale,
-            causal=True,
-            fa_version=FA_VERSION,
-            num_splits=1,
-            return_softmax_lse=True,
-        )
-        out = out.view(b, s, heads, d)
+        out, lse = _causal_rows(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         return out
@@ -150,31 +161,9 @@ class _FA3FP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scales, scale: float):
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-        b, s, heads, d = q.shape
-        groups = k.shape[2]
         q8, k8, v8 = fp8_qkv(q, k, v, scales)
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        descale = [scales[i : i + 1].expand(b, groups) for i in range(3)]
-        out, lse = flash_attn_varlen_func(
-            q8.view(b * s, heads, d),
-            k8.view(b * s, groups, d),
-            v8.view(b * s, groups, d),
-            max_seqlen_q=max(s, fp8_attention_min_q(heads, groups)),
-            cu_seqlens_q=cu,
-            max_seqlen_k=s,
-            cu_seqlens_k=cu,
-            softmax_scale=scale,
-            causal=True,
-            fa_version=FA_VERSION,
-            num_splits=1,
-            return_softmax_lse=True,
-            q_descale=descale[0],
-            k_descale=descale[1],
-            v_descale=descale[2],
-        )
-        out = out.view(b, s, heads, d)
+        heads, groups = q.shape[2], k.shape[2]
+        out, lse = _causal_rows(q8, k8, v8, scale, fp8_attention_min_q(heads, groups), scales)
         ctx.save_for_backward(q8, k8, v8, scales, out, lse)
         ctx.scale, ctx.dtype = scale, q.dtype
         return out

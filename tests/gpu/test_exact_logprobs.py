@@ -201,6 +201,19 @@ def test_rollout_linear_rows_do_not_depend_on_the_number_of_rows(rk, gemm):
     assert ((full[:16].double() - ref).abs().max() / ref.abs().max()) < 1e-2
 
 
+def _train(cmd: list[str], out_dir) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A training run in its own process (it pins vLLM's environment before importing it): the finished process and
+    its metrics rows."""
+    env = dict(
+        os.environ,
+        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done, [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 QWEN2 = ["configs/gpu_1p5b.yaml", "model.hf_config.num_hidden_layers=4"]  # QKV bias, tied embeddings
 QWEN3 = ["configs/gpu_8b_shapes.yaml", "model.hf_config.num_hidden_layers=2"]  # QK norm
 
@@ -229,14 +242,7 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
         f"run.out_dir={tmp_path}",
         "run.name=exact",
     ]
-    env = dict(
-        os.environ,
-        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    _, rows = _train(cmd, tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["mismatch/tokens"] > 0
@@ -267,14 +273,7 @@ def test_grpo_with_an_fp8_kv_cache_has_mismatch_exactly_zero_at_every_step(tmp_p
         "run.checkpoint=false", "grpo.prompts_per_step=8", "grpo.micro_batch_size=32", "loss.tis_cap=2.0",
         f"run.out_dir={tmp_path}", "run.name=exact_fp8_kv",
     ]  # fmt: skip
-    env = dict(
-        os.environ,
-        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    _, rows = _train(cmd, tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["sync/kv_scale_k_max"] == rows[0]["sync/kv_scale_k_min"] == 1.0  # nothing seen yet
     for r in rows:
@@ -356,15 +355,8 @@ def test_long_responses_have_mismatch_exactly_zero_and_sync_the_trainers_bytes(t
         torch.Size(shape).numel() * dtype.itemsize for shape, dtype in expected_tensors(cfg.arch(), cfg.precision).values()
     )
     cmd = [sys.executable, "-m", "megatron_jetrl.rl.train", *args, f"run.out_dir={tmp_path}", "run.name=long"]
-    env = dict(
-        os.environ,
-        MASTER_PORT=os.environ.get("EXACT_TEST_PORT", "29679"),
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done, rows = _train(cmd, tmp_path)
     assert ("holds 12 of the 32 sequences" in done.stderr) == (fit < 32), done.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["response_length/mean"] > 1024 and r["mismatch/tokens"] > 32 * 1024, r["step"]
