@@ -205,3 +205,36 @@ def test_the_flow_refuses_kv_settings_that_cannot_hold():
         PrecisionFlow(kv_cache="fp8", kv_scales="none")
     assert FP8_KV.trainer_kv_scales and FP8_KV.kv_scale_policy == "running_max"
     assert PrecisionFlow(kv_cache="fp8").kv_scale_policy == "engine" and not PrecisionFlow(kv_cache="fp8").trainer_kv_scales
+
+
+def _refresh_on_a_rank():
+    """One rank of PP 2 x DP 2 over 4 layers: its stage's two layers, amax that differ by rank."""
+    from megatron.core import parallel_state as ps
+
+    stage, rank = ps.get_pipeline_model_parallel_rank(), torch.distributed.get_rank()
+    model = _model(2, first=2 * stage)
+    for i, layer in enumerate(model.decoder.layers):
+        layer.self_attention.core_attention.kv_amax.copy_(torch.tensor([1.0, 2.0, 3.0]) * (rank + 1) * (i + 1))
+    state = kv.refresh(model, "amax", kv.KvScaleState.start(4))
+    return state.scales, [layer.self_attention.core_attention.kv_scale.clone() for layer in model.decoder.layers]
+
+
+def test_every_rank_decides_the_same_scales_from_the_largest_amax_of_any_rank():
+    from actor_helpers import spawn
+    from megatron.core import parallel_state  # noqa: F401 - the ranks import it
+
+    results = spawn(4, 1, 2, _refresh_on_a_rank)
+    scales = results[0][0]
+    for got, _ in results:
+        assert torch.equal(got, scales)
+    # layer 2i+j lives on stage i and saw (rank + 1) * (j + 1) * [1, 2, 3] on the stage's ranks; the largest wins
+    stage_ranks = {0: [], 1: []}
+    for rank in range(4):
+        stage_ranks[0 if rank in (0, 1) else 1].append(rank)
+    for layer in range(4):
+        stage, j = divmod(layer, 2)
+        top = max(stage_ranks[stage]) + 1
+        assert torch.allclose(scales[layer], torch.tensor([1.0, 2.0, 3.0]) * top * (j + 1) / 448)
+    for rank, (_, written) in enumerate(results):
+        stage = 0 if rank in stage_ranks[0] else 1
+        assert torch.equal(torch.stack(written), scales[2 * stage : 2 * stage + 2])
