@@ -705,6 +705,7 @@ def _resume(saved, tmp_path, damage, *overrides):
         optimizer=saved.optimizer,
         reference=None,
         sampler=SimpleNamespace(load_state_dict=lambda state: None),
+        kv_scales=None,
     )
     return session.resume(s)
 
@@ -758,6 +759,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(s
         optimizer=saved.optimizer,
         reference=None,
         sampler=SimpleNamespace(load_state_dict=lambda state: None),
+        kv_scales=None,
     )
     assert session.resume(s)["step"] == 1
     err = capsys.readouterr().err
