@@ -230,7 +230,9 @@ class FA3Attention(torch.nn.Module):
         if not self.kv_fp8:
             return fa3_causal_attention(q, k, v, self.scale).transpose(0, 1).reshape(s, b, -1)
         with torch.no_grad():
-            seen = torch.stack([t.detach().abs().amax().float() for t in (q, k, v)])
+            seen = torch.stack(
+                [torch.linalg.vector_norm(t.detach(), float("inf")).float() for t in (q, k, v)]
+            )  # max |x|, one pass
             torch.maximum(self.kv_amax, seen, out=self.kv_amax)
         return fa3_fp8_causal_attention(q, k, v, self.kv_scale, self.scale).transpose(0, 1).reshape(s, b, -1)
 

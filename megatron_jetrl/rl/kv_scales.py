@@ -61,7 +61,7 @@ def decide(policy: str, amax: torch.Tensor, state: KvScaleState) -> KvScaleState
 
 def attention_modules(model) -> dict[int, torch.nn.Module]:
     """Global layer index -> this rank's FP8-cache attention module of that layer."""
-    from megatron_jetrl.actor.fp8_layers import unwrap
+    from megatron_jetrl.actor.gpt import unwrap
 
     out = {}
     for layer in unwrap(model).decoder.layers:
