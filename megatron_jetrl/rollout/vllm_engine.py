@@ -772,6 +772,13 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             r.request_seed = s
         return results
 
+    def kv_cache_blocks(self) -> tuple[int, int] | None:
+        """(blocks, tokens a block) of the engine's KV cache, as vLLM sized it (None: not an in-process engine core)."""
+        cache = getattr(self.scheduler, "cache_config", None)
+        if cache is None or not cache.num_gpu_blocks:
+            return None
+        return int(cache.num_gpu_blocks), int(cache.block_size)
+
     def preemptions(self) -> int | None:
         """Requests the scheduler has preempted since the engine started (None: not an in-process engine core)."""
         return getattr(self.scheduler, "jetrl_preemptions", None)

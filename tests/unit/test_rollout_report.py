@@ -171,3 +171,38 @@ def test_ceiling_needs_profiles_at_one_context(tmp_path, capsys):
     bare = vllm("jetrl", {128: 1.0})  # profiles absent: the rates alone, no ceiling table
     assert tool.main(["--vllm", write(tmp_path, "f.json", bare), write(tmp_path, "b.json", bf)]) == 0
     assert "ceiling" not in capsys.readouterr().out
+
+
+def kv_run(mode, kv, rate, at_once, kv_gb=40.0):
+    capacity = 36 if kv == "bf16" else 72
+    linear = {"bf16": 2 * 6.95, "jetrl": 6.95 + 0.01}[mode]
+    return {
+        "mode": mode, "kv_cache": kv, "layers": 36, "prompt": 8, "new_tokens": 8192, "kv_gb": kv_gb, "device": "H200",
+        "linear_GB": linear, "decode": {"32": {"best_tok_s": rate, "preemptions_per_run": 0, "at_once": at_once, "capacity": capacity}},
+    }  # fmt: skip
+
+
+def test_kv_table_compares_caches_with_the_bandwidth_ceiling(tmp_path):
+    paths = [
+        write(tmp_path, "a.json", kv_run("bf16", "bf16", 3000.0, 32)),
+        write(tmp_path, "b.json", kv_run("jetrl", "bf16", 3600.0, 32)),
+        write(tmp_path, "c.json", kv_run("jetrl", "fp8", 5400.0, 32)),
+    ]
+    lines = tool.kv_table(paths).splitlines()
+    assert lines[0].startswith("36 layers, 32 sequences of 8 + 8192 tokens, 40 GiB of KV cache")
+    # a decode step at the mean context 4104: KV 32 x 4104 x 36 x 4096 bytes = 19.37 GB in BF16, half in FP8
+    kv = 32 * 4104 * 36 * 2 * 8 * 128 * 2 / 1e9
+    head = 151936 * 4096 * 2 / 1e9
+    bf16, fp8 = 13.9 + head + kv, 6.96 + head + kv / 2
+    assert lines[4] == f"| bf16 | bf16 | 3,000 | 1.00x | 32 | 36 | 1.00x | 0 | {bf16:.1f} | 1.00x |"
+    assert lines[6] == f"| jetrl | fp8 | 5,400 | 1.80x | 32 | 72 | 2.00x | 0 | {fp8:.1f} | {bf16 / fp8:.2f}x |"
+    assert tool.main(["--kv", *paths]) == 0
+
+
+def test_kv_table_refuses_runs_of_other_settings(tmp_path, capsys):
+    a = write(tmp_path, "a.json", kv_run("bf16", "bf16", 3000.0, 32))
+    b = write(tmp_path, "b.json", kv_run("jetrl", "fp8", 5400.0, 32, kv_gb=20.0))
+    assert tool.main(["--kv", a, b]) == 2
+    assert "differ in ['kv_gb']" in capsys.readouterr().err
+    assert tool.main(["--kv", b]) == 2
+    assert "needs the bf16 run with a BF16 cache" in capsys.readouterr().err

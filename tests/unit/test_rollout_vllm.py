@@ -499,3 +499,12 @@ def test_bench_profiles_at_the_runs_mean_context_and_counts_the_layers_linear_by
         "lm_head.weight": torch.zeros(16, 4),
     }
     assert bench.linear_bytes(tensors) == 8 * 4 + 4
+
+
+def test_bench_counts_the_sequences_the_kv_cache_holds_at_once():
+    bench = load_bench_vllm()
+    # 8200 tokens are 513 blocks of 16; vLLM keeps one block back
+    assert bench.at_once((513 * 20 + 1, 16), 32, 8200) == 20
+    assert bench.at_once((513 * 20, 16), 32, 8200) == 19
+    assert bench.at_once((513 * 40 + 1, 16), 32, 8200) == 32  # at most the batch
+    assert bench.at_once(None, 32, 8200) is None

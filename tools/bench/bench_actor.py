@@ -14,7 +14,14 @@ old = reference logprobs = the BF16 model's own, advantages random, the first qu
 prompt, which gets no logits as in `rl.train`: `extras["first"]`), ending in the optimizer step and the FP8 weight re-quantization. Every precision is built the way the
 launcher builds it: `rl.config.load_config([--preset, configs/modes/<mode>.yaml], overrides)` and its
 `precision` (the shipped `PrecisionFlow`), `optim` and `loss` sections; nothing is hand-tuned. Extra labelled
-variants take overrides: `--modes bf16 jetrl jetrl+precision.backend=cublaslt`.
+variants take overrides: `--modes bf16 jetrl jetrl+precision.backend=cublaslt`. Also timed: the forward-only
+logprob pass over the same rows (`--logprob-micro-batch`), what a step's old-policy and reference passes run.
+
+Attention is what a run of the variant has: with `precision.exact_logprobs` (jetrl's default at TP 1 with vLLM) the
+engine's FA3 kernels (`ActorOptions(rollout_kernels=True)`: needs the vLLM kit; `--override
+precision.exact_logprobs=false` without it), and with `precision.kv_cache=fp8` FA3's FP8 attention at scales decided
+from one logprob pass's amax, as a run's first sync decides them: `--modes bf16 jetrl jetrl+precision.kv_cache=fp8`
+measures what the FP8 attention costs the update and the logprob pass.
 
 Layers: `--layers auto` (default) fits as many Qwen3-8B layers as the memory budget allows for every variant
 (`--mem-gib`, default: all of the device's free memory, 10% kept back): it measures the peak memory of one step
@@ -55,6 +62,7 @@ Without a CUDA GPU (and without --tiny): exit 2 with one line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -431,6 +439,7 @@ class StepRun:
             fused=cfg.model.fused,
             fp8_weight_t=cfg.model.fp8_weight_t,
             bf16_linear_weights="release" if release else "keep",
+            rollout_kernels=cfg.precision.exact_logprobs,  # the engine's attention (FP8 with an FP8 KV cache) as a run has it
         )
         self.optim = optim
         torch.manual_seed(1234)
@@ -447,6 +456,18 @@ class StepRun:
         self.unwrap = unwrap
         self.model = model
         self.ddp, self.optimizer = wrap_for_training(model, optim)
+
+    def set_kv_scales(self, tokens, mb) -> bool:
+        """With an FP8 KV cache: one logprob pass at scale 1.0, then every layer's scales from its amax (`rl.kv_scales`,
+        policy amax), as a run's first sync decides them. False without an FP8 cache."""
+        from megatron_jetrl.rl import kv_scales
+
+        if not kv_scales.attention_modules(self.ddp):
+            return False
+        with torch.no_grad():
+            self.logprobs(tokens, mb)
+        kv_scales.refresh(self.ddp, "amax", kv_scales.KvScaleState.start(self.arch.num_layers))
+        return True
 
     def cpu_state(self):
         sd = self.unwrap(self.ddp).state_dict()
@@ -484,6 +505,22 @@ class StepRun:
     def close(self):
         del self.ddp, self.optimizer, self.model
         _gc()
+
+
+def time_logprob_pass(run, tokens, mb: int, reps: int, device) -> dict:
+    """The forward-only logprob pass over the step's rows at micro-batches of `mb` (the old-policy and reference
+    passes of a GRPO step): median ms of `reps` after one untimed pass."""
+    times = []
+    with torch.no_grad():
+        for i in range(1 + reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            run.logprobs(tokens, mb)
+            _sync(device)
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"logprob_ms": times[len(times) // 2], "logprob_micro_batch": mb}
 
 
 def offload_round_trip(run, device) -> dict:
@@ -598,6 +635,7 @@ def run_variants(a, variants, cfgs, arch, layers, device):
         run = None
         try:
             run = StepRun(label, cfgs[label], arch, layers, device, state=state)
+            row["kv_scales_from_amax"] = run.set_kv_scales(tokens[: a.micro_batch], a.micro_batch)
             row["flow"] = run.flow.to_dict()
             row["core_attention"] = run.core_attention
             try:
@@ -641,6 +679,7 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                     raise RuntimeError(f"first step not taken or not finite: {out}")
                 if i >= a.warmup:
                     times.append(dt)
+            row.update(time_logprob_pass(run, tokens, a.logprob_micro_batch or a.micro_batch, a.steps, device))
             if run.cfg.rollout.offload != "none":
                 row.update(offload_round_trip(run, device))
             if a.step_profile:
@@ -671,12 +710,14 @@ def run_variants(a, variants, cfgs, arch, layers, device):
         base = rows[0].get("step_ms")
         if base and row.get("step_ms"):
             row["speedup_vs_bf16"] = base / row["step_ms"]
+            row["logprob_speedup_vs_bf16"] = rows[0]["logprob_ms"] / row["logprob_ms"]
             if rows[0].get("first_grad_norm") and row.get("first_grad_norm"):
                 row["grad_norm_rel_diff"] = abs(row["first_grad_norm"] / rows[0]["first_grad_norm"] - 1)
         print(
             f"  {label:28s} layers {layers:2d}  "
             + (
                 f"step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  x{row.get('speedup_vs_bf16', float('nan')):.3f}  "
+                f"logprob pass {row['logprob_ms']:8.1f} ms x{row.get('logprob_speedup_vs_bf16', float('nan')):.3f}  "
                 f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
                 f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}"
                 if "step_ms" in row
@@ -703,7 +744,16 @@ def step_main(a):
     from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
     from megatron_jetrl.models.arch import ModelArch
 
-    cfgs = {label: load_preset(mode, a.preset, [*ov, *a.override]) for label, mode, ov in variants}
+    tiny = ["precision.exact_logprobs=false"] if a.tiny else []  # the CPU has no FA3
+    cfgs = {label: load_preset(mode, a.preset, [*tiny, *ov, *a.override]) for label, mode, ov in variants}
+    exact = [label for label in cfgs if cfgs[label].precision.exact_logprobs]
+    if exact and importlib.util.find_spec("vllm") is None:
+        print(
+            f"error: {exact} run with exact logprobs (the vLLM engine's FA3 attention in the actor) and vLLM is not "
+            "importable: run under the vLLM kit (shared/kits/README.md) or pass --override precision.exact_logprobs=false",
+            file=sys.stderr,
+        )
+        return 2
     arch = cfgs[variants[0][0]].arch() if not a.tiny else ModelArch.from_hf_config(dict(TINY, num_hidden_layers=2))
     if a.tiny:
         a.seq, a.micro_batch, a.micro_batches, a.steps, a.warmup = min(a.seq, 64), 2, 2, 1, 1
@@ -784,18 +834,20 @@ def _write_json(path, obj):
 def report_steps(out, arch):
     rows = out["rows"]
     print(
-        "\n| layers | variant | backend | core attention | step ms (median) | tokens/s | vs BF16 | logprob rel. err vs BF16 | first loss | grad norm | peak GiB |"
+        "\n| layers | variant | backend | core attention | step ms (median) | tokens/s | vs BF16 | logprob pass ms | vs BF16 | "
+        "logprob rel. err vs BF16 | first loss | grad norm | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
             print(
-                f"| {r['layers']} | {r['variant']} | - | {r.get('core_attention', '-')} | n/a: {r.get('error', '')[:80]} | | | | | | |"
+                f"| {r['layers']} | {r['variant']} | - | {r.get('core_attention', '-')} | n/a: {r.get('error', '')[:80]} | | | | | | | | |"
             )
             continue
         print(
             f"| {r['layers']} | {r['variant']} | {r.get('backend_resolved') or '-'} | {r.get('core_attention', '-')} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
+            f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {r['logprob_ms']:.1f} | {r.get('logprob_speedup_vs_bf16', float('nan')):.2f}x | "
+            f"{r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
             f"{r['first_grad_norm'] if r['first_grad_norm'] is None else round(r['first_grad_norm'], 4)} | {r['peak_gib']:.1f} |"
         )
     by_variant: dict[str, dict[int, float]] = {}
@@ -873,6 +925,12 @@ def main(argv=None):
     g.add_argument("--seq", type=int, default=4096)
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (M = micro-batch x seq tokens per GEMM)")
     g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
+    g.add_argument(
+        "--logprob-micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch of the timed logprob pass (grpo.logprob_micro_batch_size; default --micro-batch)",
+    )
     g.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     g.add_argument(

@@ -17,7 +17,10 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
   what every GRPO step does), best and median of --sync-reps, against the device copy rate measured here; and one
   full pool cycle from sleep (wake weights, sync, wake KV cache);
 * decode: batch x (prompt, new) with ignore_eos, random prompt tokens; the first run of each batch (DeepGEMM
-  JIT-compiles new shapes inside it) and the best of --reps after it. tokens/s counts generated tokens;
+  JIT-compiles new shapes inside it) and the best of --reps after it (--reps 0: the first run only, for long
+  responses whose decode dwarfs the compile). tokens/s counts generated tokens. The engine is built for the largest
+  batch (`max_num_seqs`, as the trainer builds it for its share of a step), and each batch records how many of its
+  sequences the KV cache holds at their full length (`at_once`, from vLLM's block count) and the preemptions;
 * profile (--profile-batch B ...): one decode step's kernel time by category at each batch B, measured at the timed
   runs' mean KV-cache length, and the bytes of the layers' linear weights (`linear_GB`). From a jetrl and a bf16 run
   tools/bench/rollout_report.py computes what FP8 weights can buy at that setting (its ceiling table).
@@ -285,6 +288,15 @@ def print_decode_profile(tag: str, p: dict) -> None:
         print(f"[{tag}]     {ms:8.3f} ms  {name}", flush=True)
 
 
+def at_once(blocks: tuple[int, int] | None, batch: int, length: int) -> int | None:
+    """How many of `batch` sequences of `length` tokens a KV cache of (blocks, tokens a block) holds at once (None:
+    the engine did not say its size). vLLM keeps one block back (its null block)."""
+    if blocks is None:
+        return None
+    count, size = blocks
+    return min(batch, (count - 1) // -(-length // size))
+
+
 def timed(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -300,7 +312,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="timed runs after the first of each batch (0: the first only)")
     ap.add_argument("--sync-reps", type=int, default=5)
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument(
@@ -347,6 +359,8 @@ def main(argv=None) -> dict:
         ap.error(str(e))
     if a.eager and a.variant == "fused":
         ap.error("--variant fused needs torch.compile (its passes do the fusing): leave out --eager")
+    if a.reps < 0 or not a.batches:
+        ap.error(f"--reps must be >= 0 and --batches non-empty, got --reps {a.reps} --batches {a.batches}")
     if a.profile_batch:
         a.profile_context = profile_context(a.prompt, a.new, a.profile_steps, a.profile_context, ap.error)
 
@@ -392,11 +406,13 @@ def main(argv=None) -> dict:
         gpu_memory_utilization=0.9,
         enforce_eager=a.eager,
         max_model_len=a.prompt + a.new + 16,
+        max_num_seqs=max(a.batches),
         verify_numerics=verify,
         **extra,
     )
     res["start_s"] = time.perf_counter() - t0
     res["numerics"] = engine.numerics
+    res["kv_cache_blocks"] = engine.kv_cache_blocks()  # (blocks, tokens a block)
     batch = device_stream(arch, flow)
     res["model_GB"] = sum(t.numel() * t.element_size() for t in batch.values()) / 1e9
     res["linear_GB"] = linear_bytes(batch) / a.tp / 1e9  # one rank's share: TP splits every linear
@@ -425,12 +441,16 @@ def main(argv=None) -> dict:
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
         res["decode"][b] = {
             "first_tok_s": b * a.new / runs[0],
-            "best_tok_s": b * a.new / min(runs[1:]),
+            "best_tok_s": b * a.new / min(runs[1:] or runs),
             "preemptions_per_run": ((engine.preemptions() or 0) - before) / len(runs),
+            "at_once": at_once(res["kv_cache_blocks"], b, a.prompt + a.new),
+            "capacity": at_once(res["kv_cache_blocks"], sys.maxsize, a.prompt + a.new),  # sequences at full length
         }
+        d = res["decode"][b]
         print(
-            f"[{a.mode} {a.variant} kv {a.kv_cache}] batch {b}: first {res['decode'][b]['first_tok_s']:.0f} tok/s, best "
-            f"{res['decode'][b]['best_tok_s']:.0f} tok/s, {res['decode'][b]['preemptions_per_run']:.0f} preemptions a run",
+            f"[{a.mode} {a.variant} kv {a.kv_cache}] batch {b}: first {d['first_tok_s']:.0f} tok/s, best "
+            f"{d['best_tok_s']:.0f} tok/s, {d['at_once']} of {b} held at full length (room for {d['capacity']}), {d['preemptions_per_run']:.0f} "
+            "preemptions a run",
             flush=True,
         )
     res["decode_profiles"] = {}

@@ -24,6 +24,11 @@ work, unreachable where it is below the floor. Steps are GPU-busy ms. At rollout
 torchrun) the same bound holds per rank: each reads its 1/k of the linears (`linear_GB` is that share), and the
 row-parallel all-reduces (the NCCL column) are the same work in both modes, so they lower the ceiling as attention does.
 
+KV cache (`--kv`, instead of `--vllm`): bench_vllm.py runs of one setting with `--kv-cache bf16` and `fp8`
+(tools/gpu/gpu_vllm.sh kv-rollout): tokens/s and the sequences the cache holds at once, each against bf16 with a BF16
+cache, and the bandwidth ceiling of a decode step: the bytes it reads (the decoder's linear weights, the BF16 lm_head,
+and the KV cache of every sequence at the mean context, prompt + new / 2) in BF16 over the same in the run's precision.
+
 Exit status: 0 written; 2 a file unreadable or the settings do not match (one line says which).
 """
 
@@ -189,6 +194,57 @@ def ceiling(runs: dict[str, dict], fp8_tflops: float = FP8_PEAK_TFLOPS) -> str:
     return "\n" + head + "\n" + "\n".join(lines) + "\n"
 
 
+KV_BYTES_PER_TOKEN_LAYER = 2 * 8 * 128
+"""K and V elements a token keeps per layer at Qwen3-8B's shapes (8 KV heads x 128), bench_vllm.py's model."""
+LM_HEAD_GB = 151936 * 4096 * 2 / 1e9
+"""The BF16 lm_head a decode step reads in every mode."""
+
+
+def kv_table(paths: list[str]) -> str:
+    """The `--kv` table (module docstring) of bench_vllm.py runs at one setting."""
+    runs = {}
+    for path in paths:
+        r = load(path)
+        if "decode" not in r or "kv_cache" not in r:
+            raise ValueError(f"{path}: not a tools/bench/bench_vllm.py result with a kv_cache field")
+        runs[(r["mode"], r["kv_cache"])] = r
+    base = runs.get(("bf16", "bf16"))
+    if base is None:
+        raise ValueError("--kv needs the bf16 run with a BF16 cache (bench_vllm.py --mode bf16 --kv-cache bf16)")
+    keys = ("layers", "prompt", "new_tokens", "kv_gb")
+    for r in runs.values():
+        if any(r[k] != base[k] for k in keys):
+            raise ValueError(f"--kv runs differ in {[k for k in keys if r[k] != base[k]]}: compare one setting")
+    if len(base["decode"]) != 1:
+        raise ValueError(f"--kv compares runs of one batch size; the bf16 run has {sorted(base['decode'])}")
+    batch = int(next(iter(base["decode"])))
+    context = base["prompt"] + base["new_tokens"] / 2
+
+    def step_gb(r):
+        kv = batch * context * base["layers"] * KV_BYTES_PER_TOKEN_LAYER * (1 if r["kv_cache"] == "fp8" else 2) / 1e9
+        return r["linear_GB"] + LM_HEAD_GB + kv
+
+    lines = [
+        f"{base['layers']} layers, {batch} sequences of {base['prompt']} + {base['new_tokens']} tokens, "
+        f"{base['kv_gb']:g} GiB of KV cache, {base.get('device', '?')}",
+        "",
+        "| mode | KV cache | tok/s | vs bf16 | held at once | sequences the cache holds | vs bf16 | preemptions a run | "
+        "GB read a decode step | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    b0 = base["decode"][str(batch)]
+    for (mode, kv), r in sorted(runs.items(), key=lambda kv: (kv[0][0] != "bf16", kv[0][1])):
+        d = r["decode"][str(batch)]
+        room = d.get("capacity")
+        room_ratio = f"{room / b0['capacity']:.2f}x" if room and b0.get("capacity") else "n/a"
+        lines.append(
+            f"| {mode} | {kv} | {d['best_tok_s']:,.0f} | {d['best_tok_s'] / b0['best_tok_s']:.2f}x | {d.get('at_once')} | "
+            f"{room} | {room_ratio} | "
+            f"{d['preemptions_per_run']:.0f} | {step_gb(r):.1f} | {step_gb(base) / step_gb(r):.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -196,7 +252,9 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--native", help="tools/bench/bench_rollout.py JSON (its columns read n/a without it)")
-    ap.add_argument("--vllm", nargs="+", required=True, help="tools/bench/bench_vllm.py JSON, one per mode and --variant")
+    runs_arg = ap.add_mutually_exclusive_group(required=True)
+    runs_arg.add_argument("--vllm", nargs="+", help="tools/bench/bench_vllm.py JSON, one per mode and --variant")
+    runs_arg.add_argument("--kv", nargs="+", help="bench_vllm.py JSON of one setting with a BF16 and an FP8 KV cache")
     ap.add_argument(
         "--fp8-tflops",
         type=float,
@@ -206,8 +264,11 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", help="also write the table to this markdown file")
     a = ap.parse_args(argv)
     try:
-        runs = vllm_runs(a.vllm)
-        text = table(load(a.native) if a.native else None, runs) + ceiling(runs, a.fp8_tflops)
+        if a.kv:
+            text = kv_table(a.kv)
+        else:
+            runs = vllm_runs(a.vllm)
+            text = table(load(a.native) if a.native else None, runs) + ceiling(runs, a.fp8_tflops)
     except ValueError as e:
         print(f"rollout_report: {e}", file=sys.stderr)
         return 2

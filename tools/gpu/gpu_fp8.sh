@@ -16,7 +16,8 @@
 #   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
 #   tests  tools/gpu/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
 #   bench  tools/bench/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
-#          tools/bench/bench_actor.py (whole actor step, jetrl vs bf16) -> $OUT/bench_actor.{json,log}      ~3-5 min
+#          tools/bench/bench_actor.py (whole actor step, jetrl vs bf16, exact logprobs off: no vLLM kit here)
+#          -> $OUT/bench_actor.{json,log}                                                              ~3-5 min
 #          DeepGEMM JIT-compiles each new GEMM shape (seconds each); every variant runs (and is checked)
 #          once before it is timed, so compiles stay out of the timings.
 # The whole run is meant to fit one 10-minute device call on an H200: each stage runs under `timeout`, and all of
@@ -130,7 +131,7 @@ for stage in "$@"; do
       if [ "$t" -lt 60 ]; then
         echo "bench_actor: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1
       else
-        timeout "$t" python3 tools/bench/bench_actor.py --json "$OUT/bench_actor.json" ${ACTOR_ARGS:-} 2>&1 | tee "$OUT/bench_actor.log" | show
+        timeout "$t" python3 tools/bench/bench_actor.py --json "$OUT/bench_actor.json" --override precision.exact_logprobs=false ${ACTOR_ARGS:-} 2>&1 | tee "$OUT/bench_actor.log" | show
         failed bench_actor "${PIPESTATUS[0]}" "$t"
       fi
       recap ;;

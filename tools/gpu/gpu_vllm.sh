@@ -2,7 +2,8 @@
 # vLLM on the GPU machine, after the kit is unpacked (shared/kits/README.md: two calls; .whl/ holds megatron-core
 # and math-verify wheels, installed once into /tmp/mcore):
 #
-#   bash tools/gpu/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | jit-save
+#   bash tools/gpu/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | kv-rollout |
+#                                            kv-actor | kv-scales | kv-mismatch | jit-save
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
@@ -27,6 +28,15 @@
 #   diag    tools/gpu/diag_vllm_layers.py (8 layers, hidden 2048) with vLLM's own glue, then with the trainer's
 #           (--glue trainer: rollout/vllm_glue.py) -> $OUT/diag_{vllm,trainer}.log; each run gets DIAG_TIMEOUT s
 #           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
+#   kv-rollout  the FP8 KV cache in the rollout: bench_vllm.py as one engine of the long-rollout runs (KV_LAYERS 36 layers,
+#           KV_BATCH 32 sequences of 8 + KV_LEN 8192 tokens, KV_GB 40 GiB of cache, one timed run) in bf16, jetrl and jetrl
+#           with an FP8 cache (KV_RUNS, MODE:CACHE each) -> kv_rollout_*.json and a table: tok/s, ratios, sequences held at
+#           once and the cache's room for them, the bandwidth ceiling (~3 min a run on an H200)
+#   kv-actor  what FA3's FP8 attention costs the actor's update and logprob pass (bench_actor.py: KV_ACTOR_LAYERS 8 layers,
+#           micro-batches of one KV_LEN-token sequence; bf16, jetrl, jetrl with an FP8 cache) -> kv_actor.{json,log}
+#   kv-scales  bench_kv_scales.py (KV_SCALES_ARGS): each scale policy's logprobs against BF16 attention -> kv_scales.{json,log}
+#   kv-mismatch  GRPO with vLLM (configs/gpu_8b_shapes.yaml at 2 layers, 320-token responses, 3 steps): jetrl and the foil,
+#           each with a BF16 and an FP8 cache -> $OUT/kv_{bf16,fp8}/, their mismatch side by side
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
 # Carry: the kit's two calls carry one tarball each (61.1 and 61.5 MB) with .kits/vllm/{unpack.sh,SHA256SUMS}; with this
 # tree (~5.6 MB tracked, most of it docs/) that is over a call's 64 MiB, so leave docs/ out of those two calls
@@ -82,6 +92,28 @@ for stage in "$@"; do
         timeout "${DIAG_TIMEOUT:-220}" python3 tools/gpu/diag_vllm_layers.py --layers 8 --show 2 --glue "$glue" ${DIAG_ARGS:-} \
           > "$OUT/diag_$glue.log" 2>&1
         echo "glue $glue: exit $?"; grep -E "^\||prompt logprobs|Error" "$OUT/diag_$glue.log" | grep -v INFO
+      done ;;
+    kv-rollout)
+      for run in ${KV_RUNS:-bf16:bf16 jetrl:bf16 jetrl:fp8}; do
+        timeout "${KV_TIMEOUT:-300}" python3 tools/bench/bench_vllm.py --mode "${run%%:*}" --kv-cache "${run#*:}" \
+          --layers "${KV_LAYERS:-36}" --batches "${KV_BATCH:-32}" --prompt 8 --new "${KV_LEN:-8192}" --reps 0 --sync-reps 1 \
+          --kv-gb "${KV_GB:-40}" --json "$OUT/kv_rollout_${run/:/_}.json" 2>&1 \
+          | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$OUT/kv_rollout_${run/:/_}.log" | grep -E "^\[|Error"
+      done
+      python3 tools/bench/rollout_report.py --kv "$OUT"/kv_rollout_*.json ;;
+    kv-actor)
+      python3 tools/bench/bench_actor.py --layers "${KV_ACTOR_LAYERS:-8}" --seq "${KV_LEN:-8192}" --micro-batch 1 \
+        --micro-batches 4 --logprob-micro-batch 2 --warmup 1 --steps 2 --modes bf16 jetrl jetrl+precision.kv_cache=fp8 \
+        --json "$OUT/kv_actor.json" 2>&1 | tee "$OUT/kv_actor.log" | grep -E "^\||FAILED|Error" ;;
+    kv-scales) python3 tools/bench/bench_kv_scales.py --json "$OUT/kv_scales.json" ${KV_SCALES_ARGS:-} 2>&1 \
+                 | tee "$OUT/kv_scales.log" | grep -E "^\||Error" ;;
+    kv-mismatch)
+      for kv in bf16 fp8; do
+        OUT=$OUT/kv_$kv CONFIG=configs/gpu_8b_shapes.yaml MODES="jetrl bf16-train-fp8-rollout" SUFFIX=_kv$kv \
+          RUN_TIMEOUT=${RUN_TIMEOUT:-150} bash tools/gpu/gpu_grpo_run.sh rollout.engine=vllm precision.kv_cache=$kv \
+          model.hf_config.num_hidden_layers=2 rollout.max_new_tokens=320 run.steps=3 grpo.prompts_per_step=8 \
+          grpo.micro_batch_size=32 ${GRPO_ARGS:-} >/dev/null 2>&1
+        cat "$OUT/kv_$kv/table.md"
       done ;;
     jit-save) bash tools/gpu/jit_cache.sh save "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
