@@ -3,8 +3,9 @@
 `FP8ColumnParallelLinear` / `FP8RowParallelLinear` subclass megatron's `ColumnParallelLinear` /
 `RowParallelLinear` and replace only their GEMM (`_forward_impl`), so TP semantics stay megatron's:
 column-parallel holds an out-dim shard (input copied to the TP region, dgrad all-reduced, or all-gathered
-along the sequence under sequence parallelism); row-parallel holds an in-dim shard and megatron's
-`forward` all-reduces (or reduce-scatters) the partial outputs and adds the bias afterwards.
+along the sequence under sequence parallelism: in FP8, each rank's rows quantized before the gather); row-parallel
+holds an in-dim shard and megatron's `forward` all-reduces (or reduce-scatters) the partial outputs and adds the bias
+afterwards.
 
 The GEMM is `megatron_jetrl.fp8.fp8_linear` (FP8 FProp/DGrad/WGrad in mode `jetrl`, see `megatron_jetrl.fp8`).
 Each module quantizes its weight shard once per weight version (`quantized_weight()`); those are the
@@ -257,7 +258,7 @@ class _FP8Weight:
             )
         return self._fp8_cache[1]
 
-    def _fp8_gemm(self, x, weight, bias, dgrad_group=None):
+    def _fp8_gemm(self, x, weight, bias, dgrad_group=None, sp_group=None):
         if weight is not self.weight:
             raise RuntimeError(
                 f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported"
@@ -272,6 +273,7 @@ class _FP8Weight:
             gated_act=getattr(self, "gated_act", None),
             handoff=getattr(self, "grad_handoff", None),
             dgrad_group=dgrad_group,
+            sp_group=sp_group,
         )
 
 
@@ -283,6 +285,8 @@ class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
         self._init_fp8(flow)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
+        if sequence_parallel and self.flow.train_fp8:  # the sequence gathered in FP8 (`fp8_linear`'s sp_group)
+            return self._fp8_gemm(input, weight, bias, sp_group=self.tp_group)
         if allreduce_dgrad and not sequence_parallel and self.flow.train_fp8:  # the all-reduce overlaps WGrad, as megatron's
             return self._fp8_gemm(input, weight, bias, dgrad_group=self.tp_group)
         return self._fp8_gemm(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)

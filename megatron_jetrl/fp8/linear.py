@@ -111,13 +111,52 @@ def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
     return y if len(like) == 2 else y.view(*like[:-1], y.shape[-1])
 
 
+def gather_rows(x_q, x_s, group, async_op: bool = False):
+    """All-gather 1x128-quantized rows along dim 0 over `group` (rank order, as megatron gathers a sequence): the E4M3
+    bytes travel as uint8 (gloo has no FP8 type) and the scales as `[rows, K/128]` FP32; the gathered scales come back
+    in the quantizer's outer-dim-major layout. A 1x128 group lies inside one row, so these are the bytes and scales of
+    quantizing the gathered rows. With `async_op`, also the two pending works (wait on them before reading)."""
+    world = torch.distributed.get_world_size(group)
+    q_all = torch.empty((world * x_q.shape[0], x_q.shape[1]), dtype=torch.uint8, device=x_q.device)
+    s_all = torch.empty((world * x_s.shape[0], x_s.shape[1]), dtype=x_s.dtype, device=x_s.device)
+    works = (
+        torch.distributed.all_gather_into_tensor(q_all, x_q.contiguous().view(torch.uint8), group=group, async_op=async_op),
+        torch.distributed.all_gather_into_tensor(s_all, x_s.contiguous(), group=group, async_op=async_op),
+    )
+    if async_op:
+        return q_all.view(x_q.dtype), s_all, works
+    return q_all.view(x_q.dtype), scales_like(s_all, x_s)
+
+
+def scales_like(s_all: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Gathered row-major `[M, K/128]` scales in the layout the quantizer gave `local`: row-major, or outer-dim-major
+    (strides (1, M), the CUDA kernels')."""
+    return s_all if local.is_contiguous() else s_all.t().contiguous().t()
+
+
+def _gathered_shape(shape: torch.Size, world: int) -> torch.Size:
+    """A sequence shard's shape `[s, ..., K]` with the sequence gathered over `world` ranks."""
+    return torch.Size((shape[0] * world, *shape[1:]))
+
+
 def fp8_linear_forward(
-    x: torch.Tensor, weight: QuantizedWeight, bias=None, *, flow: PrecisionFlow, site: str | None = None, gated_act=None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias=None,
+    *,
+    flow: PrecisionFlow,
+    site: str | None = None,
+    gated_act=None,
+    sp_group=None,
 ) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
-    `x` is a gated MLP's `[gate | up]` (as in `fp8_linear`)."""
+    `x` is a gated MLP's `[gate | up]`, with `sp_group` this rank's sequence shard (as in `fp8_linear`)."""
     x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
-    return _unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), x.shape)
+    shape = x.shape
+    if sp_group is not None:
+        x_q, x_s = gather_rows(x_q, x_s, sp_group)
+        shape = _gathered_shape(shape, torch.distributed.get_world_size(sp_group))
+    return _unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), shape)
 
 
 def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow, site: str | None = None) -> list[torch.Tensor]:
@@ -235,21 +274,26 @@ class _FP8LinearFunction(torch.autograd.Function):
         act=None,
         handoff: GatedGradHandoff | None = None,
         dgrad_group=None,
+        sp_group=None,
     ):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
         if act is None:
-            ctx.save_for_backward(x_q, x_s)
+            ctx.save_for_backward(x_q, x_s)  # under sequence parallelism this rank's rows only, gathered again for WGrad
         else:  # x = [gate | up] of a gated MLP: this linear's input is act(gate) * up, never stored in BF16
             ctx.save_for_backward(x_q, x_s, x2d)
+        out_shape = x.shape
+        if sp_group is not None:
+            x_q, x_s = gather_rows(x_q, x_s, sp_group)
+            out_shape = _gathered_shape(x.shape, torch.distributed.get_world_size(sp_group))
         y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
-        ctx.dgrad_group = dgrad_group
+        ctx.dgrad_group, ctx.sp_group, ctx.out_shape = dgrad_group, sp_group, out_shape
         if handoff is not None and act is None:  # the up projection: tell the down projection what to make
             handoff.rows, handoff.cols = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias = bias is not None
-        return _unflat(y, x.shape)
+        return _unflat(y, out_shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -259,10 +303,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_q, x_s = saved[:2]
         flow, weight = ctx.flow, ctx.weight
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gathering = None
+        if ctx.sp_group is not None and need_dw:  # WGrad's rows from every rank, in flight while DGrad runs
+            gathering = gather_rows(x_q, x_s, ctx.sp_group, async_op=True)
         handed = ctx.handoff.take(dy) if ctx.handoff is not None and ctx.act is None else None
         dy2d = _flat(dy)
         dx = dw = db = None
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
             dy_q, dy_s, dyt_q, dyt_s = handed or _quantize_grad(dy2d, flow, need_dx, need_dw)
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
@@ -284,12 +331,22 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dx = h.give(_quantize_gated_grad(saved[2], ctx.act, dx, flow, h.rows, h.cols), ctx.x_shape, dx.dtype, dx.device)
             elif ctx.act is not None:
                 dx = _gated_backward(saved[2], ctx.act, dx).reshape(ctx.x_shape)  # (empty_like keeps gate_up's strides)
-            else:
+            elif ctx.sp_group is None:
                 dx = _unflat(dx, ctx.x_shape)
         reduce = None
         if need_dx and ctx.dgrad_group is not None:  # the input's gradient summed over the TP group while WGrad runs
             reduce = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
+        elif need_dx and ctx.sp_group is not None:  # summed over the TP group and this rank's rows kept, while WGrad runs
+            full = dx
+            dx = torch.empty((ctx.x_shape.numel() // ctx.x_shape[-1], full.shape[1]), dtype=full.dtype, device=full.device)
+            reduce = torch.distributed.reduce_scatter_tensor(dx, full, group=ctx.sp_group, async_op=True)
+            dx = dx.view(ctx.x_shape)
         if need_dw:  # WGrad: both operands grouped along tokens, K-major [features, tokens]
+            if gathering is not None:
+                x_q, gathered_s, works = gathering
+                for work in works:
+                    work.wait()
+                x_s = scales_like(gathered_s, x_s)
             xt_q, xt_s = _requantize_tokens(x_q, x_s, flow)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:  # megatron DDP's FP32 buffer: accumulate in place (fused on DeepGEMM)
@@ -321,7 +378,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             db = dy2d.float().sum(0).to(weight.dtype)
         if reduce is not None:
             reduce.wait()
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -359,6 +416,7 @@ def fp8_linear(
     gated_act=None,
     handoff: GatedGradHandoff | None = None,
     dgrad_group=None,
+    sp_group=None,
 ):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
@@ -370,7 +428,19 @@ def fp8_linear(
     d[gate | up] into the down projection's backward (`GatedGradHandoff`). With `dgrad_group` (a column-parallel
     linear's TP group) the input's gradient is all-reduced over it in the backward, started as soon as DGrad has made it
     and waited for after WGrad, which runs meanwhile (megatron's BF16 linear overlaps the two the same way).
+
+    With `sp_group` (a column-parallel linear under sequence parallelism) `x` is this rank's shard of the sequence
+    (dim 0) and the output covers the whole sequence: each rank quantizes its own rows and the group all-gathers the
+    FP8 bytes and scales (`gather_rows`: the bytes of quantizing the gathered BF16, about half its bytes on the
+    wire); the backward gathers them again for WGrad (while DGrad runs; only this rank's rows are saved) and
+    reduce-scatters the input's gradient to this rank's rows while WGrad runs.
     """
+    if sp_group is not None and (dgrad_group is not None or gated_act is not None or not flow.train_fp8):
+        raise ValueError(
+            "sp_group gathers a column-parallel FP8 linear's input along the sequence: it takes no dgrad_group (the "
+            "gradient is reduce-scattered instead), no gated_act (a down projection is row-parallel) and an FP8 "
+            f"training flow (mode {flow.mode!r}: gather the input outside, megatron's gather_from_sequence_parallel_region)"
+        )
     if dgrad_group is not None and (not flow.train_fp8 or gated_act is not None):
         why = f"mode {flow.mode!r} trains in BF16" if not flow.train_fp8 else "a gated (down) projection is row-parallel"
         raise ValueError(
@@ -392,8 +462,8 @@ def fp8_linear(
         )
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
-        return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group)
+        return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act, sp_group=sp_group)
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group)
 
 
 class FP8Linear(torch.nn.Module):

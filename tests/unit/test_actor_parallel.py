@@ -146,7 +146,7 @@ def test_fp8_weights_requantized_each_step(results):
 
 def test_sequence_parallel_tp2_matches_tp1(ckpt_root, results):
     """TP2 + sequence parallelism (native RMSNorm marks its weight sequence_parallel; the FP8 column-parallel
-    linear all-gathers its input along the sequence): same bounds as plain TP2 on losses and grad norms. The
+    linear all-gathers its input along the sequence in FP8, tests/unit/test_fp8_sequence_parallel.py): same bounds as plain TP2 on losses and grad norms. The
     bf16 logprobs after 3 Adam steps (magnitude ~6-12) agree within 5e-5 (measured 7.6e-6). Not asserted in
     jetrl: there the ~1e-3 relative gradient differences (FP8 rounding flips, see the module docstring) meet
     Adam's g / sqrt(v), which turns any change of a near-zero gradient into an O(lr) parameter change; the

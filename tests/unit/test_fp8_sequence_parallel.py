@@ -1,0 +1,95 @@
+"""Sequence parallelism in FP8 (`fp8.linear.fp8_linear(sp_group=...)`, the column-parallel FP8 linear under
+`sequence_parallel`), on two gloo ranks of one TP group.
+
+Each rank quantizes its own rows and the group all-gathers the E4M3 bytes and the scales: those are, byte for byte,
+the quantization of the gathered BF16 rows, so the forward is the unsharded-sequence linear's to the bit; the
+backward's input gradient is the TP-summed gradient's rows of this rank, and WGrad (the rows gathered again in FP8)
+the unsharded linear's to the bit. The whole actor at TP 2 with sequence parallelism against TP 1:
+tests/unit/test_actor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from actor_helpers import spawn
+
+SHAPES = [(8, 2, 256, 256), (6, 1, 384, 128), (4, 3, 200, 256)]  # (sequence, batch, in features, out features per rank)
+
+
+def _sp_linear_on_a_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.fp8.linear import ACT, fp8_linear, gather_rows
+    from megatron_jetrl.fp8.quant import quantize_blockwise
+
+    group = ps.get_tensor_model_parallel_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flow = PrecisionFlow(mode="jetrl", backend="emulated")
+    out = []
+    for seq, batch, k, n in SHAPES:
+        g = torch.Generator().manual_seed(seq * 1000 + k)
+        x_full = (torch.randn(seq, batch, k, generator=g) * 3).to(torch.bfloat16)
+        w_full = (torch.randn(world * n, k, generator=g) * 0.05).to(torch.bfloat16)
+        dy_full = torch.randn(world, seq, batch, n, generator=g).to(torch.bfloat16)  # each rank's output gradient
+        rows = slice(rank * seq // world, (rank + 1) * seq // world)
+        w = w_full[rank * n : (rank + 1) * n]
+
+        q_loc, s_loc = quantize_blockwise(x_full[rows].reshape(-1, k), ACT, flow.scale_mode, eps=flow.eps)
+        q_all, s_all = gather_rows(q_loc, s_loc, group)
+        q_ref, s_ref = quantize_blockwise(x_full.reshape(-1, k), ACT, flow.scale_mode, eps=flow.eps)
+
+        x_ref = x_full.clone().requires_grad_(True)
+        w_ref = w.clone().requires_grad_(True)
+        y_ref = fp8_linear(x_ref, w_ref, flow=flow)
+        y_ref.backward(dy_full[rank])
+        dx_ref = x_ref.grad.clone()
+        dist.all_reduce(dx_ref, group=group)  # the column-parallel input's gradient: summed over the TP group
+
+        x = x_full[rows].clone().requires_grad_(True)
+        w_sp = w.clone().requires_grad_(True)
+        y = fp8_linear(x, w_sp, flow=flow, sp_group=group)
+        y.backward(dy_full[rank])
+        with torch.no_grad():
+            y_nograd = fp8_linear(x, w_sp, flow=flow, sp_group=group)
+        out.append(
+            {
+                "bytes": torch.equal(q_all.view(torch.uint8), q_ref.view(torch.uint8)),
+                "scales": torch.equal(s_all, s_ref),
+                "forward": torch.equal(y, y_ref) and y.shape == y_ref.shape,
+                "forward_no_grad": torch.equal(y_nograd, y_ref),
+                "dgrad": torch.equal(x.grad, dx_ref[rows]),
+                "wgrad": torch.equal(w_sp.grad, w_ref.grad),
+                "wire_bytes": (q_loc.numel() + 4 * s_loc.numel(), 2 * x.numel()),
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(2, 2, 1, _sp_linear_on_a_rank)
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=[str(s) for s in SHAPES])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gathered_fp8_rows_are_the_gathered_bf16_quantized_and_the_linear_is_unchanged(ranks, rank, index):
+    r = ranks[rank][index]
+    assert r["bytes"] and r["scales"], r
+    assert r["forward"] and r["forward_no_grad"], r
+    assert r["dgrad"] and r["wgrad"], r
+    fp8, bf16 = r["wire_bytes"]  # E4M3 bytes + FP32 scales against the BF16 rows megatron would gather
+    assert fp8 < 0.6 * bf16
+
+
+def test_sp_group_refuses_what_it_cannot_gather():
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.fp8.linear import fp8_linear
+
+    x, w = torch.randn(4, 128), torch.randn(128, 128)
+    with pytest.raises(ValueError, match="no dgrad_group"):
+        fp8_linear(x, w, flow=PrecisionFlow(mode="jetrl", backend="emulated"), sp_group=object(), dgrad_group=object())
+    with pytest.raises(ValueError, match="FP8 training flow"):
+        fp8_linear(x, w, flow=PrecisionFlow(mode="bf16"), sp_group=object())
