@@ -229,6 +229,15 @@ def pad_length(tokens: torch.Tensor, extras: dict | None, multiple: int) -> tupl
     }
 
 
+def sequence_multiple(model) -> int:
+    """The length every sequence needs for this model's forward: the TP size under sequence parallelism (megatron splits
+    the sequence evenly over the TP ranks), else 1."""
+    from megatron.core import parallel_state as ps
+
+    config = getattr(unwrap(model), "config", None)
+    return ps.get_tensor_model_parallel_world_size() if getattr(config, "sequence_parallel", False) else 1
+
+
 def _actor_options(model):
     """The `ActorOptions` the GPTModel (under any wrappers) was built with, or None."""
     return getattr(unwrap(model), "actor_options", None)
@@ -320,6 +329,8 @@ def compute_logprobs(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    length = tokens.shape[1]
+    tokens, _ = pad_length(tokens, None, sequence_multiple(model))  # the padding's logprobs are dropped below
     micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
     out = get_forward_backward_func()(
@@ -333,4 +344,4 @@ def compute_logprobs(
     )
     if not ps.is_pipeline_last_stage():
         return None
-    return torch.cat([o["logprobs"] for o in out])
+    return torch.cat([o["logprobs"] for o in out])[:, : length - 1]

@@ -9,11 +9,12 @@ the FP8 weights are re-quantized lazily on the next forward (`fp8_layers.fp8_wei
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length
+from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length, sequence_multiple
 from megatron_jetrl.actor.optim_config import OptimConfig
 from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 from megatron_jetrl.fp8 import finite
@@ -187,6 +188,7 @@ def train_step(
     `loss_fn(logprobs[b, s-1], extras_of_micro_batch) -> (scalar loss, {name: scalar})`: megatron divides each
     micro-batch loss by the number of micro-batches, and DDP averages grads over DP ranks. `extras` are
     per-sample tensors (leading dim B), e.g. advantages, old logprobs, response masks. Where FP8 linears train on a GPU
+    (and, under sequence parallelism, to a multiple of the TP size everywhere)
     the sequences are first lengthened to whole 128-token blocks per micro-batch (`pad_length`, masked out of the loss;
     `fp8.gemm.token_multiple`): WGrad, which reduces over tokens, then runs on the bytes the quantizers wrote, not a
     padded copy, and the backward's quantizers on their CUDA tile kernel.
@@ -201,8 +203,10 @@ def train_step(
 
     from megatron_jetrl.actor.fp8_layers import release_bf16_weights, requantize_weights, restore_bf16_weights, trains_fp8_on_cuda
 
-    if trains_fp8_on_cuda(ddp_model):  # whole 128-token blocks per micro-batch: WGrad and the tile quantizers' fast paths
-        tokens, extras = pad_length(tokens, extras, token_multiple(micro_batch_size))
+    # whole 128-token blocks per micro-batch where FP8 trains on a GPU (WGrad and the tile quantizers' fast paths), and
+    # a length the TP ranks split evenly under sequence parallelism
+    multiple = token_multiple(micro_batch_size) if trains_fp8_on_cuda(ddp_model) else 1
+    tokens, extras = pad_length(tokens, extras, math.lcm(multiple, sequence_multiple(ddp_model)))
     micro = micro_batches(tokens, extras, micro_batch_size)
     ddp_model.train()
     ddp_model.zero_grad_buffer()

@@ -218,6 +218,11 @@ class JetRLConfig:
             f"precision.exact_logprobs needs rollout.tp == parallel.tp (an engine split otherwise adds the row-parallel "
             f"partial sums in another order): got rollout.tp={self.rollout.tp}, parallel.tp={self.parallel.tp}",
         )
+        _check(
+            not self.parallel.sequence_parallel,
+            "precision.exact_logprobs with parallel.sequence_parallel: the actor's reduce-scattered row-parallel "
+            f"outputs have not been checked against vLLM's all-reduced ones on GPUs: {fix}, or parallel.sequence_parallel=false",
+        )
 
     def arch(self) -> ModelArch:
         """The model architecture, with the FP8 block alignment at this TP checked."""

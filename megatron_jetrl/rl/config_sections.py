@@ -260,10 +260,20 @@ class ParallelConfig:
     stages split the rest evenly). `tools/profile_report.py` shows each stage's work: move layers until it is level."""
     dp: int = 1
     """Data parallel size."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs tp > 1): outside the linears (norms, residuals, dropout) each TP rank
+    holds 1/tp of the sequence, and the column-parallel linears all-gather it (in FP8 when they train in FP8: each
+    rank quantizes its own tokens, the bytes of quantizing the gathered BF16) while the row-parallel ones
+    reduce-scatter their outputs. Sequences are lengthened to a multiple of tp (the padding is masked out)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(
+            not self.sequence_parallel or self.tp > 1,
+            "parallel.sequence_parallel splits the sequence over the TP ranks: set parallel.tp > 1 or "
+            "parallel.sequence_parallel=false",
+        )
         _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
         _check(
             not self.pp_last_layers or self.pp > 1,

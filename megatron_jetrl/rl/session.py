@@ -273,6 +273,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         batch_invariant=batch_invariant,
         fused=cfg.model.fused,
         rollout_kernels=flow.exact_logprobs,
+        sequence_parallel=cfg.parallel.sequence_parallel,
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,
         bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",

@@ -138,3 +138,17 @@ def test_offloading_the_actors_state_during_the_rollout_changes_no_number(tmp_pa
     # the policy's FP8 copies (W and W^T) dropped once streamed into the engine: the same bytes every sync, either way
     dropped = {r["sync/fp8_dropped_gib"] for what in ("grads", "optimizer") for r in runs[what]}
     assert len(dropped) == 1 and dropped.pop() > 0 and all("sync/fp8_dropped_gib" not in r for r in runs["none"])
+
+
+def test_sequence_parallel_at_tp2_keeps_the_first_steps_numbers(tmp_path):
+    """parallel.sequence_parallel at TP 2 (each rank holds half the sequence outside the linears; the FP8 linears
+    all-gather it in FP8): step 0, on the initial weights (no warm-up), has the plain TP 2 run's loss, rewards and mismatch to the bit
+    (the gathered bytes are the same, and the row-parallel outputs are sums of two either way); the next step differs
+    only by the order the norms' gradients were summed in."""
+    common = ("parallel.tp=2", "run.steps=2", "run.checkpoint=false", "run.export=false", "warmup.steps=0")
+    plain, _ = launch(tmp_path, "tp2", *common)
+    sp, out = launch(tmp_path, "tp2-sp", *common, "parallel.sequence_parallel=true")
+    keys = ("loss/total", "reward/mean", "mismatch/mean_abs_diff", "mismatch/max_abs_diff", "response_length/mean")
+    assert [sp[0][k] for k in keys] == [plain[0][k] for k in keys]
+    assert sp[1]["loss/total"] == pytest.approx(plain[1]["loss/total"], rel=1e-2, abs=1e-4)
+    assert "sequence_parallel: true" in (out / "config.yaml").read_text()

@@ -4,7 +4,8 @@
 Each rank quantizes its own rows and the group all-gathers the E4M3 bytes and the scales: those are, byte for byte,
 the quantization of the gathered BF16 rows, so the forward is the unsharded-sequence linear's to the bit; the
 backward's input gradient is the TP-summed gradient's rows of this rank, and WGrad (the rows gathered again in FP8)
-the unsharded linear's to the bit. The whole actor at TP 2 with sequence parallelism against TP 1:
+the unsharded linear's to the bit. The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
+the bit, at odd lengths too (padded to a multiple of the TP size and cut back); its training against TP 1:
 tests/unit/test_actor_parallel.py.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from actor_helpers import spawn
+from actor_helpers import CONFIGS, spawn, tokens_for
 
 SHAPES = [(8, 2, 256, 256), (6, 1, 384, 128), (4, 3, 200, 256)]  # (sequence, batch, in features, out features per rank)
 
@@ -93,3 +94,30 @@ def test_sp_group_refuses_what_it_cannot_gather():
         fp8_linear(x, w, flow=PrecisionFlow(mode="jetrl", backend="emulated"), sp_group=object(), dgrad_group=object())
     with pytest.raises(ValueError, match="FP8 training flow"):
         fp8_linear(x, w, flow=PrecisionFlow(mode="bf16"), sp_group=object())
+
+
+def _logprobs_with_and_without_sequence_parallel():
+    from megatron_jetrl.actor.hf_import import init_hf_weights
+    from megatron_jetrl.actor.logprobs import compute_logprobs
+    from megatron_jetrl.actor.provider import ActorOptions, build_model
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(CONFIGS["qwen3"])
+    out = {}
+    for mode, batch_invariant in (("jetrl", True), ("jetrl", False), ("bf16", False)):
+        flow = PrecisionFlow(mode=mode, backend="emulated")
+        lps = {}
+        for sp in (False, True):
+            model = build_model(arch, flow, ActorOptions(sequence_parallel=sp, batch_invariant=batch_invariant))
+            init_hf_weights(model, arch, 3)
+            for length in (16, 17):
+                tokens = tokens_for(CONFIGS["qwen3"], batch=2, seed=1)[:, :length]
+                lps[sp, length] = compute_logprobs(model, tokens, vocab_size=arch.vocab_size, micro_batch_size=2)
+        out[mode, batch_invariant] = {n: torch.equal(lps[True, n], lps[False, n]) and lps[True, n].shape[1] == n - 1 for n in (16, 17)}
+    return out
+
+
+def test_the_actors_logprobs_with_sequence_parallelism_are_plain_tp2s():
+    for rank in spawn(2, 2, 1, _logprobs_with_and_without_sequence_parallel):
+        assert all(all(v.values()) for v in rank.values()), rank

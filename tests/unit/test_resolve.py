@@ -297,3 +297,14 @@ def test_kv_scales_engine_keeps_exact_logprobs_auto_off():
         device="cuda",
     )
     assert cfg.precision.exact_logprobs is False and cfg.precision.kv_scale_policy == "engine"
+
+
+def test_sequence_parallel_needs_tp_and_keeps_exact_logprobs_auto_off():
+    base = [CONFIGS / "gpu_1p5b.yaml"]
+    with pytest.raises(ConfigError, match="splits the sequence over the TP ranks: set parallel.tp > 1"):
+        load_config(base, ["parallel.sequence_parallel=true"], device="cuda")
+    two = ["rollout.engine=vllm", "parallel.tp=2", "rollout.tp=2", "parallel.sequence_parallel=true"]
+    assert load_config(base, two, device="cuda").precision.exact_logprobs is False
+    assert load_config(base, two[:-1], device="cuda").precision.exact_logprobs is True
+    with pytest.raises(ConfigError, match="reduce-scattered row-parallel outputs have not been checked"):
+        load_config(base, [*two, "precision.exact_logprobs=true"], device="cuda")
