@@ -258,7 +258,7 @@ class _FP8Weight:
             )
         return self._fp8_cache[1]
 
-    def _fp8_gemm(self, x, weight, bias, dgrad_group=None, sp_group=None):
+    def _fp8_gemm(self, x, weight, bias, dgrad_group=None, sp_group=None, rs_group=None):
         if weight is not self.weight:
             raise RuntimeError(
                 f"{type(self).__name__} quantizes its own weight only; a weight passed to forward() is not supported"
@@ -274,6 +274,7 @@ class _FP8Weight:
             handoff=getattr(self, "grad_handoff", None),
             dgrad_group=dgrad_group,
             sp_group=sp_group,
+            rs_group=rs_group,
         )
 
 
@@ -293,11 +294,22 @@ class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
 
 
 class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
-    """megatron `RowParallelLinear` (in-dim shard; megatron all-reduces the output) with the Jet-RL FP8 GEMM."""
+    """megatron `RowParallelLinear` (in-dim shard; megatron all-reduces the output) with the Jet-RL FP8 GEMM. Under
+    sequence parallelism in FP8 the reduce-scatter moves into the FP8 linear (`fp8_linear`'s rs_group), whose backward
+    gathers the output gradient in FP8 instead of megatron's BF16 all-gather; the bias is added after, as megatron's
+    `forward` adds it."""
 
     def __init__(self, *args, flow: PrecisionFlow, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fp8(flow)
+
+    def forward(self, input_):
+        if not (self.sequence_parallel and self.flow.train_fp8 and self.input_is_parallel) or self.explicit_expert_comm:
+            return super().forward(input_)
+        output = self._fp8_gemm(input_, self.weight, None, rs_group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
     def _forward_impl(self, input, weight, bias, **_):
         return self._fp8_gemm(input, weight, bias)

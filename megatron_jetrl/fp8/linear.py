@@ -139,6 +139,44 @@ def _gathered_shape(shape: torch.Size, world: int) -> torch.Size:
     return torch.Size((shape[0] * world, *shape[1:]))
 
 
+def _gather_token_blocks(qt: torch.Tensor, st: torch.Tensor, group):
+    """All-gather 128x1-quantized operands stored K-major (`[N, T_local]` bytes, `[N, T_local/128]` scales) along
+    tokens, in rank order: `[N, T]` and `[N, T/128]`, the scales in the layout the quantizer gave. Exact when each
+    rank's rows are whole 128-token groups."""
+    world = torch.distributed.get_world_size(group)
+
+    def gather(t, dtype):
+        buf = torch.empty((world * t.shape[0], t.shape[1]), dtype=dtype, device=t.device)
+        torch.distributed.all_gather_into_tensor(buf, t.contiguous().view(dtype), group=group)
+        return buf.view(world, *t.shape).permute(1, 0, 2).reshape(t.shape[0], world * t.shape[1])
+
+    return gather(qt, torch.uint8).view(qt.dtype), scales_like(gather(st, st.dtype), st)
+
+
+def _gathered_grad(dy_local2d, flow: PrecisionFlow, group, rows: bool, cols: bool):
+    """`_quantize_grad` of the whole sequence's output gradient from this rank's rows: each rank quantizes its rows and
+    the group all-gathers the FP8 bytes (the 1x128 groups always lie in one row; the 128x1 token groups in one rank's
+    rows when those are whole groups, else the BF16 rows are gathered and quantized whole)."""
+    if cols and dy_local2d.shape[0] % TOKENS[0]:
+        world = torch.distributed.get_world_size(group)
+        full = torch.empty((world * dy_local2d.shape[0], dy_local2d.shape[1]), dtype=dy_local2d.dtype, device=dy_local2d.device)
+        torch.distributed.all_gather_into_tensor(full, dy_local2d.contiguous(), group=group)
+        return _quantize_grad(full, flow, rows, cols)
+    dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy_local2d, flow, rows, cols)
+    if rows:
+        dy_q, dy_s = gather_rows(dy_q, dy_s, group)
+    if cols:
+        dyt_q, dyt_s = _gather_token_blocks(dyt_q, dyt_s, group)
+    return dy_q, dy_s, dyt_q, dyt_s
+
+
+def _scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
+    """A row-parallel output `[T, N]` summed over `group`, this rank's `T / world` rows kept (reduce-scatter)."""
+    out = torch.empty((y.shape[0] // torch.distributed.get_world_size(group), y.shape[1]), dtype=y.dtype, device=y.device)
+    torch.distributed.reduce_scatter_tensor(out, y.contiguous(), group=group)
+    return out
+
+
 def fp8_linear_forward(
     x: torch.Tensor,
     weight: QuantizedWeight,
@@ -148,15 +186,21 @@ def fp8_linear_forward(
     site: str | None = None,
     gated_act=None,
     sp_group=None,
+    rs_group=None,
 ) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
-    `x` is a gated MLP's `[gate | up]`, with `sp_group` this rank's sequence shard (as in `fp8_linear`)."""
+    `x` is a gated MLP's `[gate | up]`, with `sp_group` this rank's sequence shard, with `rs_group` the output
+    reduce-scattered (as in `fp8_linear`)."""
     x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
     shape = x.shape
     if sp_group is not None:
         x_q, x_s = gather_rows(x_q, x_s, sp_group)
         shape = _gathered_shape(shape, torch.distributed.get_world_size(sp_group))
-    return _unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), shape)
+    y = _fprop(x_q, x_s, weight, bias, flow, x.dtype)
+    if rs_group is not None:
+        y = _scatter_rows(y, rs_group)
+        shape = torch.Size((shape[0] // torch.distributed.get_world_size(rs_group), *shape[1:]))
+    return _unflat(y, shape)
 
 
 def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow, site: str | None = None) -> list[torch.Tensor]:
@@ -275,6 +319,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         handoff: GatedGradHandoff | None = None,
         dgrad_group=None,
         sp_group=None,
+        rs_group=None,
     ):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
@@ -287,8 +332,11 @@ class _FP8LinearFunction(torch.autograd.Function):
             x_q, x_s = gather_rows(x_q, x_s, sp_group)
             out_shape = _gathered_shape(x.shape, torch.distributed.get_world_size(sp_group))
         y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
+        if rs_group is not None:  # a row-parallel output under sequence parallelism: summed, this rank's rows kept
+            y = _scatter_rows(y, rs_group)
+            out_shape = torch.Size((x.shape[0] // torch.distributed.get_world_size(rs_group), *x.shape[1:]))
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
-        ctx.dgrad_group, ctx.sp_group, ctx.out_shape = dgrad_group, sp_group, out_shape
+        ctx.dgrad_group, ctx.sp_group, ctx.rs_group = dgrad_group, sp_group, rs_group
         if handoff is not None and act is None:  # the up projection: tell the down projection what to make
             handoff.rows, handoff.cols = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -311,7 +359,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         dy2d = _flat(dy)
         dx = dw = db = None
         if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
-            dy_q, dy_s, dyt_q, dyt_s = handed or _quantize_grad(dy2d, flow, need_dx, need_dw)
+            if handed is not None:
+                dy_q, dy_s, dyt_q, dyt_s = handed
+            elif ctx.rs_group is not None:  # this rank's rows of dY: the whole sequence's gathered in FP8
+                dy_q, dy_s, dyt_q, dyt_s = _gathered_grad(dy2d, flow, ctx.rs_group, need_dx, need_dw)
+            else:
+                dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
             _record(flow, f"{ctx.site}: output gradient", dy_s if need_dx else dyt_s)
         if need_dx:  # DGrad: dY(1x128 along N) . W, with W^T's bytes made once per weight version
             wt_q, wt_s = ctx.qweight.transposed()
@@ -378,7 +431,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             db = dy2d.float().sum(0).to(weight.dtype)
         if reduce is not None:
             reduce.wait()
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -417,6 +470,7 @@ def fp8_linear(
     handoff: GatedGradHandoff | None = None,
     dgrad_group=None,
     sp_group=None,
+    rs_group=None,
 ):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
@@ -433,8 +487,18 @@ def fp8_linear(
     (dim 0) and the output covers the whole sequence: each rank quantizes its own rows and the group all-gathers the
     FP8 bytes and scales (`gather_rows`: the bytes of quantizing the gathered BF16, about half its bytes on the
     wire); the backward gathers them again for WGrad (while DGrad runs; only this rank's rows are saved) and
-    reduce-scatters the input's gradient to this rank's rows while WGrad runs.
+    reduce-scatters the input's gradient to this rank's rows while WGrad runs. With `rs_group` (a row-parallel linear
+    under sequence parallelism) the output is summed over the group and this rank's rows of the sequence kept
+    (reduce-scatter), and the backward gathers the output gradient's rows in FP8: each rank quantizes its own, the
+    bytes of quantizing the gathered BF16 (its 128-token WGrad groups too, where each rank's rows are whole groups;
+    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum.
     """
+    if rs_group is not None and (sp_group is not None or dgrad_group is not None or bias is not None or not flow.train_fp8):
+        raise ValueError(
+            "rs_group reduce-scatters a row-parallel FP8 linear's output: it takes no sp_group or dgrad_group, no bias "
+            f"(added after the sum) and an FP8 training flow (mode {flow.mode!r}: reduce-scatter outside, megatron's "
+            "reduce_scatter_to_sequence_parallel_region)"
+        )
     if sp_group is not None and (dgrad_group is not None or gated_act is not None or not flow.train_fp8):
         raise ValueError(
             "sp_group gathers a column-parallel FP8 linear's input along the sequence: it takes no dgrad_group (the "
@@ -462,8 +526,10 @@ def fp8_linear(
         )
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
-        return fp8_linear_forward(x, weight_q, bias, flow=flow, site=site, gated_act=gated_act, sp_group=sp_group)
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group)
+        return fp8_linear_forward(
+            x, weight_q, bias, flow=flow, site=site, gated_act=gated_act, sp_group=sp_group, rs_group=rs_group
+        )
+    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group, rs_group)
 
 
 class FP8Linear(torch.nn.Module):

@@ -222,7 +222,9 @@ def test_jit_cache_carries_deep_gemm_kernels_from_one_home_to_another(tmp_path):
 
 
 def test_bench_kv_scales_refuses_bad_arguments_and_needs_cuda(tmp_path):
-    one_line(run(sys.executable, "tools/bench/bench_kv_scales.py", "--rows", "3", "--micro-batch", "2"), 2, "multiple of --micro-batch")
+    one_line(
+        run(sys.executable, "tools/bench/bench_kv_scales.py", "--rows", "3", "--micro-batch", "2"), 2, "multiple of --micro-batch"
+    )
     if not torch.cuda.is_available():
         r = run(sys.executable, REPO / "tools/bench/bench_kv_scales.py", "--json", tmp_path / "k.json", cwd=tmp_path)
         one_line(r, 2, "error: ", "needs a CUDA GPU")

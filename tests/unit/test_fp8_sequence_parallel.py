@@ -4,7 +4,8 @@
 Each rank quantizes its own rows and the group all-gathers the E4M3 bytes and the scales: those are, byte for byte,
 the quantization of the gathered BF16 rows, so the forward is the unsharded-sequence linear's to the bit; the
 backward's input gradient is the TP-summed gradient's rows of this rank, and WGrad (the rows gathered again in FP8)
-the unsharded linear's to the bit. The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
+the unsharded linear's to the bit. A row-parallel linear reduce-scatters its output and gathers its output gradient
+in FP8, with the plain TP linear's gradients to the bit. The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
 the bit, at odd lengths too (padded to a multiple of the TP size and cut back); its training against TP 1:
 tests/unit/test_actor_parallel.py.
 """
@@ -69,6 +70,64 @@ def _sp_linear_on_a_rank():
     return out
 
 
+ROW_SHAPES = [(128, 2, 128, 256, False), (6, 3, 256, 128, False), (4, 2, 128, 128, True)]
+"""(sequence, batch, in features per rank, out features, gated): a row-parallel linear; 128 x 2 rows make each rank's
+dY rows whole 128-token groups (WGrad's bytes gathered in FP8), 6 x 3 and 4 x 2 do not (its BF16 rows gathered)."""
+
+
+def _row_parallel_on_a_rank():
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.fp8.linear import fp8_linear
+
+    group = ps.get_tensor_model_parallel_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flow = PrecisionFlow(mode="jetrl", backend="emulated")
+    out = []
+    for seq, batch, k, n, gated in ROW_SHAPES:
+        g = torch.Generator().manual_seed(seq * 100 + k + gated)
+        width = 2 * k if gated else k
+        x = (torch.randn(world, seq, batch, width, generator=g) * 2).to(torch.bfloat16)[rank]  # this rank's in-dim shard
+        w = (torch.randn(world, n, k, generator=g) * 0.05).to(torch.bfloat16)[rank]
+        dy = torch.randn(seq, batch, n, generator=g).to(torch.bfloat16)  # the summed output's gradient
+        rows = slice(rank * seq // world, (rank + 1) * seq // world)
+        act = F.silu if gated else None
+
+        x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y_ref = fp8_linear(x_ref, w_ref, flow=flow, gated_act=act)
+        y_sum = y_ref.detach().clone()
+        dist.all_reduce(y_sum, group=group)  # megatron's plain TP: the row-parallel partial outputs all-reduced
+        y_ref.backward(dy)
+
+        x_sp, w_sp = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = fp8_linear(x_sp, w_sp, flow=flow, gated_act=act, rs_group=group)
+        y.backward(dy[rows])  # under sequence parallelism each rank gets its rows' gradient
+        with torch.no_grad():
+            y_nograd = fp8_linear(x_sp, w_sp, flow=flow, gated_act=act, rs_group=group)
+        out.append(
+            {
+                "forward": torch.equal(y, y_sum[rows]) and torch.equal(y_nograd, y_sum[rows]),
+                "dgrad": torch.equal(x_sp.grad, x_ref.grad),
+                "wgrad": torch.equal(w_sp.grad, w_ref.grad),
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def row_ranks():
+    return spawn(2, 2, 1, _row_parallel_on_a_rank)
+
+
+@pytest.mark.parametrize("index", range(len(ROW_SHAPES)), ids=[str(s) for s in ROW_SHAPES])
+def test_row_parallel_output_is_reduce_scattered_and_its_gradient_gathered_in_fp8(row_ranks, index):
+    for rank in row_ranks:
+        assert rank[index] == {"forward": True, "dgrad": True, "wgrad": True}, rank[index]
+
+
 @pytest.fixture(scope="module")
 def ranks():
     return spawn(2, 2, 1, _sp_linear_on_a_rank)
@@ -114,7 +173,9 @@ def _logprobs_with_and_without_sequence_parallel():
             for length in (16, 17):
                 tokens = tokens_for(CONFIGS["qwen3"], batch=2, seed=1)[:, :length]
                 lps[sp, length] = compute_logprobs(model, tokens, vocab_size=arch.vocab_size, micro_batch_size=2)
-        out[mode, batch_invariant] = {n: torch.equal(lps[True, n], lps[False, n]) and lps[True, n].shape[1] == n - 1 for n in (16, 17)}
+        out[mode, batch_invariant] = {
+            n: torch.equal(lps[True, n], lps[False, n]) and lps[True, n].shape[1] == n - 1 for n in (16, 17)
+        }
     return out
 
 

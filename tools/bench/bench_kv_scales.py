@@ -85,7 +85,9 @@ def run(a) -> dict:
         "steps": [],
     }
     print(f"{out['device']}: {a.layers} Qwen3-8B layers, {a.rows} x {a.seq} tokens, lr {cfg.optim.lr:g}", flush=True)
-    print("| step | policy | k scale (min..max) | mean \\|dlogp\\| vs BF16 attention | max \\|dlogp\\| | k3 KL | clipped | overshoot |")
+    print(
+        "| step | policy | k scale (min..max) | mean \\|dlogp\\| vs BF16 attention | max \\|dlogp\\| | k3 KL | clipped | overshoot |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for step in range(a.steps):
         with torch.no_grad():
