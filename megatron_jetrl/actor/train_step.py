@@ -9,7 +9,6 @@ the FP8 weights are re-quantized lazily on the next forward (`fp8_layers.fp8_wei
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -205,8 +204,10 @@ def train_step(
 
     # whole 128-token blocks per micro-batch where FP8 trains on a GPU (WGrad and the tile quantizers' fast paths), and
     # a length the TP ranks split evenly under sequence parallelism
-    multiple = token_multiple(micro_batch_size) if trains_fp8_on_cuda(ddp_model) else 1
-    tokens, extras = pad_length(tokens, extras, math.lcm(multiple, sequence_multiple(ddp_model)))
+    shards = sequence_multiple(ddp_model)
+    tokens, extras = pad_length(
+        tokens, extras, token_multiple(micro_batch_size, shards) if trains_fp8_on_cuda(ddp_model) else shards
+    )
     micro = micro_batches(tokens, extras, micro_batch_size)
     ddp_model.train()
     ddp_model.zero_grad_buffer()

@@ -28,11 +28,14 @@ K_BLOCK = 128
 both operands (`backends._pad_k`). WGrad's K is the micro-batch's tokens."""
 
 
-def token_multiple(micro_batch_size: int) -> int:
+def token_multiple(micro_batch_size: int, shards: int = 1) -> int:
     """The sequence-length multiple at which a micro-batch's tokens (`micro_batch_size` x length) are whole K blocks:
     WGrad then reads its operands as the quantizers wrote them, and the backward's token-grouped quantizers (16-token
-    chunks, `cuda_tiles.takes`) stay on their CUDA tile kernel."""
-    return K_BLOCK // math.gcd(micro_batch_size, K_BLOCK)
+    chunks, `cuda_tiles.takes`) stay on their CUDA tile kernel. With `shards` (the TP size under sequence parallelism)
+    the length also splits into that many equal parts of whole K blocks each, so that each rank can quantize its own
+    128-token groups before they are gathered."""
+    blocks = K_BLOCK * shards
+    return math.lcm(blocks // math.gcd(micro_batch_size, blocks), shards)
 
 
 def _check_operands(a_q, a_s, b_q, b_s, b_block, acc) -> None:

@@ -89,7 +89,8 @@ def work_items(cfg, num_sms: int, procs: int) -> list[tuple[int, int, list[int],
     if flow.rollout_fp8:  # the native engine holds the whole model on one GPU
         tps.add(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
     max_len = cfg.rollout.window(arch.max_position_embeddings)
-    multiple = token_multiple(cfg.grpo.micro_batch_size)  # train_step lengthens the rows to whole 128-token blocks
+    shards = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1  # train_step lengthens the rows to whole 128-token blocks
+    multiple = token_multiple(cfg.grpo.micro_batch_size, shards)  # (each TP rank's share of them, under sequence parallelism)
     train_m = cfg.grpo.micro_batch_size * -(-max_len // multiple) * multiple
     logprob_m = cfg.grpo.logprob_batch * max_len
     fwd, bwd = {}, {}  # (N, K) -> M values; a shape two linears share (Qwen3-8B's TP 4 fc1 is its TP 1 QKV) once

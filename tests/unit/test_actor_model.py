@@ -625,6 +625,10 @@ def test_token_multiple_fills_whole_k_blocks():
 
     for micro, multiple in ((1, 128), (4, 32), (6, 64), (16, 8), (128, 1), (256, 1)):
         assert token_multiple(micro) == multiple and (micro * multiple) % K_BLOCK == 0
+    # under sequence parallelism each of the TP ranks' equal parts of the micro-batch is whole blocks too
+    for micro, shards, multiple in ((1, 2, 256), (4, 2, 64), (4, 4, 128), (256, 2, 2), (512, 4, 4), (3, 8, 1024)):
+        got = token_multiple(micro, shards)
+        assert got == multiple and got % shards == 0 and (micro * got // shards) % K_BLOCK == 0, (micro, shards, got)
 
 
 @pytest.mark.parametrize("flow", [BF16, JETRL], ids=["bf16", "jetrl"])
