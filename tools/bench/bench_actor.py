@@ -121,6 +121,19 @@ def variant_flow(name: str):
     return PrecisionFlow.from_dict({**flow.to_dict(), **changes}) if changes else flow
 
 
+def one_rank(arch, seq: int):
+    """This process as megatron's only rank (TP 1, PP 1); `arch` with room for `seq` positions."""
+    import dataclasses
+
+    from megatron_jetrl.actor.parallel import init_parallel
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    init_parallel(tp=1, pp=1)
+    return dataclasses.replace(arch, max_position_embeddings=max(seq, arch.max_position_embeddings))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -741,7 +754,7 @@ def step_main(a):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     variants = parse_modes(a.modes)
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+    from megatron_jetrl.actor.parallel import destroy_parallel
     from megatron_jetrl.models.arch import ModelArch
 
     tiny = ["precision.exact_logprobs=false"] if a.tiny else []  # the CPU has no FA3
@@ -759,14 +772,7 @@ def step_main(a):
         a.seq, a.micro_batch, a.micro_batches, a.steps, a.warmup = min(a.seq, 64), 2, 2, 1, 1
         if a.layers == ["auto"]:
             a.layers = ["2"]
-    if a.seq > arch.max_position_embeddings:
-        import dataclasses
-
-        arch = dataclasses.replace(arch, max_position_embeddings=a.seq)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    init_parallel(tp=1, pp=1)
+    arch = one_rank(arch, a.seq)
     print(
         f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}; actor step: hidden "
         f"{arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}x{arch.head_dim}, vocab "

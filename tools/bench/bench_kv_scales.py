@@ -55,23 +55,15 @@ def compare(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> dict:
 
 def run(a) -> dict:
     from megatron_jetrl.actor.logprobs import response_start
-    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+    from megatron_jetrl.actor.parallel import destroy_parallel
     from megatron_jetrl.rl import kv_scales
-    from tools.bench.bench_actor import DEFAULT_PRESET, StepRun, _free_port, load_preset, make_batch
+    from tools.bench.bench_actor import DEFAULT_PRESET, StepRun, load_preset, make_batch, one_rank
 
     device = torch.device("cuda", torch.cuda.current_device())
     overrides = ["rollout.engine=vllm", "precision.exact_logprobs=true", "precision.kv_cache=fp8"]
     overrides += ["precision.kv_scales=running_max", *([f"optim.lr={a.lr}"] if a.lr is not None else [])]
     cfg = load_preset("jetrl", DEFAULT_PRESET, overrides)
-    arch = cfg.arch()
-    if a.seq > arch.max_position_embeddings:
-        import dataclasses
-
-        arch = dataclasses.replace(arch, max_position_embeddings=a.seq)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    init_parallel(tp=1, pp=1)
+    arch = one_rank(cfg.arch(), a.seq)
     model = StepRun("jetrl+kv_cache=fp8", cfg, arch, a.layers, device)
     cores = kv_scales.attention_modules(model.ddp)
     tokens, mask, adv = make_batch(arch.vocab_size, a.rows, a.seq, device)
