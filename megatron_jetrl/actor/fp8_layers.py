@@ -293,23 +293,59 @@ class FP8ColumnParallelLinear(_FP8Weight, ColumnParallelLinear):
         return self._fp8_gemm(_column_parallel_input(self, input, allreduce_dgrad, sequence_parallel), weight, bias)
 
 
+def _bias_after_sum(layer, output):
+    """The end of megatron's `RowParallelLinear.forward`: the bias added to the summed output (or given back beside it
+    under `skip_bias_add`)."""
+    if layer.skip_bias_add:
+        return output, layer.bias
+    return (output + layer.bias if layer.bias is not None else output), None
+
+
+def row_parallel_in_rank_order(layer, input_):
+    """A row-parallel linear's forward with its TP ranks' partial outputs summed in rank order
+    (`models.ordered_reduce`, the sum vLLM takes under its ordered all-reduce patch) instead of megatron's all-reduce:
+    what `use_ordered_reduce` gives the actor's row-parallel linears."""
+    from megatron_jetrl.models.ordered_reduce import OrderedAllReduce
+
+    return _bias_after_sum(layer, OrderedAllReduce.apply(layer._forward_impl(input_, layer.weight, None), layer.tp_group))
+
+
+def use_ordered_reduce(model) -> int:
+    """Sum every row-parallel linear's output in rank order (`row_parallel_in_rank_order`); returns how many. Raises for a
+    row-parallel linear that does not take it (another spec's) or one under sequence parallelism (reduce-scattered)."""
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, RowParallelLinear):
+            continue
+        if not hasattr(type(module), "ordered_reduce") or module.sequence_parallel:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) cannot sum in rank order: the ordered all-reduce needs the local spec's "
+                "row-parallel linears without sequence parallelism"
+            )
+        module.ordered_reduce = True
+        count += 1
+    return count
+
+
 class FP8RowParallelLinear(_FP8Weight, RowParallelLinear):
     """megatron `RowParallelLinear` (in-dim shard; megatron all-reduces the output) with the Jet-RL FP8 GEMM. Under
     sequence parallelism in FP8 the reduce-scatter moves into the FP8 linear (`fp8_linear`'s rs_group), whose backward
     gathers the output gradient in FP8 instead of megatron's BF16 all-gather; the bias is added after, as megatron's
     `forward` adds it."""
 
+    ordered_reduce = False
+    """Sum the TP ranks' outputs in rank order (`use_ordered_reduce`)."""
+
     def __init__(self, *args, flow: PrecisionFlow, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fp8(flow)
 
     def forward(self, input_):
+        if self.ordered_reduce:
+            return row_parallel_in_rank_order(self, input_)
         if not (self.sequence_parallel and self.flow.train_fp8 and self.input_is_parallel) or self.explicit_expert_comm:
             return super().forward(input_)
-        output = self._fp8_gemm(input_, self.weight, None, rs_group=self.tp_group)
-        if self.skip_bias_add:
-            return output, self.bias
-        return (output + self.bias if self.bias is not None else output), None
+        return _bias_after_sum(self, self._fp8_gemm(input_, self.weight, None, rs_group=self.tp_group))
 
     def _forward_impl(self, input, weight, bias, **_):
         return self._fp8_gemm(input, weight, bias)

@@ -56,6 +56,10 @@ class ActorOptions:
     pp_last_layers: int = 0
     """Decoder layers of the last pipeline stage; 0: an even split (`models.mapping.stage_layers`, megatron's
     `num_layers_in_last_pipeline_stage`)."""
+    ordered_reduce: bool = False
+    """Local spec, TP > 2, no sequence parallelism: every row-parallel linear sums the TP ranks' outputs in rank order
+    (`models.ordered_reduce`, `fp8_layers.use_ordered_reduce`), as vLLM does under its ordered all-reduce patch:
+    `precision.exact_logprobs` above TP 2."""
     rollout_kernels: bool = False
     """Local spec on CUDA, with a vLLM rollout (`precision.exact_logprobs`): attention, the lm_head (and BF16 linears) and
     the log-softmax run the vLLM engine's kernels (`actor.rollout_kernels`), so the actor's logprobs are the engine's
@@ -72,6 +76,10 @@ class ActorOptions:
             raise ValueError(f"fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
         if self.bf16_linear_weights not in ("keep", "release"):
             raise ValueError(f"bf16_linear_weights must be 'keep' or 'release', got {self.bf16_linear_weights!r}")
+        if self.ordered_reduce and (self.spec != "local" or self.sequence_parallel):
+            raise ValueError(
+                "ordered_reduce=True needs spec='local' without sequence_parallel (it replaces the row-parallel all-reduce)"
+            )
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError(
                 "rollout_kernels=True needs spec='local' without batch_invariant (it replaces the local spec's "
@@ -205,9 +213,11 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
         # the local spec's core attention applies RoPE itself (fp8_layers.SDPAttention / BatchInvariantAttention)
         **({"position_embedding_type": "none"} if options.spec == "local" else rope_kwargs(arch)),
     )
-    from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer
+    from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer, use_ordered_reduce
 
     name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release")
+    if options.ordered_reduce:
+        use_ordered_reduce(model)
     if options.batch_invariant:
         use_batch_invariant_output_layer(model)
     if options.rollout_kernels:

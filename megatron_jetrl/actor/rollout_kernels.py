@@ -50,7 +50,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_jetrl.actor.fp8_layers import _column_parallel_input, rope_cos_sin, rope_key
+from megatron_jetrl.actor.fp8_layers import _column_parallel_input, rope_cos_sin, rope_key, row_parallel_in_rank_order
 from megatron_jetrl.actor.fused import fused_rope
 from megatron_jetrl.models.arch import ModelArch
 
@@ -299,6 +299,12 @@ class RolloutOutputLayer(RolloutColumnParallelLinear):
 
 class RolloutRowParallelLinear(RowParallelLinear):
     """megatron `RowParallelLinear` (megatron all-reduces the output) with vLLM's batch-invariant GEMM."""
+
+    ordered_reduce = False
+    """Sum the TP ranks' outputs in rank order (`fp8_layers.use_ordered_reduce`)."""
+
+    def forward(self, input_):
+        return row_parallel_in_rank_order(self, input_) if self.ordered_reduce else super().forward(input_)
 
     def _forward_impl(self, input, weight, bias, **_):
         return rollout_linear(input, weight, bias)

@@ -72,9 +72,12 @@ class PrecisionFlow:
     (patches/vllm_0_26_0_one_split_attention.py); a BF16 rollout, whose linears vLLM makes batch-invariant only in its
     process-wide batch-invariant mode, runs in that mode (`VLLM_BATCH_INVARIANT=1`). Backward takes flash attention's
     gradient from FA3's output; only the forward must match. Not for `bf16-train-fp8-rollout`, whose two forwards
-    differ by design. A run config's default is `auto`, resolved when it loads (`rl.resolve`, by
-    `JetRLConfig.exact_logprobs_holds`): on in mode jetrl with vLLM at TP 1 and 2 wherever it can hold (its cost in
-    the step: BENCHMARKS.md), else off."""
+    differ by design. Above TP 2 both sides also add the TP ranks' partial outputs of every row-parallel linear in rank
+    order (`models.ordered_reduce`; patches/vllm_0_26_0_ordered_all_reduce.py in vLLM), where NCCL and vLLM's own
+    all-reduces would each add in an order of their own. A run config's default is `auto`, resolved when it loads
+    (`rl.resolve`, by `JetRLConfig.exact_logprobs_holds`): on in mode jetrl with vLLM at TP 1 and 2 wherever it can
+    hold (its cost in the step: BENCHMARKS.md), else off; above TP 2 only `true` turns it on, until the ordered
+    all-reduce's cost is measured."""
 
     kv_cache: str = "bf16"
     """The rollout engine's KV cache: `bf16`, or `fp8` (E4M3, one scale per layer for each of K and V; vLLM's FA3 then

@@ -168,8 +168,9 @@ class JetRLConfig:
     def exact_logprobs_holds(self) -> bool:
         """Where `precision.exact_logprobs: auto` (a run config's default, `rl.resolve`) turns it on: mode jetrl with
         vLLM at TP 1 or 2, with or without pipeline stages (under PP every layer runs the same kernels on the same rows
-        and the stages pass BF16 activations unchanged; beyond TP 2 the trainer's collectives would need vLLM's
-        one-channel NCCL settings), wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off:
+        and the stages pass BF16 activations unchanged; above TP 2 both sides sum the row-parallel outputs in rank
+        order, an all-gather in place of an all-reduce whose cost is not measured yet: `true` turns it on there),
+        wherever every requirement of `_check_exact_logprobs` holds. Mode bf16 keeps it off:
         it would put vLLM in its process-wide batch-invariant mode (`precision.exact_logprobs=true` asks for that)."""
         if self.precision.mode != "jetrl" or self.rollout.engine != "vllm" or self.parallel.tp > 2:
             return False
@@ -273,6 +274,19 @@ class JetRLConfig:
                 "columns a rank or fewer the FP8 step is usually slower than bf16's, and fewer TP ranks are faster in both "
                 "modes (Qwen3-8B on 4 GPUs: TP 1 x PP 4 against TP 4, BENCHMARKS.md): where the model fits, use fewer "
                 "TP ranks and more pipeline stages"
+            )
+        if (
+            "precision.exact_logprobs" in self.resolved_autos()
+            and not self.precision.exact_logprobs
+            and self.precision.mode == "jetrl"
+            and self.rollout.engine == "vllm"
+            and self.parallel.tp > 2
+        ):
+            out.append(
+                f"precision.exact_logprobs resolved to false at parallel.tp={self.parallel.tp}: above TP 2 it adds every "
+                "row-parallel linear's partial outputs in rank order on both sides (an all-gather and a sum in place of "
+                "each all-reduce, whose cost is not measured yet), so auto leaves it off; precision.exact_logprobs=true "
+                "turns it on (train/rollout mismatch exactly 0)"
             )
         left_to_auto = self.model.bf16_linear_weights == "auto" or "model.bf16_linear_weights" in self.resolved_autos()
         if (

@@ -105,23 +105,17 @@ def init_distributed(cfg: JetRLConfig) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     pin_cache_dirs(cfg.run.jit_cache_dir)  # before DeepGEMM or Triton is imported: one cache for trainer and engines
     if cfg.rollout.engine == "vllm":
-        pin_vllm_environment(cfg.precision, cfg.parallel.tp)
+        pin_vllm_environment(cfg.precision)
     init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.run.seed, timeout_minutes=cfg.run.timeout_s / 60)
 
 
-def pin_vllm_environment(flow: PrecisionFlow, tp: int = 1) -> None:
+def pin_vllm_environment(flow: PrecisionFlow) -> None:
     """vLLM's environment for the flow, before anything imports vLLM (the actor's `rollout_kernels` do) and before the
-    process group exists. Under `exact_logprobs` at TP > 2, vLLM's batch-invariant NCCL settings (one channel, tree
-    all-reduce) then hold for the trainer's collectives too, so both sides add the TP ranks' partial sums in one order.
-    Up to TP 2 a row-parallel output is one addition of two partial sums, the same in any order: the trainer's
-    collectives (DP's gradient reduction among them) keep NCCL's defaults."""
+    process group exists. The trainer's collectives keep NCCL's defaults: under `exact_logprobs` above TP 2 both sides
+    add the TP ranks' partial sums in rank order themselves (`models.ordered_reduce`), whatever NCCL's algorithm."""
     from megatron_jetrl.rollout.vllm_engine import engine_env, pin_environment
 
     pin_environment(engine_env(flow))
-    if flow.exact_logprobs and tp > 2:
-        from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
-
-        override_envs_for_invariance()
 
 
 def _tokenizer(cfg: JetRLConfig, arch: ModelArch):
@@ -274,6 +268,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         fused=cfg.model.fused,
         rollout_kernels=flow.exact_logprobs,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        ordered_reduce=flow.exact_logprobs and cfg.parallel.tp > 2,
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,
         bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",

@@ -481,11 +481,18 @@ def exact_problems(
     glue: str,
     lm_head_method: str,
     v2_runner: bool = True,
+    ordered_reduce: bool = True,
 ) -> list[str]:
     """Under `precision.exact_logprobs`, what in a running engine would compute other bytes than the actor's
     `rollout_kernels`: attention with more than one KV split or not FA3, cascade attention, vLLM's own RMSNorm/RoPE,
-    an lm_head without the actor's GEMM, a model runner whose logprob kernel the actor does not call."""
+    an lm_head without the actor's GEMM, a model runner whose logprob kernel the actor does not call, and above TP 2 a
+    TP all-reduce that does not add in rank order (`ordered_reduce` False)."""
     problems = []
+    if not ordered_reduce:
+        problems.append(
+            "vLLM's TP all-reduce would add the partial sums in an order of its own (patches/vllm_0_26_0_ordered_all_reduce.py "
+            "did not take effect before the engine started): let VllmEngine build the engine"
+        )
     if not v2_runner:
         problems.append(
             "vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
@@ -652,6 +659,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             load_patch("vllm_0_26_0_one_split_attention").apply()
         if flow.exact_logprobs and flow.kv_cache == "fp8":
             load_patch("vllm_0_26_0_fp8_attention_tile").apply()
+        if flow.exact_logprobs and tp > 2:  # the actor sums its row-parallel outputs in rank order too
+            load_patch("vllm_0_26_0_ordered_all_reduce").apply()
         if glue == "trainer":
             vllm_glue.register()
             fused = fused_quant and flow.rollout_fp8 and flow.scale_mode == "fp32"
@@ -729,8 +738,17 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         config = self.llm.llm_engine.vllm_config
         method = type(getattr(self.model.lm_head, "quant_method", None)).__name__
         one_split = bool(impls) and all(getattr(i, "batch_invariant_enabled", False) for i in impls.values())
+        from megatron_jetrl.patching import load_patch
+
+        ordered = self.tp <= 2 or load_patch("vllm_0_26_0_ordered_all_reduce").applied()
         problems = exact_problems(
-            impls, one_split, bool(config.model_config.disable_cascade_attn), glue, method, bool(config.use_v2_model_runner)
+            impls,
+            one_split,
+            bool(config.model_config.disable_cascade_attn),
+            glue,
+            method,
+            bool(config.use_v2_model_runner),
+            ordered,
         )
         if problems:
             raise EngineConformanceError(
@@ -741,6 +759,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             "layers": len(impls),
             "lm_head": method,
             "one_split": "process-wide batch-invariant mode" if not self.flow.rollout_fp8 else "attention backend only",
+            "all_reduce": "rank order" if self.tp > 2 else "two partial sums (any order)" if self.tp == 2 else "none",
         }
 
     def generate(

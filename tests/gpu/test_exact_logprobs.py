@@ -314,6 +314,27 @@ def test_grpo_on_two_gpus_has_mismatch_exactly_zero(tmp_path, layout):
         assert r["mismatch/tokens"] > 0 and r["mismatch/max_abs_diff"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r["step"]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (trainer TP 4 and rollout TP 4)")
+def test_grpo_at_tp4_sums_in_rank_order_and_has_mismatch_exactly_zero(tmp_path):
+    """Above TP 2 a row-parallel output is a sum of more than two partial sums: the actor and vLLM both add them in rank
+    order (`models.ordered_reduce`, patches/vllm_0_26_0_ordered_all_reduce.py). Qwen3-8B's layer shapes at TP 4 (two
+    KV heads and 1024 hidden columns a rank)."""
+    cmd = [
+        "bash", "launch/train_grpo.sh", "configs/gpu_8b_shapes.yaml", "model.hf_config.num_hidden_layers=2",
+        "parallel.tp=4", "rollout.engine=vllm", "rollout.tp=4", "precision.exact_logprobs=true",
+        "rollout.max_new_tokens=128", "run.steps=3", "run.checkpoint=false", "grpo.prompts_per_step=8",
+        "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=tp4",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/tokens"] > 0, r["step"]
+        assert r["mismatch/mean_abs_diff"] == r["mismatch/max_abs_diff"] == r["mismatch/k3_kl"] == 0.0, r["step"]
+
+
 LONG = [
     *QWEN3,
     "model.hf_config.max_position_embeddings=4096",

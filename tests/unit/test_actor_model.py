@@ -665,7 +665,7 @@ def test_sequences_lengthened_for_fp8_blocks_train_as_the_unpadded_ones(flow, ch
     runs = {}
     for fp8_gpu in (False, True):
         monkeypatch.setattr(fp8_layers, "trains_fp8_on_cuda", lambda model: fp8_gpu)
-        monkeypatch.setattr("megatron_jetrl.actor.train_step.token_multiple", lambda micro: 24)
+        monkeypatch.setattr("megatron_jetrl.actor.train_step.token_multiple", lambda micro, shards: 24)
         model, _ = _imported("qwen3", flow, root)
         ddp, optimizer = wrap_for_training(model.train(), OptimConfig(lr=1e-3))
         out = train_step(ddp, optimizer, tokens, loss_fn, vocab_size=vocab, micro_batch_size=MICRO, extras=extras)

@@ -113,9 +113,12 @@ class TritonAttentionImpl:
 def test_the_engine_read_back_names_each_difference():
     good = {"model.layers.0.self_attn.attn": FlashAttentionImpl()}
     assert exact_problems(good, True, True, "trainer", "TrainerLMHeadMethod", True) == []
-    problems = exact_problems({"layers.0.attn": TritonAttentionImpl()}, False, False, "vllm", "UnquantizedEmbeddingMethod", False)
+    problems = exact_problems(
+        {"layers.0.attn": TritonAttentionImpl()}, False, False, "vllm", "UnquantizedEmbeddingMethod", False, False
+    )
     text = "\n".join(problems)
     for words in (
+        "TP all-reduce would add the partial sums in an order of its own",
         "V1 model runner",
         "may split the KV cache",
         "cascade attention",
@@ -124,7 +127,7 @@ def test_the_engine_read_back_names_each_difference():
         "UnquantizedEmbeddingMethod, not the actor's lm_head GEMM",
     ):
         assert words in text
-    assert len(problems) == 6
+    assert len(problems) == 7
 
 
 @pytest.mark.parametrize(

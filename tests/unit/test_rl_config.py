@@ -96,8 +96,11 @@ def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
 
     tp4 = load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", ND]).notices()
     assert (
-        len(tp4) == 1 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
+        len(tp4) == 2 and tp4[0].startswith("parallel.tp=4 leaves each rank 1024 of hidden_size=4096") and "TP 1 x PP 4" in tp4[0]
     )
+    assert tp4[1].startswith("precision.exact_logprobs resolved to false at parallel.tp=4") and "=true turns it on" in tp4[1]
+    exact = load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", ND, "precision.exact_logprobs=true"])
+    assert exact.precision.exact_logprobs and len(exact.notices()) == 1  # asked for: nothing to say
     assert load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
     assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "rollout.tp=2", ND]).notices() == []
     pp4 = load_config(E2E_8B, ["parallel.pp_last_layers=0", ND])  # an even split
@@ -160,8 +163,11 @@ def test_qwen3_8b_on_two_nodes_of_eight_gpus_validates():
     arch = cfg.arch()
     assert arch.num_kv_heads // cfg.parallel.tp == 1
     assert [(size // parts) % 128 for _, size, parts in arch.split_dims(8)] == [0] * 5
-    notes = cfg.notices()  # rollout split = trainer split: nothing on the mismatch; 512 columns a rank: the TP cost
-    assert len(notes) == 1 and notes[0].startswith("parallel.tp=8 leaves each rank 512 of hidden_size=4096")
+    notes = cfg.notices()  # rollout split = trainer split: nothing on the mismatch; 512 columns a rank: the TP cost;
+    # exact logprobs left off by auto, and how to turn them on at TP 8 (both sides sum in rank order)
+    assert len(notes) == 2 and notes[0].startswith("parallel.tp=8 leaves each rank 512 of hidden_size=4096")
+    assert notes[1].startswith("precision.exact_logprobs resolved to false at parallel.tp=8")
+    assert load_config(EIGHT_B, [*TWO_NODES, "precision.exact_logprobs=true"]).precision.exact_logprobs
     assert cfg.grpo.prompts_per_step * cfg.rollout.n % (cfg.parallel.dp * cfg.grpo.micro_batch_size) == 0
     from megatron_jetrl.rollout.colocated import rollout_groups
 
