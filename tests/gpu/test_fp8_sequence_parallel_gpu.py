@@ -1,0 +1,52 @@
+"""Sequence parallelism's FP8 gathers on the GPU's kernels (`fp8_linear(sp_group=...)`, `fp8_linear(rs_group=...)`), on a
+one-rank NCCL group: the CUDA quantizers write their scales outer-dim-major and their WGrad operands K-major, and the
+gathered operands must reach the GEMMs in those layouts. With one rank every gather is the identity, so forward, dX
+and dW equal the plain linear's bit for bit. Two and more ranks: tests/unit/test_fp8_sequence_parallel.py (CPU, gloo).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def group():
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29683")
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    return dist.new_group([0])
+
+
+def _run(x, w, dy, **kw):
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.fp8.linear import fp8_linear
+
+    flow = PrecisionFlow(mode="jetrl", backend="auto")
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = fp8_linear(x, w, flow=flow, **kw)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("tokens", [256, 200])  # whole 128-token groups, and not (dY's BF16 rows gathered)
+@pytest.mark.parametrize("kind", ["sp_group", "rs_group", "rs_group+gated"])
+def test_one_rank_gathers_change_no_byte(group, tokens, kind):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    k, n = 512, 384
+    gated = kind.endswith("gated")
+    x = torch.randn(tokens, 2 * k if gated else k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    dy = torch.randn(tokens, n, generator=g, device="cuda").to(torch.bfloat16)
+    extra = {"gated_act": F.silu} if gated else {}
+    plain = _run(x, w, dy, **extra)
+    sharded = _run(x, w, dy, **extra, **{kind.split("+")[0]: group})
+    for a, b, what in zip(plain, sharded, ("forward", "dX", "dW")):
+        assert torch.equal(a, b), what
