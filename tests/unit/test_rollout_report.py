@@ -206,3 +206,11 @@ def test_kv_table_refuses_runs_of_other_settings(tmp_path, capsys):
     assert "differ in ['kv_gb']" in capsys.readouterr().err
     assert tool.main(["--kv", b]) == 2
     assert "needs the bf16 run with a BF16 cache" in capsys.readouterr().err
+
+
+def test_kv_table_gives_no_ratio_for_a_timed_run_that_compiled_kernels(tmp_path):
+    cold = kv_run("jetrl", "fp8", 3201.0, 32)
+    cold["decode"]["32"]["compiled_in_timed_run"] = 12
+    paths = [write(tmp_path, "a.json", kv_run("bf16", "bf16", 3025.0, 32)), write(tmp_path, "b.json", cold)]
+    row = tool.kv_table(paths).splitlines()[5]
+    assert row.startswith("| jetrl | fp8 | 3,201 (not a rate: 12 kernels compiled inside) | n/a | 32 | 72 | 2.00x |"), row

@@ -18,7 +18,8 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
   full pool cycle from sleep (wake weights, sync, wake KV cache);
 * decode: batch x (prompt, new) with ignore_eos, random prompt tokens; the first run of each batch (DeepGEMM
   JIT-compiles new shapes inside it) and the best of --reps after it (--reps 0: the first run only, for long
-  responses whose decode dwarfs the compile). tokens/s counts generated tokens. The engine is built for the largest
+  responses whose decode dwarfs the compile; where DeepGEMM compiled kernels inside it, the JSON's
+  `compiled_in_timed_run` counts them and the line says it is not a rate: warm the engine's shapes first). tokens/s counts generated tokens. The engine is built for the largest
   batch (`max_num_seqs`, as the trainer builds it for its share of a step), and each batch records how many of its
   sequences the KV cache holds at their full length (`at_once`, from vLLM's block count) and the preemptions;
 * profile (--profile-batch B ...): one decode step's kernel time by category at each batch B, measured at the timed
@@ -123,6 +124,11 @@ def deep_gemm_cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "vllm"
     )
     return Path(os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(root, "deep_gemm")).expanduser()
+
+
+def kernels_cached() -> int:
+    """DeepGEMM kernels compiled into the cache so far (`deep_gemm_cache_dir`)."""
+    return len(list(deep_gemm_cache_dir().glob("**/*.cubin")))
 
 
 def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
@@ -391,7 +397,7 @@ def main(argv=None) -> dict:
         "prompt": a.prompt,
         "new_tokens": a.new,
         "deep_gemm_cache": str(deep_gemm_cache_dir()),
-        "deep_gemm_cache_entries": len(list(deep_gemm_cache_dir().glob("**/*.cubin"))),
+        "deep_gemm_cache_entries": kernels_cached(),
     }
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), config, flow)
     t0 = time.perf_counter()
@@ -438,10 +444,13 @@ def main(argv=None) -> dict:
         prompts = torch.randint(0, arch.vocab_size - 1, (b, a.prompt), generator=g).tolist()
         sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=sampling_seed(a.variant))
         before = engine.preemptions() or 0
+        cached = kernels_cached()
         runs = [timed(lambda: engine.generate(prompts, sampling)) for _ in range(1 + a.reps)]
+        compiled = kernels_cached() - cached  # by the first run: a --reps 0 rate with compiles inside is no rate
         res["decode"][b] = {
             "first_tok_s": b * a.new / runs[0],
             "best_tok_s": b * a.new / min(runs[1:] or runs),
+            "compiled_in_timed_run": compiled if not a.reps else 0,
             "preemptions_per_run": ((engine.preemptions() or 0) - before) / len(runs),
             "at_once": at_once(res["kv_cache_blocks"], b, a.prompt + a.new),
             "capacity": at_once(res["kv_cache_blocks"], sys.maxsize, a.prompt + a.new),  # sequences at full length
@@ -450,7 +459,12 @@ def main(argv=None) -> dict:
         print(
             f"[{a.mode} {a.variant} kv {a.kv_cache}] batch {b}: first {d['first_tok_s']:.0f} tok/s, best "
             f"{d['best_tok_s']:.0f} tok/s, {d['at_once']} of {b} held at full length (room for {d['capacity']}), {d['preemptions_per_run']:.0f} "
-            "preemptions a run",
+            "preemptions a run"
+            + (
+                f"; NOT A RATE: {d['compiled_in_timed_run']} DeepGEMM kernels compiled inside it"
+                if d["compiled_in_timed_run"]
+                else ""
+            ),
             flush=True,
         )
     res["decode_profiles"] = {}
