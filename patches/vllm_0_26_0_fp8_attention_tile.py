@@ -36,13 +36,9 @@ def apply() -> bool:
 
     from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q
 
-    sampling = load_patch("vllm_0_26_0_seeded_sampling")
-    version = sampling.installed_version()
-    if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(
-            f"patches/vllm_0_26_0_fp8_attention_tile.py targets vllm=={TARGET_VERSION} "
-            f"(it wraps {MODULE}'s flash_attn_varlen_func of that release), but vllm=={version} is installed"
-        )
+    load_patch("vllm_0_26_0_seeded_sampling").require_vllm(
+        "vllm_0_26_0_fp8_attention_tile", f"wraps {MODULE}'s flash_attn_varlen_func", TARGET_VERSION
+    )
     module = importlib.import_module(MODULE)
     if applied():
         return True

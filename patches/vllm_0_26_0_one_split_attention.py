@@ -51,13 +51,7 @@ def applied() -> bool:
 
 def apply() -> bool:
     """Give vLLM 0.26.0's FlashAttention backend one KV split. Raises `VllmVersionError` for another vLLM; safe to call again."""
-    sampling = load_patch("vllm_0_26_0_seeded_sampling")
-    version = sampling.installed_version()
-    if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(
-            f"patches/vllm_0_26_0_one_split_attention.py targets vllm=={TARGET_VERSION} "
-            f"(it reads {MODULE} of that release), but vllm=={version} is installed"
-        )
+    load_patch("vllm_0_26_0_seeded_sampling").require_vllm("vllm_0_26_0_one_split_attention", f"reads {MODULE}", TARGET_VERSION)
     module = importlib.import_module(MODULE)
     if not isinstance(module.envs, _OneSplitEnvs):
         module.envs = _OneSplitEnvs(module.envs)

@@ -37,13 +37,9 @@ def apply() -> bool:
     """Wrap vLLM 0.26.0's all-reduce (see above). Raises `VllmVersionError` for another vLLM; safe to call again."""
     from megatron_jetrl.models.ordered_reduce import ordered_sum
 
-    sampling = load_patch("vllm_0_26_0_seeded_sampling")
-    version = sampling.installed_version()
-    if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(
-            f"patches/vllm_0_26_0_ordered_all_reduce.py targets vllm=={TARGET_VERSION} (it wraps "
-            f"GroupCoordinator._all_reduce_out_place of that release), but vllm=={version} is installed"
-        )
+    load_patch("vllm_0_26_0_seeded_sampling").require_vllm(
+        "vllm_0_26_0_ordered_all_reduce", "wraps GroupCoordinator._all_reduce_out_place", TARGET_VERSION
+    )
     if applied():
         return True
     coordinator = _coordinator()

@@ -22,13 +22,9 @@ TARGET_VERSION = "0.26.0"
 
 def apply(scheduler) -> None:
     """Count `scheduler`'s preemptions in `scheduler.jetrl_preemptions`; refuses another vLLM; safe to call again."""
-    sampling = load_patch("vllm_0_26_0_seeded_sampling")
-    version = sampling.installed_version()
-    if version != TARGET_VERSION:
-        raise sampling.VllmVersionError(
-            f"patches/vllm_0_26_0_preemption_count.py targets vllm=={TARGET_VERSION} "
-            f"(Scheduler._preempt_request of that release), but vllm=={version} is installed"
-        )
+    load_patch("vllm_0_26_0_seeded_sampling").require_vllm(
+        "vllm_0_26_0_preemption_count", "wraps Scheduler._preempt_request", TARGET_VERSION
+    )
     if hasattr(scheduler, "jetrl_preemptions"):
         return
     preempt = scheduler._preempt_request

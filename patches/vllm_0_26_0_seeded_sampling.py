@@ -144,15 +144,20 @@ def installed_version() -> str:
     return importlib.metadata.version("vllm")
 
 
+def require_vllm(patch: str, changes: str, target: str = TARGET_VERSION) -> None:
+    """Refuse to apply `patches/<patch>.py`, which `changes` (what of vLLM `target` it replaces or wraps), to another
+    vLLM: `VllmVersionError` naming both versions."""
+    version = installed_version()
+    if version != target:
+        raise VllmVersionError(
+            f"patches/{patch}.py targets vllm=={target} (it {changes} of that release), but vllm=={version} is installed"
+        )
+
+
 def apply() -> bool:
     """Replace vLLM 0.26.0's `random_sample`. Raises `VllmVersionError` for another vLLM; safe to call again."""
     global _APPLIED
-    version = installed_version()
-    if version != TARGET_VERSION:
-        raise VllmVersionError(
-            f"patches/vllm_0_26_0_seeded_sampling.py targets vllm=={TARGET_VERSION} (it replaces "
-            f"{MODULE}.random_sample of that release), but vllm=={version} is installed"
-        )
+    require_vllm("vllm_0_26_0_seeded_sampling", f"replaces {MODULE}.random_sample")
     if not _APPLIED:
         importlib.import_module(MODULE).random_sample = seeded_random_sample
         _APPLIED = True
