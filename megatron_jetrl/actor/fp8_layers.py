@@ -39,8 +39,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from megatron_jetrl.actor.forward_graphs import GraphedTransformerLayer
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
 from megatron_jetrl.actor.gpt import rope_kwargs, unwrap  # noqa: F401 (unwrap: imported from here by the actor modules)
 from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, finite, fp8_linear
@@ -418,7 +419,7 @@ def native_layer_spec(
     if core is None:
         core = partial(BatchInvariantAttention, arch=arch) if batch_invariant else partial(SDPAttention, arch=arch, fused=fused)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=GraphedTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(

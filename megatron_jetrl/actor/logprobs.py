@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from megatron_jetrl.actor.forward_graphs import pass_graphs
 from megatron_jetrl.actor.fp8_layers import unwrap
 from megatron_jetrl.actor.fused import on_cuda_compiled
 from megatron_jetrl.models import batch_invariant_ops as ops
@@ -333,15 +334,16 @@ def compute_logprobs(
     tokens, _ = pad_length(tokens, None, sequence_multiple(model))  # the padding's logprobs are dropped below
     micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step_func(vocab_size, temperature),
-        data_iterator=iter(micro),
-        model=model,
-        num_microbatches=len(micro),
-        seq_length=tokens.shape[1],
-        micro_batch_size=micro_batch_size,
-        forward_only=True,
-    )
+    with pass_graphs(model, len(micro)):  # ActorOptions.logprob_graphs: each layer a CUDA graph after the first micro-batch
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step_func(vocab_size, temperature),
+            data_iterator=iter(micro),
+            model=model,
+            num_microbatches=len(micro),
+            seq_length=tokens.shape[1],
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        )
     if not ps.is_pipeline_last_stage():
         return None
     return torch.cat([o["logprobs"] for o in out])[:, : length - 1]

@@ -64,6 +64,9 @@ class ActorOptions:
     """Local spec on CUDA, with a vLLM rollout (`precision.exact_logprobs`): attention, the lm_head (and BF16 linears) and
     the log-softmax run the vLLM engine's kernels (`actor.rollout_kernels`), so the actor's logprobs are the engine's
     bit for bit. Needs vLLM 0.26.0 importable."""
+    logprob_graphs: bool = False
+    """Local spec on CUDA: the forward-only logprob passes replay each decoder layer as a CUDA graph captured in the
+    pass (`actor.forward_graphs`; the same bytes as the eager forward, one host call a layer)."""
 
     def __post_init__(self):
         if self.spec == "native":
@@ -79,6 +82,11 @@ class ActorOptions:
         if self.ordered_reduce and (self.spec != "local" or self.sequence_parallel):
             raise ValueError(
                 "ordered_reduce=True needs spec='local' without sequence_parallel (it replaces the row-parallel all-reduce)"
+            )
+        if self.logprob_graphs and (self.spec != "local" or self.batch_invariant):
+            raise ValueError(
+                "logprob_graphs=True needs spec='local' without batch_invariant (it graphs the local spec's layers; the "
+                "batch-invariant reference path runs eagerly)"
             )
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError(

@@ -122,6 +122,9 @@ class JetRLConfig:
         if self.model.bf16_linear_weights == "release":
             problem = self._bf16_release_problem()
             _check(problem is None, f"{problem}: set it to auto or keep")
+        if self.model.cuda_graphs == "logprobs":
+            problem = self.logprob_graphs_problem()
+            _check(problem is None, f"model.cuda_graphs=logprobs: {problem}: set it to auto or none")
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.precision.kv_cache == "fp8":
@@ -149,6 +152,18 @@ class JetRLConfig:
         if self.model.bf16_linear_weights != "auto":
             return self.model.bf16_linear_weights == "release"
         return self._bf16_release_problem() is None
+
+    def logprob_graphs_problem(self) -> str | None:
+        """Why the logprob passes cannot replay CUDA graphs here (`model.cuda_graphs`), or None."""
+        if self.run.device == "cpu":
+            return "CUDA graphs need a GPU run, not run.device=cpu"
+        if self.model.spec != "local":
+            return f"it graphs the local spec's layers, not model.spec={self.model.spec}'s"
+        if self.model.batch_invariant is True:
+            return "the batch-invariant reference path (model.batch_invariant=true) runs eagerly"
+        if self.precision.check_finite == "sync":
+            return "precision.check_finite=sync reads every quantization's scales on the host, which a graph cannot"
+        return None
 
     def _bf16_release_problem(self) -> str | None:
         """Why the FP8 linears' BF16 weights cannot be freed through a train step here, or None."""

@@ -52,6 +52,7 @@ APPLIED_ON_RESUME = frozenset(
         "run.profile_phases",
         "model.fp8_weight_t",
         "model.bf16_linear_weights",  # where the same bytes live: memory, not numbers
+        "model.cuda_graphs",  # how the same kernels are launched
         "precision.gemm_sms",  # how many SMs compute the same bytes
     }
 )

@@ -272,6 +272,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,
         bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",
+        logprob_graphs=cfg.model.cuda_graphs == "logprobs",
     )
     model = build_model(arch, flow, options)
     if cfg.model.path:
