@@ -41,9 +41,9 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_jetrl.actor.forward_graphs import GraphedTransformerLayer
 from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rope
 from megatron_jetrl.actor.gpt import rope_kwargs, unwrap  # noqa: F401 (unwrap: imported from here by the actor modules)
+from megatron_jetrl.actor.layer_graphs import GraphedTransformerLayer
 from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, finite, fp8_linear
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch

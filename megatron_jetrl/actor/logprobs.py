@@ -26,9 +26,9 @@ import contextlib
 
 import torch
 
-from megatron_jetrl.actor.forward_graphs import pass_graphs
 from megatron_jetrl.actor.fp8_layers import unwrap
 from megatron_jetrl.actor.fused import on_cuda_compiled
+from megatron_jetrl.actor.layer_graphs import layer_graphs
 from megatron_jetrl.models import batch_invariant_ops as ops
 
 
@@ -334,7 +334,7 @@ def compute_logprobs(
     tokens, _ = pad_length(tokens, None, sequence_multiple(model))  # the padding's logprobs are dropped below
     micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
-    with pass_graphs(model, len(micro)):  # ActorOptions.logprob_graphs: each layer a CUDA graph after the first micro-batch
+    with layer_graphs(model, len(micro), train=False):  # ActorOptions.logprob_graphs: a CUDA graph a layer
         out = get_forward_backward_func()(
             forward_step_func=forward_step_func(vocab_size, temperature),
             data_iterator=iter(micro),

@@ -66,7 +66,10 @@ class ActorOptions:
     bit for bit. Needs vLLM 0.26.0 importable."""
     logprob_graphs: bool = False
     """Local spec on CUDA: the forward-only logprob passes replay each decoder layer as a CUDA graph captured in the
-    pass (`actor.forward_graphs`; the same bytes as the eager forward, one host call a layer)."""
+    pass (`actor.layer_graphs`; the eager forward's bytes, one host call a layer)."""
+    update_graphs: bool = False
+    """Local spec on CUDA, one pipeline stage: a train step replays each decoder layer's forward and backward as CUDA
+    graphs captured in the step (`actor.layer_graphs`; the eager step's bytes and gradients)."""
 
     def __post_init__(self):
         if self.spec == "native":
@@ -83,10 +86,10 @@ class ActorOptions:
             raise ValueError(
                 "ordered_reduce=True needs spec='local' without sequence_parallel (it replaces the row-parallel all-reduce)"
             )
-        if self.logprob_graphs and (self.spec != "local" or self.batch_invariant):
+        if (self.logprob_graphs or self.update_graphs) and (self.spec != "local" or self.batch_invariant):
             raise ValueError(
-                "logprob_graphs=True needs spec='local' without batch_invariant (it graphs the local spec's layers; the "
-                "batch-invariant reference path runs eagerly)"
+                "logprob_graphs / update_graphs need spec='local' without batch_invariant (they graph the local spec's "
+                "layers; the batch-invariant reference path runs eagerly)"
             )
         if self.rollout_kernels and (self.spec != "local" or self.batch_invariant):
             raise ValueError(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_jetrl.actor.layer_graphs import autograd_stream, layer_graphs
 from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length, sequence_multiple
 from megatron_jetrl.actor.optim_config import OptimConfig
 from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
@@ -35,13 +36,14 @@ def wrap_for_training(model, optim: OptimConfig | None = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = model.config
-    ddp = DistributedDataParallel(
-        config=config,
-        module=model,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.distributed
-        ),
-    )
+    with autograd_stream(model):  # update graphs: the gradient accumulators DDP makes live on the graphs' stream
+        ddp = DistributedDataParallel(
+            config=config,
+            module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.distributed
+            ),
+        )
     config.finalize_model_grads_func = finalize_model_grads
     load_patch("megatron_core_0_16_1_grad_clip_scale").apply()  # clipping scales the gradients in place, in one pass
     if optim.wgrad_fusion and torch.cuda.is_available():
@@ -215,15 +217,16 @@ def train_step(
     try:
         with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
             release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (quantized here)
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step_func(vocab_size, temperature, loss_fn),
-                data_iterator=iter(micro),
-                model=ddp_model,
-                num_microbatches=len(micro),
-                seq_length=tokens.shape[1],
-                micro_batch_size=micro_batch_size,
-                forward_only=False,
-            )
+            with layer_graphs(ddp_model, len(micro), train=True):  # ActorOptions.update_graphs: CUDA graphs a layer
+                out = get_forward_backward_func()(
+                    forward_step_func=forward_step_func(vocab_size, temperature, loss_fn),
+                    data_iterator=iter(micro),
+                    model=ddp_model,
+                    num_microbatches=len(micro),
+                    seq_length=tokens.shape[1],
+                    micro_batch_size=micro_batch_size,
+                    forward_only=False,
+                )
         problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)
         if problem is not None:
             return {"ok": False, "skipped": problem, "grad_norm": None}

@@ -72,6 +72,13 @@ class FiniteWatch:
             return None
         return torch.isfinite(torch.stack(self._sums)).all()
 
+    def summary(self) -> torch.Tensor | None:
+        """One FP32 device scalar, NaN/Inf exactly when a recorded input was (the sum of the records' sums; no host
+        sync), or None when nothing was recorded. A CUDA graph records its quantizations into a watch of its own during
+        capture and keeps this scalar, which each replay rewrites (`actor.layer_graphs`)."""
+        self._reduce()
+        return torch.stack(self._sums).sum() if self._sums else None
+
     def first_problem(self) -> str | None:
         """The first recorded site whose input held NaN/Inf (one host sync), or None."""
         self._reduce()

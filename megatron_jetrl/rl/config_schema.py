@@ -122,9 +122,14 @@ class JetRLConfig:
         if self.model.bf16_linear_weights == "release":
             problem = self._bf16_release_problem()
             _check(problem is None, f"{problem}: set it to auto or keep")
-        if self.model.cuda_graphs == "logprobs":
-            problem = self.logprob_graphs_problem()
-            _check(problem is None, f"model.cuda_graphs=logprobs: {problem}: set it to auto or none")
+        if self.model.cuda_graphs in ("logprobs", "all"):
+            problem = self.layer_graphs_problem()
+            _check(problem is None, f"model.cuda_graphs={self.model.cuda_graphs}: {problem}: set it to auto or none")
+            _check(
+                self.model.cuda_graphs != "all" or self.parallel.pp == 1,
+                f"model.cuda_graphs=all graphs the update's layers with one pipeline stage; parallel.pp={self.parallel.pp} "
+                "keeps several micro-batches in flight a stage: set it to logprobs (or auto)",
+            )
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.precision.kv_cache == "fp8":
@@ -153,8 +158,8 @@ class JetRLConfig:
             return self.model.bf16_linear_weights == "release"
         return self._bf16_release_problem() is None
 
-    def logprob_graphs_problem(self) -> str | None:
-        """Why the logprob passes cannot replay CUDA graphs here (`model.cuda_graphs`), or None."""
+    def layer_graphs_problem(self) -> str | None:
+        """Why the actor's layers cannot replay CUDA graphs here (`model.cuda_graphs`), or None."""
         if self.run.device == "cpu":
             return "CUDA graphs need a GPU run, not run.device=cpu"
         if self.model.spec != "local":

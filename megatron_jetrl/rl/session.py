@@ -272,7 +272,8 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,
         bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",
-        logprob_graphs=cfg.model.cuda_graphs == "logprobs",
+        logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
+        update_graphs=cfg.model.cuda_graphs == "all",
     )
     model = build_model(arch, flow, options)
     if cfg.model.path:

@@ -67,10 +67,10 @@ def expected(data: dict, cfg, device: str) -> dict:
     want["precision.backend"] = "emulated" if backend == "auto" and bi and p.mode != "bf16" else backend
     dist = raw(data, "optim.distributed", False)  # config.py: ZeRO-1 where there are DP ranks to shard over
     want["optim.distributed"] = cfg.parallel.dp > 1 if dist == "auto" else dist
-    graphs = raw(data, "model.cuda_graphs", "auto")  # config_schema.py: the logprob passes' graphs at TP 1 on a GPU
+    graphs = raw(data, "model.cuda_graphs", "auto")  # config_schema.py: the layers' graphs at TP 1 on a GPU
     if graphs == "auto":
         applies = want["run.device"] == "cuda" and m.spec == "local" and not bi and p.check_finite != "sync"
-        graphs = "logprobs" if applies and cfg.parallel.tp == 1 else "off"
+        graphs = ("all" if cfg.parallel.pp == 1 else "logprobs") if applies and cfg.parallel.tp == 1 else "none"
     want["model.cuda_graphs"] = graphs
     release = raw(data, "model.bf16_linear_weights", "auto")  # config_schema.py: release wherever it applies
     if release == "auto":

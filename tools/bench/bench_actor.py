@@ -453,7 +453,8 @@ class StepRun:
             fp8_weight_t=cfg.model.fp8_weight_t,
             bf16_linear_weights="release" if release else "keep",
             rollout_kernels=cfg.precision.exact_logprobs,  # the engine's attention (FP8 with an FP8 KV cache) as a run has it
-            logprob_graphs=cfg.model.cuda_graphs == "logprobs",
+            logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
+            update_graphs=cfg.model.cuda_graphs == "all",
         )
         self.optim = optim
         torch.manual_seed(1234)
