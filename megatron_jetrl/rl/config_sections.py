@@ -176,14 +176,14 @@ class ModelConfig:
     Needs megatron's mixed-precision optimizer: `optim.bf16=true` and `optim.distributed=false` (the distributed
     optimizer keeps the parameters in one buffer). `keep`: BF16 and FP8 both. `auto`, resolved when the config loads
     (`rl.resolve`): release where it applies (`JetRLConfig.bf16_linears_released`), else keep."""
-    cuda_graphs: Literal["auto", "none", "logprobs", "all"] = "auto"
+    cuda_graphs: Literal["none", "logprobs", "all"] = "none"
     """Which of the actor's decoder-layer calls replay CUDA graphs captured in the call (`actor.layer_graphs`): the
     eager bytes and gradients, one host call a layer and direction instead of its few dozen launches. `logprobs`: the
     forward-only logprob passes (the old and the reference logprobs); `all`: those and the update's forwards and
     backwards (one pipeline stage); `none`: eager. Local spec on a GPU, not batch-invariant, `precision.check_finite`
-    not `sync`. `auto`, resolved when the config loads (`rl.resolve`): at TP 1 where it applies, `all` with one
-    pipeline stage and `logprobs` with several; else none (under TP each captured layer holds the TP collectives
-    too: set it to take that)."""
+    not `sync`. They pay where a layer's GPU work is shorter than the host work that issues it (narrow GEMMs: a TP
+    rank's, a small model's; short micro-batches) and cost one capture a call where it is not (the GPU idles while a
+    micro-batch is captured); under TP each captured layer holds the TP collectives too."""
     spec: Literal["local", "te"] = "local"
     """The actor's megatron layer spec. `local`: megatron's local layers with this project's FP8 linears (runs anywhere;
     bit-exact with the rollout's quantizer). `te`: megatron's Transformer Engine spec (TE fused norm+linear, TE
@@ -215,8 +215,8 @@ class ModelConfig:
             f"model.batch_invariant must be true, false or auto, got {self.batch_invariant!r}",
         )
         _check(
-            self.cuda_graphs in ("auto", "none", "logprobs", "all"),
-            f"model.cuda_graphs must be 'auto', 'none', 'logprobs' or 'all', got {self.cuda_graphs!r}",
+            self.cuda_graphs in ("none", "logprobs", "all"),
+            f"model.cuda_graphs must be 'none', 'logprobs' or 'all', got {self.cuda_graphs!r}",
         )
         _check(
             self.bf16_linear_weights in ("auto", "keep", "release"),

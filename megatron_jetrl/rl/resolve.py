@@ -11,9 +11,6 @@ reads concrete values, and a resume compares resolved configs:
 * `precision.backend` (auto, emulated, deepgemm, ...): emulated in a batch-invariant FP8 run (the one batch-invariant
   FP8 GEMM; precision.gemm_sms is then refused); otherwise `auto` stays, a policy (below).
 * `optim.distributed` (auto, true, false): true where there are data-parallel ranks to shard over (parallel.dp > 1).
-* `model.cuda_graphs` (auto, none, logprobs, all): at TP 1 wherever it applies (`JetRLConfig.layer_graphs_problem`: a GPU
-  run, local spec, not batch-invariant, precision.check_finite not sync), all with one pipeline stage and logprobs with
-  several; else none.
 * `model.bf16_linear_weights` (auto, keep, release): release wherever it applies (`JetRLConfig.bf16_linears_released`:
   jetrl, local spec, megatron's mixed-precision optimizer), else keep.
 * `rollout.glue` (auto, trainer, vllm): trainer, except vllm for a scaled RoPE (llama3) or model.spec=te
@@ -58,7 +55,6 @@ AUTO_KEYS = (
     "model.batch_invariant",
     "precision.backend",
     "optim.distributed",
-    "model.cuda_graphs",
     "model.bf16_linear_weights",
     "rollout.glue",
     "precision.exact_logprobs",
@@ -151,9 +147,6 @@ def _resolve(cfg: JetRLConfig, device: str | None, autos: set[str], done: list[s
         put("precision.backend", "emulated")  # the one batch-invariant FP8 GEMM (exact block products)
     if "optim.distributed" in autos:
         put("optim.distributed", cfg.parallel.dp > 1)
-    if cfg.model.cuda_graphs == "auto":
-        graphs = "none" if cfg.parallel.tp > 1 or cfg.layer_graphs_problem() else "all" if cfg.parallel.pp == 1 else "logprobs"
-        put("model.cuda_graphs", graphs)
     if cfg.model.bf16_linear_weights == "auto":
         put("model.bf16_linear_weights", "release" if cfg.bf16_linears_released() else "keep")
     if cfg.rollout.glue == "auto":

@@ -174,6 +174,29 @@ CASES = {
         ["model.hf_config={model_type: mistral, num_attention_heads: 2}"],
         r"model_type='mistral'; megatron-jetrl supports",
     ),
+    # ---- the actor's CUDA graphs (actor.layer_graphs)
+    "CUDA graphs: a word off the list": (
+        ["model.cuda_graphs=update"],
+        r"model.cuda_graphs must be 'none', 'logprobs' or 'all', got 'update'",
+    ),
+    "CUDA graphs on the CPU": (
+        ["run.device=cpu", "model.cuda_graphs=logprobs"],
+        r"model.cuda_graphs=logprobs: CUDA graphs need a GPU run, not run.device=cpu: set it to none",
+    ),
+    "CUDA graphs of the batch-invariant path": (
+        ["run.device=cuda", "model.cuda_graphs=logprobs", "model.batch_invariant=true", "precision.mode=bf16"],
+        r"model.cuda_graphs=logprobs: the batch-invariant reference path \(model.batch_invariant=true\) runs eagerly",
+    ),
+    "CUDA graphs with a sync per quantization": (
+        ["run.device=cuda", "model.cuda_graphs=all", "precision.check_finite=sync"],
+        r"model.cuda_graphs=all: precision.check_finite=sync reads every quantization's scales on the host, which a graph "
+        r"cannot: set it to none",
+    ),
+    "update graphs under pipeline stages": (
+        ["run.device=cuda", "model.cuda_graphs=all", "parallel.pp=2", "model.hf_config.num_hidden_layers=4"],
+        r"model.cuda_graphs=all graphs the update's layers with one pipeline stage; parallel.pp=2 keeps several "
+        r"micro-batches in flight a stage: set it to logprobs",
+    ),
 }
 
 
@@ -181,6 +204,12 @@ CASES = {
 def test_bad_setting_is_refused_naming_key_and_fix(case):
     overrides, message = CASES[case]
     assert __import__("re").search(message, refused(*overrides)), refused(*overrides)
+
+
+def test_cuda_graphs_of_te_layers_are_refused(monkeypatch):
+    monkeypatch.setattr("megatron_jetrl.fp8.te.te_installed", lambda: True)
+    message = refused("run.device=cuda", "model.spec=te", "model.cuda_graphs=all", "precision.mode=bf16")
+    assert "model.cuda_graphs=all: it graphs the local spec's layers, not model.spec=te's: set it to none" in message
 
 
 def test_the_same_settings_fit_where_they_should():
@@ -192,6 +221,13 @@ def test_the_same_settings_fit_where_they_should():
     load_config(None, ["run.steps=0", "run.eval_every=5", "data.heldout=16"])
     assert load_config(None, ["grpo.logprob_micro_batch_size=64"]).grpo.logprob_batch == 64
     assert load_config(None, ["grpo.micro_batch_size=8"]).grpo.logprob_batch == 8  # 0: the training micro-batch
+    graphs = ["run.device=cuda", "model.hf_config.num_hidden_layers=4"]
+    assert load_config(None, [*graphs, "model.cuda_graphs=all"]).model.cuda_graphs == "all"
+    assert load_config(None, [*graphs, "model.cuda_graphs=logprobs", "parallel.pp=2"]).model.cuda_graphs == "logprobs"
+    assert (
+        load_config(None, [*graphs, "parallel.tp=2", "precision.mode=bf16", "model.cuda_graphs=all"]).model.cuda_graphs == "all"
+    )
+    assert load_config(None, ["run.device=cuda"]).model.cuda_graphs == "none"  # the default
 
 
 def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():

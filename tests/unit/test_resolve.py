@@ -33,7 +33,6 @@ VARIANTS = {  # overrides on top of preset + mode: as shipped, on whatever machi
         "run.device=auto",
         "model.batch_invariant=auto",
         "model.bf16_linear_weights=auto",
-        "model.cuda_graphs=auto",
         "rollout.glue=auto",
         "precision.exact_logprobs=auto",
         "optim.distributed=auto",
@@ -67,11 +66,6 @@ def expected(data: dict, cfg, device: str) -> dict:
     want["precision.backend"] = "emulated" if backend == "auto" and bi and p.mode != "bf16" else backend
     dist = raw(data, "optim.distributed", False)  # config.py: ZeRO-1 where there are DP ranks to shard over
     want["optim.distributed"] = cfg.parallel.dp > 1 if dist == "auto" else dist
-    graphs = raw(data, "model.cuda_graphs", "auto")  # config_schema.py: the layers' graphs at TP 1 on a GPU
-    if graphs == "auto":
-        applies = want["run.device"] == "cuda" and m.spec == "local" and not bi and p.check_finite != "sync"
-        graphs = ("all" if cfg.parallel.pp == 1 else "logprobs") if applies and cfg.parallel.tp == 1 else "none"
-    want["model.cuda_graphs"] = graphs
     release = raw(data, "model.bf16_linear_weights", "auto")  # config_schema.py: release wherever it applies
     if release == "auto":
         applies = p.mode == "jetrl" and m.spec == "local" and cfg.optim.bf16 and not want["optim.distributed"]
@@ -183,7 +177,6 @@ def test_what_resolve_decided_is_recorded():
         "run.device",
         "model.batch_invariant",
         "precision.backend",
-        "model.cuda_graphs",
         "model.bf16_linear_weights",
         "rollout.glue",
         "precision.exact_logprobs",

@@ -3,7 +3,7 @@
 # and math-verify wheels, installed once into /tmp/mcore):
 #
 #   bash tools/gpu/gpu_vllm.sh STAGE...      STAGE: tests | bench | decode | report | grpo | native | diag | kv-rollout |
-#                                            kv-actor | kv-scales | kv-mismatch | jit-save
+#                                            kv-actor | kv-scales | graphs | kv-mismatch | jit-save
 #
 #   tests   pytest tests/gpu/test_vllm.py (conformance, on-device sync bytes, refused update, sleep/wake cycle) and
 #           tests/gpu/test_vllm_grpo.py (two GRPO steps of configs/gpu_1p5b.yaml with vLLM, ~2-3 min); TESTS=... picks
@@ -37,6 +37,10 @@
 #   kv-actor  what FA3's FP8 attention costs the actor's update and logprob pass (bench_actor.py: KV_ACTOR_LAYERS 8 layers,
 #           micro-batches of one KV_LEN-token sequence; bf16, jetrl, jetrl with an FP8 cache) -> kv_actor.{json,log}
 #   kv-scales  bench_kv_scales.py (KV_SCALES_ARGS): each scale policy's logprobs against BF16 attention -> kv_scales.{json,log}
+#   graphs  the actor's layers as CUDA graphs (model.cuda_graphs): bench_actor.py, GRAPHS_LAYERS (8) Qwen3-8B layers, 8
+#           micro-batches of 4 x 1088 tokens, bf16 and jetrl each as shipped (no graphs) and with model.cuda_graphs=all, at
+#           Qwen3-8B's width (full) and at a TP 4 rank's (tp4: 8/2 heads, ffn 3072, a quarter of the vocabulary; no
+#           collectives) -> graphs_{tp4,full}.{json,log}; GRAPHS_WIDTHS picks, GRAPHS_TIMEOUT s each (250)
 #   kv-mismatch  GRPO with vLLM (configs/gpu_8b_shapes.yaml at 2 layers, 320-token responses, 3 steps): jetrl and the foil,
 #           each with a BF16 and an FP8 cache -> $OUT/kv_{bf16,fp8}/, their mismatch side by side
 # Extra settings through the environment: BENCH_ARGS (to bench_vllm.py), RUNS (bench), GRPO_ARGS (overrides to every GRPO run).
@@ -109,6 +113,15 @@ for stage in "$@"; do
         --json "$OUT/kv_actor.json" 2>&1 | tee "$OUT/kv_actor.log" | grep -E "^\||FAILED|Error" ;;
     kv-scales) python3 tools/bench/bench_kv_scales.py --json "$OUT/kv_scales.json" ${KV_SCALES_ARGS:-} 2>&1 \
                  | tee "$OUT/kv_scales.log" | grep -E "^\||Error" ;;
+    graphs)
+      for width in ${GRAPHS_WIDTHS:-tp4 full}; do
+        extra=(); [ "$width" = tp4 ] && extra=(--override model.hf_config.num_attention_heads=8 model.hf_config.num_key_value_heads=2
+                                               model.hf_config.intermediate_size=3072 model.hf_config.vocab_size=37984)
+        timeout "${GRAPHS_TIMEOUT:-250}" python3 tools/bench/bench_actor.py --layers "${GRAPHS_LAYERS:-8}" --seq 1088 --micro-batch 4 \
+          --micro-batches 8 --logprob-micro-batch 4 --warmup 1 --steps 2 "${extra[@]}" \
+          --modes bf16 bf16+model.cuda_graphs=all jetrl jetrl+model.cuda_graphs=all --json "$OUT/graphs_$width.json" 2>&1 \
+          | tee "$OUT/graphs_$width.log" | grep -E "^\||Error"
+      done ;;
     kv-mismatch)
       for kv in bf16 fp8; do
         OUT=$OUT/kv_$kv CONFIG=configs/gpu_8b_shapes.yaml MODES="jetrl bf16-train-fp8-rollout" SUFFIX=_kv$kv \
