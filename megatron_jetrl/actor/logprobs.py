@@ -310,6 +310,25 @@ def forward_step_func(vocab_size: int, temperature: float, loss_fn=None):
     return forward_step
 
 
+def run_schedule(model, micro: list, step_func, *, forward_only: bool) -> list:
+    """megatron's pipeline schedule over the micro-batches `micro` (`micro_batches`' output, one shape), its decoder
+    layers replaying CUDA graphs where the model was built for them (`actor.layer_graphs`: `ActorOptions.logprob_graphs`
+    forward only, `.update_graphs` with a backward); the schedule's per-micro-batch outputs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = micro[0][0]
+    with layer_graphs(model, len(micro), train=not forward_only):
+        return get_forward_backward_func()(
+            forward_step_func=step_func,
+            data_iterator=iter(micro),
+            model=model,
+            num_microbatches=len(micro),
+            seq_length=tokens.shape[1],
+            micro_batch_size=tokens.shape[0],
+            forward_only=forward_only,
+        )
+
+
 @torch.no_grad()
 def compute_logprobs(
     model,
@@ -328,22 +347,12 @@ def compute_logprobs(
     logprobs come back 0.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     length = tokens.shape[1]
     tokens, _ = pad_length(tokens, None, sequence_multiple(model))  # the padding's logprobs are dropped below
     micro = micro_batches(tokens, None if first is None else {"first": first}, micro_batch_size)
     model.eval()
-    with layer_graphs(model, len(micro), train=False):  # ActorOptions.logprob_graphs: a CUDA graph a layer
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step_func(vocab_size, temperature),
-            data_iterator=iter(micro),
-            model=model,
-            num_microbatches=len(micro),
-            seq_length=tokens.shape[1],
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-        )
+    out = run_schedule(model, micro, forward_step_func(vocab_size, temperature), forward_only=True)
     if not ps.is_pipeline_last_stage():
         return None
     return torch.cat([o["logprobs"] for o in out])[:, : length - 1]

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_jetrl.actor.layer_graphs import autograd_stream, layer_graphs
-from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length, sequence_multiple
+from megatron_jetrl.actor.layer_graphs import autograd_stream
+from megatron_jetrl.actor.logprobs import forward_step_func, micro_batches, pad_length, run_schedule, sequence_multiple
 from megatron_jetrl.actor.optim_config import OptimConfig
 from megatron_jetrl.actor.wgrad_fusion import fuse_wgrad_accumulation
 from megatron_jetrl.fp8 import finite
@@ -200,7 +200,6 @@ def train_step(
     way before the optimizer step, so the weights are untouched.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_jetrl.actor.fp8_layers import release_bf16_weights, requantize_weights, restore_bf16_weights, trains_fp8_on_cuda
 
@@ -217,16 +216,7 @@ def train_step(
     try:
         with finite.watch() as watch:  # FP8 quantizer inputs, recorded on the device (PrecisionFlow.check_finite="step")
             release_bf16_weights(ddp_model)  # FP8 linears built to run the step on their FP8 bytes alone (quantized here)
-            with layer_graphs(ddp_model, len(micro), train=True):  # ActorOptions.update_graphs: CUDA graphs a layer
-                out = get_forward_backward_func()(
-                    forward_step_func=forward_step_func(vocab_size, temperature, loss_fn),
-                    data_iterator=iter(micro),
-                    model=ddp_model,
-                    num_microbatches=len(micro),
-                    seq_length=tokens.shape[1],
-                    micro_batch_size=micro_batch_size,
-                    forward_only=False,
-                )
+            out = run_schedule(ddp_model, micro, forward_step_func(vocab_size, temperature, loss_fn), forward_only=False)
         problem = _check_finite(ddp_model, out or [], on_nonfinite, watch)
         if problem is not None:
             return {"ok": False, "skipped": problem, "grad_norm": None}
