@@ -261,14 +261,15 @@ def test_grpo_with_vllm_has_mismatch_exactly_zero_at_every_step(tmp_path, shape,
         }, (r["step"], got)
 
 
-@pytest.mark.parametrize("shape", ["qwen2", "qwen3"])
-def test_grpo_with_layer_graphs_has_mismatch_exactly_zero_at_every_step(tmp_path, shape):
+@pytest.mark.parametrize("shape,kv", [("qwen2", "bf16"), ("qwen3", "bf16"), ("qwen3", "fp8")])
+def test_grpo_with_layer_graphs_has_mismatch_exactly_zero_at_every_step(tmp_path, shape, kv):
     """The actor's layers as CUDA graphs (`model.cuda_graphs=all`, `actor.layer_graphs`): micro-batches of 4 sequences,
-    so that the logprob passes and the update each run one eager micro-batch, capture, and replay the other seven."""
+    so that the logprob passes and the update each run one eager micro-batch, capture, and replay the other seven; with
+    an FP8 KV cache the graphed attention also records the K/V amax the next scales come from."""
     base = QWEN2 if shape == "qwen2" else QWEN3
     cmd = [
         sys.executable, "-m", "megatron_jetrl.rl.train", *base, "precision.mode=jetrl", "precision.exact_logprobs=true",
-        "rollout.engine=vllm", "rollout.max_new_tokens=320", "model.cuda_graphs=all", "run.steps=3",
+        f"precision.kv_cache={kv}", "rollout.engine=vllm", "rollout.max_new_tokens=320", "model.cuda_graphs=all", "run.steps=3",
         "run.checkpoint=false", "grpo.prompts_per_step=8", "grpo.micro_batch_size=4", "loss.tis_cap=2.0",
         f"run.out_dir={tmp_path}", "run.name=exact_graphs",
     ]  # fmt: skip
@@ -277,6 +278,8 @@ def test_grpo_with_layer_graphs_has_mismatch_exactly_zero_at_every_step(tmp_path
     for r in rows:
         assert r["mismatch/tokens"] > 0
         assert r["mismatch/mean_abs_diff"] == r["mismatch/max_abs_diff"] == r["mismatch/k3_kl"] == 0.0, r["step"]
+    if kv == "fp8":  # scales decided from the amax the graphed passes saw
+        assert all(0 < r["sync/kv_scale_k_min"] < 1.0 for r in rows[1:]), rows
 
 
 @pytest.mark.parametrize("shape,new_tokens,eager,scales", [("qwen2", 320, True, "amax"), ("qwen3", 320, False, "running_max")])
