@@ -556,3 +556,26 @@ def test_finite_watch_reduces_in_chunks_and_names_the_first_bad_site(monkeypatch
         w.record(f"s{i}", torch.full((2,), float("nan") if i == 5 else 1.0))
     assert w.first_problem() == "s5 (NaN; first of 1 non-finite FP8 quantizer input(s))"
     assert w._sites == [] and w._pending == []  # stopped recording once the limit found a problem
+
+
+def test_a_watch_summary_is_one_scalar_that_is_non_finite_exactly_when_a_record_was(monkeypatch):
+    """What a CUDA graph keeps of the quantizations it captured (`actor.layer_graphs`): one FP32 scalar, NaN or Inf
+    exactly when one of them was, across chunk boundaries; None with nothing recorded; as a record it names its site."""
+    from megatron_jetrl.fp8 import finite
+
+    monkeypatch.setattr(finite.FiniteWatch, "CHUNK", 4)
+    assert finite.FiniteWatch().summary() is None
+    for bad_at, value in ((None, 0.0), (0, float("nan")), (5, float("inf")), (9, float("-inf"))):
+        w = finite.FiniteWatch()
+        for i in range(10):
+            s = torch.rand(3, 2).t()
+            if i == bad_at:
+                s[0, 1] = value
+            w.record(f"site{i}", s)
+        total = w.summary()
+        assert total.shape == () and total.dtype == torch.float32
+        assert bool(torch.isfinite(total)) == (bad_at is None)
+        step = finite.FiniteWatch()
+        step.record("decoder.layers.2 (CUDA graph, backward)", total.clone())
+        want = None if bad_at is None else "decoder.layers.2 (CUDA graph, backward) ("
+        assert step.first_problem() == want or step.first_problem().startswith(want)
