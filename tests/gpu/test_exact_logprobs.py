@@ -304,10 +304,14 @@ def test_grpo_with_an_fp8_kv_cache_has_mismatch_exactly_zero_at_every_step(tmp_p
         assert 0 < r["sync/kv_scale_k_min"] < 1.0 and r["sync/kv_scale_k_max"] != 1.0, r
 
 
+GRAPHED = ["grpo.micro_batch_size=4"]  # 8 micro-batches a pass: one eager, one captured, six replayed
 MULTI_GPU = [
     pytest.param(["parallel.tp=2", "rollout.tp=2"], 2, id="tp2"),
     pytest.param(["parallel.pp=2", "rollout.tp=1"], 2, id="pp2"),
     pytest.param(["parallel.tp=4", "rollout.tp=4"], 4, id="tp4"),
+    pytest.param(["parallel.tp=2", "rollout.tp=2", "model.cuda_graphs=all", *GRAPHED], 2, id="tp2-graphs"),
+    pytest.param(["parallel.pp=2", "rollout.tp=1", "model.cuda_graphs=logprobs", *GRAPHED], 2, id="pp2-graphs"),
+    pytest.param(["parallel.tp=4", "rollout.tp=4", "model.cuda_graphs=all", *GRAPHED], 4, id="tp4-graphs"),
 ]
 
 
@@ -317,13 +321,14 @@ def test_grpo_on_several_gpus_has_mismatch_exactly_zero(tmp_path, layout, gpus):
     sum, so NCCL keeps its default settings on both. PP 2: each stage runs its layers with the engine's kernels and
     passes BF16 activations on unchanged; every rank's engine holds the whole model at TP 1. TP 4: a row-parallel
     output is a sum of four partial sums, which the actor and vLLM both add in rank order (`models.ordered_reduce`,
-    patches/vllm_0_26_0_ordered_all_reduce.py; Qwen3-8B's layer shapes: two KV heads and 1024 hidden columns a rank)."""
+    patches/vllm_0_26_0_ordered_all_reduce.py; Qwen3-8B's layer shapes: two KV heads and 1024 hidden columns a rank).
+    The `-graphs` layouts replay the actor's layers as CUDA graphs (`model.cuda_graphs`), the TP collectives inside."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     cmd = [
-        "bash", "launch/train_grpo.sh", *QWEN3, *layout, "rollout.engine=vllm", "precision.exact_logprobs=true",
+        "bash", "launch/train_grpo.sh", *QWEN3, "rollout.engine=vllm", "precision.exact_logprobs=true",
         "rollout.max_new_tokens=128", "run.steps=3", "run.checkpoint=false", "grpo.prompts_per_step=8",
-        "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=several_gpus",
+        "grpo.micro_batch_size=32", "loss.tis_cap=2.0", f"run.out_dir={tmp_path}", "run.name=several_gpus", *layout,
     ]  # fmt: skip
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
