@@ -69,11 +69,12 @@ class RMSNorm(torch.nn.Module):
         return self.norm(x, self.weight, self.eps)
 
 
-class BatchInvariantAttention(torch.nn.Module):
-    """Core attention of the batch-invariant spec: RoPE at positions 0..s-1, then causal softmax attention,
-    both `models.batch_invariant_ops` (the engine's). GPTModel is built without its own RoPE for this spec (the provider
-    sets `position_embedding_type="none"`), so q/k arrive here after megatron's q/k norms, un-rotated.
-    Megatron layout in and out: q `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`."""
+class CausalCoreAttention(torch.nn.Module):
+    """What the local spec's core attentions share: megatron's `DotProductAttention` constructor, causal self-attention
+    only, no attention dropout, and softmax at 1/sqrt(head_dim) -- or at the `softmax_scale` megatron passes where a
+    subclass takes one (`any_scale`)."""
+
+    any_scale = False
 
     def __init__(
         self,
@@ -89,13 +90,24 @@ class BatchInvariantAttention(torch.nn.Module):
         arch: ModelArch,
     ):
         super().__init__()
+        name = type(self).__name__
         if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"BatchInvariantAttention is causal only, got attn_mask_type={attn_mask_type}")
-        if softmax_scale not in (None, arch.head_dim**-0.5):
-            raise ValueError(
-                f"BatchInvariantAttention scales by 1/sqrt(head_dim); softmax_scale={softmax_scale} is not supported"
-            )
-        self.arch = arch
+            raise ValueError(f"{name} is causal only, got attn_mask_type={attn_mask_type}")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
+            raise ValueError(f"{name} has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
+        if not self.any_scale and softmax_scale not in (None, arch.head_dim**-0.5):
+            raise ValueError(f"{name} scales by 1/sqrt(head_dim); softmax_scale={softmax_scale} is not supported")
+        self.arch, self.head_dim, self.softmax_scale = arch, arch.head_dim, softmax_scale
+
+
+class BatchInvariantAttention(CausalCoreAttention):
+    """Core attention of the batch-invariant spec: RoPE at positions 0..s-1, then causal softmax attention,
+    both `models.batch_invariant_ops` (the engine's). GPTModel is built without its own RoPE for this spec (the provider
+    sets `position_embedding_type="none"`), so q/k arrive here after megatron's q/k norms, un-rotated.
+    Megatron layout in and out: q `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _tables(self, length: int, device):
@@ -143,7 +155,7 @@ def rope_cos_sin(head_dim: int, rope: tuple, length: int, device: torch.device) 
     return emb.cos(), emb.sin()
 
 
-class SDPAttention(torch.nn.Module):
+class SDPAttention(CausalCoreAttention):
     """Core attention of the (non batch-invariant) local spec: RoPE, then causal GQA through torch's
     `scaled_dot_product_attention` (FlashAttention / cuDNN on GPU), after megatron's q/k norms.
 
@@ -155,28 +167,11 @@ class SDPAttention(torch.nn.Module):
     of a layer's time and memory. Megatron layout in and out, as
     `BatchInvariantAttention`; megatron passes no mask for causal self-attention, so `is_causal` is the mask."""
 
-    def __init__(
-        self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-        *,
-        arch: ModelArch,
-        fused: bool = True,
-    ):
-        super().__init__()
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"SDPAttention is causal only, got attn_mask_type={attn_mask_type}")
-        if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
-            raise ValueError("SDPAttention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
-        self.softmax_scale = softmax_scale
-        self.head_dim = arch.head_dim
-        self.rope_kwargs = rope_key(arch)
+    any_scale = True  # torch's SDPA takes megatron's softmax_scale as it is
+
+    def __init__(self, *args, fused: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope_kwargs = rope_key(self.arch)
         self.rope = fused_rope if fused else rope
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):

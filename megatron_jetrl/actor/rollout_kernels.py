@@ -48,11 +48,15 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_jetrl.actor.fp8_layers import _column_parallel_input, rope_cos_sin, rope_key, row_parallel_in_rank_order
+from megatron_jetrl.actor.fp8_layers import (
+    CausalCoreAttention,
+    _column_parallel_input,
+    rope_cos_sin,
+    rope_key,
+    row_parallel_in_rank_order,
+)
 from megatron_jetrl.actor.fused import fused_rope
-from megatron_jetrl.models.arch import ModelArch
 
 FA_VERSION = 3
 """The FlashAttention build vLLM 0.26 runs on Hopper (`vllm.vllm_flash_attn`, fa_version 3)."""
@@ -183,42 +187,20 @@ def fa3_fp8_causal_attention(
     return _FA3FP8.apply(q.contiguous(), k.contiguous(), v.contiguous(), scales, scale)
 
 
-class FA3Attention(torch.nn.Module):
+class FA3Attention(CausalCoreAttention):
     """Core attention of the local spec under `precision.exact_logprobs`: the trainer's RoPE (the one vLLM runs through
     `rollout.glue`), then vLLM's FA3 with vLLM's softmax scale 1/sqrt(head_dim). Right-padded rows: each row is one
     causal sequence of the micro-batch's length, so a token never sees the padding after it. Megatron layout in and
     out, as `SDPAttention`."""
 
-    def __init__(
-        self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-        *,
-        arch: ModelArch,
-        kv_fp8: bool = False,
-    ):
-        super().__init__()
+    def __init__(self, *args, kv_fp8: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)  # softmax at 1/sqrt(head_dim), as vLLM's Qwen2/Qwen3/Llama attention scales
         self.kv_fp8 = kv_fp8
         if kv_fp8:  # not in the state dict: the run records the scales (`rl.kv_scales`)
             self.register_buffer("kv_scale", torch.ones(3), persistent=False)
             self.register_buffer("kv_amax", torch.zeros(3), persistent=False)
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"FA3Attention is causal only, got attn_mask_type={attn_mask_type}")
-        if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
-            raise ValueError("FA3Attention has no attention dropout (RL fine-tuning runs with attention_dropout=0)")
-        self.scale = arch.head_dim**-0.5  # vLLM's Qwen2/Qwen3/Llama attention: self.scaling = head_dim ** -0.5
-        if softmax_scale not in (None, self.scale):
-            raise ValueError(
-                f"FA3Attention scales by 1/sqrt(head_dim) as vLLM does; softmax_scale={softmax_scale} is not supported"
-            )
-        self.head_dim = arch.head_dim
-        self.rope_kwargs = rope_key(arch)
+        self.scale = self.head_dim**-0.5
+        self.rope_kwargs = rope_key(self.arch)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if attention_mask is not None or packed_seq_params is not None or attention_bias is not None:
