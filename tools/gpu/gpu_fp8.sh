@@ -20,7 +20,7 @@
 #          -> $OUT/bench_actor.{json,log}                                                              ~3-5 min
 #          DeepGEMM JIT-compiles each new GEMM shape (seconds each); every variant runs (and is checked)
 #          once before it is timed, so compiles stay out of the timings.
-# The whole run is meant to fit one 10-minute device call on an H200: each stage runs under `timeout`, and all of
+# The whole run is meant to fit 10 minutes on an H200: each stage runs under `timeout`, and all of
 # them together under TOTAL_TIMEOUT (default 560 s): a stage gets what is left. At the end: the tables and the
 # target lines of both benchmarks (the part of the output that comes back).
 # Env: OUT (default out/gpu_fp8), TOTAL_TIMEOUT, SETUP_TIMEOUT (240), TESTS_TIMEOUT (150), BENCH_FP8_TIMEOUT (300),
