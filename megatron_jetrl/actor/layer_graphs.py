@@ -78,6 +78,18 @@ def _stream(device: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream):
+    """The block's CUDA work on `stream`, after what the caller's stream has queued, and the caller's stream after it."""
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)
+
+
 def _signature(args: tuple, kwargs: dict):
     """What a capture holds fixed: each tensor's shape, stride, dtype, device and whether it requires grad, every other
     argument's value; None where an argument is neither a tensor nor hashable."""
@@ -142,7 +154,7 @@ class _Graphs:
                 if given.data_ptr() != static.data_ptr():
                     static.copy_(given)
         self.replays += 1
-        return self._replay(layer, entry, kwargs.get("hidden_states", args[0] if args else None)), None
+        return self._replay(layer, entry, _hidden(args, kwargs)), None
 
     def _static_inputs(self, args: tuple, kwargs: dict, known: list[torch.Tensor]):
         """The capture's own copies of the tensor arguments (or the buffer a tensor already is: no copy at replay)."""
@@ -174,8 +186,9 @@ class _Graphs:
             graph.capture_end()
 
 
-def _hidden(static_args: tuple, static_kwargs: dict) -> torch.Tensor:
-    return static_kwargs["hidden_states"] if "hidden_states" in static_kwargs else static_args[0]
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A layer call's hidden states (megatron's block passes them by keyword)."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 def _only_hidden(out, layer) -> torch.Tensor:
@@ -255,7 +268,7 @@ class _Replay(torch.autograd.Function):
     """One layer's forward graph in the autograd graph of the step; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, entry: _Captured, hidden: torch.Tensor):
+    def forward(ctx, entry: _Captured, hidden: torch.Tensor):  # `hidden`: the edge autograd follows back (already copied)
         ctx.entry = entry
         entry.forward.replay()
         if entry.forward_finite is not None:
@@ -286,11 +299,8 @@ def autograd_stream(model):
     if not (getattr(options, "update_graphs", False) and param is not None and param.is_cuda):
         yield
         return
-    stream = _stream(param.device.index)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with _on_stream(_stream(param.device.index)):
         yield
-    torch.cuda.current_stream().wait_stream(stream)
 
 
 def graphed_layers(model) -> list[GraphedTransformerLayer]:
@@ -329,12 +339,9 @@ def layer_graphs(model, micro_batches: int, *, train: bool):
     graphs, before = kind(layers, sites), [layer.graphs for layer in layers]
     for layer in layers:
         layer.graphs = graphs
-    caller = torch.cuda.current_stream()
-    graphs.stream.wait_stream(caller)
     try:
-        with torch.cuda.stream(graphs.stream):  # the whole call: micro-batch 0 warms this stream's state too
+        with _on_stream(graphs.stream):  # the whole call: micro-batch 0 warms this stream's state too
             yield graphs
     finally:
-        caller.wait_stream(graphs.stream)
         for layer, old in zip(layers, before, strict=True):
             layer.graphs = old
