@@ -6,9 +6,10 @@ launches) the GPU waits on the host. A CUDA graph replays a layer's launches wit
 
 Two kinds, each living for one call of the trainer (`layer_graphs`):
 * a forward-only logprob pass (`actor.logprobs.compute_logprobs`, the old and the reference logprobs): `PassGraphs`;
-* a train step's forwards and backwards (`actor.train_step.train_step`, one pipeline stage: PP 1): `StepGraphs`.
+* a train step's forwards and backwards (`actor.train_step.train_step`, any pipeline stage): `StepGraphs`.
 Micro-batch 0 runs eagerly: it compiles and tunes the kernels, quantizes the FP8 weights of the current version and
-makes DGrad's W^T bytes. At micro-batch 1 each layer is captured and replayed; the rest replay. Nothing outlives the
+makes DGrad's W^T bytes. At micro-batch 1 each layer is captured and replayed; the rest replay (a pipeline stage's
+step captures a slot for each further micro-batch it holds at once). Nothing outlives the
 call: no graph holds a weight version the next optimizer step replaces, and the graphs' memory goes back to the
 allocator at its end. A call of fewer than `MIN_MICRO_BATCHES` micro-batches runs eagerly.
 
@@ -18,12 +19,19 @@ buffers the capture read, so its outputs and gradients equal the eager ones bit 
 Memory: the layers of a call share one pool, captured and replayed in the same order on one stream.
 * A pass keeps two hidden-state buffers: each layer reads one and writes the other, so a layer's input is the previous
   layer's output with no copy; the pass holds two activations of the micro-batch and one layer's working set.
-* A step keeps each layer's output and what its backward reads (the eager step's activations of one micro-batch: a
-  micro-batch's layers all run forward before the first runs backward), and before its first capture gives the
-  allocator's cached blocks back to the device (`torch.cuda.empty_cache`, one sync a step), so that the pool does not
-  come on top of what micro-batch 0 left cached.
+* A step keeps each layer's output and what its backward reads: the eager step's activations of one micro-batch.
+  Under pipeline parallelism a stage holds several micro-batches between their forward and their backward (1F1B: up
+  to the pipeline's size on the first stage), so each layer has a slot per micro-batch in flight, captured when the
+  schedule first needs it: a forward replays a free slot, which stays taken until its backward replays. Slot k of
+  every layer shares pool k, apart from the other slots': within a slot the replays run in the order of their
+  captures' lifetimes (the layers forward, then backward in reverse), so a block one capture freed and a later one
+  reused is never live in both; across slots the micro-batches interleave and would not. Every layer of a stage sees
+  the same forwards and backwards in the same order, so a micro-batch takes the same slot in all of them. Before its
+  first capture a step gives the allocator's cached blocks back to the device (`torch.cuda.empty_cache`, one sync a
+  step), so that the pools do not come on top of what micro-batch 0 left cached.
 The last layer's output leaves a pass as a copy: what leaves the decoder (to the final norm, or to the next pipeline
-stage) must not change under the next micro-batch's replay.
+stage) must not change under the next micro-batch's replay. A step's leaves as its slot's buffer, which no replay
+writes before that micro-batch's backward (by then the next stage has received it).
 
 Gradients of a step: a layer's backward graph adds its parameters' gradients into megatron DDP's FP32 `main_grad`
 inside the graph, as eager does -- the linears whose WGrad accumulates there themselves (`grad_added_to_main_grad`),
@@ -36,7 +44,8 @@ the layer and direction (`decoder.layers.3 (CUDA graph, forward)`) instead of th
 
 What runs eagerly instead: a call in the other grad mode (the update's forwards under a pass's graphs, a no-grad
 forward under a step's); a non-tensor argument that is not hashable; a call whose shapes or arguments differ from
-those the layer was captured with (a call's micro-batches all have one shape).
+those the layer was captured with (a call's micro-batches all have one shape); a step's forward while every slot is
+in flight.
 """
 
 from __future__ import annotations
@@ -106,7 +115,7 @@ def _signature(args: tuple, kwargs: dict):
     return tuple(parts)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a slot is one capture
 class _Captured:
     signature: tuple
     inputs: dict
@@ -120,6 +129,11 @@ class _Captured:
     grad_input: torch.Tensor | None = None
     backward_finite: torch.Tensor | None = None
     site: str = ""
+    aliased: frozenset = frozenset()
+    """The inputs that are another capture's output buffer (the previous layer's, same slot): a replay reads them in
+    place, so it runs only where the call passes that very buffer."""
+    in_flight: bool = False
+    """A step's slot between its forward replay and its backward replay: its buffers hold that micro-batch."""
 
 
 class _Graphs:
@@ -132,8 +146,9 @@ class _Graphs:
         self.sites = sites
         """id(layer) -> its module name (`decoder.layers.3`), which non-finite reports give."""
         self.warm: set[int] = set()
-        self.captured: dict[int, _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, list[_Captured]] = {}
+        """id(layer) -> its captures: one for a pass, a slot each for a step's micro-batches in flight."""
+        self.pools: list = []
         self.stream = _stream(torch.cuda.current_device())
         self.replays = 0
         self.eager_calls = 0
@@ -141,42 +156,52 @@ class _Graphs:
     def forward(self, layer: GraphedTransformerLayer, args: tuple, kwargs: dict):
         signature = _signature(args, kwargs) if torch.is_grad_enabled() == self.train else None
         key = id(layer)
-        entry = self.captured.get(key)
-        if signature is None or key not in self.warm or (entry is not None and entry.signature != signature):
+        entry = None
+        if signature is not None and key in self.warm:
+            entry = self._entry(layer, args, kwargs, signature)
+        if entry is not None and any(_argument(args, kwargs, n).data_ptr() != entry.inputs[n].data_ptr() for n in entry.aliased):
+            entry = None  # its input is not the buffer the capture reads in place
+        if entry is None:
             self.warm.add(key)
             self.eager_calls += 1
             return layer.eager_forward(*args, **kwargs)
-        if entry is None:
-            entry = self.captured[key] = self._capture(layer, args, kwargs, signature)
         with torch.no_grad():  # a static input may be a leaf that requires grad
             for name, static in entry.inputs.items():
-                given = args[name] if isinstance(name, int) else kwargs[name]
-                if given.data_ptr() != static.data_ptr():
-                    static.copy_(given)
+                if name not in entry.aliased:
+                    static.copy_(_argument(args, kwargs, name))
         self.replays += 1
         return self._replay(layer, entry, _hidden(args, kwargs)), None
 
+    def _pool(self, slot: int):
+        """The memory pool of slot `slot`'s captures (`StepGraphs`; a pass has one)."""
+        while len(self.pools) <= slot:
+            self.pools.append(torch.cuda.graph_pool_handle())
+        return self.pools[slot]
+
     def _static_inputs(self, args: tuple, kwargs: dict, known: list[torch.Tensor]):
-        """The capture's own copies of the tensor arguments (or the buffer a tensor already is: no copy at replay)."""
-        inputs = {}
+        """The capture's own copies of the tensor arguments, or the buffer of `known` a tensor already is (read in place
+        at replay: `_Captured.aliased`); returns (inputs, aliased names, static args, static kwargs)."""
+        inputs, aliased = {}, set()
 
         def static(name, value):
             if not isinstance(value, torch.Tensor):
                 return value
             same = next((b for b in known if b.data_ptr() == value.data_ptr() and b.shape == value.shape), None)
+            if same is not None:
+                aliased.add(name)
             held = same.detach() if same is not None else value.detach().clone()
             inputs[name] = held.requires_grad_(value.requires_grad)
             return inputs[name]
 
         static_args = tuple(static(i, a) for i, a in enumerate(args))
         static_kwargs = {k: static(k, v) for k, v in kwargs.items()}
-        return inputs, static_args, static_kwargs
+        return inputs, frozenset(aliased), static_args, static_kwargs
 
     @contextlib.contextmanager
-    def _capturing(self, graph: torch.cuda.CUDAGraph):
-        """Capture `graph` on the call's stream; yields the watch its quantizations record into."""
+    def _capturing(self, graph: torch.cuda.CUDAGraph, slot: int = 0):
+        """Capture `graph` into slot `slot`'s pool on the call's stream; yields the watch its quantizations record into."""
         with finite.watch() as watch:
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool(slot), capture_error_mode="thread_local")
             try:
                 yield watch
             except BaseException as e:  # what broke the capture, not capture_end's "invalidated" that follows it
@@ -184,6 +209,10 @@ class _Graphs:
                     graph.capture_end()
                 raise RuntimeError(f"capturing a decoder layer as a CUDA graph failed (set model.cuda_graphs=none): {e}") from e
             graph.capture_end()
+
+
+def _argument(args: tuple, kwargs: dict, name):
+    return args[name] if isinstance(name, int) else kwargs[name]
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -205,8 +234,15 @@ class PassGraphs(_Graphs):
         super().__init__(layers, sites)
         self.buffers: list[torch.Tensor] = []
 
+    def _entry(self, layer, args, kwargs, signature) -> _Captured | None:
+        """The layer's one capture (made at its first call after the eager one), None where it has another signature."""
+        captured = self.captured.setdefault(id(layer), [])
+        if not captured:
+            captured.append(self._capture(layer, args, kwargs, signature))
+        return captured[0] if captured[0].signature == signature else None
+
     def _capture(self, layer, args, kwargs, signature) -> _Captured:
-        inputs, static_args, static_kwargs = self._static_inputs(args, kwargs, self.buffers)
+        inputs, aliased, static_args, static_kwargs = self._static_inputs(args, kwargs, self.buffers)
         hidden_in = _hidden(static_args, static_kwargs)
         if not self.buffers:
             self.buffers = [torch.empty_like(hidden_in, memory_format=torch.contiguous_format) for _ in range(2)]
@@ -214,7 +250,7 @@ class PassGraphs(_Graphs):
         graph = torch.cuda.CUDAGraph()
         with self._capturing(graph):
             output.copy_(_only_hidden(layer.eager_forward(*static_args, **static_kwargs), layer))
-        return _Captured(signature, inputs, graph, output)
+        return _Captured(signature, inputs, graph, output, aliased=aliased)
 
     def _replay(self, layer, entry: _Captured, hidden: torch.Tensor) -> torch.Tensor:
         entry.forward.replay()
@@ -222,15 +258,34 @@ class PassGraphs(_Graphs):
 
 
 class StepGraphs(_Graphs):
-    """The forward and backward graphs of one train step over a stage's decoder layers (one micro-batch at a time)."""
+    """The forward and backward graphs of one train step over a stage's decoder layers: a slot per micro-batch the
+    stage holds at once, at most `slots`."""
 
     train = True
 
-    def _capture(self, layer, args, kwargs, signature) -> _Captured:
-        if not self.captured:
-            torch.cuda.empty_cache()  # micro-batch 0's cached blocks back to the device before the pool takes its own
-        outputs = [c.output for c in self.captured.values()]
-        inputs, static_args, static_kwargs = self._static_inputs(args, kwargs, outputs)
+    def __init__(self, layers, sites, slots: int):
+        super().__init__(layers, sites)
+        if slots < 1:
+            raise ValueError(f"a step's layer graphs need at least one slot, got slots={slots}")
+        self.slots = slots
+
+    def _entry(self, layer, args, kwargs, signature) -> _Captured | None:
+        """A free slot of the layer (the lowest), captured now if all its slots are in flight and fewer than `slots`
+        exist; None where every slot is in flight or the layer was captured with another signature."""
+        captured = self.captured.setdefault(id(layer), [])
+        if captured and captured[0].signature != signature:
+            return None
+        free = next((c for c in captured if not c.in_flight), None)
+        if free is None and len(captured) < self.slots:
+            free = self._capture(layer, args, kwargs, signature, slot=len(captured))
+            captured.append(free)
+        return free
+
+    def _capture(self, layer, args, kwargs, signature, slot: int) -> _Captured:
+        if not any(self.captured.values()):
+            torch.cuda.empty_cache()  # micro-batch 0's cached blocks back to the device before the pools take their own
+        outputs = [c.output for c in self.captured.get(id(self._previous(layer)), [])[slot : slot + 1]]
+        inputs, aliased, static_args, static_kwargs = self._static_inputs(args, kwargs, outputs)
         hidden_in = _hidden(static_args, static_kwargs)
         params = [p for p in layer.parameters() if p.requires_grad]
         missing = [n for n, p in layer.named_parameters() if p.requires_grad and getattr(p, "main_grad", None) is None]
@@ -239,15 +294,16 @@ class StepGraphs(_Graphs):
                 f"update graphs add gradients into megatron DDP's main_grad, which {missing[:3]} lack: wrap the model "
                 "with actor.train_step.wrap_for_training, or set model.cuda_graphs=logprobs"
             )
-        entry = _Captured(signature, inputs, torch.cuda.CUDAGraph(), None, site=self.sites.get(id(layer), "a decoder layer"))
-        with self._capturing(entry.forward) as watch:
+        site = self.sites.get(id(layer), "a decoder layer")
+        entry = _Captured(signature, inputs, torch.cuda.CUDAGraph(), None, site=site, aliased=aliased)
+        with self._capturing(entry.forward, slot) as watch:
             entry.output = _only_hidden(layer.eager_forward(*static_args, **static_kwargs), layer)
             entry.forward_finite = watch.summary()
         entry.grad_output = torch.empty_like(entry.output)
         entry.backward = torch.cuda.CUDAGraph()
         for p in params:
             p.grad_added_to_main_grad = False
-        with self._capturing(entry.backward) as watch:
+        with self._capturing(entry.backward, slot) as watch:
             grads = torch.autograd.grad(
                 entry.output, [hidden_in, *params], entry.grad_output, retain_graph=True, allow_unused=True
             )
@@ -260,6 +316,11 @@ class StepGraphs(_Graphs):
             p.grad_added_to_main_grad = False
         return entry
 
+    def _previous(self, layer):
+        """The layer before `layer` in this stage, or None: its output buffer, in the same slot, is `layer`'s input."""
+        index = next(i for i, m in enumerate(self.layers) if m is layer)
+        return self.layers[index - 1] if index else None
+
     def _replay(self, layer, entry: _Captured, hidden: torch.Tensor) -> torch.Tensor:
         return _Replay.apply(entry, hidden)
 
@@ -270,6 +331,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry: _Captured, hidden: torch.Tensor):  # `hidden`: the edge autograd follows back (already copied)
         ctx.entry = entry
+        entry.in_flight = True
         entry.forward.replay()
         if entry.forward_finite is not None:
             finite.record(f"{entry.site} (CUDA graph, forward)", entry.forward_finite.clone())
@@ -281,6 +343,7 @@ class _Replay(torch.autograd.Function):
         if grad.data_ptr() != entry.grad_output.data_ptr():
             entry.grad_output.copy_(grad)
         entry.backward.replay()
+        entry.in_flight = False
         if entry.backward_finite is not None:
             finite.record(f"{entry.site} (CUDA graph, backward)", entry.backward_finite.clone())
         return None, None if entry.grad_input is None else entry.grad_input.detach()
@@ -312,31 +375,35 @@ def graphed_layers(model) -> list[GraphedTransformerLayer]:
 
 
 @contextlib.contextmanager
-def layer_graphs(model, micro_batches: int, *, train: bool):
+def layer_graphs(model, micro_batches: int, *, train: bool, in_flight: int | None = None):
     """Inside the block, `model`'s decoder layers replay CUDA graphs captured in it: the forward-only passes' where
     `ActorOptions.logprob_graphs` (`train=False`), a train step's forwards and backwards where
-    `ActorOptions.update_graphs` and the model has one pipeline stage (`train=True`); on CUDA, for at least
-    `MIN_MICRO_BATCHES` micro-batches. Yields the graphs, or None where the call runs eagerly. Inside an open block a
-    nested one of the same kind yields the open one's graphs: calls over the same weights and shapes replay what the
-    first captured (a caller that changes the weights between them must close the block first)."""
+    `ActorOptions.update_graphs` (`train=True`); on CUDA, for at least `MIN_MICRO_BATCHES` micro-batches. A step
+    captures a slot for each micro-batch the stage holds at once, up to `in_flight` (default: the pipeline's size, what
+    megatron's 1F1B schedule holds on the first stage; a stage that holds more runs the excess eagerly). Yields the
+    graphs, or None where the call runs eagerly. Inside an open block a nested one of the same kind yields the open
+    one's graphs: calls over the same weights and shapes replay what the first captured (a caller that changes the
+    weights between them must close the block first)."""
     from megatron.core import parallel_state as ps
 
     from megatron_jetrl.actor.gpt import unwrap
 
     options = getattr(unwrap(model), "actor_options", None)
     layers = graphed_layers(model)
-    kind = StepGraphs if train else PassGraphs
-    if layers and isinstance(layers[0].graphs, kind):
+    if layers and isinstance(layers[0].graphs, StepGraphs if train else PassGraphs):
         yield layers[0].graphs
         return
     wanted = getattr(options, "update_graphs" if train else "logprob_graphs", False)
-    single_stage = not train or ps.get_pipeline_model_parallel_world_size() == 1
     on_cuda = bool(layers) and next(layers[0].parameters()).is_cuda
-    if not (wanted and single_stage and on_cuda and micro_batches >= MIN_MICRO_BATCHES):
+    if not (wanted and on_cuda and micro_batches >= MIN_MICRO_BATCHES):
         yield None
         return
     sites = {id(m): name for name, m in unwrap(model).named_modules() if isinstance(m, GraphedTransformerLayer)}
-    graphs, before = kind(layers, sites), [layer.graphs for layer in layers]
+    if train:
+        graphs = StepGraphs(layers, sites, in_flight or ps.get_pipeline_model_parallel_world_size())
+    else:
+        graphs = PassGraphs(layers, sites)
+    before = [layer.graphs for layer in layers]
     for layer in layers:
         layer.graphs = graphs
     try:

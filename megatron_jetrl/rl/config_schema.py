@@ -125,11 +125,6 @@ class JetRLConfig:
         if self.model.cuda_graphs in ("logprobs", "all"):
             problem = self.layer_graphs_problem()
             _check(problem is None, f"model.cuda_graphs={self.model.cuda_graphs}: {problem}: set it to none")
-            _check(
-                self.model.cuda_graphs != "all" or self.parallel.pp == 1,
-                f"model.cuda_graphs=all graphs the update's layers with one pipeline stage; parallel.pp={self.parallel.pp} "
-                "keeps several micro-batches in flight a stage: set it to logprobs",
-            )
         if self.precision.exact_logprobs:
             self._check_exact_logprobs()
         if self.precision.kv_cache == "fp8":

@@ -310,7 +310,7 @@ MULTI_GPU = [
     pytest.param(["parallel.pp=2", "rollout.tp=1"], 2, id="pp2"),
     pytest.param(["parallel.tp=4", "rollout.tp=4"], 4, id="tp4"),
     pytest.param(["parallel.tp=2", "rollout.tp=2", "model.cuda_graphs=all", *GRAPHED], 2, id="tp2-graphs"),
-    pytest.param(["parallel.pp=2", "rollout.tp=1", "model.cuda_graphs=logprobs", *GRAPHED], 2, id="pp2-graphs"),
+    pytest.param(["parallel.pp=2", "rollout.tp=1", "model.cuda_graphs=all", *GRAPHED], 2, id="pp2-graphs"),
     pytest.param(["parallel.tp=4", "rollout.tp=4", "model.cuda_graphs=all", *GRAPHED], 4, id="tp4-graphs"),
 ]
 

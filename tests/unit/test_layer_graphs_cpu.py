@@ -79,3 +79,97 @@ def test_on_the_cpu_a_train_step_with_update_graphs_is_the_eager_step(one_rank):
         results.append((out, [p.detach().clone() for p in ddp.module.parameters()]))
     (a, wa), (b, wb) = results
     assert a == b and all(torch.equal(x, y) for x, y in zip(wa, wb, strict=True))
+
+
+def _one_f_one_b(stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """megatron's 1F1B order on a pipeline's first stage: warm-up forwards, then one forward and one backward in turn,
+    then the cool-down backwards."""
+    warmup = min(stages - 1, micro_batches)
+    order = [("F", k) for k in range(warmup)]
+    for k in range(micro_batches - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    return order + [("B", k) for k in range(micro_batches - warmup, micro_batches)]
+
+
+class _Layer:
+    def eager_forward(self, hidden):
+        return hidden + 1, None
+
+
+def _fake_step_graphs(monkeypatch, layers, slots):
+    """`StepGraphs` whose captures and replays are bookkeeping only (no CUDA): what it captures, replays or runs
+    eagerly, and which slot each micro-batch takes in each layer."""
+    from megatron_jetrl.actor import layer_graphs as lg
+
+    monkeypatch.setattr(lg, "_stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Fake(lg.StepGraphs):
+        def _capture(self, layer, args, kwargs, signature, slot):
+            self.log.append(("capture", self.layers.index(layer), slot))
+            inputs, aliased, static_args, _ = self._static_inputs(args, kwargs, [])
+            return lg._Captured(signature, inputs, None, static_args[0] + 1, aliased=aliased)
+
+        def _replay(self, layer, entry, hidden):
+            entry.in_flight = True
+            slot = self.captured[id(layer)].index(entry)
+            self.log.append(("replay", self.layers.index(layer), slot))
+            self.taken.append(entry)
+            return entry.output
+
+    graphs = Fake(layers, {}, slots)
+    graphs.log, graphs.taken = [], []
+    return graphs
+
+
+@pytest.mark.parametrize(
+    "stages,slots,captured,eager",
+    [(1, 1, 1, [0]), (3, 3, 3, [0]), (4, 4, 4, [0]), (4, 2, 2, [0, 3, 4])],
+    ids=["pp1", "pp3", "pp4", "pp4-two-slots"],
+)
+def test_a_step_takes_a_slot_per_micro_batch_in_flight_the_same_in_every_layer(monkeypatch, stages, slots, captured, eager):
+    """Under 1F1B the first stage holds up to `stages` micro-batches between forward and backward: micro-batch 0 runs
+    eagerly, each later one replays a free slot (the lowest, the same in every layer, whose pool it then owns),
+    captured on first need; a forward while all `slots` are in flight runs eagerly; a backward frees its slot."""
+    layers = [_Layer() for _ in range(3)]
+    graphs = _fake_step_graphs(monkeypatch, layers, slots)
+    held: dict[int, list] = {}
+    eager_micro_batches = []
+    x = torch.zeros(2, 1, 4, requires_grad=True)
+    for op, k in _one_f_one_b(stages, micro_batches=7):
+        if op == "B":
+            for entry in reversed(held.pop(k)):
+                entry.in_flight = False
+            continue
+        start, eager_before = len(graphs.taken), graphs.eager_calls
+        for layer in layers:
+            graphs.forward(layer, (x,), {})
+        held[k] = graphs.taken[start:]
+        if graphs.eager_calls > eager_before:
+            eager_micro_batches.append(k)
+            assert (graphs.eager_calls - eager_before, held[k]) == (len(layers), []), "all eager or all replayed"
+        else:
+            slots_taken = {graphs.captured[id(layer)].index(e) for layer, e in zip(layers, held[k], strict=True)}
+            assert len(slots_taken) == 1, f"micro-batch {k} took slots {slots_taken} across the layers"
+    assert eager_micro_batches == eager
+    assert [len(graphs.captured[id(layer)]) for layer in layers] == [captured] * len(layers)
+    assert graphs.replays == len(layers) * (7 - len(eager))
+
+
+def test_a_step_replays_a_layer_only_on_the_buffer_its_capture_reads_in_place(monkeypatch):
+    """A layer whose capture read the previous layer's output buffer in place (same slot) replays only when given that
+    buffer; given any other tensor it runs eagerly rather than overwrite a buffer another micro-batch may hold."""
+    from megatron_jetrl.actor.layer_graphs import _Captured, _signature
+
+    graphs = _fake_step_graphs(monkeypatch, [_Layer()], 2)
+    buffer = torch.zeros(2, 1, 4)
+    x = torch.zeros(2, 1, 4)
+    inputs, aliased, _, _ = graphs._static_inputs((buffer,), {}, [buffer])
+    assert aliased == {0} and inputs[0].data_ptr() == buffer.data_ptr()
+    graphs.captured[id(graphs.layers[0])] = [_Captured(_signature((x,), {}), inputs, None, x, aliased=aliased)]
+    graphs.warm.add(id(graphs.layers[0]))
+    graphs.forward(graphs.layers[0], (buffer,), {})
+    assert (graphs.replays, graphs.eager_calls) == (1, 0)
+    graphs.taken[-1].in_flight = False
+    graphs.forward(graphs.layers[0], (x,), {})
+    assert (graphs.replays, graphs.eager_calls) == (1, 1)
