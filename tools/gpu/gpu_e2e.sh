@@ -21,7 +21,8 @@
 #
 # Environment: OUT (default out/gpu_e2e), WORK (run directories, default /dev/shm/jetrl_e2e), STEPS (default 3),
 # LEN (1024; above it configs/e2e_8b_long.yaml joins the configs: 128 sequences a step), MODES ("bf16 jetrl bf16-train-fp8-rollout"), PP_MODES ("bf16 jetrl"), LAYOUT, RUN_TIMEOUT (900 s),
-# ARGS (extra overrides for every run). Micro-batches follow LEN: about 4K response tokens each (4 x 1024: the first
+# ARGS (extra overrides for every run), VARIANT (a tag in every run's name, so runs of other ARGS keep their own
+# directories and report: VARIANT=graphs ARGS="model.cuda_graphs=all"). Micro-batches follow LEN: about 4K response tokens each (4 x 1024: the first
 # of 4 pipeline stages keeps 4 in flight), the forward-only logprob passes twice that. Where the time of each phase
 # goes: STEPS=4 ARGS="run.profile_step=3" profiles the last step's eval and update on every rank (rl.profiling;
 # <name>_profile_step3_rank<R>.json in $OUT; the report's medians leave that step out; tools/profile_report.py compares
@@ -78,9 +79,10 @@ modes() {  # STAGE LAYOUT_TAG MODES OVERRIDES...
   local stage=$1 tag=$2 mode dirs=(); shift 2
   local list=$1; shift
   for mode in $list; do
-    run "${stage}_${tag}_${LEN}_$mode" "precision.mode=$mode" "run.steps=${STEPS:-3}" $(length_args "$LEN") $ONE_STAGE "$@"
-    dirs+=("$WORK/${stage}_${tag}_${LEN}_$mode")
+    run "${stage}_${tag}${VARIANT:+_$VARIANT}_${LEN}_$mode" "precision.mode=$mode" "run.steps=${STEPS:-3}" $(length_args "$LEN") $ONE_STAGE "$@"
+    dirs+=("$WORK/${stage}_${tag}${VARIANT:+_$VARIANT}_${LEN}_$mode")
   done
+  tag=$tag${VARIANT:+_$VARIANT}
   python3 tools/sweep_report.py "${dirs[@]}" -o "$OUT/${stage}_${tag}_${LEN}_report"
   local profiled=() d; for d in "${dirs[@]}"; do compgen -G "$d/profile_step*_rank0.json" >/dev/null && profiled+=("$d"); done
   [ ${#profiled[@]} -eq 0 ] || python3 tools/profile_report.py "${profiled[@]}" -o "$OUT/${stage}_${tag}_${LEN}_profile"

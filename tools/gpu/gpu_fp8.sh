@@ -13,6 +13,11 @@
 #          /tmp/te-site through .kits/te/bin/build.sh (prebuilt extension, sm90 core, ends with check.sh);
 #          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a warm machine already has.        ~1-2 min
 #          Also loads carried DeepGEMM kernels (.cache/jit/deep_gemm_jit.tgz, tools/gpu/jit_cache.sh)
+#   graphs the actor's layers as CUDA graphs (model.cuda_graphs=all) against eager, bf16 and jetrl (exact logprobs off:
+#          SDPA attention, no vLLM kit): tools/bench/bench_actor.py, GRAPHS_LAYERS (8) Qwen3-8B layers,
+#          GRAPHS_MICRO_BATCHES (32) micro-batches of 4 x 1088 tokens a step, at a TP 4 rank's width (tp4: 8/2 heads, ffn
+#          3072, a quarter of the vocabulary; one GPU, no collectives) and at full width -> $OUT/graphs_{tp4,full}.{json,log};
+#          GRAPHS_WIDTHS picks, GRAPHS_ARGS adds bench_actor.py args (--step-profile: kernel time by category)  ~4 min
 #   jit-save  this machine's DeepGEMM kernels -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
 #   tests  tools/gpu/run_gpu_tests.sh -k "$TESTS_K" (default: kernels or fp8 or deepgemm or launch) ~1 min
 #   bench  tools/bench/bench_fp8.py --sections ceilings quant linear layer profile -> $OUT/bench_fp8.{json,log};
@@ -24,16 +29,16 @@
 # them together under TOTAL_TIMEOUT (default 560 s): a stage gets what is left. At the end: the tables and the
 # target lines of both benchmarks (the part of the output that comes back).
 # Env: OUT (default out/gpu_fp8), TOTAL_TIMEOUT, SETUP_TIMEOUT (240), TESTS_TIMEOUT (150), BENCH_FP8_TIMEOUT (300),
-#      BENCH_ACTOR_TIMEOUT (240), TESTS_K, FP8_ARGS (extra bench_fp8.py args), ACTOR_ARGS (extra bench_actor.py args).
+#      BENCH_ACTOR_TIMEOUT (240), GRAPHS_TIMEOUT (200 a width), TESTS_K, FP8_ARGS (extra bench_fp8.py args), ACTOR_ARGS (extra bench_actor.py args).
 set -uo pipefail
 case ${1:-} in -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac  # the header above, nothing run
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 OUT=${OUT:-$repo/out/gpu_fp8}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_fp8.sh STAGE... (setup | tests | bench)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_fp8.sh STAGE... (setup | tests | bench | graphs | jit-save)"; exit 2; }
 for stage in "$@"; do
-  case $stage in setup|tests|bench|jit-save) ;; *) echo "unknown stage $stage (setup | tests | bench | jit-save)"; exit 2 ;; esac
+  case $stage in setup|tests|bench|graphs|jit-save) ;; *) echo "unknown stage $stage (setup | tests | bench | graphs | jit-save)"; exit 2 ;; esac
 done
 T_END=$(( $(date +%s) + ${TOTAL_TIMEOUT:-560} ))
 
@@ -135,6 +140,19 @@ for stage in "$@"; do
         failed bench_actor "${PIPESTATUS[0]}" "$t"
       fi
       recap ;;
+    graphs)
+      for width in ${GRAPHS_WIDTHS:-tp4 full}; do
+        t=$(budget "${GRAPHS_TIMEOUT:-200}")
+        [ "$t" -ge 60 ] || { echo "graphs $width: skipped, only ${t} s left of TOTAL_TIMEOUT"; rc=1; continue; }
+        extra=(); [ "$width" = tp4 ] && extra=(model.hf_config.num_attention_heads=8 model.hf_config.num_key_value_heads=2
+                                               model.hf_config.intermediate_size=3072 model.hf_config.vocab_size=37984)
+        timeout "$t" python3 tools/bench/bench_actor.py --layers "${GRAPHS_LAYERS:-8}" --seq 1088 --micro-batch 4 \
+          --micro-batches "${GRAPHS_MICRO_BATCHES:-32}" --logprob-micro-batch 4 --warmup 1 --steps 2 \
+          --override precision.exact_logprobs=false "${extra[@]}" ${GRAPHS_ARGS:-} \
+          --modes bf16 jetrl bf16+model.cuda_graphs=all jetrl+model.cuda_graphs=all --json "$OUT/graphs_$width.json" 2>&1 \
+          | tee "$OUT/graphs_$width.log" | grep -E "^\||Error"
+        failed "graphs $width" "${PIPESTATUS[0]}" "$t"
+      done ;;
     jit-save) bash tools/gpu/jit_cache.sh save "$OUT" || rc=1 ;;
   esac
   echo "== stage $stage done in $(( $(date +%s) - t0 )) s"
