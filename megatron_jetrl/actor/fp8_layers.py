@@ -231,6 +231,7 @@ class _FP8Weight:
         self.keep_weight_t = True  # DGrad's W^T bytes kept per weight version, or made per backward (`name_fp8_layers`)
         self.fp8_device: torch.device | None = None  # where the FP8 bytes live when the BF16 weight is in host memory
         self.release_bf16 = False  # the BF16 weight's storage freed through each train step (`release_bf16_weights`)
+        self.sp_chunks = 1  # pieces of its sequence-parallel forward's gather / reduce-scatter (`name_fp8_layers`)
         self.bf16_released = False
 
     def forget_fp8(self) -> None:
@@ -271,6 +272,7 @@ class _FP8Weight:
             dgrad_group=dgrad_group,
             sp_group=sp_group,
             rs_group=rs_group,
+            sp_chunks=self.sp_chunks,
         )
 
 
@@ -455,15 +457,17 @@ def native_block_spec(
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 
-def name_fp8_layers(model, weight_t: str = "step", release_bf16: bool = False) -> None:
+def name_fp8_layers(model, weight_t: str = "step", release_bf16: bool = False, sp_chunks: int = 1) -> None:
     """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports, where its
-    DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward)
-    and whether train steps free its BF16 weight (`ActorOptions.bf16_linear_weights`, `release_bf16_weights`)."""
+    DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward),
+    whether train steps free its BF16 weight (`ActorOptions.bf16_linear_weights`, `release_bf16_weights`) and in how
+    many pieces its forward overlaps the sequence-parallel communication (`ActorOptions.sp_chunks`)."""
     for name, m in unwrap(model).named_modules():
         if isinstance(m, _FP8Weight):
             m.fp8_site = name
             m.keep_weight_t = weight_t == "step"
             m.release_bf16 = release_bf16
+            m.sp_chunks = sp_chunks
 
 
 def release_bf16_weights(model) -> int:

@@ -34,6 +34,10 @@ class ActorOptions:
     """Parameter dtype. On CPU keep float32: megatron's bf16 optimizer and DistributedOptimizer need CUDA."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1); the native spec's RMSNorm supports it."""
+    sp_chunks: int = 1
+    """Local spec, FP8 training under sequence parallelism: the forward's FP8 gathers and reduce-scatters go in this many
+    pieces of each rank's rows, each piece's GEMM running while the next travels (`fp8.linear.fp8_linear`); 1: one
+    collective, then the GEMM."""
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
     fused: bool = True
@@ -82,6 +86,11 @@ class ActorOptions:
             raise ValueError(f"fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
         if self.bf16_linear_weights not in ("keep", "release"):
             raise ValueError(f"bf16_linear_weights must be 'keep' or 'release', got {self.bf16_linear_weights!r}")
+        if self.sp_chunks < 1 or (self.sp_chunks > 1 and (self.spec != "local" or not self.sequence_parallel)):
+            raise ValueError(
+                f"sp_chunks={self.sp_chunks} splits the local spec's FP8 sequence-parallel communication: give 1, or more "
+                "with spec='local' and sequence_parallel=True"
+            )
         if self.ordered_reduce and (self.spec != "local" or self.sequence_parallel):
             raise ValueError(
                 "ordered_reduce=True needs spec='local' without sequence_parallel (it replaces the row-parallel all-reduce)"
@@ -226,7 +235,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     )
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer, use_ordered_reduce
 
-    name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release")
+    name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release", options.sp_chunks)
     if options.ordered_reduce:
         use_ordered_reduce(model)
     if options.batch_invariant:

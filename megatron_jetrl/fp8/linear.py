@@ -177,6 +177,52 @@ def _scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """`rows` split into `chunks` (at most `rows`) consecutive ranges, the same on every rank."""
+    chunks = max(1, min(chunks, rows))
+    edges = [rows * c // chunks for c in range(chunks + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _fprop_gathered(x_q, x_s, weight: QuantizedWeight, bias, flow, out_dtype, group, chunks: int):
+    """FProp of the sequence gathered over `group` (rank r's rows at `[r T, (r + 1) T)`) from this rank's quantized
+    rows. In `chunks` pieces: every piece's gather is issued at once, and piece c's GEMM runs while the later pieces
+    travel; each output row is the GEMM of the same input row, so the output is the unsplit one's."""
+    if chunks <= 1:
+        x_q, x_s = gather_rows(x_q, x_s, group)
+        return _fprop(x_q, x_s, weight, bias, flow, out_dtype)
+    world, t = torch.distributed.get_world_size(group), x_q.shape[0]
+    pieces = _chunk_bounds(t, chunks)
+    pending = [gather_rows(x_q[a:b], x_s[a:b], group, async_op=True) for a, b in pieces]
+    y = torch.empty((world, t, weight.q.shape[0]), dtype=out_dtype, device=x_q.device)
+    for (a, b), (q, s, works) in zip(pieces, pending, strict=True):
+        for work in works:
+            work.wait()
+        y[:, a:b] = _fprop(q, scales_like(s, x_s), weight, bias, flow, out_dtype).view(world, b - a, -1)
+    return y.view(world * t, -1)
+
+
+def _fprop_scattered(x_q, x_s, weight: QuantizedWeight, flow, out_dtype, group, chunks: int):
+    """FProp of a row-parallel linear under sequence parallelism: the output summed over `group`, this rank's rows of
+    the sequence kept. In `chunks` pieces of every rank's rows: piece c's sum travels while piece c + 1's GEMM runs.
+    Each row's GEMM is the unsplit one's; the sum's order is the collective's for that piece."""
+    if chunks <= 1:
+        return _scatter_rows(_fprop(x_q, x_s, weight, None, flow, out_dtype), group)
+    world = torch.distributed.get_world_size(group)
+    t = x_q.shape[0] // world
+    y = torch.empty((t, weight.q.shape[0]), dtype=out_dtype, device=x_q.device)
+    q = x_q.view(torch.uint8).view(world, t, -1)  # (uint8: indexing has no FP8 kernels everywhere)
+    scales = x_s.view(world, t, -1)
+    works = []
+    for a, b in _chunk_bounds(t, chunks):  # every rank's rows [a, b) of its shard, rank by rank
+        part_q = q[:, a:b].reshape(-1, q.shape[-1]).view(x_q.dtype)
+        part = _fprop(part_q, scales_like(scales[:, a:b].reshape(-1, scales.shape[-1]), x_s), weight, None, flow, out_dtype)
+        works.append(torch.distributed.reduce_scatter_tensor(y[a:b], part, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    return y
+
+
 def fp8_linear_forward(
     x: torch.Tensor,
     weight: QuantizedWeight,
@@ -187,19 +233,21 @@ def fp8_linear_forward(
     gated_act=None,
     sp_group=None,
     rs_group=None,
+    sp_chunks: int = 1,
 ) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
     `x` is a gated MLP's `[gate | up]`, with `sp_group` this rank's sequence shard, with `rs_group` the output
-    reduce-scattered (as in `fp8_linear`)."""
+    reduce-scattered, either in `sp_chunks` overlapped pieces (as in `fp8_linear`)."""
     x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
     shape = x.shape
     if sp_group is not None:
-        x_q, x_s = gather_rows(x_q, x_s, sp_group)
+        y = _fprop_gathered(x_q, x_s, weight, bias, flow, x.dtype, sp_group, sp_chunks)
         shape = _gathered_shape(shape, torch.distributed.get_world_size(sp_group))
-    y = _fprop(x_q, x_s, weight, bias, flow, x.dtype)
-    if rs_group is not None:
-        y = _scatter_rows(y, rs_group)
+    elif rs_group is not None:
+        y = _fprop_scattered(x_q, x_s, weight, flow, x.dtype, rs_group, sp_chunks)
         shape = torch.Size((shape[0] // torch.distributed.get_world_size(rs_group), *shape[1:]))
+    else:
+        y = _fprop(x_q, x_s, weight, bias, flow, x.dtype)
     return _unflat(y, shape)
 
 
@@ -320,6 +368,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         dgrad_group=None,
         sp_group=None,
         rs_group=None,
+        sp_chunks: int = 1,
     ):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
@@ -329,12 +378,13 @@ class _FP8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_s, x2d)
         out_shape = x.shape
         if sp_group is not None:
-            x_q, x_s = gather_rows(x_q, x_s, sp_group)
+            y = _fprop_gathered(x_q, x_s, qweight, bias, flow, x.dtype, sp_group, sp_chunks)
             out_shape = _gathered_shape(x.shape, torch.distributed.get_world_size(sp_group))
-        y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
-        if rs_group is not None:  # a row-parallel output under sequence parallelism: summed, this rank's rows kept
-            y = _scatter_rows(y, rs_group)
+        elif rs_group is not None:  # a row-parallel output under sequence parallelism: summed, this rank's rows kept
+            y = _fprop_scattered(x_q, x_s, qweight, flow, x.dtype, rs_group, sp_chunks)
             out_shape = torch.Size((x.shape[0] // torch.distributed.get_world_size(rs_group), *x.shape[1:]))
+        else:
+            y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
         ctx.dgrad_group, ctx.sp_group, ctx.rs_group = dgrad_group, sp_group, rs_group
         if handoff is not None and act is None:  # the up projection: tell the down projection what to make
@@ -431,7 +481,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             db = dy2d.float().sum(0).to(weight.dtype)
         if reduce is not None:
             reduce.wait()
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _quantize_grad(dy2d, flow, rows: bool, cols: bool):
@@ -471,6 +521,7 @@ def fp8_linear(
     dgrad_group=None,
     sp_group=None,
     rs_group=None,
+    sp_chunks: int = 1,
 ):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
@@ -491,8 +542,13 @@ def fp8_linear(
     under sequence parallelism) the output is summed over the group and this rank's rows of the sequence kept
     (reduce-scatter), and the backward gathers the output gradient's rows in FP8: each rank quantizes its own, the
     bytes of quantizing the gathered BF16 (its 128-token WGrad groups too, where each rank's rows are whole groups;
-    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum.
+    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum. With `sp_chunks` > 1 the
+    forward's gather or reduce-scatter goes in that many pieces of each rank's rows, each piece's GEMM overlapping the
+    next piece's communication: the gathered output is the unsplit one's to the bit, the reduce-scattered one sums in
+    the collective's order for each piece.
     """
+    if sp_chunks < 1:
+        raise ValueError(f"sp_chunks splits the sequence-parallel forward's communication: give 1 or more, got {sp_chunks}")
     if rs_group is not None and (sp_group is not None or dgrad_group is not None or bias is not None or not flow.train_fp8):
         raise ValueError(
             "rs_group reduce-scatters a row-parallel FP8 linear's output: it takes no sp_group or dgrad_group, no bias "
@@ -527,9 +583,19 @@ def fp8_linear(
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (old and reference logprobs under no_grad): the same forward without an autograd node
         return fp8_linear_forward(
-            x, weight_q, bias, flow=flow, site=site, gated_act=gated_act, sp_group=sp_group, rs_group=rs_group
+            x,
+            weight_q,
+            bias,
+            flow=flow,
+            site=site,
+            gated_act=gated_act,
+            sp_group=sp_group,
+            rs_group=rs_group,
+            sp_chunks=sp_chunks,
         )
-    return _FP8LinearFunction.apply(x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group, rs_group)
+    return _FP8LinearFunction.apply(
+        x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group, rs_group, sp_chunks
+    )
 
 
 class FP8Linear(torch.nn.Module):

@@ -277,6 +277,11 @@ class ParallelConfig:
     holds 1/tp of the sequence, and the column-parallel linears all-gather it (in FP8 when they train in FP8: each
     rank quantizes its own tokens, the bytes of quantizing the gathered BF16) while the row-parallel ones
     reduce-scatter their outputs. Sequences are lengthened to a multiple of tp (the padding is masked out)."""
+    sp_chunks: int = 1
+    """With `sequence_parallel` and FP8 training on the local spec: each forward FP8 gather and reduce-scatter goes in
+    this many pieces of every rank's rows, each piece's GEMM running while the next piece travels. The gathered
+    outputs are the one-piece ones to the bit; a reduce-scattered output sums each piece in the collective's order.
+    1: one collective, then the GEMM (the backward overlaps its collectives with DGrad and WGrad either way)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -285,6 +290,11 @@ class ParallelConfig:
             not self.sequence_parallel or self.tp > 1,
             "parallel.sequence_parallel splits the sequence over the TP ranks: set parallel.tp > 1 or "
             "parallel.sequence_parallel=false",
+        )
+        _check(
+            self.sp_chunks == 1 or (self.sp_chunks > 1 and self.sequence_parallel),
+            f"parallel.sp_chunks={self.sp_chunks} splits sequence parallelism's forward communication: set "
+            "parallel.sequence_parallel=true with sp_chunks >= 2, or sp_chunks=1",
         )
         _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
         _check(

@@ -268,6 +268,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         fused=cfg.model.fused,
         rollout_kernels=flow.exact_logprobs,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        sp_chunks=cfg.parallel.sp_chunks,
         ordered_reduce=flow.exact_logprobs and cfg.parallel.tp > 2,
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,

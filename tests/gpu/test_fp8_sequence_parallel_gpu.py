@@ -1,7 +1,9 @@
 """Sequence parallelism's FP8 gathers on the GPU's kernels (`fp8_linear(sp_group=...)`, `fp8_linear(rs_group=...)`), on a
 one-rank NCCL group: the CUDA quantizers write their scales outer-dim-major and their WGrad operands K-major, and the
 gathered operands must reach the GEMMs in those layouts. With one rank every gather is the identity, so forward, dX
-and dW equal the plain linear's bit for bit. Two and more ranks: tests/unit/test_fp8_sequence_parallel.py (CPU, gloo).
+and dW equal the plain linear's bit for bit, in one piece and in several (`sp_chunks`: the forward's GEMM run piece by
+piece, which rests on the GEMM's rows not depending on how many rows it runs at once: tested on its own below). Two
+and more ranks: tests/unit/test_fp8_sequence_parallel.py (CPU, gloo).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def _run(x, w, dy, **kw):
     return y.detach(), x.grad, w.grad
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("tokens", [256, 200])  # whole 128-token groups, and not (dY's BF16 rows gathered)
 @pytest.mark.parametrize("kind", ["sp_group", "rs_group", "rs_group+gated"])
-def test_one_rank_gathers_change_no_byte(group, tokens, kind):
+def test_one_rank_gathers_change_no_byte(group, tokens, kind, chunks):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     k, n = 512, 384
     gated = kind.endswith("gated")
@@ -47,6 +50,29 @@ def test_one_rank_gathers_change_no_byte(group, tokens, kind):
     dy = torch.randn(tokens, n, generator=g, device="cuda").to(torch.bfloat16)
     extra = {"gated_act": F.silu} if gated else {}
     plain = _run(x, w, dy, **extra)
-    sharded = _run(x, w, dy, **extra, **{kind.split("+")[0]: group})
+    sharded = _run(x, w, dy, **extra, **{kind.split("+")[0]: group}, sp_chunks=chunks)
     for a, b, what in zip(plain, sharded, ("forward", "dX", "dW")):
         assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("backend", ["deepgemm", "cublaslt", "triton"])
+@pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 1024), (6144, 4096), (4096, 3072)])  # a TP 4 rank's four linears
+def test_the_gemms_rows_do_not_depend_on_how_many_rows_run_at_once(backend, n, k):
+    """FProp of a micro-batch's 4352 rows at once, and of its row pieces one by one (`sp_chunks`' forward): the same
+    bytes, on every backend the FP8 linear may use."""
+    from megatron_jetrl.fp8 import PrecisionFlow
+    from megatron_jetrl.fp8.gemm import available_backends
+    from megatron_jetrl.fp8.linear import ACT, QuantizedWeight, _fprop
+    from megatron_jetrl.fp8.kernels import quantize
+
+    if backend not in available_backends(torch.device("cuda")):
+        pytest.skip(f"{backend} is not available here")
+    flow = PrecisionFlow(mode="jetrl", backend=backend)
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(4352, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = QuantizedWeight.quantize((torch.randn(n, k, generator=g, device="cuda") * 0.05).to(torch.bfloat16), flow)
+    x_q, x_s = quantize(x, ACT, flow.scale_mode, eps=flow.eps)
+    whole = _fprop(x_q, x_s, w, None, flow, torch.bfloat16)
+    for a, b in [(0, 1088), (1088, 2176), (2176, 4352), (100, 1188)]:
+        piece_q, piece_s = quantize(x[a:b].contiguous(), ACT, flow.scale_mode, eps=flow.eps)
+        assert torch.equal(_fprop(piece_q, piece_s, w, None, flow, torch.bfloat16), whole[a:b]), (a, b)

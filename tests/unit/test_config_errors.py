@@ -174,6 +174,21 @@ CASES = {
         ["model.hf_config={model_type: mistral, num_attention_heads: 2}"],
         r"model_type='mistral'; megatron-jetrl supports",
     ),
+    # ---- sequence parallelism's overlapped pieces
+    "sp_chunks without sequence parallelism": (
+        ["parallel.tp=2", "parallel.sp_chunks=2"],
+        r"parallel.sp_chunks=2 splits sequence parallelism's forward communication: set parallel.sequence_parallel=true "
+        r"with sp_chunks >= 2, or sp_chunks=1",
+    ),
+    "sp_chunks of none": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=0"],
+        r"parallel.sp_chunks=0 splits sequence parallelism's forward communication",
+    ),
+    "sp_chunks in BF16": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=2", "precision.mode=bf16"],
+        r"parallel.sp_chunks=2 overlaps the local spec's FP8 gathers and reduce-scatters; precision.mode=bf16 with "
+        r"model.spec=local runs megatron's BF16 ones: set parallel.sp_chunks=1",
+    ),
     # ---- the actor's CUDA graphs (actor.layer_graphs)
     "CUDA graphs: a word off the list": (
         ["model.cuda_graphs=update"],
@@ -224,6 +239,8 @@ def test_the_same_settings_fit_where_they_should():
         load_config(None, [*graphs, "parallel.tp=2", "precision.mode=bf16", "model.cuda_graphs=all"]).model.cuda_graphs == "all"
     )
     assert load_config(None, ["run.device=cuda"]).model.cuda_graphs == "none"  # the default
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=4", "precision.exact_logprobs=false"]
+    assert load_config(None, sp).parallel.sp_chunks == 4
 
 
 def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():

@@ -5,7 +5,9 @@ Each rank quantizes its own rows and the group all-gathers the E4M3 bytes and th
 the quantization of the gathered BF16 rows, so the forward is the unsharded-sequence linear's to the bit; the
 backward's input gradient is the TP-summed gradient's rows of this rank, and WGrad (the rows gathered again in FP8)
 the unsharded linear's to the bit. A row-parallel linear reduce-scatters its output and gathers its output gradient
-in FP8, with the plain TP linear's gradients to the bit. The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
+in FP8, with the plain TP linear's gradients to the bit. Either forward in pieces (`sp_chunks`: each piece's GEMM
+overlapping the next piece's communication) gives the one-piece outputs and gradients (at two ranks a sum of two
+partial outputs does not depend on its order). The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
 the bit, at odd lengths too (padded to a multiple of the TP size and cut back); its training against TP 1:
 tests/unit/test_actor_parallel.py.
 """
@@ -56,8 +58,22 @@ def _sp_linear_on_a_rank():
         y.backward(dy_full[rank])
         with torch.no_grad():
             y_nograd = fp8_linear(x, w_sp, flow=flow, sp_group=group)
+        chunked = []
+        for chunks in (2, 3):  # the gather in pieces, each piece's GEMM overlapping the next piece's gather
+            x_c, w_c = x_full[rows].clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y_c = fp8_linear(x_c, w_c, flow=flow, sp_group=group, sp_chunks=chunks)
+            y_c.backward(dy_full[rank])
+            with torch.no_grad():
+                y_c_nograd = fp8_linear(x_c, w_c, flow=flow, sp_group=group, sp_chunks=chunks)
+            chunked.append(
+                torch.equal(y_c, y)
+                and torch.equal(y_c_nograd, y)
+                and torch.equal(x_c.grad, x.grad)
+                and torch.equal(w_c.grad, w_sp.grad)
+            )
         out.append(
             {
+                "chunked": chunked,
                 "bytes": torch.equal(q_all.view(torch.uint8), q_ref.view(torch.uint8)),
                 "scales": torch.equal(s_all, s_ref),
                 "forward": torch.equal(y, y_ref) and y.shape == y_ref.shape,
@@ -107,8 +123,22 @@ def _row_parallel_on_a_rank():
         y.backward(dy[rows])  # under sequence parallelism each rank gets its rows' gradient
         with torch.no_grad():
             y_nograd = fp8_linear(x_sp, w_sp, flow=flow, gated_act=act, rs_group=group)
+        chunked = []
+        for chunks in (2, 3):  # the reduce-scatter in pieces, each piece's sum travelling while the next GEMM runs
+            x_c, w_c = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y_c = fp8_linear(x_c, w_c, flow=flow, gated_act=act, rs_group=group, sp_chunks=chunks)
+            y_c.backward(dy[rows])
+            with torch.no_grad():
+                y_c_nograd = fp8_linear(x_c, w_c, flow=flow, gated_act=act, rs_group=group, sp_chunks=chunks)
+            chunked.append(
+                torch.equal(y_c, y)
+                and torch.equal(y_c_nograd, y)
+                and torch.equal(x_c.grad, x_sp.grad)
+                and torch.equal(w_c.grad, w_sp.grad)
+            )
         out.append(
             {
+                "chunked": chunked,
                 "forward": torch.equal(y, y_sum[rows]) and torch.equal(y_nograd, y_sum[rows]),
                 "dgrad": torch.equal(x_sp.grad, x_ref.grad),
                 "wgrad": torch.equal(w_sp.grad, w_ref.grad),
@@ -125,7 +155,7 @@ def row_ranks():
 @pytest.mark.parametrize("index", range(len(ROW_SHAPES)), ids=[str(s) for s in ROW_SHAPES])
 def test_row_parallel_output_is_reduce_scattered_and_its_gradient_gathered_in_fp8(row_ranks, index):
     for rank in row_ranks:
-        assert rank[index] == {"forward": True, "dgrad": True, "wgrad": True}, rank[index]
+        assert rank[index] == {"chunked": [True, True], "forward": True, "dgrad": True, "wgrad": True}, rank[index]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +170,7 @@ def test_gathered_fp8_rows_are_the_gathered_bf16_quantized_and_the_linear_is_unc
     assert r["bytes"] and r["scales"], r
     assert r["forward"] and r["forward_no_grad"], r
     assert r["dgrad"] and r["wgrad"], r
+    assert r["chunked"] == [True, True], r  # in 2 and 3 pieces: output and gradients the one-piece gather's
     fp8, bf16 = r["wire_bytes"]  # E4M3 bytes + FP32 scales against the BF16 rows megatron would gather
     assert fp8 < 0.6 * bf16
 
@@ -153,6 +184,18 @@ def test_sp_group_refuses_what_it_cannot_gather():
         fp8_linear(x, w, flow=PrecisionFlow(mode="jetrl", backend="emulated"), sp_group=object(), dgrad_group=object())
     with pytest.raises(ValueError, match="FP8 training flow"):
         fp8_linear(x, w, flow=PrecisionFlow(mode="bf16"), sp_group=object())
+    with pytest.raises(ValueError, match="sp_chunks splits the sequence-parallel forward's communication: give 1 or more"):
+        fp8_linear(x, w, flow=PrecisionFlow(mode="jetrl", backend="emulated"), sp_group=object(), sp_chunks=0)
+
+
+def test_actor_options_refuse_pieces_without_sequence_parallelism():
+    from megatron_jetrl.actor.provider import ActorOptions
+
+    with pytest.raises(ValueError, match="sp_chunks=2 splits the local spec's FP8 sequence-parallel communication"):
+        ActorOptions(sp_chunks=2)
+    with pytest.raises(ValueError, match="sp_chunks=0"):
+        ActorOptions(sequence_parallel=True, sp_chunks=0)
+    assert ActorOptions(sequence_parallel=True, sp_chunks=3).sp_chunks == 3
 
 
 def _logprobs_with_and_without_sequence_parallel():
@@ -167,14 +210,18 @@ def _logprobs_with_and_without_sequence_parallel():
     for mode, batch_invariant in (("jetrl", True), ("jetrl", False), ("bf16", False)):
         flow = PrecisionFlow(mode=mode, backend="emulated")
         lps = {}
-        for sp in (False, True):
-            model = build_model(arch, flow, ActorOptions(sequence_parallel=sp, batch_invariant=batch_invariant))
+        layouts = [(False, 1), (True, 1)] + ([(True, 2)] if flow.train_fp8 else [])  # sp_chunks: FP8 linears only
+        for sp, chunks in layouts:
+            options = ActorOptions(sequence_parallel=sp, batch_invariant=batch_invariant, sp_chunks=chunks)
+            model = build_model(arch, flow, options)
             init_hf_weights(model, arch, 3)
             for length in (16, 17):
                 tokens = tokens_for(CONFIGS["qwen3"], batch=2, seed=1)[:, :length]
-                lps[sp, length] = compute_logprobs(model, tokens, vocab_size=arch.vocab_size, micro_batch_size=2)
+                lps[sp, chunks, length] = compute_logprobs(model, tokens, vocab_size=arch.vocab_size, micro_batch_size=2)
         out[mode, batch_invariant] = {
-            n: torch.equal(lps[True, n], lps[False, n]) and lps[True, n].shape[1] == n - 1 for n in (16, 17)
+            (n, chunks): torch.equal(lps[True, chunks, n], lps[False, 1, n]) and lps[True, chunks, n].shape[1] == n - 1
+            for n in (16, 17)
+            for _, chunks in layouts[1:]
         }
     return out
 
