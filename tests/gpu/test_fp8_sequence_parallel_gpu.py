@@ -62,8 +62,8 @@ def test_the_gemms_rows_do_not_depend_on_how_many_rows_run_at_once(backend, n, k
     bytes, on every backend the FP8 linear may use."""
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.fp8.gemm import available_backends
-    from megatron_jetrl.fp8.linear import ACT, QuantizedWeight, _fprop
     from megatron_jetrl.fp8.kernels import quantize
+    from megatron_jetrl.fp8.linear import ACT, QuantizedWeight, _fprop
 
     if backend not in available_backends(torch.device("cuda")):
         pytest.skip(f"{backend} is not available here")
