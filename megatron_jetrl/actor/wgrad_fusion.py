@@ -3,8 +3,9 @@
 `fuse_wgrad_accumulation(ddp)` switches megatron's own `ColumnParallelLinear` / `RowParallelLinear` layers of a
 DDP-wrapped model to `gradient_accumulation_fusion`: their WGrad GEMM adds into the parameter's FP32 `main_grad`
 (cuBLAS through torch, patches/megatron_core_0_16_1_wgrad_fusion.py) instead of writing a BF16 gradient that DDP's
-hook adds afterwards. Those are the linears of bf16 mode and the lm_head of every mode; the FP8 linears accumulate
-into `main_grad` themselves (fp8/linear.py). It runs after DDP because only then does every weight have its
+hook adds afterwards. Those are the linears of bf16 mode and the lm_head of every mode, and under exact logprobs the
+linears that run vLLM's GEMMs (`actor.rollout_kernels`, `takes_wgrad_fusion`: their backward honours the flag); the FP8
+linears accumulate into `main_grad` themselves (fp8/linear.py). It runs after DDP because only then does every weight have its
 `main_grad` (megatron's fused backward needs one).
 
 Before any layer is switched, the GEMM is checked once per device and dtype against an FP64 reference on a small
@@ -30,7 +31,12 @@ def fuse_wgrad_accumulation(ddp) -> int:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     megatron_own = (ColumnParallelLinear, RowParallelLinear)  # not their FP8 subclasses: those accumulate themselves
-    layers = [m for m in ddp.module.modules() if type(m) in megatron_own and getattr(m.weight, "main_grad", None) is not None]
+    layers = [
+        m
+        for m in ddp.module.modules()
+        if (type(m) in megatron_own or getattr(type(m), "takes_wgrad_fusion", False))
+        and getattr(m.weight, "main_grad", None) is not None
+    ]
     kinds = {(m.weight.device, m.weight.dtype, m.weight.main_grad.dtype) for m in layers}
     problems = [p for p in (_check(*kind) for kind in kinds) if p]
     if problems:

@@ -183,3 +183,39 @@ def test_a_gpu_other_than_hopper_is_refused_naming_the_switch(monkeypatch):
     check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cuda", 0))
+
+
+def _rollout_linear_run(token_major: bool, fuse: bool):
+    """`actor.rollout_kernels.rollout_linear` over `x[s, b, K]` with an exact GEMM (integers in FP64: any summation
+    order gives the same sums), under megatron DDP's protocol where `fuse`: output, dX, the weight's gradient."""
+    import torch
+
+    from megatron_jetrl.actor.rollout_kernels import rollout_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-4, 5, (6, 3, 16), generator=g).double().requires_grad_(True)
+    w = torch.randint(-4, 5, (10, 16), generator=g).double().requires_grad_(True)
+    dy = torch.randint(-4, 5, (6, 3, 10), generator=g).double()
+    w.main_grad = torch.ones(10, 16, dtype=torch.float64)
+    w.grad_added_to_main_grad = False
+    y = rollout_linear(x, w, None, lambda a, b: a @ b.t(), fuse=fuse, token_major=token_major)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, w.main_grad, w.grad_added_to_main_grad
+
+
+def test_the_lm_heads_rows_run_sample_by_sample_and_its_weight_gradient_lands_in_main_grad():
+    """The output layer under exact logprobs (`RolloutOutputLayer`: `token_major`) computes the logits `[s, b, V]` as a
+    view of a `[b, s, V]`-contiguous tensor, so GPTModel's transpose of them copies nothing, with the same values and
+    input gradient (contiguous: megatron's TP all-reduce reduces `x.contiguous()`); with `fuse` its weight gradient
+    is added into the FP32 `main_grad` in the GEMM, megatron's placeholder returned."""
+    from torch import equal
+
+    y, dx, dw, main, added = _rollout_linear_run(token_major=False, fuse=False)
+    y_t, dx_t, dw_t, main_t, added_t = _rollout_linear_run(token_major=True, fuse=False)
+    assert y_t.transpose(0, 1).is_contiguous() and not y.transpose(0, 1).is_contiguous()
+    assert dx_t.is_contiguous() and dw is not None and not added and not added_t
+    assert equal(y_t, y) and equal(dx_t, dx) and equal(dw_t, dw)
+    _, dx_f, placeholder, main_f, added_f = _rollout_linear_run(token_major=True, fuse=True)
+    assert added_f and placeholder.shape == dw.shape and equal(dx_f, dx)
+    assert equal(main_f, main + dw)  # main_grad += dY^T X, in one GEMM
+    assert equal(main_t, main)  # unfused: main_grad untouched (DDP's hook adds the gradient)
