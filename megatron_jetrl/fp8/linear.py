@@ -264,6 +264,8 @@ def _wgrad_done(weight: torch.Tensor):
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):  # a weight with another use (tied embeddings): its .grad is summed
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)  # and DDP adds it, so a true zero
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 

@@ -185,7 +185,7 @@ def test_a_gpu_other_than_hopper_is_refused_naming_the_switch(monkeypatch):
     check_exact_device(PrecisionFlow("jetrl", exact_logprobs=True), torch.device("cuda", 0))
 
 
-def _rollout_linear_run(token_major: bool, fuse: bool):
+def _rollout_linear_run(token_major: bool, fuse: bool, tied: bool = False):
     """`actor.rollout_kernels.rollout_linear` over `x[s, b, K]` with an exact GEMM (integers in FP64: any summation
     order gives the same sums), under megatron DDP's protocol where `fuse`: output, dX, the weight's gradient."""
     import torch
@@ -198,6 +198,7 @@ def _rollout_linear_run(token_major: bool, fuse: bool):
     dy = torch.randint(-4, 5, (6, 3, 10), generator=g).double()
     w.main_grad = torch.ones(10, 16, dtype=torch.float64)
     w.grad_added_to_main_grad = False
+    w.zero_out_wgrad = tied  # megatron's mark on a weight the embedding shares
     y = rollout_linear(x, w, None, lambda a, b: a @ b.t(), fuse=fuse, token_major=token_major)
     y.backward(dy)
     return y.detach(), x.grad, w.grad, w.main_grad, w.grad_added_to_main_grad
@@ -208,6 +209,7 @@ def test_the_lm_heads_rows_run_sample_by_sample_and_its_weight_gradient_lands_in
     view of a `[b, s, V]`-contiguous tensor, so GPTModel's transpose of them copies nothing, with the same values and
     input gradient (contiguous: megatron's TP all-reduce reduces `x.contiguous()`); with `fuse` its weight gradient
     is added into the FP32 `main_grad` in the GEMM, megatron's placeholder returned."""
+    import torch
     from torch import equal
 
     y, dx, dw, main, added = _rollout_linear_run(token_major=False, fuse=False)
@@ -219,3 +221,5 @@ def test_the_lm_heads_rows_run_sample_by_sample_and_its_weight_gradient_lands_in
     assert added_f and placeholder.shape == dw.shape and equal(dx_f, dx)
     assert equal(main_f, main + dw)  # main_grad += dY^T X, in one GEMM
     assert equal(main_t, main)  # unfused: main_grad untouched (DDP's hook adds the gradient)
+    _, _, tied, _, _ = _rollout_linear_run(token_major=True, fuse=True, tied=True)
+    assert equal(tied, torch.zeros_like(tied))  # tied embeddings: .grad sums the lookup's part, DDP then adds it
