@@ -16,7 +16,8 @@ allocator at its end. A call of fewer than `MIN_MICRO_BATCHES` micro-batches run
 Bytes: a replay launches the kernels its capture recorded, on the same weights, with the inputs copied into the
 buffers the capture read, so its outputs and gradients equal the eager ones bit for bit (tests/gpu/test_layer_graphs.py).
 
-Memory: the layers of a call share one pool, captured and replayed in the same order on one stream.
+Memory: the layers of a call share one pool (a step under pipeline parallelism: one per slot, below), captured and
+replayed in the same order on one stream.
 * A pass keeps two hidden-state buffers: each layer reads one and writes the other, so a layer's input is the previous
   layer's output with no copy; the pass holds two activations of the micro-batch and one layer's working set.
 * A step keeps each layer's output and what its backward reads: the eager step's activations of one micro-batch.
