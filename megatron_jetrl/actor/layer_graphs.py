@@ -61,7 +61,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron_jetrl.fp8 import finite
 
 MIN_MICRO_BATCHES = 3
-"""A call of fewer micro-batches runs eagerly: one warms the kernels, one captures, and only the rest gain."""
+"""A call of fewer micro-batches runs eagerly: one warms the kernels, one captures, and only the rest gain. A step that
+may capture several slots needs one more micro-batch per further slot (`layer_graphs`)."""
 
 
 class GraphedTransformerLayer(TransformerLayer):
@@ -381,7 +382,8 @@ def layer_graphs(model, micro_batches: int, *, train: bool, in_flight: int | Non
     `ActorOptions.logprob_graphs` (`train=False`), a train step's forwards and backwards where
     `ActorOptions.update_graphs` (`train=True`); on CUDA, for at least `MIN_MICRO_BATCHES` micro-batches. A step
     captures a slot for each micro-batch the stage holds at once, up to `in_flight` (default: the pipeline's size, what
-    megatron's 1F1B schedule holds on the first stage; a stage that holds more runs the excess eagerly). Yields the
+    megatron's 1F1B schedule holds on the first stage; a stage that holds more runs the excess eagerly), and needs
+    `in_flight - 1` micro-batches more (fewer would capture and never replay). Yields the
     graphs, or None where the call runs eagerly. Inside an open block a nested one of the same kind yields the open
     one's graphs: calls over the same weights and shapes replay what the first captured (a caller that changes the
     weights between them must close the block first)."""
@@ -396,14 +398,12 @@ def layer_graphs(model, micro_batches: int, *, train: bool, in_flight: int | Non
         return
     wanted = getattr(options, "update_graphs" if train else "logprob_graphs", False)
     on_cuda = bool(layers) and next(layers[0].parameters()).is_cuda
-    if not (wanted and on_cuda and micro_batches >= MIN_MICRO_BATCHES):
+    slots = (in_flight or ps.get_pipeline_model_parallel_world_size()) if train and wanted and on_cuda else 1
+    if not (wanted and on_cuda and micro_batches >= MIN_MICRO_BATCHES + slots - 1):
         yield None
         return
     sites = {id(m): name for name, m in unwrap(model).named_modules() if isinstance(m, GraphedTransformerLayer)}
-    if train:
-        graphs = StepGraphs(layers, sites, in_flight or ps.get_pipeline_model_parallel_world_size())
-    else:
-        graphs = PassGraphs(layers, sites)
+    graphs = StepGraphs(layers, sites, slots) if train else PassGraphs(layers, sites)
     before = [layer.graphs for layer in layers]
     for layer in layers:
         layer.graphs = graphs

@@ -173,3 +173,25 @@ def test_a_step_replays_a_layer_only_on_the_buffer_its_capture_reads_in_place(mo
     graphs.taken[-1].in_flight = False
     graphs.forward(graphs.layers[0], (x,), {})
     assert (graphs.replays, graphs.eager_calls) == (1, 1)
+
+
+@pytest.mark.parametrize("in_flight,micro_batches,graphed", [(1, 3, True), (1, 2, False), (4, 6, True), (4, 5, False)])
+def test_a_step_runs_eagerly_when_its_slots_would_leave_nothing_to_replay(monkeypatch, in_flight, micro_batches, graphed):
+    """One micro-batch warms the kernels and each slot captures one: a step opens graphs only where at least one more
+    micro-batch is left to replay them (`MIN_MICRO_BATCHES` at one slot)."""
+    import contextlib
+    import types
+
+    from megatron_jetrl.actor import layer_graphs as lg
+
+    layer = types.SimpleNamespace(graphs=None, parameters=lambda: iter([types.SimpleNamespace(is_cuda=True)]))
+    model = torch.nn.Module()
+    model.actor_options = types.SimpleNamespace(update_graphs=True)
+    monkeypatch.setattr(lg, "graphed_layers", lambda m: [layer])
+    monkeypatch.setattr(lg, "_stream", lambda device: None)
+    monkeypatch.setattr(lg, "_on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with lg.layer_graphs(model, micro_batches, train=True, in_flight=in_flight) as graphs:
+        assert (graphs is not None) == graphed
+        assert graphs is None or graphs.slots == in_flight
+    assert layer.graphs is None
