@@ -72,8 +72,9 @@ class ActorOptions:
     """Local spec on CUDA: the forward-only logprob passes replay each decoder layer as a CUDA graph captured in the
     pass (`actor.layer_graphs`; the eager forward's bytes, one host call a layer)."""
     update_graphs: bool = False
-    """Local spec on CUDA, one pipeline stage: a train step replays each decoder layer's forward and backward as CUDA
-    graphs captured in the step (`actor.layer_graphs`; the eager step's bytes and gradients)."""
+    """Local spec on CUDA: a train step replays each decoder layer's forward and backward as CUDA graphs captured in the
+    step, a copy per micro-batch a pipeline stage holds at once (`actor.layer_graphs`; the eager step's bytes and
+    gradients)."""
 
     def __post_init__(self):
         if self.spec == "native":

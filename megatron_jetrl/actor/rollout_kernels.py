@@ -58,7 +58,7 @@ from megatron_jetrl.actor.fp8_layers import (
 )
 from megatron_jetrl.actor.fused import fused_rope
 from megatron_jetrl.actor.wgrad_fusion import PATCH as WGRAD_PATCH
-from megatron_jetrl.fp8.linear import _wgrad_done
+from megatron_jetrl.fp8.linear import wgrad_in_main_grad
 from megatron_jetrl.patching import load_patch
 
 FA_VERSION = 3
@@ -277,7 +277,7 @@ class _Linear(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
             if ctx.fuse and main_grad is not None:
                 load_patch(WGRAD_PATCH).wgrad_gemm_accum_fp32(x2d, g2, main_grad)
-                dw = _wgrad_done(weight)
+                dw = wgrad_in_main_grad(weight)
             else:
                 dw = g2.t() @ x2d
         return dx, dw, None, None, None

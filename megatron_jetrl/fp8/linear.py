@@ -258,7 +258,7 @@ def fp8_linears_forward(x: torch.Tensor, weights, biases, *, flow: PrecisionFlow
     return [_unflat(_fprop(x_q, x_s, weight, bias, flow, x.dtype), x.shape) for weight, bias in zip(weights, biases, strict=True)]
 
 
-def _wgrad_done(weight: torch.Tensor):
+def wgrad_in_main_grad(weight: torch.Tensor):
     """What backward returns for a weight whose gradient went straight into `main_grad`: megatron's protocol
     (`grad_added_to_main_grad` + a placeholder its DDP hook drops), or None outside megatron DDP."""
     if not hasattr(weight, "grad_added_to_main_grad"):
@@ -466,7 +466,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                     checked=True,
                     sms=flow.gemm_sms,
                 )
-                dw = _wgrad_done(weight)
+                dw = wgrad_in_main_grad(weight)
             else:
                 dw = blockwise_gemm(
                     dyt_q,
