@@ -45,6 +45,7 @@ from megatron_jetrl.actor.fused import fused_rms_norm, fused_rope, rms_norm, rop
 from megatron_jetrl.actor.gpt import rope_kwargs, unwrap  # noqa: F401 (unwrap: imported from here by the actor modules)
 from megatron_jetrl.actor.layer_graphs import GraphedTransformerLayer
 from megatron_jetrl.fp8 import GatedGradHandoff, PrecisionFlow, QuantizedWeight, finite, fp8_linear
+from megatron_jetrl.fp8.sequence_parallel import NO_OVERLAP, SPOverlap
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 
@@ -231,7 +232,7 @@ class _FP8Weight:
         self.keep_weight_t = True  # DGrad's W^T bytes kept per weight version, or made per backward (`name_fp8_layers`)
         self.fp8_device: torch.device | None = None  # where the FP8 bytes live when the BF16 weight is in host memory
         self.release_bf16 = False  # the BF16 weight's storage freed through each train step (`release_bf16_weights`)
-        self.sp_chunks = 1  # pieces of its sequence-parallel forward's gather / reduce-scatter (`name_fp8_layers`)
+        self.sp_overlap = NO_OVERLAP  # how its sequence-parallel forward overlaps its communication (`name_fp8_layers`)
         self.bf16_released = False
 
     def forget_fp8(self) -> None:
@@ -272,7 +273,7 @@ class _FP8Weight:
             dgrad_group=dgrad_group,
             sp_group=sp_group,
             rs_group=rs_group,
-            sp_chunks=self.sp_chunks,
+            sp_overlap=self.sp_overlap,
         )
 
 
@@ -457,17 +458,17 @@ def native_block_spec(
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm(batch_invariant, fused))
 
 
-def name_fp8_layers(model, weight_t: str = "step", release_bf16: bool = False, sp_chunks: int = 1) -> None:
+def name_fp8_layers(model, weight_t: str = "step", release_bf16: bool = False, sp_overlap: SPOverlap = NO_OVERLAP) -> None:
     """Give every FP8 linear its module name (`decoder.layers.3.mlp.linear_fc1`) for non-finite reports, where its
     DGrad's W^T bytes live (`ActorOptions.fp8_weight_t`: `step` kept per weight version, `backward` made per backward),
     whether train steps free its BF16 weight (`ActorOptions.bf16_linear_weights`, `release_bf16_weights`) and in how
-    many pieces its forward overlaps the sequence-parallel communication (`ActorOptions.sp_chunks`)."""
+    how its forward overlaps the sequence-parallel communication (`ActorOptions.sp_overlap`)."""
     for name, m in unwrap(model).named_modules():
         if isinstance(m, _FP8Weight):
             m.fp8_site = name
             m.keep_weight_t = weight_t == "step"
             m.release_bf16 = release_bf16
-            m.sp_chunks = sp_chunks
+            m.sp_overlap = sp_overlap
 
 
 def release_bf16_weights(model) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from megatron_jetrl.actor.gpt import LLAMA3_ROPE_DEFAULTS, rope_kwargs, stage_entries, unwrap  # noqa: F401 (re-exported: provider API)
 from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.fp8.sequence_parallel import NO_OVERLAP, SPOverlap
 from megatron_jetrl.models import batch_invariant_ops as ops
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.models.mapping import padded_vocab_size, stage_layers
@@ -34,10 +35,10 @@ class ActorOptions:
     """Parameter dtype. On CPU keep float32: megatron's bf16 optimizer and DistributedOptimizer need CUDA."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1); the native spec's RMSNorm supports it."""
-    sp_chunks: int = 1
-    """Local spec, FP8 training under sequence parallelism: the forward's FP8 gathers and reduce-scatters go in this many
-    pieces of each rank's rows, each piece's GEMM running while the next travels (`fp8.linear.fp8_linear`); 1: one
-    collective, then the GEMM."""
+    sp_overlap: SPOverlap = NO_OVERLAP
+    """Local spec, FP8 training under sequence parallelism: how the forward's FP8 gathers and reduce-scatters overlap
+    their GEMMs (`fp8.sequence_parallel.SPOverlap`: in pieces, or round the ring); the default: one collective, then
+    the GEMM."""
     max_sequence_length: int | None = None
     """RoPE table length; default: the config's max_position_embeddings."""
     fused: bool = True
@@ -87,10 +88,10 @@ class ActorOptions:
             raise ValueError(f"fp8_weight_t must be 'step' or 'backward', got {self.fp8_weight_t!r}")
         if self.bf16_linear_weights not in ("keep", "release"):
             raise ValueError(f"bf16_linear_weights must be 'keep' or 'release', got {self.bf16_linear_weights!r}")
-        if self.sp_chunks < 1 or (self.sp_chunks > 1 and (self.spec != "local" or not self.sequence_parallel)):
+        if self.sp_overlap.kind != "none" and (self.spec != "local" or not self.sequence_parallel):
             raise ValueError(
-                f"sp_chunks={self.sp_chunks} splits the local spec's FP8 sequence-parallel communication: give 1, or more "
-                "with spec='local' and sequence_parallel=True"
+                f"sp_overlap={self.sp_overlap} overlaps the local spec's FP8 sequence-parallel communication: it needs "
+                "spec='local' and sequence_parallel=True"
             )
         if self.ordered_reduce and (self.spec != "local" or self.sequence_parallel):
             raise ValueError(
@@ -236,7 +237,7 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
     )
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer, use_ordered_reduce
 
-    name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release", options.sp_chunks)
+    name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release", options.sp_overlap)
     if options.ordered_reduce:
         use_ordered_reduce(model)
     if options.batch_invariant:

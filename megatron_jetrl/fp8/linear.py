@@ -17,6 +17,16 @@ from megatron_jetrl.fp8 import finite, kernels
 from megatron_jetrl.fp8.flow import PrecisionFlow
 from megatron_jetrl.fp8.gemm import blockwise_gemm
 from megatron_jetrl.fp8.quant import dequantize_blockwise, quantize_blockwise
+from megatron_jetrl.fp8.sequence_parallel import (
+    NO_OVERLAP,
+    SPOverlap,
+    gather_rows,
+    gather_token_blocks,
+    gathered_matmul,
+    gathered_shape,
+    matmul_scattered,
+    scales_like,
+)
 
 ACT = (1, 128)
 TOKENS = (128, 1)
@@ -111,48 +121,6 @@ def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
     return y if len(like) == 2 else y.view(*like[:-1], y.shape[-1])
 
 
-def gather_rows(x_q, x_s, group, async_op: bool = False):
-    """All-gather 1x128-quantized rows along dim 0 over `group` (rank order, as megatron gathers a sequence): the E4M3
-    bytes travel as uint8 (gloo has no FP8 type) and the scales as `[rows, K/128]` FP32; the gathered scales come back
-    in the quantizer's outer-dim-major layout. A 1x128 group lies inside one row, so these are the bytes and scales of
-    quantizing the gathered rows. With `async_op`, also the two pending works (wait on them before reading)."""
-    world = torch.distributed.get_world_size(group)
-    q_all = torch.empty((world * x_q.shape[0], x_q.shape[1]), dtype=torch.uint8, device=x_q.device)
-    s_all = torch.empty((world * x_s.shape[0], x_s.shape[1]), dtype=x_s.dtype, device=x_s.device)
-    works = (
-        torch.distributed.all_gather_into_tensor(q_all, x_q.contiguous().view(torch.uint8), group=group, async_op=async_op),
-        torch.distributed.all_gather_into_tensor(s_all, x_s.contiguous(), group=group, async_op=async_op),
-    )
-    if async_op:
-        return q_all.view(x_q.dtype), s_all, works
-    return q_all.view(x_q.dtype), scales_like(s_all, x_s)
-
-
-def scales_like(s_all: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Gathered row-major `[M, K/128]` scales in the layout the quantizer gave `local`: row-major, or outer-dim-major
-    (strides (1, M), the CUDA kernels')."""
-    return s_all if local.is_contiguous() else s_all.t().contiguous().t()
-
-
-def _gathered_shape(shape: torch.Size, world: int) -> torch.Size:
-    """A sequence shard's shape `[s, ..., K]` with the sequence gathered over `world` ranks."""
-    return torch.Size((shape[0] * world, *shape[1:]))
-
-
-def _gather_token_blocks(qt: torch.Tensor, st: torch.Tensor, group):
-    """All-gather 128x1-quantized operands stored K-major (`[N, T_local]` bytes, `[N, T_local/128]` scales) along
-    tokens, in rank order: `[N, T]` and `[N, T/128]`, the scales in the layout the quantizer gave. Exact when each
-    rank's rows are whole 128-token groups."""
-    world = torch.distributed.get_world_size(group)
-
-    def gather(t, dtype):
-        buf = torch.empty((world * t.shape[0], t.shape[1]), dtype=dtype, device=t.device)
-        torch.distributed.all_gather_into_tensor(buf, t.contiguous().view(dtype), group=group)
-        return buf.view(world, *t.shape).permute(1, 0, 2).reshape(t.shape[0], world * t.shape[1])
-
-    return gather(qt, torch.uint8).view(qt.dtype), scales_like(gather(st, st.dtype), st)
-
-
 def _gathered_grad(dy_local2d, flow: PrecisionFlow, group, rows: bool, cols: bool):
     """`_quantize_grad` of the whole sequence's output gradient from this rank's rows: each rank quantizes its rows and
     the group all-gathers the FP8 bytes (the 1x128 groups always lie in one row; the 128x1 token groups in one rank's
@@ -166,61 +134,22 @@ def _gathered_grad(dy_local2d, flow: PrecisionFlow, group, rows: bool, cols: boo
     if rows:
         dy_q, dy_s = gather_rows(dy_q, dy_s, group)
     if cols:
-        dyt_q, dyt_s = _gather_token_blocks(dyt_q, dyt_s, group)
+        dyt_q, dyt_s = gather_token_blocks(dyt_q, dyt_s, group)
     return dy_q, dy_s, dyt_q, dyt_s
 
 
-def _scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
-    """A row-parallel output `[T, N]` summed over `group`, this rank's `T / world` rows kept (reduce-scatter)."""
-    out = torch.empty((y.shape[0] // torch.distributed.get_world_size(group), y.shape[1]), dtype=y.dtype, device=y.device)
-    torch.distributed.reduce_scatter_tensor(out, y.contiguous(), group=group)
-    return out
-
-
-def _chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
-    """`rows` split into `chunks` (at most `rows`) consecutive ranges, the same on every rank."""
-    chunks = max(1, min(chunks, rows))
-    edges = [rows * c // chunks for c in range(chunks + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def _fprop_gathered(x_q, x_s, weight: QuantizedWeight, bias, flow, out_dtype, group, chunks: int):
-    """FProp of the sequence gathered over `group` (rank r's rows at `[r T, (r + 1) T)`) from this rank's quantized
-    rows. In `chunks` pieces: every piece's gather is issued at once, and piece c's GEMM runs while the later pieces
-    travel; each output row is the GEMM of the same input row, so the output is the unsplit one's."""
-    if chunks <= 1:
-        x_q, x_s = gather_rows(x_q, x_s, group)
-        return _fprop(x_q, x_s, weight, bias, flow, out_dtype)
-    world, t = torch.distributed.get_world_size(group), x_q.shape[0]
-    pieces = _chunk_bounds(t, chunks)
-    pending = [gather_rows(x_q[a:b], x_s[a:b], group, async_op=True) for a, b in pieces]
-    y = torch.empty((world, t, weight.q.shape[0]), dtype=out_dtype, device=x_q.device)
-    for (a, b), (q, s, works) in zip(pieces, pending, strict=True):
-        for work in works:
-            work.wait()
-        y[:, a:b] = _fprop(q, scales_like(s, x_s), weight, bias, flow, out_dtype).view(world, b - a, -1)
-    return y.view(world * t, -1)
-
-
-def _fprop_scattered(x_q, x_s, weight: QuantizedWeight, flow, out_dtype, group, chunks: int):
-    """FProp of a row-parallel linear under sequence parallelism: the output summed over `group`, this rank's rows of
-    the sequence kept. In `chunks` pieces of every rank's rows: piece c's sum travels while piece c + 1's GEMM runs.
-    Each row's GEMM is the unsplit one's; the sum's order is the collective's for that piece."""
-    if chunks <= 1:
-        return _scatter_rows(_fprop(x_q, x_s, weight, None, flow, out_dtype), group)
-    world = torch.distributed.get_world_size(group)
-    t = x_q.shape[0] // world
-    y = torch.empty((t, weight.q.shape[0]), dtype=out_dtype, device=x_q.device)
-    q = x_q.view(torch.uint8).view(world, t, -1)  # (uint8: indexing has no FP8 kernels everywhere)
-    scales = x_s.view(world, t, -1)
-    works = []
-    for a, b in _chunk_bounds(t, chunks):  # every rank's rows [a, b) of its shard, rank by rank
-        part_q = q[:, a:b].reshape(-1, q.shape[-1]).view(x_q.dtype)
-        part = _fprop(part_q, scales_like(scales[:, a:b].reshape(-1, scales.shape[-1]), x_s), weight, None, flow, out_dtype)
-        works.append(torch.distributed.reduce_scatter_tensor(y[a:b], part, group=group, async_op=True))
-    for work in works:
-        work.wait()
-    return y
+def _fprop_sp(x_q, x_s, weight: QuantizedWeight, bias, flow, x_shape, out_dtype, sp_group, rs_group, overlap: SPOverlap):
+    """FProp of `x_q`, `x_s` (the quantized `x[x_shape]`): the sequence gathered over `sp_group` first, or the output
+    reduce-scattered over `rs_group` (bias-free), overlapped as `overlap` says; returns `y` and its shape."""
+    mm = lambda q, s: _fprop(q, s, weight, bias, flow, out_dtype)  # noqa: E731
+    n = weight.q.shape[0]
+    if sp_group is not None:
+        y = gathered_matmul(x_q, x_s, mm, sp_group, overlap, n, out_dtype)
+        return y, gathered_shape(x_shape, torch.distributed.get_world_size(sp_group))
+    if rs_group is not None:
+        y = matmul_scattered(x_q, x_s, mm, rs_group, overlap, n, out_dtype)
+        return y, torch.Size((x_shape[0] // torch.distributed.get_world_size(rs_group), *x_shape[1:]))
+    return mm(x_q, x_s), x_shape
 
 
 def fp8_linear_forward(
@@ -233,21 +162,13 @@ def fp8_linear_forward(
     gated_act=None,
     sp_group=None,
     rs_group=None,
-    sp_chunks: int = 1,
+    sp_overlap: SPOverlap = NO_OVERLAP,
 ) -> torch.Tensor:
     """The FP8 forward shared by training FProp and rollout: `x[..., K] -> y[..., N]` in `x.dtype`; with `gated_act`,
     `x` is a gated MLP's `[gate | up]`, with `sp_group` this rank's sequence shard, with `rs_group` the output
-    reduce-scattered, either in `sp_chunks` overlapped pieces (as in `fp8_linear`)."""
+    reduce-scattered, the communication overlapped as `sp_overlap` says (as in `fp8_linear`)."""
     x_q, x_s = _quantize_x(_flat(x), gated_act, flow, site or f"FP8 linear {list(weight.q.shape)}")
-    shape = x.shape
-    if sp_group is not None:
-        y = _fprop_gathered(x_q, x_s, weight, bias, flow, x.dtype, sp_group, sp_chunks)
-        shape = _gathered_shape(shape, torch.distributed.get_world_size(sp_group))
-    elif rs_group is not None:
-        y = _fprop_scattered(x_q, x_s, weight, flow, x.dtype, rs_group, sp_chunks)
-        shape = torch.Size((shape[0] // torch.distributed.get_world_size(rs_group), *shape[1:]))
-    else:
-        y = _fprop(x_q, x_s, weight, bias, flow, x.dtype)
+    y, shape = _fprop_sp(x_q, x_s, weight, bias, flow, x.shape, x.dtype, sp_group, rs_group, sp_overlap)
     return _unflat(y, shape)
 
 
@@ -370,7 +291,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         dgrad_group=None,
         sp_group=None,
         rs_group=None,
-        sp_chunks: int = 1,
+        sp_overlap: SPOverlap = NO_OVERLAP,
     ):
         x2d = _flat(x)
         x_q, x_s = _quantize_x(x2d, act, flow, site)
@@ -378,15 +299,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_s)  # under sequence parallelism this rank's rows only, gathered again for WGrad
         else:  # x = [gate | up] of a gated MLP: this linear's input is act(gate) * up, never stored in BF16
             ctx.save_for_backward(x_q, x_s, x2d)
-        out_shape = x.shape
-        if sp_group is not None:
-            y = _fprop_gathered(x_q, x_s, qweight, bias, flow, x.dtype, sp_group, sp_chunks)
-            out_shape = _gathered_shape(x.shape, torch.distributed.get_world_size(sp_group))
-        elif rs_group is not None:  # a row-parallel output under sequence parallelism: summed, this rank's rows kept
-            y = _fprop_scattered(x_q, x_s, qweight, flow, x.dtype, rs_group, sp_chunks)
-            out_shape = torch.Size((x.shape[0] // torch.distributed.get_world_size(rs_group), *x.shape[1:]))
-        else:
-            y = _fprop(x_q, x_s, qweight, bias, flow, x.dtype)
+        y, out_shape = _fprop_sp(x_q, x_s, qweight, bias, flow, x.shape, x.dtype, sp_group, rs_group, sp_overlap)
         ctx.qweight, ctx.weight, ctx.flow, ctx.site, ctx.act, ctx.handoff = qweight, weight, flow, site, act, handoff
         ctx.dgrad_group, ctx.sp_group, ctx.rs_group = dgrad_group, sp_group, rs_group
         if handoff is not None and act is None:  # the up projection: tell the down projection what to make
@@ -523,7 +436,7 @@ def fp8_linear(
     dgrad_group=None,
     sp_group=None,
     rs_group=None,
-    sp_chunks: int = 1,
+    sp_overlap: SPOverlap = NO_OVERLAP,
 ):
     """Functional linear in the training precision of `flow` (FP8 in `jetrl`, plain otherwise).
 
@@ -544,13 +457,11 @@ def fp8_linear(
     under sequence parallelism) the output is summed over the group and this rank's rows of the sequence kept
     (reduce-scatter), and the backward gathers the output gradient's rows in FP8: each rank quantizes its own, the
     bytes of quantizing the gathered BF16 (its 128-token WGrad groups too, where each rank's rows are whole groups;
-    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum. With `sp_chunks` > 1 the
-    forward's gather or reduce-scatter goes in that many pieces of each rank's rows, each piece's GEMM overlapping the
-    next piece's communication: the gathered output is the unsplit one's to the bit, the reduce-scattered one sums in
-    the collective's order for each piece.
+    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum. `sp_overlap` says how
+    the forward's gather or reduce-scatter overlaps its GEMM (`fp8.sequence_parallel.SPOverlap`: in pieces, or round
+    the ring): the gathered output is the one-collective one's to the bit, the reduce-scattered one sums in the order
+    of the collective it uses; the backward is the same for all.
     """
-    if sp_chunks < 1:
-        raise ValueError(f"sp_chunks splits the sequence-parallel forward's communication: give 1 or more, got {sp_chunks}")
     if rs_group is not None and (sp_group is not None or dgrad_group is not None or bias is not None or not flow.train_fp8):
         raise ValueError(
             "rs_group reduce-scatters a row-parallel FP8 linear's output: it takes no sp_group or dgrad_group, no bias "
@@ -593,10 +504,10 @@ def fp8_linear(
             gated_act=gated_act,
             sp_group=sp_group,
             rs_group=rs_group,
-            sp_chunks=sp_chunks,
+            sp_overlap=sp_overlap,
         )
     return _FP8LinearFunction.apply(
-        x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group, rs_group, sp_chunks
+        x, weight, bias, weight_q, flow, site, gated_act, handoff, dgrad_group, sp_group, rs_group, sp_overlap
     )
 
 

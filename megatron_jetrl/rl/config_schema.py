@@ -123,10 +123,10 @@ class JetRLConfig:
             problem = self._bf16_release_problem()
             _check(problem is None, f"{problem}: set it to auto or keep")
         _check(
-            self.parallel.sp_chunks == 1 or (self.precision.train_fp8 and self.model.spec == "local"),
-            f"parallel.sp_chunks={self.parallel.sp_chunks} overlaps the local spec's FP8 gathers and reduce-scatters; "
+            self.parallel.sp_overlap == "none" or (self.precision.train_fp8 and self.model.spec == "local"),
+            f"parallel.sp_overlap={self.parallel.sp_overlap} overlaps the local spec's FP8 gathers and reduce-scatters; "
             f"precision.mode={self.precision.mode} with model.spec={self.model.spec} runs megatron's BF16 ones: set "
-            "parallel.sp_chunks=1",
+            "parallel.sp_overlap=none",
         )
         if self.model.cuda_graphs in ("logprobs", "all"):
             problem = self.layer_graphs_problem()

@@ -277,11 +277,17 @@ class ParallelConfig:
     holds 1/tp of the sequence, and the column-parallel linears all-gather it (in FP8 when they train in FP8: each
     rank quantizes its own tokens, the bytes of quantizing the gathered BF16) while the row-parallel ones
     reduce-scatter their outputs. Sequences are lengthened to a multiple of tp (the padding is masked out)."""
-    sp_chunks: int = 1
-    """With `sequence_parallel` and FP8 training on the local spec: each forward FP8 gather and reduce-scatter goes in
-    this many pieces of every rank's rows, each piece's GEMM running while the next piece travels. The gathered
-    outputs are the one-piece ones to the bit; a reduce-scattered output sums each piece in the collective's order.
-    1: one collective, then the GEMM (the backward overlaps its collectives with DGrad and WGrad either way)."""
+    sp_overlap: str = "none"
+    """With `sequence_parallel` and FP8 training on the local spec, how each forward FP8 gather (QKV, gate/up) and
+    reduce-scatter (o, down) overlaps its GEMM. `none`: one collective, then the GEMM. `chunks`: every rank's rows
+    in `sp_chunks` pieces, piece c's GEMM running while the later pieces travel. `ring` (async TP's decomposition):
+    tp - 1 point-to-point steps round the TP group, each shard's GEMM running while the next shard (gather) or the
+    running sums (reduce-scatter) travel. Gathered outputs are the same bits in all three; a reduce-scattered output
+    sums in its collective's order (the ring's: rank by rank). The backward overlaps its collectives with DGrad and
+    WGrad in all three."""
+    sp_chunks: int = 4
+    """Pieces of every rank's rows under `sp_overlap=chunks` (2 or more); another value with another overlap is
+    refused."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -292,9 +298,19 @@ class ParallelConfig:
             "parallel.sequence_parallel=false",
         )
         _check(
-            self.sp_chunks == 1 or (self.sp_chunks > 1 and self.sequence_parallel),
-            f"parallel.sp_chunks={self.sp_chunks} splits sequence parallelism's forward communication: set "
-            "parallel.sequence_parallel=true with sp_chunks >= 2, or sp_chunks=1",
+            self.sp_overlap in ("none", "chunks", "ring"),
+            f"parallel.sp_overlap must be none, chunks or ring, got {self.sp_overlap!r}",
+        )
+        _check(
+            self.sp_overlap == "none" or self.sequence_parallel,
+            f"parallel.sp_overlap={self.sp_overlap} overlaps sequence parallelism's forward communication: set "
+            "parallel.sequence_parallel=true, or parallel.sp_overlap=none",
+        )
+        _check(self.sp_chunks >= 2, f"parallel.sp_chunks={self.sp_chunks} pieces: give 2 or more")
+        _check(
+            self.sp_chunks == 4 or self.sp_overlap == "chunks",
+            f"parallel.sp_chunks={self.sp_chunks} is the piece count of parallel.sp_overlap=chunks (here "
+            f"{self.sp_overlap}): set parallel.sp_overlap=chunks, or leave sp_chunks at 4",
         )
         _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
         _check(

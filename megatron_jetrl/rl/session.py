@@ -27,6 +27,7 @@ from megatron_jetrl.actor.offload import TrainStateOffload
 from megatron_jetrl.actor.provider import ActorOptions, build_model
 from megatron_jetrl.actor.train_step import unallocated_state_bytes, wrap_for_training
 from megatron_jetrl.fp8 import PrecisionFlow
+from megatron_jetrl.fp8.sequence_parallel import SPOverlap
 from megatron_jetrl.grpo.data import (
     HELDOUT_SEED,
     ArithmeticTask,
@@ -268,7 +269,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
         fused=cfg.model.fused,
         rollout_kernels=flow.exact_logprobs,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        sp_chunks=cfg.parallel.sp_chunks,
+        sp_overlap=SPOverlap(cfg.parallel.sp_overlap, cfg.parallel.sp_chunks if cfg.parallel.sp_overlap == "chunks" else 1),
         ordered_reduce=flow.exact_logprobs and cfg.parallel.tp > 2,
         fp8_weight_t=cfg.model.fp8_weight_t,
         pp_last_layers=cfg.parallel.pp_last_layers,

@@ -144,7 +144,9 @@ def test_sequence_parallel_at_tp2_keeps_the_first_steps_numbers(tmp_path):
     """parallel.sequence_parallel at TP 2 (each rank holds half the sequence outside the linears; the FP8 linears
     all-gather it in FP8): step 0, on the initial weights (no warm-up), has the plain TP 2 run's loss, rewards and mismatch to the bit
     (the gathered bytes are the same, and the row-parallel outputs are sums of two either way); the next step differs
-    only by the order the norms' gradients were summed in."""
+    only by the order the norms' gradients were summed in. Its forward overlapped round the ring of ranks
+    (`parallel.sp_overlap=ring`) gathers the same bytes and sums the same two partial outputs: every step's numbers are
+    the one-collective run's to the bit."""
     common = ("parallel.tp=2", "run.steps=2", "run.checkpoint=false", "run.export=false", "warmup.steps=0")
     plain, _ = launch(tmp_path, "tp2", *common)
     sp, out = launch(tmp_path, "tp2-sp", *common, "parallel.sequence_parallel=true")
@@ -152,3 +154,6 @@ def test_sequence_parallel_at_tp2_keeps_the_first_steps_numbers(tmp_path):
     assert [sp[0][k] for k in keys] == [plain[0][k] for k in keys]
     assert sp[1]["loss/total"] == pytest.approx(plain[1]["loss/total"], rel=1e-2, abs=1e-4)
     assert "sequence_parallel: true" in (out / "config.yaml").read_text()
+    ring, out = launch(tmp_path, "tp2-sp-ring", *common, "parallel.sequence_parallel=true", "parallel.sp_overlap=ring")
+    assert [[r[k] for k in (*keys, "grad_norm")] for r in ring] == [[r[k] for k in (*keys, "grad_norm")] for r in sp]
+    assert "sp_overlap: ring" in (out / "config.yaml").read_text()

@@ -1,9 +1,10 @@
 """Sequence parallelism's FP8 gathers on the GPU's kernels (`fp8_linear(sp_group=...)`, `fp8_linear(rs_group=...)`), on a
 one-rank NCCL group: the CUDA quantizers write their scales outer-dim-major and their WGrad operands K-major, and the
 gathered operands must reach the GEMMs in those layouts. With one rank every gather is the identity, so forward, dX
-and dW equal the plain linear's bit for bit, in one piece and in several (`sp_chunks`: the forward's GEMM run piece by
-piece, which rests on the GEMM's rows not depending on how many rows it runs at once: tested on its own below). Two
-and more ranks: tests/unit/test_fp8_sequence_parallel.py (CPU, gloo).
+and dW equal the plain linear's bit for bit, whatever the forward's overlap (`SPOverlap`: in pieces, the GEMM run piece
+by piece, which rests on the GEMM's rows not depending on how many rows it runs at once: tested on its own below; or
+round the ring, one step at one rank). Two and more ranks: tests/unit/test_fp8_sequence_parallel.py (CPU, gloo) and
+`tools/bench/bench_sp_overlap.py` (its check before timing, on GPUs).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def _run(x, w, dy, **kw):
     return y.detach(), x.grad, w.grad
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("overlap", ["none", "chunks3", "ring"])
 @pytest.mark.parametrize("tokens", [256, 200])  # whole 128-token groups, and not (dY's BF16 rows gathered)
 @pytest.mark.parametrize("kind", ["sp_group", "rs_group", "rs_group+gated"])
-def test_one_rank_gathers_change_no_byte(group, tokens, kind, chunks):
+def test_one_rank_gathers_change_no_byte(group, tokens, kind, overlap):
+    from megatron_jetrl.fp8.sequence_parallel import SPOverlap
+
     g = torch.Generator(device="cuda").manual_seed(tokens)
     k, n = 512, 384
     gated = kind.endswith("gated")
@@ -50,7 +53,8 @@ def test_one_rank_gathers_change_no_byte(group, tokens, kind, chunks):
     dy = torch.randn(tokens, n, generator=g, device="cuda").to(torch.bfloat16)
     extra = {"gated_act": F.silu} if gated else {}
     plain = _run(x, w, dy, **extra)
-    sharded = _run(x, w, dy, **extra, **{kind.split("+")[0]: group}, sp_chunks=chunks)
+    sp_overlap = SPOverlap("chunks", 3) if overlap == "chunks3" else SPOverlap(overlap)
+    sharded = _run(x, w, dy, **extra, **{kind.split("+")[0]: group}, sp_overlap=sp_overlap)
     for a, b, what in zip(plain, sharded, ("forward", "dX", "dW")):
         assert torch.equal(a, b), what
 
@@ -58,7 +62,7 @@ def test_one_rank_gathers_change_no_byte(group, tokens, kind, chunks):
 @pytest.mark.parametrize("backend", ["deepgemm", "cublaslt", "triton"])
 @pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 1024), (6144, 4096), (4096, 3072)])  # a TP 4 rank's four linears
 def test_the_gemms_rows_do_not_depend_on_how_many_rows_run_at_once(backend, n, k):
-    """FProp of a micro-batch's 4352 rows at once, and of its row pieces one by one (`sp_chunks`' forward): the same
+    """FProp of a micro-batch's 4352 rows at once, and of its row pieces one by one (`SPOverlap`'s forward in pieces): the same
     bytes, on every backend the FP8 linear may use."""
     from megatron_jetrl.fp8 import PrecisionFlow
     from megatron_jetrl.fp8.gemm import available_backends

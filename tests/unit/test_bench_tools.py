@@ -1,5 +1,5 @@
-"""The FP8 benchmark tools (tools/bench/bench_fp8.py, tools/bench/bench_actor.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
-cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here times anything."""
+"""The FP8 benchmark tools (tools/bench/bench_fp8.py, bench_actor.py, bench_sp_overlap.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
+cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here asserts a time."""
 
 from __future__ import annotations
 
@@ -229,3 +229,29 @@ def test_bench_kv_scales_refuses_bad_arguments_and_needs_cuda(tmp_path):
         r = run(sys.executable, REPO / "tools/bench/bench_kv_scales.py", "--json", tmp_path / "k.json", cwd=tmp_path)
         one_line(r, 2, "error: ", "needs a CUDA GPU")
         assert not (tmp_path / "k.json").exists()
+
+
+def test_bench_sp_overlap_tiny_checks_every_overlap_on_two_gloo_ranks(tmp_path):
+    """The TP benchmark's smoke run: both modes' sequence-parallel linears and each FP8 overlap, checked against the
+    one-collective FP8 linear before timing (gathered outputs and gradients to the bit), on 2 CPU ranks."""
+    out = tmp_path / "sp.json"
+    r = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "tools/bench/bench_sp_overlap.py",
+        "--tiny",
+        "--json",
+        out,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["world"] == 2 and set(report["linears"]) == {"qkv", "o", "gate_up", "down"}
+    for name, row in report["linears"].items():
+        assert set(row["check"]) == {"none", "chunks2", "chunks4", "ring"}, name
+        assert all(c["ok"] for c in row["check"].values()), (name, row["check"])
+        if name in ("o", "down"):  # two partial sums: the same bits in any order
+            assert all(c["output_rel_err"] == 0.0 for c in row["check"].values()), (name, row["check"])
+        assert all(row[v] > 0 for v in ("bf16", "bf16-local", "jetrl-none", "jetrl-ring", "jetrl-local")), row
+    assert "| all four |" in r.stdout

@@ -174,20 +174,33 @@ CASES = {
         ["model.hf_config={model_type: mistral, num_attention_heads: 2}"],
         r"model_type='mistral'; megatron-jetrl supports",
     ),
-    # ---- sequence parallelism's overlapped pieces
-    "sp_chunks without sequence parallelism": (
-        ["parallel.tp=2", "parallel.sp_chunks=2"],
-        r"parallel.sp_chunks=2 splits sequence parallelism's forward communication: set parallel.sequence_parallel=true "
-        r"with sp_chunks >= 2, or sp_chunks=1",
+    # ---- sequence parallelism's overlap of communication and GEMMs
+    "SP overlap off the list": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_overlap=async"],
+        r"parallel.sp_overlap must be none, chunks or ring, got 'async'",
     ),
-    "sp_chunks of none": (
-        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=0"],
-        r"parallel.sp_chunks=0 splits sequence parallelism's forward communication",
+    "SP overlap without sequence parallelism": (
+        ["parallel.tp=2", "parallel.sp_overlap=ring"],
+        r"parallel.sp_overlap=ring overlaps sequence parallelism's forward communication: set "
+        r"parallel.sequence_parallel=true, or parallel.sp_overlap=none",
     ),
-    "sp_chunks in BF16": (
-        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=2", "precision.mode=bf16"],
-        r"parallel.sp_chunks=2 overlaps the local spec's FP8 gathers and reduce-scatters; precision.mode=bf16 with "
-        r"model.spec=local runs megatron's BF16 ones: set parallel.sp_chunks=1",
+    "one piece": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_overlap=chunks", "parallel.sp_chunks=1"],
+        r"parallel.sp_chunks=1 pieces: give 2 or more",
+    ),
+    "pieces without chunks": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=2"],
+        r"parallel.sp_chunks=2 is the piece count of parallel.sp_overlap=chunks \(here none\): set "
+        r"parallel.sp_overlap=chunks, or leave sp_chunks at 4",
+    ),
+    "pieces round the ring": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_overlap=ring", "parallel.sp_chunks=8"],
+        r"parallel.sp_chunks=8 is the piece count of parallel.sp_overlap=chunks \(here ring\)",
+    ),
+    "SP overlap in BF16": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_overlap=ring", "precision.mode=bf16"],
+        r"parallel.sp_overlap=ring overlaps the local spec's FP8 gathers and reduce-scatters; precision.mode=bf16 with "
+        r"model.spec=local runs megatron's BF16 ones: set parallel.sp_overlap=none",
     ),
     # ---- the actor's CUDA graphs (actor.layer_graphs)
     "CUDA graphs: a word off the list": (
@@ -239,8 +252,9 @@ def test_the_same_settings_fit_where_they_should():
         load_config(None, [*graphs, "parallel.tp=2", "precision.mode=bf16", "model.cuda_graphs=all"]).model.cuda_graphs == "all"
     )
     assert load_config(None, ["run.device=cuda"]).model.cuda_graphs == "none"  # the default
-    sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_chunks=4", "precision.exact_logprobs=false"]
-    assert load_config(None, sp).parallel.sp_chunks == 4
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "precision.exact_logprobs=false"]
+    assert load_config(None, [*sp, "parallel.sp_overlap=chunks", "parallel.sp_chunks=3"]).parallel.sp_chunks == 3
+    assert load_config(None, [*sp, "parallel.sp_overlap=ring"]).parallel.sp_overlap == "ring"
 
 
 def test_a_heldout_set_the_task_cannot_fill_is_a_config_error():

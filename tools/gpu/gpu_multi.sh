@@ -4,12 +4,14 @@
 # (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
 # launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)
 #
-#   bash tools/gpu/gpu_multi.sh STAGE...      STAGE: setup | tests | sweep | vllm     e.g. bash tools/gpu/gpu_multi.sh setup sweep
+#   bash tools/gpu/gpu_multi.sh STAGE...      STAGE: setup | tests | overlap | sweep | vllm     e.g. bash tools/gpu/gpu_multi.sh setup sweep
 #
 #   setup  .whl/*.whl (megatron-core, math-verify) -> /tmp/mcore; DeepGEMM -> /tmp/dg, from .kits/deep_gemm when carried,
 #          else the copy the vLLM kit bundles (/tmp/vllm-site/vllm/third_party/deep_gemm, the same files).
 #   tests  GPU 0: tools/gpu/run_gpu_tests.sh -k "$TESTS_K" (the FP8 kernels, DeepGEMM, the FP8 linear); then
 #          tests/gpu/test_actor_tp_gpu.py (megatron TP 2 on both GPUs against TP 1).
+#   overlap tools/bench/bench_sp_overlap.py on every GPU (one TP group, sequence parallel): megatron's BF16 linears against
+#          the FP8 ones with each parallel.sp_overlap, checked against none first -> $OUT/sp_overlap.json
 #   sweep  launch/tp_sweep.sh --tp "$SWEEP_TP" --modes "$SWEEP_MODES" at configs/gpu_8b_shapes.yaml (Qwen3-8B layer
 #          shapes, 8 layers) with the native engine -> $OUT/sweep_report.{md,csv} (the paper's Table 4 with our numbers).
 #   vllm   GRPO with rollout.engine=vllm on every rank, trainer TP 2, one run per ROLLOUT_TP:MODE in $RUNS (rollout
@@ -33,9 +35,9 @@ WORK=${WORK:-/dev/shm/jetrl_multi}
 STEPS=${STEPS:-4}
 CONFIG=configs/gpu_8b_shapes.yaml
 mkdir -p "$OUT" "$WORK"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_multi.sh STAGE... (setup | tests | sweep | vllm)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_multi.sh STAGE... (setup | tests | overlap | sweep | vllm)"; exit 2; }
 for stage in "$@"; do
-  case $stage in setup|tests|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | sweep | vllm)"; exit 2 ;; esac
+  case $stage in setup|tests|overlap|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | overlap | sweep | vllm)"; exit 2 ;; esac
 done
 T_END=$(( $(date +%s) + ${TOTAL_TIMEOUT:-570} ))
 left() { local s=$(( T_END - $(date +%s) - 5 )); [ "$s" -lt 1 ] && s=1; [ "$1" -lt "$s" ] && echo "$1" || echo "$s"; }
@@ -91,6 +93,9 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/tests_gpu0.log" | grep -E "passed|failed|Error|FAILED" | tail -15
       with_dg timeout "$(left 240)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_actor_tp_gpu.py 2>&1 \
         | tee "$OUT/tests_tp2.log" | grep -E "passed|failed|Error|FAILED|skipped" | tail -15 ;;
+    overlap)
+      with_dg timeout -k 15 "$(left 300)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_sp_overlap.py \
+        --json "$OUT/sp_overlap.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sp_overlap.log" | tail -15 ;;
     sweep)
       with_dg timeout -k 15 "$(left 420)" bash launch/tp_sweep.sh --tp "${SWEEP_TP:-1 2}" --modes "${SWEEP_MODES:-bf16 jetrl}" \
         --steps "$STEPS" --out "$WORK/sweep" "$CONFIG" ${ARGS:-} 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sweep.log" | tail -30
