@@ -204,6 +204,29 @@ def host_issue_ms(fn, params, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_profile(fn, top: int, label: str) -> list[dict]:
+    """One `fn()` under cProfile: its `top` costliest functions by self time (ms), printed under `label` and returned."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(
+        (
+            {"function": pstats.func_std_string(f), "calls": nc, "self_ms": tt * 1e3, "cumulative_ms": ct * 1e3}
+            for f, (_, nc, tt, ct, _) in stats.stats.items()
+        ),
+        key=lambda r: -r["self_ms"],
+    )[:top]
+    print(f"  host profile {label}: {stats.total_tt * 1e3:.1f} ms under cProfile; self ms, calls, function:")
+    for r in rows:
+        print(f"    {r['self_ms']:9.2f} {r['calls']:7d}  {r['function'][:150]}")
+    return rows
+
+
 def profile_step(fn, params, iters: int = 3) -> dict:
     """GPU kernel time of one `fn()` (mean of `iters`), by category, the top kernels, and every kernel with its
     time and calls per `fn()` (`kernels`, for the JSON) (torch.profiler)."""
@@ -679,26 +702,33 @@ def run_variants(a, variants, cfgs, arch, layers, device):
             if not bool(torch.isfinite(lp).all()):
                 raise RuntimeError("non-finite logprobs before training")
             extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old, "first": response_start(mask)}
-            times, results, retries = [], [], 0
-            for i in range(a.warmup + a.steps):
-                if i == a.warmup and cuda:
+            threads = {"device": (True,), "caller": (False,), "both": (True, False)}[a.backward_thread]
+            times, results, retries, caller_times = [], [], 0, []
+            for i in range(len(threads) * (a.warmup + a.steps)):
+                if i == len(threads) * a.warmup and cuda:
                     torch.cuda.reset_peak_memory_stats()
                     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                threaded = threads[i % len(threads)]
                 _sync(device)
                 t0 = time.perf_counter()
-                out = run.step(tokens, extras, a.micro_batch)
+                with torch.autograd.set_multithreading_enabled(threaded):
+                    out = run.step(tokens, extras, a.micro_batch)
                 _sync(device)
                 dt = (time.perf_counter() - t0) * 1e3
                 results.append(out)
                 if i == 0 and not (out.get("ok") and math.isfinite(out.get("loss", float("nan")))):
                     raise RuntimeError(f"first step not taken or not finite: {out}")
-                if i >= a.warmup:
-                    times.append(dt)
+                if i >= len(threads) * a.warmup:
+                    (times if threaded or len(threads) == 1 else caller_times).append(dt)
+            if caller_times:
+                row["step_ms_caller_thread"] = sorted(caller_times)[len(caller_times) // 2]
             row.update(time_logprob_pass(run, tokens, a.logprob_micro_batch or a.micro_batch, a.steps, device))
             if run.cfg.rollout.offload != "none":
                 row.update(offload_round_trip(run, device))
             if a.step_profile:
                 row["profile"] = profile_step(lambda: run.step(tokens, extras, a.micro_batch), [], iters=1)
+            if a.host_profile:
+                row["host_profile"] = host_profile(lambda: run.step(tokens, extras, a.micro_batch), a.host_profile, label)
             times.sort()
             row.update(
                 step_ms=times[len(times) // 2],
@@ -735,6 +765,11 @@ def run_variants(a, variants, cfgs, arch, layers, device):
                 f"logprob pass {row['logprob_ms']:8.1f} ms x{row.get('logprob_speedup_vs_bf16', float('nan')):.3f}  "
                 f"lp err {row['lp_rel_err_vs_bf16']:.3g}  loss {row['first_loss']:.4g}  grad_norm {row['first_grad_norm']}  "
                 f"peak {row['peak_gib']:.1f} GiB  alloc retries {row['alloc_retries']}"
+                + (
+                    f"  step, backward on the caller's thread {row['step_ms_caller_thread']:.1f} ms"
+                    if "step_ms_caller_thread" in row
+                    else ""
+                )
                 if "step_ms" in row
                 else f"FAILED: {row.get('error')}"
             )
@@ -945,6 +980,22 @@ def main(argv=None):
         "--step-profile",
         action="store_true",
         help="after timing, profile one more step of every variant: GPU kernel time by category",
+    )
+    g.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, one more step of every variant under cProfile: its N costliest functions by self time "
+        "(the host's own work; waits on the GPU show as the sync calls)",
+    )
+    p.add_argument(
+        "--backward-thread",
+        choices=("device", "caller", "both"),
+        default="device",
+        help="where a step's backward runs: autograd's device thread (torch's default), the calling thread "
+        "(torch.autograd.set_multithreading_enabled(False)), or both, alternating step by step in one process "
+        "(step_ms: device; step_ms_caller_thread: caller)",
     )
     g = p.add_argument_group("one layer (--layer)")
     g.add_argument("--shapes", nargs="*", default=["4096x2", "8192x1"], help="SEQxMICRO_BATCH")
