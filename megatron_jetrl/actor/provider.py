@@ -235,9 +235,11 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
         # the local spec's core attention applies RoPE itself (fp8_layers.SDPAttention / BatchInvariantAttention)
         **({"position_embedding_type": "none"} if options.spec == "local" else rope_kwargs(arch)),
     )
+    from megatron_jetrl.actor.embedding import use_main_grad_embedding
     from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer, use_ordered_reduce
 
     name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release", options.sp_overlap)
+    use_main_grad_embedding(model)
     if options.ordered_reduce:
         use_ordered_reduce(model)
     if options.batch_invariant:

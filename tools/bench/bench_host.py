@@ -53,6 +53,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5, help="alternations of the two launch paths per row")
     p.add_argument("--profile", action="store_true", help="cProfile of the FP8 linear fwd+bwd in a watch")
+    p.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="torch.profiler (host side) of the FP8 linear fwd+bwd in a watch: ops and autograd nodes by self host time, "
+        "every thread (the backward runs on autograd's device thread)",
+    )
     p.add_argument("--against", metavar="DIR", help="another checkout: A/B of the linear rows, a process per tree and round")
     p.add_argument("--linear-rows", action="store_true", help=argparse.SUPPRESS)  # one --against process: JSON line
     args = p.parse_args(argv)
@@ -166,6 +172,19 @@ def main(argv=None) -> int:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue())
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        run = fwd_bwd(lin, in_watch=True)
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(100):
+                run()
+            torch.cuda.synchronize()
+        print("torch.profiler, 100 FP8Linear fwd+bwd in a finite.watch, host side (us are totals over the 100):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70))
     return 0
 
 
