@@ -63,7 +63,7 @@ def overlap_of(name: str):
     return SPOverlap("chunks", int(name[6:])) if name.startswith("chunks") else SPOverlap(name)
 
 
-def make_step(mode: str, overlap: str | None, kind: str, n: int, k: int, tokens: int, group, device, gen):
+def make_step(mode: str, overlap: str | None, kind: str, n: int, k: int, tokens: int, group, device, gen, gemm_sms: int = 0):
     """A closure running one forward + backward of this linear in this variant (overlap None: no communication), and
     the tensors it reads (for the check)."""
     from megatron.core.tensor_parallel import linear_with_grad_accumulation_and_async_allreduce
@@ -93,7 +93,7 @@ def make_step(mode: str, overlap: str | None, kind: str, n: int, k: int, tokens:
             return y if (column or local) else reduce_scatter_to_sequence_parallel_region(y, group=group)
 
     else:
-        flow = PrecisionFlow(mode="jetrl", backend="auto" if device.type == "cuda" else "emulated")
+        flow = PrecisionFlow(mode="jetrl", backend="auto" if device.type == "cuda" else "emulated", gemm_sms=gemm_sms)
         qw = QuantizedWeight.quantize(w, flow, transposed=True)
         comm = {} if local else ({"sp_group": group} if column else {"rs_group": group})
         if not local:
@@ -151,6 +151,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4352, help="tokens of the micro-batch, split over the ranks")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny stand-in, gloo, 256 tokens, 2 reps")
+    p.add_argument("--gemm-sms", type=int, default=0, help="precision.gemm_sms of the FP8 linears (0: all SMs)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
 
@@ -171,7 +172,13 @@ def main() -> int:
     cfg, tokens, reps = (TINY, 256, 2) if a.tiny else (QWEN3_8B, a.tokens, a.reps)
     if tokens % world:
         raise SystemExit(f"--tokens {tokens} does not split over {world} ranks")
-    report = {"world": world, "tokens": tokens, "device": torch.cuda.get_device_name() if cuda else "cpu", "linears": {}}
+    report = {
+        "world": world,
+        "tokens": tokens,
+        "gemm_sms": a.gemm_sms,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "linears": {},
+    }
     for name, (kind, n, k) in linears(cfg, world).items():
         row = {}
         checked = {}
@@ -179,7 +186,7 @@ def main() -> int:
             variants = [(f"{mode}-local", None)] + ([("bf16", "none")] if mode == "bf16" else [(o, o) for o in OVERLAPS])
             for label, overlap in variants:
                 gen = torch.Generator(device=device).manual_seed(1000 * rank + len(name))  # the same tensors per variant
-                step, w = make_step(mode, overlap, kind, n, k, tokens, group, device, gen)
+                step, w = make_step(mode, overlap, kind, n, k, tokens, group, device, gen, a.gemm_sms)
                 if mode == "jetrl" and overlap is not None:
                     y, dx = step()
                     checked[label] = (y, dx, w.main_grad.clone())
@@ -204,7 +211,11 @@ def main() -> int:
 
 def print_table(report: dict) -> None:
     labels = ["bf16", "bf16-local", *(f"jetrl-{o}" for o in OVERLAPS), "jetrl-local"]
-    print(f"TP {report['world']} ({report['device']}), {report['tokens']} tokens, sequence parallel, fwd+bwd ms (x bf16)")
+    print(
+        f"TP {report['world']} ({report['device']}), {report['tokens']} tokens, sequence parallel, FP8 GEMMs on "
+        f"{report['gemm_sms'] or 'all'} SMs, CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}, "
+        "fwd+bwd ms (x bf16)"
+    )
     print("| linear | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 1) + "|")
     total = dict.fromkeys(labels, 0.0)
