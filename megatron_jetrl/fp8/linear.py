@@ -21,7 +21,6 @@ from megatron_jetrl.fp8.sequence_parallel import (
     NO_OVERLAP,
     SPOverlap,
     gather_rows,
-    gather_token_blocks,
     gathered_matmul,
     gathered_shape,
     matmul_scattered,
@@ -122,20 +121,14 @@ def _unflat(y: torch.Tensor, like: torch.Size) -> torch.Tensor:
 
 
 def _gathered_grad(dy_local2d, flow: PrecisionFlow, group, rows: bool, cols: bool):
-    """`_quantize_grad` of the whole sequence's output gradient from this rank's rows: each rank quantizes its rows and
-    the group all-gathers the FP8 bytes (the 1x128 groups always lie in one row; the 128x1 token groups in one rank's
-    rows when those are whole groups, else the BF16 rows are gathered and quantized whole)."""
-    if cols and dy_local2d.shape[0] % TOKENS[0]:
-        world = torch.distributed.get_world_size(group)
-        full = torch.empty((world * dy_local2d.shape[0], dy_local2d.shape[1]), dtype=dy_local2d.dtype, device=dy_local2d.device)
-        torch.distributed.all_gather_into_tensor(full, dy_local2d.contiguous(), group=group)
-        return _quantize_grad(full, flow, rows, cols)
-    dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy_local2d, flow, rows, cols)
-    if rows:
-        dy_q, dy_s = gather_rows(dy_q, dy_s, group)
-    if cols:
-        dyt_q, dyt_s = gather_token_blocks(dyt_q, dyt_s, group)
-    return dy_q, dy_s, dyt_q, dyt_s
+    """`_quantize_grad` of the whole sequence's output gradient from this rank's rows: the BF16 rows are all-gathered
+    (one collective, megatron's for a row-parallel backward) and quantized whole. Gathering each rank's quantized rows
+    instead would move about as many bytes (E4M3 bytes and scales of both layouts, ~2.06 bytes an element) in four
+    collectives and a transposing copy of the token-grouped bytes."""
+    world = torch.distributed.get_world_size(group)
+    full = torch.empty((world * dy_local2d.shape[0], dy_local2d.shape[1]), dtype=dy_local2d.dtype, device=dy_local2d.device)
+    torch.distributed.all_gather_into_tensor(full, dy_local2d.contiguous(), group=group)
+    return _quantize_grad(full, flow, rows, cols)
 
 
 def _fprop_sp(x_q, x_s, weight: QuantizedWeight, bias, flow, x_shape, out_dtype, sp_group, rs_group, overlap: SPOverlap):
@@ -326,7 +319,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if need_dx or need_dw:  # (only the bias may need a gradient: then dY is not quantized)
             if handed is not None:
                 dy_q, dy_s, dyt_q, dyt_s = handed
-            elif ctx.rs_group is not None:  # this rank's rows of dY: the whole sequence's gathered in FP8
+            elif ctx.rs_group is not None:  # this rank's rows of dY: the whole sequence's gathered, then quantized
                 dy_q, dy_s, dyt_q, dyt_s = _gathered_grad(dy2d, flow, ctx.rs_group, need_dx, need_dw)
             else:
                 dy_q, dy_s, dyt_q, dyt_s = _quantize_grad(dy2d, flow, need_dx, need_dw)
@@ -455,9 +448,8 @@ def fp8_linear(
     wire); the backward gathers them again for WGrad (while DGrad runs; only this rank's rows are saved) and
     reduce-scatters the input's gradient to this rank's rows while WGrad runs. With `rs_group` (a row-parallel linear
     under sequence parallelism) the output is summed over the group and this rank's rows of the sequence kept
-    (reduce-scatter), and the backward gathers the output gradient's rows in FP8: each rank quantizes its own, the
-    bytes of quantizing the gathered BF16 (its 128-token WGrad groups too, where each rank's rows are whole groups;
-    otherwise the BF16 rows are gathered). A bias is then added by the caller, after the sum. `sp_overlap` says how
+    (reduce-scatter), and the backward all-gathers the output gradient's BF16 rows (megatron's collective) and
+    quantizes the whole sequence (`_gathered_grad`). A bias is then added by the caller, after the sum. `sp_overlap` says how
     the forward's gather or reduce-scatter overlaps its GEMM (`fp8.sequence_parallel.SPOverlap`: in pieces, or round
     the ring): the gathered output is the one-collective one's to the bit, the reduce-scattered one sums in the order
     of the collective it uses; the backward is the same for all.

@@ -78,20 +78,6 @@ def gathered_shape(shape: torch.Size, world: int) -> torch.Size:
     return torch.Size((shape[0] * world, *shape[1:]))
 
 
-def gather_token_blocks(qt: torch.Tensor, st: torch.Tensor, group):
-    """All-gather 128x1-quantized operands stored K-major (`[N, T_local]` bytes, `[N, T_local/128]` scales) along
-    tokens, in rank order: `[N, T]` and `[N, T/128]`, the scales in the layout the quantizer gave. Exact when each
-    rank's rows are whole 128-token groups."""
-    world = dist.get_world_size(group)
-
-    def gather(t, dtype):
-        buf = torch.empty((world * t.shape[0], t.shape[1]), dtype=dtype, device=t.device)
-        dist.all_gather_into_tensor(buf, t.contiguous().view(dtype), group=group)
-        return buf.view(world, *t.shape).permute(1, 0, 2).reshape(t.shape[0], world * t.shape[1])
-
-    return gather(qt, torch.uint8).view(qt.dtype), scales_like(gather(st, st.dtype), st)
-
-
 def scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
     """A row-parallel output `[T, N]` summed over `group`, this rank's `T / world` rows kept (reduce-scatter)."""
     out = torch.empty((y.shape[0] // dist.get_world_size(group), y.shape[1]), dtype=y.dtype, device=y.device)

@@ -4,8 +4,8 @@
 Each rank quantizes its own rows and the group all-gathers the E4M3 bytes and the scales: those are, byte for byte,
 the quantization of the gathered BF16 rows, so the forward is the unsharded-sequence linear's to the bit; the
 backward's input gradient is the TP-summed gradient's rows of this rank, and WGrad (the rows gathered again in FP8)
-the unsharded linear's to the bit. A row-parallel linear reduce-scatters its output and gathers its output gradient
-in FP8, with the plain TP linear's gradients to the bit. Either forward overlapped with its GEMM (`SPOverlap`: in
+the unsharded linear's to the bit. A row-parallel linear reduce-scatters its output and gathers its BF16 output
+gradient (quantized whole), with the plain TP linear's gradients to the bit. Either forward overlapped with its GEMM (`SPOverlap`: in
 pieces, each piece's GEMM overlapping the next piece's communication, or round the ring of ranks) gives the
 one-collective outputs and gradients (at two ranks a sum of two partial outputs does not depend on its order; at four,
 the ring's reduce-scatter is the rank-by-rank sum it says, within BF16 rounding of the FP64 one). The whole actor's logprobs at TP 2 with sequence parallelism are plain TP 2's to
@@ -95,7 +95,7 @@ def _sp_linear_on_a_rank():
 
 ROW_SHAPES = [(128, 2, 128, 256, False), (6, 3, 256, 128, False), (4, 2, 128, 128, True)]
 """(sequence, batch, in features per rank, out features, gated): a row-parallel linear; 128 x 2 rows make each rank's
-dY rows whole 128-token groups (WGrad's bytes gathered in FP8), 6 x 3 and 4 x 2 do not (its BF16 rows gathered)."""
+dY rows whole 128-token groups, 6 x 3 and 4 x 2 do not."""
 
 
 def _row_parallel_on_a_rank():
