@@ -132,11 +132,14 @@ def matmul_scattered(x_q, x_s, mm: Matmul, group, overlap: SPOverlap, out_cols: 
     return y
 
 
-def _ring_step(sends: list[torch.Tensor], recvs: list[torch.Tensor], group):
-    """Send `sends` to the next rank of `group` and receive `recvs` from the previous one (group order, wrapping
-    round), all at once; the pending works."""
+def _ring(group) -> tuple[int, int, int, int]:
+    """This rank's index in `group`, the group's size, and the global ranks after and before it (wrapping round)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    after, before = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    return rank, world, dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+
+
+def _ring_step(sends: list[torch.Tensor], recvs: list[torch.Tensor], after: int, before: int, group):
+    """Send `sends` to global rank `after` and receive `recvs` from `before`, all at once; the pending works."""
     ops = [dist.P2POp(dist.isend, t, after, group) for t in sends] + [dist.P2POp(dist.irecv, t, before, group) for t in recvs]
     return dist.batch_isend_irecv(ops)
 
@@ -155,14 +158,14 @@ def _sendable(s: torch.Tensor) -> torch.Tensor:
 def _gathered_ring(x_q, x_s, mm: Matmul, group, out_cols: int, out_dtype) -> torch.Tensor:
     """The gather as a ring: at step i this rank multiplies the shard of rank r - i while passing it to rank r + 1 and
     receiving rank r - i - 1's from rank r - 1."""
-    rank, world, t = dist.get_rank(group), dist.get_world_size(group), x_q.shape[0]
+    (rank, world, after, before), t = _ring(group), x_q.shape[0]
     y = torch.empty((world * t, out_cols), dtype=out_dtype, device=x_q.device)
     q, s = x_q.contiguous().view(torch.uint8), _sendable(x_s)  # (K not a multiple of 16: the bytes sit in wider rows)
     for i in range(world):
         works = []
         if i < world - 1:
             q_in, s_in = torch.empty_like(q), torch.empty_like(s)  # (empty_like keeps the scales' strides)
-            works = _ring_step([q, _wire(s)], [q_in, _wire(s_in)], group)
+            works = _ring_step([q, _wire(s)], [q_in, _wire(s_in)], after, before, group)
         src = (rank - i) % world
         y[src * t : (src + 1) * t] = mm(q.view(x_q.dtype), s)
         for work in works:
@@ -176,7 +179,7 @@ def _scattered_ring(x_q, x_s, mm: Matmul, group, out_dtype) -> torch.Tensor:
     """The reduce-scatter as a ring: at step i this rank multiplies the rows of rank r - i - 1 while the running sum of
     its previous step's rows travels to rank r + 1; it adds the sum it receives to that product and passes it on, and
     at the last step keeps its own rows' sum."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world, after, before = _ring(group)
     t = x_q.shape[0] // world
     q = x_q.view(torch.uint8)
     works, incoming = [], None
@@ -190,5 +193,5 @@ def _scattered_ring(x_q, x_s, mm: Matmul, group, out_dtype) -> torch.Tensor:
             part += incoming
         if i < world - 1:
             incoming = torch.empty_like(part)
-            works = _ring_step([part], [incoming], group)
+            works = _ring_step([part], [incoming], after, before, group)
     return part
