@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_jetrl.actor.offload import OFFLOAD_CHOICES
+from megatron_jetrl.fp8.sequence_parallel import OVERLAPS
 
 
 class ConfigError(ValueError):
@@ -298,7 +299,7 @@ class ParallelConfig:
             "parallel.sequence_parallel=false",
         )
         _check(
-            self.sp_overlap in ("none", "chunks", "ring"),
+            self.sp_overlap in OVERLAPS,
             f"parallel.sp_overlap must be none, chunks or ring, got {self.sp_overlap!r}",
         )
         _check(
