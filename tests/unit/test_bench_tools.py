@@ -1,4 +1,4 @@
-"""The FP8 benchmark tools (tools/bench/bench_fp8.py, bench_actor.py, bench_sp_overlap.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
+"""The FP8 benchmark tools (tools/bench/bench_fp8.py, bench_actor.py, bench_sp_overlap.py, bench_pipeline.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
 cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here asserts a time."""
 
 from __future__ import annotations
@@ -255,3 +255,54 @@ def test_bench_sp_overlap_tiny_checks_every_overlap_on_two_gloo_ranks(tmp_path):
             assert all(c["output_rel_err"] == 0.0 for c in row["check"].values()), (name, row["check"])
         assert all(row[v] > 0 for v in ("bf16", "bf16-local", "jetrl-none", "jetrl-ring", "jetrl-local")), row
     assert "| all four |" in r.stdout
+
+
+def test_split_timeline_charges_the_window_to_compute_p2p_waits_and_host_gaps():
+    """bench_pipeline reads a stage's timeline: compute where any non-NCCL kernel runs (overlaps once), P2P wait where
+    only NCCL runs, host gap where nothing runs, all clipped to the window every stage shares."""
+    from tools.bench.bench_pipeline import split_timeline
+
+    ms = 1_000_000  # ns
+    kernels = [
+        (0, 2 * ms, "ncclDevKernel_SendRecv"),  # waiting for the peer: only NCCL runs for 1 ms
+        (1 * ms, 4 * ms, "sm90_fp8_gemm_1d2d"),
+        (2 * ms, 3 * ms, "quant_tile_1x128"),  # inside the GEMM's span: counted once in compute
+        (6 * ms, 7 * ms, "flash_fwd_kernel"),
+        (9 * ms, 12 * ms, "multi_tensor_apply_kernel"),  # runs past the window's end: clipped
+    ]
+    tl = split_timeline(kernels, (0, 10 * ms))
+    assert tl["window_ms"] == 10 and tl["compute_ms"] == 3 + 1 + 1 and tl["p2p_wait_ms"] == 1
+    assert tl["host_gap_ms"] == 10 - 5 - 1 and tl["kernels"] == 5
+    assert tl["categories"] == {"GEMM": 3.0, "quantize": 1.0, "attention": 1.0, "optimizer": 3.0}
+    with pytest.raises(ValueError, match="empty window"):
+        split_timeline(kernels, (5, 5))
+
+
+def test_bench_pipeline_needs_torchrun_and_a_gpu():
+    one_line(run(sys.executable, "tools/bench/bench_pipeline.py", "--tiny"), 2, "torchrun")
+    r = run(sys.executable, "tools/bench/bench_pipeline.py", "--steps", "0")
+    one_line(r, 2, "--steps must be >= 1")
+
+
+def test_bench_pipeline_tiny_checks_fp8_against_bf16_in_one_and_in_two_stages(tmp_path):
+    """The pipelined update's smoke run on CPU ranks (gloo, emulated FP8), in one stage and in two: FP8's logprobs sit
+    within FP8 noise of BF16's on the same weights, and its first step's gradient norm within 10% of BF16's."""
+    for n in (1, 2):
+        out = tmp_path / f"pp{n}.json"
+        r = run(
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={n}",
+            "tools/bench/bench_pipeline.py",
+            "--tiny",
+            "--json",
+            out,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(out.read_text())
+        rows = {row["variant"]: row for row in report["rows"]}
+        assert report["world"] == n and "| jetrl |" in r.stdout
+        assert rows["bf16"]["lp_rel_err_vs_bf16"] == 0 and 0 < rows["jetrl"]["lp_rel_err_vs_bf16"] < 0.5
+        assert rows["jetrl"]["first_grad_norm"] == pytest.approx(rows["bf16"]["first_grad_norm"], rel=0.1)
+        assert all(r["step_ms"] > 0 and r["logprob_ms"] > 0 for r in rows.values())

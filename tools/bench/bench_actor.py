@@ -478,6 +478,7 @@ class StepRun:
             rollout_kernels=cfg.precision.exact_logprobs,  # the engine's attention (FP8 with an FP8 KV cache) as a run has it
             logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
             update_graphs=cfg.model.cuda_graphs == "all",
+            pp_last_layers=cfg.parallel.pp_last_layers,
         )
         self.optim = optim
         torch.manual_seed(1234)

@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""The pipelined update: one GRPO training step of a Qwen3-8B-shaped actor split into pipeline stages, FP8 (`jetrl`)
+against BF16, and where each stage's GPU time goes.
+
+    torchrun --nproc-per-node=2 tools/bench/bench_pipeline.py --layers 18 --pp-last-layers 8 --seq 1088 \\
+        --micro-batch 4 --micro-batches 32 --override precision.exact_logprobs=false [--json PATH]
+    torchrun --nproc-per-node=2 tools/bench/bench_pipeline.py --tiny          # CPU smoke run (gloo, emulated FP8)
+
+TP 1 x PP = the world size, one stage a rank. Each variant is what `bench_actor.py` times on one GPU (`StepRun`: the
+launcher's config for the mode, `build_model` of this rank's stage, megatron DDP and optimizer, `train_step` with
+the GRPO loss and megatron's 1F1B schedule), so the two tools' numbers compare: the same layers on one GPU against
+the same layers in a pipeline. Every variant gets the BF16 variant's initial weights; before timing, the last
+stage's logprobs must be within a centered relative error of 0.5 of BF16's (FP8 noise ~0.05-0.2) and the first
+step finite and taken.
+
+Timing: wall clock of `train_step` with every stage synchronized before and after (device sync and a barrier),
+median over `--steps` after `--warmup`; and the forward-only logprob pass over the same rows.
+
+`--profile` adds one profiled step per variant (torch.profiler on every stage at once). Each stage's kernel timeline,
+over the window from the first kernel of any stage to the last, splits into
+* compute: some kernel other than NCCL's runs (the stage's own work, by category);
+* P2P wait: only NCCL kernels run (a receive waiting for its peer's send, or a transfer);
+* host gap: nothing runs (the GPU waits for the host's next launch, or for the step to start or end there).
+With M micro-batches and P stages, 1F1B takes about (M + P - 1) x the busiest stage's compute per micro-batch;
+the table prints that bound beside the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tools.bench import bench_actor as ba  # noqa: E402
+from tools.bench.common import TINY, kernel_intervals  # noqa: E402
+
+CATEGORIES = (  # compute kernels by name, first match wins (lower-case substrings)
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
+    ("quantize", ("quant", "swiglu_bwd_tile")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor_apply", "normtwo")),
+)
+
+
+def split_timeline(intervals, window: tuple[int, int]) -> dict:
+    """Milliseconds of `window` (start_ns, end_ns) in which a compute kernel ran, only NCCL kernels ran, or nothing
+    ran, from the (start_ns, end_ns, name) `intervals` of one GPU; plus the compute kernels' summed time by category
+    and how many kernels were launched. Overlapping kernels count once."""
+    lo, hi = window
+    if hi <= lo:
+        raise ValueError(f"empty window {window}")
+
+    def union(ivs) -> list[tuple[int, int]]:
+        merged: list[list[int]] = []
+        for s, e in sorted((max(s, lo), min(e, hi)) for s, e in ivs if e > lo and s < hi):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return [(s, e) for s, e in merged]
+
+    compute = [(s, e) for s, e, n in intervals if "nccl" not in n.lower()]
+    busy_any = sum(e - s for s, e in union([(s, e) for s, e, _ in intervals]))
+    busy_compute = sum(e - s for s, e in union(compute))
+    cats: dict[str, float] = {}
+    for s, e, n in intervals:
+        if "nccl" in n.lower():
+            continue
+        low = n.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + (e - s) / 1e6
+    return {
+        "window_ms": (hi - lo) / 1e6,
+        "compute_ms": busy_compute / 1e6,
+        "p2p_wait_ms": (busy_any - busy_compute) / 1e6,
+        "host_gap_ms": (hi - lo - busy_any) / 1e6,
+        "kernels": len(intervals),
+        "categories": cats,
+    }
+
+
+def _sync_all(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def profiled_stage(fn, device) -> dict:
+    """One `fn()` under torch.profiler on this rank, read as `split_timeline` over the window all stages share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":  # the CPU smoke run has no kernel timeline
+        fn()
+        return {}
+    _sync_all(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync_all(device)
+    ivs = kernel_intervals(prof)
+    ends = [None] * dist.get_world_size()
+    dist.all_gather_object(ends, (min(s for s, _, _ in ivs), max(e for _, e, _ in ivs)))
+    return split_timeline(ivs, (min(s for s, _ in ends), max(e for _, e in ends)))
+
+
+def run_variant(a, label, cfg, arch, state, bf16_lp, device) -> tuple[dict, dict | None, object]:
+    """One variant: checks, timed steps, the logprob pass, the profile. Returns (row, its CPU state, its last-stage
+    logprobs) -- the state and logprobs are what later variants are checked against when this is the baseline."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jetrl.actor.logprobs import response_start
+    from megatron_jetrl.actor.parallel import from_last_stage
+
+    last = ps.is_pipeline_last_stage()
+    batch = a.micro_batch * a.micro_batches
+    tokens, mask, adv = ba.make_batch(arch.vocab_size, batch, a.seq, device)
+    run = ba.StepRun(label, cfg, arch, arch.num_layers, device, state=state)
+    try:
+        with torch.no_grad():
+            lp = run.logprobs(tokens, a.micro_batch)
+        err = None
+        if last:
+            lp = lp.float()
+            if bf16_lp is not None:
+                c, cr = lp - lp.mean(-1, keepdim=True), bf16_lp - bf16_lp.mean(-1, keepdim=True)
+                err = float((c - cr).norm() / cr.norm().clamp_min(1e-30))
+            elif not bool(torch.isfinite(lp).all()):
+                err = float("nan")
+        err = from_last_stage(err)
+        if err is not None and not (math.isfinite(err) and err < 0.5):
+            raise RuntimeError(f"{label}: logprobs differ from BF16 on the same weights: centered relative error {err:.3g}")
+        old = (bf16_lp if bf16_lp is not None else lp) if last else torch.zeros(batch, a.seq - 1, device=device)
+        extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old, "first": response_start(mask)}
+        times, first = [], None
+        for i in range(a.warmup + a.steps):
+            _sync_all(device)
+            t0 = time.perf_counter()
+            out = run.step(tokens, extras, a.micro_batch)
+            _sync_all(device)
+            if i == 0:
+                first = from_last_stage(out)
+                if not (first.get("ok") and math.isfinite(first.get("loss", float("nan")))):
+                    raise RuntimeError(f"{label}: first step not taken or not finite: {first}")
+            if i >= a.warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        lp_times = []
+        with torch.no_grad():
+            for _ in range(a.steps):
+                _sync_all(device)
+                t0 = time.perf_counter()
+                run.logprobs(tokens, a.logprob_micro_batch or a.micro_batch)
+                _sync_all(device)
+                lp_times.append((time.perf_counter() - t0) * 1e3)
+        stage = profiled_stage(lambda: run.step(tokens, extras, a.micro_batch), device) if a.profile else {}
+        stages = [None] * dist.get_world_size()
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        dist.all_gather_object(stages, dict(stage, peak_gib=peak))
+        row = {
+            "variant": label,
+            "step_ms": sorted(times)[len(times) // 2],
+            "step_ms_all": times,
+            "logprob_ms": sorted(lp_times)[len(lp_times) // 2],
+            "lp_rel_err_vs_bf16": err or 0.0,
+            "first_loss": first.get("loss"),
+            "first_grad_norm": first.get("grad_norm"),
+            "stages": stages,
+        }
+        return row, (run.cpu_state() if state is None else None), (lp if last else None)
+    finally:
+        run.close()
+
+
+def report(rows, a, pp: int) -> None:
+    base = rows[0]
+    print(f"\n{a.layers} layers in {pp} stages, {a.micro_batches} micro-batches of {a.micro_batch} x {a.seq} tokens a step")
+    print("| variant | step ms | vs bf16 | logprob pass ms | vs bf16 | lp rel. err | first loss | grad norm |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['step_ms']:.1f} | {base['step_ms'] / r['step_ms']:.2f}x | {r['logprob_ms']:.1f} | "
+            f"{base['logprob_ms'] / r['logprob_ms']:.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
+            f"{r['first_grad_norm']:.4g} |"
+        )
+    if not rows[0]["stages"][0].get("window_ms"):
+        return
+    cats = sorted({c for r in rows for s in r["stages"] for c in s["categories"]})
+    print(
+        "\nProfiled step, per stage (ms of the window every stage shares; compute per micro-batch = compute / "
+        "micro-batches; 1F1B bound = (M + P - 1) x the busiest stage's compute per micro-batch):"
+    )
+    print(
+        "| variant | stage | window | compute | P2P wait | host gap | kernels | compute / mb | "
+        + " | ".join(cats)
+        + " | peak GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(cats) + "---|")
+    for r in rows:
+        for i, s in enumerate(r["stages"]):
+            print(
+                f"| {r['variant']} | {i} | {s['window_ms']:.1f} | {s['compute_ms']:.1f} | {s['p2p_wait_ms']:.1f} | "
+                f"{s['host_gap_ms']:.1f} | {s['kernels']} | {s['compute_ms'] / a.micro_batches:.2f} | "
+                + " | ".join(f"{s['categories'].get(c, 0.0):.1f}" for c in cats)
+                + f" | {s['peak_gib']:.1f} |"
+            )
+        busiest = max(s["compute_ms"] for s in r["stages"]) / a.micro_batches
+        r["bound_1f1b_ms"] = (a.micro_batches + pp - 1) * busiest
+        print(f"| {r['variant']} | 1F1B bound | {r['bound_1f1b_ms']:.1f} | | | | | {busiest:.2f} |" + " |" * len(cats) + " |")
+    for r in rows[1:]:
+        per = [b["compute_ms"] / s["compute_ms"] for b, s in zip(base["stages"], r["stages"])]
+        print(
+            f"{r['variant']} vs bf16: step {base['step_ms'] / r['step_ms']:.2f}x, stage compute "
+            + ", ".join(f"{x:.2f}x" for x in per)
+            + f", 1F1B bound {base['bound_1f1b_ms'] / r['bound_1f1b_ms']:.2f}x"
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=["bf16", "jetrl"], help="MODE[+section.key=value...], as bench_actor")
+    p.add_argument("--preset", default=ba.DEFAULT_PRESET)
+    p.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
+    p.add_argument("--layers", type=int, default=18, help="decoder layers of the whole model")
+    p.add_argument("--pp-last-layers", type=int, default=0, help="layers of the last stage (parallel.pp_last_layers)")
+    p.add_argument("--seq", type=int, default=1088)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=32)
+    p.add_argument("--logprob-micro-batch", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="one more step per variant under torch.profiler, per stage")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: hidden 256, 4 layers, a few tokens")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    for name in ("layers", "seq", "micro_batch", "micro_batches", "steps", "warmup"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if "WORLD_SIZE" not in os.environ:
+        p.error("run it under torchrun, one process per pipeline stage: torchrun --nproc-per-node=2 " + sys.argv[0])
+    if not torch.cuda.is_available() and not a.tiny:
+        print("error: bench_pipeline.py needs CUDA GPUs (one a stage), or --tiny for a CPU smoke run", file=sys.stderr)
+        return 2
+    variants = ba.parse_modes(a.modes)
+    if a.tiny:
+        a.layers, a.seq, a.micro_batch, a.micro_batches, a.steps, a.warmup = 4, 64, 2, 4, 1, 1
+        a.override = ["precision.exact_logprobs=false", *a.override]
+    pp = int(os.environ["WORLD_SIZE"])
+    over = [
+        f"parallel.pp={pp}",
+        f"parallel.pp_last_layers={a.pp_last_layers}",
+        f"model.hf_config.num_hidden_layers={a.layers}",
+        *a.override,
+    ]
+    cfgs = {label: ba.load_preset(mode, a.preset, [*ov, *over]) for label, mode, ov in variants}
+    from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
+    from megatron_jetrl.models.arch import ModelArch
+
+    init_parallel(tp=1, pp=pp)
+    import dataclasses
+
+    arch = ModelArch.from_hf_config(dict(TINY, num_hidden_layers=a.layers)) if a.tiny else cfgs[variants[0][0]].arch()
+    arch = dataclasses.replace(arch, num_layers=a.layers, max_position_embeddings=max(a.seq, arch.max_position_embeddings))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(
+            f"{pp} x {name}, torch {torch.__version__}; {a.layers} Qwen3-8B-shaped layers, last stage {a.pp_last_layers or 'even'}"
+        )
+    rows, state, bf16_lp = [], None, None
+    for label, _, _ in variants:
+        row, st, lp = run_variant(a, label, cfgs[label], arch, state, bf16_lp, device)
+        if state is None:
+            state, bf16_lp = st, lp
+        rows.append(row)
+        if rank0:
+            print(f"  {label:28s} step {row['step_ms']:9.1f} ms  logprob pass {row['logprob_ms']:8.1f} ms", flush=True)
+        ba._gc()
+    destroy_parallel()
+    if rank0:
+        report(rows, a, pp)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "world": pp, "rows": rows}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
