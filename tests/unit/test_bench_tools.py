@@ -257,27 +257,6 @@ def test_bench_sp_overlap_tiny_checks_every_overlap_on_two_gloo_ranks(tmp_path):
     assert "| all four |" in r.stdout
 
 
-def test_split_timeline_charges_the_window_to_compute_p2p_waits_and_host_gaps():
-    """bench_pipeline reads a stage's timeline: compute where any non-NCCL kernel runs (overlaps once), P2P wait where
-    only NCCL runs, host gap where nothing runs, all clipped to the window every stage shares."""
-    from tools.bench.bench_pipeline import split_timeline
-
-    ms = 1_000_000  # ns
-    kernels = [
-        (0, 2 * ms, "ncclDevKernel_SendRecv"),  # waiting for the peer: only NCCL runs for 1 ms
-        (1 * ms, 4 * ms, "sm90_fp8_gemm_1d2d"),
-        (2 * ms, 3 * ms, "quant_tile_1x128"),  # inside the GEMM's span: counted once in compute
-        (6 * ms, 7 * ms, "flash_fwd_kernel"),
-        (9 * ms, 12 * ms, "multi_tensor_apply_kernel"),  # runs past the window's end: clipped
-    ]
-    tl = split_timeline(kernels, (0, 10 * ms))
-    assert tl["window_ms"] == 10 and tl["compute_ms"] == 3 + 1 + 1 and tl["p2p_wait_ms"] == 1
-    assert tl["host_gap_ms"] == 10 - 5 - 1 and tl["kernels"] == 5
-    assert tl["categories"] == {"GEMM": 3.0, "quantize": 1.0, "attention": 1.0, "optimizer": 3.0}
-    with pytest.raises(ValueError, match="empty window"):
-        split_timeline(kernels, (5, 5))
-
-
 def test_bench_pipeline_needs_torchrun_and_a_gpu():
     one_line(run(sys.executable, "tools/bench/bench_pipeline.py", "--tiny"), 2, "torchrun")
     r = run(sys.executable, "tools/bench/bench_pipeline.py", "--steps", "0")
@@ -306,3 +285,41 @@ def test_bench_pipeline_tiny_checks_fp8_against_bf16_in_one_and_in_two_stages(tm
         assert rows["bf16"]["lp_rel_err_vs_bf16"] == 0 and 0 < rows["jetrl"]["lp_rel_err_vs_bf16"] < 0.5
         assert rows["jetrl"]["first_grad_norm"] == pytest.approx(rows["bf16"]["first_grad_norm"], rel=0.1)
         assert all(r["step_ms"] > 0 and r["logprob_ms"] > 0 for r in rows.values())
+
+
+def test_bench_pipeline_report_reads_each_stage_and_bounds_1f1b(capsys):
+    """The per-stage table: compute per micro-batch is busy less the pipeline's send/recv, and 1F1B's bound is
+    (M + P - 1) x the busiest stage's compute per micro-batch."""
+    from types import SimpleNamespace
+
+    from tools.bench.bench_pipeline import report
+
+    def stage(busy, p2p, gemm):
+        cats = {"pipeline send/recv": p2p, "GEMM BF16": gemm}
+        return dict(wall_ms=100.0, busy_ms=busy, idle_ms=100.0 - busy, launches=10, categories=cats, peak_gib=1.0)
+
+    rows = [
+        dict(
+            variant="bf16",
+            step_ms=100.0,
+            logprob_ms=10.0,
+            lp_rel_err_vs_bf16=0.0,
+            first_loss=0.1,
+            first_grad_norm=1.0,
+            stages=[stage(90.0, 10.0, 50.0), stage(80.0, 20.0, 40.0)],
+        ),
+        dict(
+            variant="jetrl",
+            step_ms=80.0,
+            logprob_ms=8.0,
+            lp_rel_err_vs_bf16=0.1,
+            first_loss=0.1,
+            first_grad_norm=1.0,
+            stages=[stage(70.0, 10.0, 0.0), stage(75.0, 35.0, 0.0)],
+        ),
+    ]
+    report(rows, SimpleNamespace(layers=4, micro_batch=2, micro_batches=8, seq=64), pp=2)
+    out = capsys.readouterr().out
+    assert rows[0]["stages"][0]["compute_per_mb_ms"] == 10.0 and rows[0]["stages"][1]["compute_per_mb_ms"] == 7.5
+    assert rows[0]["bound_1f1b_ms"] == 9 * 10.0 and rows[1]["bound_1f1b_ms"] == 9 * 7.5
+    assert "jetrl vs bf16: step 1.25x, stage compute 1.33x, 1.50x, 1F1B bound 1.33x" in out

@@ -45,7 +45,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_jetrl.fp8 import FP8Linear, PrecisionFlow, blockwise_gemm, quantize_blockwise  # noqa: E402
 from megatron_jetrl.fp8 import kernels as K  # noqa: E402
 from megatron_jetrl.fp8.gemm import available_backends, gemm_emulated, resolve_backend  # noqa: E402
-from tools.bench import common  # noqa: E402
 
 DEV = "cuda"
 MODELS = {  # hidden, intermediate, q heads, kv heads, head dim
@@ -793,6 +792,17 @@ def timeline(intervals: list[tuple[int, int, str]], passes: int, top: int = 6, s
     }
 
 
+def kernel_intervals(prof) -> list[tuple[int, int, str]]:
+    """(start_ns, end_ns, name) of every CUDA kernel a torch.profiler run recorded (memcpy/memset included)."""
+    from torch.autograd import DeviceType
+
+    return [
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()
+    ]
+
+
 def profile_section(res, m=8192, iters=5):
     """torch.profiler over `iters` forward+backward passes of the four FP8 linears (shipped defaults,
     main_grad attached): GPU time per kernel and category per pass, against the wall time and the DeepGEMM ceiling."""
@@ -892,7 +902,7 @@ def profile_section(res, m=8192, iters=5):
             if not t["category"].startswith("GEMM"):
                 print(f"  {t['category']}: {t['ms']:.3f} ms")
         print(f"  no kernel running: {idle:.3f} ms", flush=True)
-    intervals = common.kernel_intervals(prof) if cuda else []
+    intervals = kernel_intervals(prof) if cuda else []
     try:
         tl = timeline(intervals, iters, skip=1) if cuda else None
     except ValueError as e:  # a pass with other kernels than the rest: nothing to compare per pass

@@ -16,13 +16,11 @@ step finite and taken.
 Timing: wall clock of `train_step` with every stage synchronized before and after (device sync and a barrier),
 median over `--steps` after `--warmup`; and the forward-only logprob pass over the same rows.
 
-`--profile` adds one profiled step per variant (torch.profiler on every stage at once). Each stage's kernel timeline,
-over the window from the first kernel of any stage to the last, splits into
-* compute: some kernel other than NCCL's runs (the stage's own work, by category);
-* P2P wait: only NCCL kernels run (a receive waiting for its peer's send, or a transfer);
-* host gap: nothing runs (the GPU waits for the host's next launch, or for the step to start or end there).
-With M micro-batches and P stages, 1F1B takes about (M + P - 1) x the busiest stage's compute per micro-batch;
-the table prints that bound beside the measured step.
+`--profile` adds one profiled step per variant (torch.profiler on every stage at once), read per stage as a run's
+`run.profile_step` reads a phase (`megatron_jetrl.rl.profiling`): wall, busy (some kernel ran) and idle (the GPU waited
+for its host), the pipeline's send/recv kernels (the transfers and the wait for the neighbouring stage), launches and
+kernel time by category. With M micro-batches and P stages, 1F1B takes about (M + P - 1) x the busiest stage's compute
+per micro-batch; the table prints that bound beside the measured step.
 """
 
 from __future__ import annotations
@@ -40,51 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tools.bench import bench_actor as ba  # noqa: E402
-from tools.bench.common import TINY, kernel_intervals  # noqa: E402
-
-CATEGORIES = (  # compute kernels by name, first match wins (lower-case substrings)
-    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
-    ("quantize", ("quant", "swiglu_bwd_tile")),
-    ("attention", ("flash", "fmha", "attention")),
-    ("optimizer", ("adam", "multi_tensor_apply", "normtwo")),
-)
-
-
-def split_timeline(intervals, window: tuple[int, int]) -> dict:
-    """Milliseconds of `window` (start_ns, end_ns) in which a compute kernel ran, only NCCL kernels ran, or nothing
-    ran, from the (start_ns, end_ns, name) `intervals` of one GPU; plus the compute kernels' summed time by category
-    and how many kernels were launched. Overlapping kernels count once."""
-    lo, hi = window
-    if hi <= lo:
-        raise ValueError(f"empty window {window}")
-
-    def union(ivs) -> list[tuple[int, int]]:
-        merged: list[list[int]] = []
-        for s, e in sorted((max(s, lo), min(e, hi)) for s, e in ivs if e > lo and s < hi):
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        return [(s, e) for s, e in merged]
-
-    compute = [(s, e) for s, e, n in intervals if "nccl" not in n.lower()]
-    busy_any = sum(e - s for s, e in union([(s, e) for s, e, _ in intervals]))
-    busy_compute = sum(e - s for s, e in union(compute))
-    cats: dict[str, float] = {}
-    for s, e, n in intervals:
-        if "nccl" in n.lower():
-            continue
-        low = n.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
-        cats[cat] = cats.get(cat, 0.0) + (e - s) / 1e6
-    return {
-        "window_ms": (hi - lo) / 1e6,
-        "compute_ms": busy_compute / 1e6,
-        "p2p_wait_ms": (busy_any - busy_compute) / 1e6,
-        "host_gap_ms": (hi - lo - busy_any) / 1e6,
-        "kernels": len(intervals),
-        "categories": cats,
-    }
+from tools.bench.common import TINY  # noqa: E402
 
 
 def _sync_all(device) -> None:
@@ -94,20 +48,21 @@ def _sync_all(device) -> None:
 
 
 def profiled_stage(fn, device) -> dict:
-    """One `fn()` under torch.profiler on this rank, read as `split_timeline` over the window all stages share."""
+    """One `fn()` under torch.profiler on this rank, summarized as a run's profiled phase is (`rl.profiling`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from megatron_jetrl.rl import profiling
 
     if device.type != "cuda":  # the CPU smoke run has no kernel timeline
         fn()
         return {}
     _sync_all(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         _sync_all(device)
-    ivs = kernel_intervals(prof)
-    ends = [None] * dist.get_world_size()
-    dist.all_gather_object(ends, (min(s for s, _, _ in ivs), max(e for _, e, _ in ivs)))
-    return split_timeline(ivs, (min(s for s, _ in ends), max(e for _, e in ends)))
+        wall = time.perf_counter() - t0
+    return profiling.summarize(profiling._events(prof), wall, cuda=True)
 
 
 def run_variant(a, label, cfg, arch, state, bf16_lp, device) -> tuple[dict, dict | None, object]:
@@ -188,32 +143,31 @@ def report(rows, a, pp: int) -> None:
             f"{base['logprob_ms'] / r['logprob_ms']:.2f}x | {r['lp_rel_err_vs_bf16']:.3g} | {r['first_loss']:.4g} | "
             f"{r['first_grad_norm']:.4g} |"
         )
-    if not rows[0]["stages"][0].get("window_ms"):
+    if not rows[0]["stages"][0].get("busy_ms"):
         return
-    cats = sorted({c for r in rows for s in r["stages"] for c in s["categories"]})
     print(
-        "\nProfiled step, per stage (ms of the window every stage shares; compute per micro-batch = compute / "
-        "micro-batches; 1F1B bound = (M + P - 1) x the busiest stage's compute per micro-batch):"
+        "\nProfiled step, per stage (ms; `rl.profiling`'s reading: busy = some kernel ran, send/recv = the pipeline's "
+        "NCCL kernels, the wait for the neighbouring stage included; compute / mb = (busy - send/recv) / micro-batches; "
+        "1F1B bound = (M + P - 1) x the busiest stage's compute / mb):"
     )
-    print(
-        "| variant | stage | window | compute | P2P wait | host gap | kernels | compute / mb | "
-        + " | ".join(cats)
-        + " | peak GiB |"
-    )
+    cats = ["GEMM FP8", "GEMM BF16", "quantize", "attention", "optimizer"]
+    print("| variant | stage | wall | busy | idle | send/recv | launches | compute / mb | " + " | ".join(cats) + " | peak GiB |")
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(cats) + "---|")
     for r in rows:
         for i, s in enumerate(r["stages"]):
+            p2p = s["categories"].get("pipeline send/recv", 0.0)
+            s["compute_per_mb_ms"] = (s["busy_ms"] - p2p) / a.micro_batches
             print(
-                f"| {r['variant']} | {i} | {s['window_ms']:.1f} | {s['compute_ms']:.1f} | {s['p2p_wait_ms']:.1f} | "
-                f"{s['host_gap_ms']:.1f} | {s['kernels']} | {s['compute_ms'] / a.micro_batches:.2f} | "
+                f"| {r['variant']} | {i} | {s['wall_ms']:.1f} | {s['busy_ms']:.1f} | {s['idle_ms']:.1f} | {p2p:.1f} | "
+                f"{s['launches']} | {s['compute_per_mb_ms']:.2f} | "
                 + " | ".join(f"{s['categories'].get(c, 0.0):.1f}" for c in cats)
                 + f" | {s['peak_gib']:.1f} |"
             )
-        busiest = max(s["compute_ms"] for s in r["stages"]) / a.micro_batches
+        busiest = max(s["compute_per_mb_ms"] for s in r["stages"])
         r["bound_1f1b_ms"] = (a.micro_batches + pp - 1) * busiest
         print(f"| {r['variant']} | 1F1B bound | {r['bound_1f1b_ms']:.1f} | | | | | {busiest:.2f} |" + " |" * len(cats) + " |")
     for r in rows[1:]:
-        per = [b["compute_ms"] / s["compute_ms"] for b, s in zip(base["stages"], r["stages"])]
+        per = [b["compute_per_mb_ms"] / s["compute_per_mb_ms"] for b, s in zip(base["stages"], r["stages"])]
         print(
             f"{r['variant']} vs bf16: step {base['step_ms'] / r['step_ms']:.2f}x, stage compute "
             + ", ".join(f"{x:.2f}x" for x in per)

@@ -37,14 +37,3 @@ def timed(device: torch.device, fn):
     out = fn()
     sync(device)
     return time.perf_counter() - t0, out
-
-
-def kernel_intervals(prof) -> list[tuple[int, int, str]]:
-    """(start_ns, end_ns, name) of every CUDA kernel a torch.profiler run recorded (memcpy/memset included)."""
-    from torch.autograd import DeviceType
-
-    return [
-        (e.start_ns(), e.end_ns(), e.name())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns()
-    ]

@@ -7,7 +7,8 @@
 # Each mode runs `python -m megatron_jetrl.rl.train $CONFIG precision.mode=<mode> run.name=gpu_<mode>` under
 # `timeout` (world size 1: the trainer sets up its own process group), with nvidia-smi sampling GPU memory.
 # Afterwards each run's metrics.jsonl, a results.json (summaries, wall times, exit codes, peak memory) and
-# table.md (means over steps 1.. , i.e. without the first step) are in $OUT; the run's checkpoint is deleted.
+# table.md (means over steps 1.. , i.e. without the first step) are in $OUT, with a profiled step's
+# profile_step<N>_rank<R>.json (run.profile_step) as <run>.profile_step<N>_rank<R>.json; the run's checkpoint is deleted.
 #
 # Environment (all optional):
 #   OUT          where results go (default out/gpu_grpo; the device tool sets it)
@@ -91,6 +92,7 @@ for mode in $MODES; do
   echo "{\"mode\": \"$mode\", \"rc\": $rc, \"wall_s\": $wall}" >"$WORK/$name.run.json"
   [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
   [ -f "$dir/summary.json" ] && cp "$dir/summary.json" "$WORK/$name.summary.json"
+  for f in "$dir"/profile_step*_rank*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name.$(basename "$f")"; done  # run.profile_step
   ls -la "$dir/checkpoints" 2>/dev/null | tail -n +2 | tee -a "$log"
   du -sh "$dir" 2>/dev/null | tee -a "$log"
   rm -rf "$dir"
