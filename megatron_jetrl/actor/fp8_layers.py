@@ -212,16 +212,6 @@ class BatchInvariantRowParallelLinear(RowParallelLinear):
         return ops.bi_linear(input, weight, bias)
 
 
-def use_batch_invariant_output_layer(model) -> None:
-    """Give this stage's GPTModel output layer (if it has one) the batch-invariant GEMM; weights untouched.
-    GPTModel builds that layer itself, so the instance is re-classed (same state, same TP semantics)."""
-    layer = getattr(model, "output_layer", None)
-    if layer is not None:
-        if type(layer) is not ColumnParallelLinear:
-            raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
-        layer.__class__ = BatchInvariantColumnParallelLinear
-
-
 class _FP8Weight:
     """Mixin: the FP8 weight of this module's shard, quantized once per weight version."""
 

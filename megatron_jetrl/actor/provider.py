@@ -236,22 +236,34 @@ def build_model(arch: ModelArch, flow: PrecisionFlow, options: ActorOptions = Ac
         **({"position_embedding_type": "none"} if options.spec == "local" else rope_kwargs(arch)),
     )
     from megatron_jetrl.actor.embedding import use_main_grad_embedding
-    from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_batch_invariant_output_layer, use_ordered_reduce
+    from megatron_jetrl.actor.fp8_layers import name_fp8_layers, use_ordered_reduce
+    from megatron_jetrl.actor.output_layer import use_output_layer
 
     name_fp8_layers(model, options.fp8_weight_t, options.bf16_linear_weights == "release", options.sp_overlap)
     use_main_grad_embedding(model)
     if options.ordered_reduce:
         use_ordered_reduce(model)
-    if options.batch_invariant:
-        use_batch_invariant_output_layer(model)
-    if options.rollout_kernels:
-        from megatron_jetrl.actor.rollout_kernels import use_rollout_output_layer
-
-        use_rollout_output_layer(model)
+    use_output_layer(model, _output_layer_class(options))
     model.actor_options = options  # read by actor.logprobs (which log-softmax)
     if torch.cuda.is_available():  # megatron builds some modules (our RMSNorm) on the CPU; its own setup calls .cuda()
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _output_layer_class(options: ActorOptions) -> type:
+    """The lm_head's class: the batch-invariant GEMM, the GEMM vLLM runs (exact logprobs), or torch's with
+    token-major logits (`actor.output_layer`)."""
+    if options.batch_invariant:
+        from megatron_jetrl.actor.fp8_layers import BatchInvariantColumnParallelLinear
+
+        return BatchInvariantColumnParallelLinear
+    if options.rollout_kernels:
+        from megatron_jetrl.actor.rollout_kernels import RolloutOutputLayer
+
+        return RolloutOutputLayer
+    from megatron_jetrl.actor.output_layer import TokenMajorOutputLayer
+
+    return TokenMajorOutputLayer
 
 
 def copy_weights(src, dst, arch: ModelArch, *, src_spec: str, dst_spec: str) -> list[str]:

@@ -57,9 +57,7 @@ from megatron_jetrl.actor.fp8_layers import (
     row_parallel_in_rank_order,
 )
 from megatron_jetrl.actor.fused import fused_rope
-from megatron_jetrl.actor.wgrad_fusion import PATCH as WGRAD_PATCH
-from megatron_jetrl.fp8.linear import wgrad_in_main_grad
-from megatron_jetrl.patching import load_patch
+from megatron_jetrl.actor.output_layer import GemmLinear
 
 FA_VERSION = 3
 """The FlashAttention build vLLM 0.26 runs on Hopper (`vllm.vllm_flash_attn`, fa_version 3)."""
@@ -243,52 +241,12 @@ def persistent_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _batch_invariant().linear_batch_invariant(x, weight)
 
 
-class _Linear(torch.autograd.Function):
-    """`x @ w.T` with a batch-invariant GEMM forward (`gemm`); plain torch GEMMs backward. `fuse`: WGrad adds into
-    the weight's FP32 `main_grad` (megatron DDP) in the GEMM, as megatron's BF16 linears do under
-    `gradient_accumulation_fusion` (`actor.wgrad_fusion`), instead of a BF16 gradient DDP adds afterwards. `token_major`
-    (the lm_head, `x[s, b, K]`): the rows run sample by sample, so the output is a `[s, b, N]` view of a
-    `[b, s, N]`-contiguous tensor and GPTModel's `transpose(0, 1).contiguous()` of the logits copies nothing; its
-    gradient arrives in that layout too. The GEMM's rows do not depend on their order (`gemm` is batch-invariant):
-    the same logits either way."""
-
-    @staticmethod
-    def forward(ctx, x, weight, gemm, fuse: bool, token_major: bool):
-        ctx.fuse, ctx.token_major, ctx.shape = fuse, token_major and x.dim() == 3, x.shape
-        x2d = x.transpose(0, 1).reshape(-1, x.shape[-1]) if ctx.token_major else x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2d, weight)
-        y = gemm(x2d, weight)
-        if ctx.token_major:
-            return y.view(x.shape[1], x.shape[0], -1).transpose(0, 1)
-        return y.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2d, weight = ctx.saved_tensors
-        g2 = (grad.transpose(0, 1) if ctx.token_major else grad).reshape(-1, grad.shape[-1])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = g2 @ weight
-            if ctx.token_major:  # contiguous: megatron all-reduces `x.contiguous()` in place of x under TP
-                dx = dx.view(ctx.shape[1], ctx.shape[0], -1).transpose(0, 1).contiguous()
-            else:
-                dx = dx.view(ctx.shape)
-        if ctx.needs_input_grad[1]:
-            main_grad = getattr(weight, "main_grad", None)
-            if ctx.fuse and main_grad is not None:
-                load_patch(WGRAD_PATCH).wgrad_gemm_accum_fp32(x2d, g2, main_grad)
-                dw = wgrad_in_main_grad(weight)
-            else:
-                dw = g2.t() @ x2d
-        return dx, dw, None, None, None
-
-
 def rollout_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemm=persistent_gemm, fuse=False, token_major=False
 ) -> torch.Tensor:
-    """A linear as vLLM computes it under `exact_logprobs`: `gemm`, then `+ bias` in the output dtype (`_Linear`:
-    `fuse`, `token_major`)."""
-    y = _Linear.apply(x, weight, gemm, fuse, token_major)
+    """A linear as vLLM computes it under `exact_logprobs`: `gemm`, then `+ bias` in the output dtype (`GemmLinear`:
+    `fuse`, `token_major`: `actor.output_layer.GemmLinear`)."""
+    y = GemmLinear.apply(x, weight, gemm, fuse, token_major)
     return y if bias is None else y + bias
 
 
@@ -298,7 +256,7 @@ class RolloutColumnParallelLinear(ColumnParallelLinear):
 
     gemm = staticmethod(persistent_gemm)
     token_major = False
-    takes_wgrad_fusion = True  # `actor.wgrad_fusion` may switch its gradient_accumulation_fusion on (`_Linear`'s fuse)
+    takes_wgrad_fusion = True  # `actor.wgrad_fusion` may switch its gradient_accumulation_fusion on (`GemmLinear`'s fuse)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **_):
         x = _column_parallel_input(self, input, allreduce_dgrad, sequence_parallel)
@@ -306,8 +264,8 @@ class RolloutColumnParallelLinear(ColumnParallelLinear):
 
 
 class RolloutOutputLayer(RolloutColumnParallelLinear):
-    """The GPTModel output layer (lm_head) with the lm_head GEMM both sides run (`lm_head_gemm`), its rows sample by
-    sample (`_Linear`'s `token_major`)."""
+    """The GPTModel output layer (lm_head) with the lm_head GEMM both sides run (`lm_head_gemm`), its logits
+    token-major (`actor.output_layer`)."""
 
     gemm = staticmethod(lm_head_gemm)
     token_major = True
@@ -326,12 +284,3 @@ class RolloutRowParallelLinear(RowParallelLinear):
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion=None, **_):
         fuse = self.gradient_accumulation_fusion if gradient_accumulation_fusion is None else gradient_accumulation_fusion
         return rollout_linear(input, weight, bias, fuse=fuse)
-
-
-def use_rollout_output_layer(model) -> None:
-    """Give this stage's GPTModel output layer (if it has one) the lm_head GEMM both sides run; weights untouched."""
-    layer = getattr(model, "output_layer", None)
-    if layer is not None:
-        if type(layer) is not ColumnParallelLinear:
-            raise TypeError(f"expected GPTModel's ColumnParallelLinear output layer, got {type(layer).__name__}")
-        layer.__class__ = RolloutOutputLayer
