@@ -185,3 +185,19 @@ def spawn(world: int, tp: int, pp: int, fn, *args) -> list:
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry, args=(world, free_port(), tp, pp, fn, args, d), nprocs=world, join=True)
         return [torch.load(Path(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def tp_rank_config(hidden: int, sequence_parallel: bool, dtype: torch.dtype):
+    """(megatron TransformerConfig of one small layer over this gloo rank's TP group, TP size, TP rank): for tests of
+    single megatron modules (the embedding, the output layer) under TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    group = ps.get_tensor_model_parallel_group()
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=dtype,
+    )  # fmt: skip
+    return cfg, tp, rank

@@ -20,6 +20,13 @@ def run(*args, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([*map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+def tiny_on_ranks(tool: str, ranks: int, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`tool --tiny --json out` under torchrun on `ranks` CPU processes: the run (exit 0 asserted) and its JSON."""
+    r = run(sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", tool, "--tiny", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(out.read_text())
+
+
 def one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
     err = r.stderr.strip()
     assert r.returncode == code, r.stdout + r.stderr
@@ -234,19 +241,7 @@ def test_bench_kv_scales_refuses_bad_arguments_and_needs_cuda(tmp_path):
 def test_bench_sp_overlap_tiny_checks_every_overlap_on_two_gloo_ranks(tmp_path):
     """The TP benchmark's smoke run: both modes' sequence-parallel linears and each FP8 overlap, checked against the
     one-collective FP8 linear before timing (gathered outputs and gradients to the bit), on 2 CPU ranks."""
-    out = tmp_path / "sp.json"
-    r = run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "tools/bench/bench_sp_overlap.py",
-        "--tiny",
-        "--json",
-        out,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(out.read_text())
+    r, report = tiny_on_ranks("tools/bench/bench_sp_overlap.py", 2, tmp_path / "sp.json")
     assert report["world"] == 2 and set(report["linears"]) == {"qkv", "o", "gate_up", "down"}
     for name, row in report["linears"].items():
         assert set(row["check"]) == {"none", "chunks2", "chunks4", "ring"}, name
@@ -267,19 +262,7 @@ def test_bench_pipeline_tiny_checks_fp8_against_bf16_in_one_and_in_two_stages(tm
     """The pipelined update's smoke run on CPU ranks (gloo, emulated FP8), in one stage and in two: FP8's logprobs sit
     within FP8 noise of BF16's on the same weights, and its first step's gradient norm within 10% of BF16's."""
     for n in (1, 2):
-        out = tmp_path / f"pp{n}.json"
-        r = run(
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={n}",
-            "tools/bench/bench_pipeline.py",
-            "--tiny",
-            "--json",
-            out,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        report = json.loads(out.read_text())
+        r, report = tiny_on_ranks("tools/bench/bench_pipeline.py", n, tmp_path / f"pp{n}.json")
         rows = {row["variant"]: row for row in report["rows"]}
         assert report["world"] == n and "| jetrl |" in r.stdout
         assert rows["bf16"]["lp_rel_err_vs_bf16"] == 0 and 0 < rows["jetrl"]["lp_rel_err_vs_bf16"] < 0.5
@@ -298,25 +281,13 @@ def test_bench_pipeline_report_reads_each_stage_and_bounds_1f1b(capsys):
         cats = {"pipeline send/recv": p2p, "GEMM BF16": gemm}
         return dict(wall_ms=100.0, busy_ms=busy, idle_ms=100.0 - busy, launches=10, categories=cats, peak_gib=1.0)
 
+    def row(variant, step_ms, err, stages):
+        return dict(variant=variant, step_ms=step_ms, logprob_ms=step_ms / 10, lp_rel_err_vs_bf16=err, first_loss=0.1,
+                    first_grad_norm=1.0, stages=stages)  # fmt: skip
+
     rows = [
-        dict(
-            variant="bf16",
-            step_ms=100.0,
-            logprob_ms=10.0,
-            lp_rel_err_vs_bf16=0.0,
-            first_loss=0.1,
-            first_grad_norm=1.0,
-            stages=[stage(90.0, 10.0, 50.0), stage(80.0, 20.0, 40.0)],
-        ),
-        dict(
-            variant="jetrl",
-            step_ms=80.0,
-            logprob_ms=8.0,
-            lp_rel_err_vs_bf16=0.1,
-            first_loss=0.1,
-            first_grad_norm=1.0,
-            stages=[stage(70.0, 10.0, 0.0), stage(75.0, 35.0, 0.0)],
-        ),
+        row("bf16", 100.0, 0.0, [stage(90.0, 10.0, 50.0), stage(80.0, 20.0, 40.0)]),
+        row("jetrl", 80.0, 0.1, [stage(70.0, 10.0, 0.0), stage(75.0, 35.0, 0.0)]),
     ]
     report(rows, SimpleNamespace(layers=4, micro_batch=2, micro_batches=8, seq=64), pp=2)
     out = capsys.readouterr().out

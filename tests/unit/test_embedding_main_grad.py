@@ -12,25 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from actor_helpers import spawn
+from actor_helpers import spawn, tp_rank_config
 
 VOCAB, HIDDEN, SEQ, BATCH = 64, 128, 8, 3
 
 
 def _on_a_rank(sequence_parallel: bool):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import VocabParallelEmbedding
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_jetrl.actor.embedding import MainGradEmbedding, use_main_grad_embedding
 
-    group = ps.get_tensor_model_parallel_group()
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=torch.bfloat16,
-    )  # fmt: skip
+    cfg, tp, rank = tp_rank_config(HIDDEN, sequence_parallel, torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     ids[0, :4] = 7  # repeated ids: their rows are summed

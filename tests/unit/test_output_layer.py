@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from actor_helpers import spawn
+from actor_helpers import spawn, tp_rank_config
 
 VOCAB, HIDDEN, SEQ, BATCH = 96, 128, 8, 3
 
 
 def _on_a_rank(sequence_parallel: bool, fuse: bool):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_jetrl.actor.output_layer import TokenMajorOutputLayer, use_output_layer
     from megatron_jetrl.actor.wgrad_fusion import PATCH
     from megatron_jetrl.patching import load_patch
 
     load_patch(PATCH).apply()
-    group = ps.get_tensor_model_parallel_group()
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=torch.float32,
-    )  # fmt: skip
+    cfg, tp, rank = tp_rank_config(HIDDEN, sequence_parallel, torch.float32)
     g = torch.Generator().manual_seed(3)
     x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g)  # [s, b, h], the final norm's output
     weight_full = torch.randn(VOCAB, HIDDEN, generator=g) * 0.1
