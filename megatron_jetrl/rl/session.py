@@ -243,6 +243,27 @@ def check_exact_device(flow: PrecisionFlow, device: torch.device) -> None:
         )
 
 
+def actor_options(cfg: JetRLConfig) -> ActorOptions:
+    """How a run of `cfg` (resolved: `rl.resolve`) builds its actor, and the benchmarks theirs."""
+    flow = cfg.precision
+    par = cfg.parallel
+    return ActorOptions(
+        spec=cfg.model.spec,
+        params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
+        batch_invariant=cfg.model.batch_invariant,
+        fused=cfg.model.fused,
+        rollout_kernels=flow.exact_logprobs,
+        sequence_parallel=par.sequence_parallel,
+        sp_overlap=SPOverlap(par.sp_overlap, par.sp_chunks if par.sp_overlap == "chunks" else 1),
+        ordered_reduce=flow.exact_logprobs and par.tp > 2,
+        fp8_weight_t=cfg.model.fp8_weight_t,
+        pp_last_layers=par.pp_last_layers,
+        bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",
+        logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
+        update_graphs=cfg.model.cuda_graphs == "all",
+    )
+
+
 def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
     """Everything the loop needs (collective: every rank calls it)."""
     from megatron_jetrl.actor.fp8_layers import offload_frozen_weights
@@ -262,21 +283,7 @@ def build_session(cfg: JetRLConfig, run: RunContext) -> Session:
     check_prompt_room(cfg, arch, tokenizer, problems, heldout)
     sampler = PromptSampler(problems, cfg.grpo.prompts_per_step, seed=cfg.run.seed)
 
-    options = ActorOptions(
-        spec=cfg.model.spec,
-        params_dtype=torch.bfloat16 if cfg.optim.bf16 else torch.float32,
-        batch_invariant=batch_invariant,
-        fused=cfg.model.fused,
-        rollout_kernels=flow.exact_logprobs,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        sp_overlap=SPOverlap(cfg.parallel.sp_overlap, cfg.parallel.sp_chunks if cfg.parallel.sp_overlap == "chunks" else 1),
-        ordered_reduce=flow.exact_logprobs and cfg.parallel.tp > 2,
-        fp8_weight_t=cfg.model.fp8_weight_t,
-        pp_last_layers=cfg.parallel.pp_last_layers,
-        bf16_linear_weights="release" if cfg.bf16_linears_released() else "keep",
-        logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
-        update_graphs=cfg.model.cuda_graphs == "all",
-    )
+    options = actor_options(cfg)
     model = build_model(arch, flow, options)
     if cfg.model.path:
         load_hf_weights(model, arch, cfg.model.path, spec=cfg.model.spec)

@@ -20,9 +20,9 @@ def run(*args, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([*map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
-def tiny_on_ranks(tool: str, ranks: int, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    """`tool --tiny --json out` under torchrun on `ranks` CPU processes: the run (exit 0 asserted) and its JSON."""
-    r = run(sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", tool, "--tiny", "--json", out)
+def tiny_on_ranks(tool: str, ranks: int, out: Path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    """`tool --tiny --json out *args` under torchrun on `ranks` CPU processes: the run (exit 0 asserted) and its JSON."""
+    r = run(sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", tool, "--tiny", "--json", out, *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads(out.read_text())
 
@@ -258,13 +258,14 @@ def test_bench_pipeline_needs_torchrun_and_a_gpu():
     one_line(r, 2, "--steps must be >= 1")
 
 
-def test_bench_pipeline_tiny_checks_fp8_against_bf16_in_one_and_in_two_stages(tmp_path):
-    """The pipelined update's smoke run on CPU ranks (gloo, emulated FP8), in one stage and in two: FP8's logprobs sit
-    within FP8 noise of BF16's on the same weights, and its first step's gradient norm within 10% of BF16's."""
-    for n in (1, 2):
-        r, report = tiny_on_ranks("tools/bench/bench_pipeline.py", n, tmp_path / f"pp{n}.json")
+def test_bench_pipeline_tiny_checks_fp8_against_bf16_in_one_and_two_stages_and_at_tp_2(tmp_path):
+    """The update bench's smoke run on CPU ranks (gloo, emulated FP8): one stage, two pipeline stages, and TP 2 with
+    sequence parallelism. FP8's logprobs sit within FP8 noise of BF16's on the same weights, and its first step's
+    gradient norm within 10% of BF16's."""
+    for ranks, args in ((1, ()), (2, ()), (2, ("--tp", "2", "--override", "parallel.sequence_parallel=true"))):
+        r, report = tiny_on_ranks("tools/bench/bench_pipeline.py", ranks, tmp_path / f"{ranks}{len(args)}.json", *args)
         rows = {row["variant"]: row for row in report["rows"]}
-        assert report["world"] == n and "| jetrl |" in r.stdout
+        assert report["world"] == ranks and report["tp"] * report["pp"] == ranks and "| jetrl |" in r.stdout
         assert rows["bf16"]["lp_rel_err_vs_bf16"] == 0 and 0 < rows["jetrl"]["lp_rel_err_vs_bf16"] < 0.5
         assert rows["jetrl"]["first_grad_norm"] == pytest.approx(rows["bf16"]["first_grad_norm"], rel=0.1)
         assert all(r["step_ms"] > 0 and r["logprob_ms"] > 0 for r in rows.values())

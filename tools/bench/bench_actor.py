@@ -459,8 +459,9 @@ class StepRun:
         import dataclasses
 
         from megatron_jetrl.actor.fp8_layers import unwrap
-        from megatron_jetrl.actor.provider import ActorOptions, build_model
+        from megatron_jetrl.actor.provider import build_model
         from megatron_jetrl.actor.train_step import wrap_for_training
+        from megatron_jetrl.rl.session import actor_options
 
         self.label, self.cfg, self.flow = label, cfg, cfg.precision
         self.arch = dataclasses.replace(arch, num_layers=layers)
@@ -469,16 +470,11 @@ class StepRun:
         release = (
             cfg.bf16_linears_released() and optim.bf16 and not optim.distributed
         )  # model.bf16_linear_weights, as a run resolves it
-        self.options = ActorOptions(
+        self.options = dataclasses.replace(  # as a run of `cfg` builds its actor, with the CPU's FP32 params
+            actor_options(cfg),
             params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
             max_sequence_length=max(self.arch.max_position_embeddings, 1),
-            fused=cfg.model.fused,
-            fp8_weight_t=cfg.model.fp8_weight_t,
             bf16_linear_weights="release" if release else "keep",
-            rollout_kernels=cfg.precision.exact_logprobs,  # the engine's attention (FP8 with an FP8 KV cache) as a run has it
-            logprob_graphs=cfg.model.cuda_graphs in ("logprobs", "all"),
-            update_graphs=cfg.model.cuda_graphs == "all",
-            pp_last_layers=cfg.parallel.pp_last_layers,
         )
         self.optim = optim
         torch.manual_seed(1234)

@@ -4,9 +4,11 @@ against BF16, and where each stage's GPU time goes.
 
     torchrun --nproc-per-node=2 tools/bench/bench_pipeline.py --layers 18 --pp-last-layers 8 --seq 1088 \\
         --micro-batch 4 --micro-batches 32 --override precision.exact_logprobs=false [--json PATH]
+    torchrun --nproc-per-node=2 tools/bench/bench_pipeline.py --tp 2 --layers 8 --override parallel.sequence_parallel=true
     torchrun --nproc-per-node=2 tools/bench/bench_pipeline.py --tiny          # CPU smoke run (gloo, emulated FP8)
 
-TP 1 x PP = the world size, one stage a rank. Each variant is what `bench_actor.py` times on one GPU (`StepRun`: the
+TP `--tp` (1) x PP = the world size / tp: the pipeline's stages, each over a TP group (the table's rows: every
+rank, by its global rank; TP ranks of a stage follow each other). Each variant is what `bench_actor.py` times on one GPU (`StepRun`: the
 launcher's config for the mode, `build_model` of this rank's stage, megatron DDP and optimizer, `train_step` with
 the GRPO loss and megatron's 1F1B schedule), so the two tools' numbers compare: the same layers on one GPU against
 the same layers in a pipeline. Every variant gets the BF16 variant's initial weights; before timing, the last
@@ -132,9 +134,9 @@ def run_variant(a, label, cfg, arch, state, bf16_lp, device) -> tuple[dict, dict
         run.close()
 
 
-def report(rows, a, pp: int) -> None:
+def report(rows, a, pp: int, tp: int = 1) -> None:
     base = rows[0]
-    print(f"\n{a.layers} layers in {pp} stages, {a.micro_batches} micro-batches of {a.micro_batch} x {a.seq} tokens a step")
+    print(f"\n{a.layers} layers, TP {tp} x PP {pp}, {a.micro_batches} micro-batches of {a.micro_batch} x {a.seq} tokens a step")
     print("| variant | step ms | vs bf16 | logprob pass ms | vs bf16 | lp rel. err | first loss | grad norm |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -151,7 +153,7 @@ def report(rows, a, pp: int) -> None:
         "1F1B bound = (M + P - 1) x the busiest stage's compute / mb):"
     )
     cats = ["GEMM FP8", "GEMM BF16", "quantize", "attention", "optimizer"]
-    print("| variant | stage | wall | busy | idle | send/recv | launches | compute / mb | " + " | ".join(cats) + " | peak GiB |")
+    print("| variant | rank | wall | busy | idle | send/recv | launches | compute / mb | " + " | ".join(cats) + " | peak GiB |")
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(cats) + "---|")
     for r in rows:
         for i, s in enumerate(r["stages"]):
@@ -179,7 +181,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=["bf16", "jetrl"], help="MODE[+section.key=value...], as bench_actor")
     p.add_argument("--preset", default=ba.DEFAULT_PRESET)
-    p.add_argument("--override", nargs="*", default=[], help="section.key=value overrides for every variant")
+    p.add_argument(
+        "--override", nargs="*", action="extend", default=[], help="section.key=value overrides for every variant (repeatable)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size; the pipeline's is the world size / tp")
     p.add_argument("--layers", type=int, default=18, help="decoder layers of the whole model")
     p.add_argument("--pp-last-layers", type=int, default=0, help="layers of the last stage (parallel.pp_last_layers)")
     p.add_argument("--seq", type=int, default=1088)
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: hidden 256, 4 layers, a few tokens")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    for name in ("layers", "seq", "micro_batch", "micro_batches", "steps", "warmup"):
+    for name in ("tp", "layers", "seq", "micro_batch", "micro_batches", "steps", "warmup"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if "WORLD_SIZE" not in os.environ:
@@ -204,8 +209,13 @@ def main(argv=None) -> int:
     if a.tiny:
         a.layers, a.seq, a.micro_batch, a.micro_batches, a.steps, a.warmup = 4, 64, 2, 4, 1, 1
         a.override = ["precision.exact_logprobs=false", *a.override]
-    pp = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    if world % a.tp:
+        p.error(f"--tp {a.tp} does not divide the {world} ranks torchrun started")
+    pp = world // a.tp
     over = [
+        f"parallel.tp={a.tp}",
+        f"rollout.tp={a.tp}",
         f"parallel.pp={pp}",
         f"parallel.pp_last_layers={a.pp_last_layers}",
         f"model.hf_config.num_hidden_layers={a.layers}",
@@ -215,7 +225,7 @@ def main(argv=None) -> int:
     from megatron_jetrl.actor.parallel import destroy_parallel, init_parallel
     from megatron_jetrl.models.arch import ModelArch
 
-    init_parallel(tp=1, pp=pp)
+    init_parallel(tp=a.tp, pp=pp)
     import dataclasses
 
     arch = ModelArch.from_hf_config(dict(TINY, num_hidden_layers=a.layers)) if a.tiny else cfgs[variants[0][0]].arch()
@@ -225,7 +235,8 @@ def main(argv=None) -> int:
     if rank0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(
-            f"{pp} x {name}, torch {torch.__version__}; {a.layers} Qwen3-8B-shaped layers, last stage {a.pp_last_layers or 'even'}"
+            f"{world} x {name}, torch {torch.__version__}; TP {a.tp} x PP {pp}, {a.layers} Qwen3-8B-shaped layers, "
+            f"last stage {a.pp_last_layers or 'even'}"
         )
     rows, state, bf16_lp = [], None, None
     for label, _, _ in variants:
@@ -238,10 +249,10 @@ def main(argv=None) -> int:
         ba._gc()
     destroy_parallel()
     if rank0:
-        report(rows, a, pp)
+        report(rows, a, pp, a.tp)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"args": vars(a), "world": pp, "rows": rows}, f, indent=1, default=str)
+                json.dump({"args": vars(a), "world": world, "tp": a.tp, "pp": pp, "rows": rows}, f, indent=1, default=str)
     return 0
 
 

@@ -15,7 +15,9 @@
 #   pipeline tools/bench/bench_pipeline.py, one pipeline stage per GPU: the update of $PIPE_LAYERS (18) Qwen3-8B layers,
 #          the last stage $PIPE_LAST (8) of them, 32 micro-batches of 4 x 1088 tokens, bf16 against jetrl (exact logprobs
 #          off: no vLLM), each stage's profiled timeline; then the first stage's layer count as one GPU's whole step
-#          (tools/bench/bench_actor.py, GPU 0) -> $OUT/pipeline.json, $OUT/pipeline_one_gpu.json
+#          (tools/bench/bench_actor.py, GPU 0) -> $OUT/pipeline.json, $OUT/pipeline_one_gpu.json. PIPE_MODES: other
+#          variants (e.g. "bf16 jetrl jetrl+model.cuda_graphs=all"); PIPE_ARGS: more bench_pipeline arguments, e.g.
+#          "--tp 2 --pp-last-layers 0 --override parallel.sequence_parallel=true" (then no one-GPU run)
 #   sweep  launch/tp_sweep.sh --tp "$SWEEP_TP" --modes "$SWEEP_MODES" at configs/gpu_8b_shapes.yaml (Qwen3-8B layer
 #          shapes, 8 layers) with the native engine -> $OUT/sweep_report.{md,csv} (the paper's Table 4 with our numbers).
 #   vllm   GRPO with rollout.engine=vllm on every rank, trainer TP 2, one run per ROLLOUT_TP:MODE in $RUNS (rollout
@@ -103,12 +105,12 @@ for stage in "$@"; do
     pipeline)
       n=$(nvidia-smi -L | wc -l); shape=(--seq 1088 --micro-batch 4 --micro-batches 32 --override precision.exact_logprobs=false)
       with_dg timeout -k 15 "$(left 360)" torchrun --nproc-per-node="$n" tools/bench/bench_pipeline.py --layers "${PIPE_LAYERS:-18}" \
-        --pp-last-layers "${PIPE_LAST:-8}" "${shape[@]}" --profile --json "$OUT/pipeline.json" 2>&1 \
-        | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/pipeline.log" | tail -30
+        --pp-last-layers "${PIPE_LAST:-8}" "${shape[@]}" --modes ${PIPE_MODES:-bf16 jetrl} ${PIPE_ARGS:-} --profile \
+        --json "$OUT/pipeline.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/pipeline.log" | tail -30
       last=${PIPE_LAST:-8}; first=$(( last ? (${PIPE_LAYERS:-18} - last) / (n - 1) : ${PIPE_LAYERS:-18} / n ))
-      CUDA_VISIBLE_DEVICES=0 with_dg timeout -k 15 "$(left 240)" python3 tools/bench/bench_actor.py --layers "$first" "${shape[@]}" \
-        --warmup 1 --steps 2 --step-profile --json "$OUT/pipeline_one_gpu.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
-        | tee "$OUT/pipeline_one_gpu.log" | tail -12 ;;
+      [ -n "${PIPE_ARGS:-}" ] || CUDA_VISIBLE_DEVICES=0 with_dg timeout -k 15 "$(left 240)" python3 tools/bench/bench_actor.py \
+        --layers "$first" "${shape[@]}" --warmup 1 --steps 2 --step-profile --json "$OUT/pipeline_one_gpu.json" 2>&1 \
+        | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/pipeline_one_gpu.log" | tail -12 ;;
     sweep)
       with_dg timeout -k 15 "$(left 420)" bash launch/tp_sweep.sh --tp "${SWEEP_TP:-1 2}" --modes "${SWEEP_MODES:-bf16 jetrl}" \
         --steps "$STEPS" --out "$WORK/sweep" "$CONFIG" ${ARGS:-} 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sweep.log" | tail -30
