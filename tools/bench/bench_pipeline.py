@@ -96,6 +96,8 @@ def run_variant(a, label, cfg, arch, state, bf16_lp, device) -> tuple[dict, dict
         old = (bf16_lp if bf16_lp is not None else lp) if last else torch.zeros(batch, a.seq - 1, device=device)
         extras = {"old": old, "adv": adv, "mask": mask, "rollout": old, "ref": old, "first": response_start(mask)}
         times, first = [], None
+        if device.type == "cuda":  # this variant's own peak
+            torch.cuda.reset_peak_memory_stats(device)
         for i in range(a.warmup + a.steps):
             _sync_all(device)
             t0 = time.perf_counter()
