@@ -118,6 +118,15 @@ def run_variant(a, label, cfg, arch, state, bf16_lp, device) -> tuple[dict, dict
                 _sync_all(device)
                 lp_times.append((time.perf_counter() - t0) * 1e3)
         stage = profiled_stage(lambda: run.step(tokens, extras, a.micro_batch), device) if a.profile else {}
+        if a.host_profile:  # every rank prints its own, one after the other
+            for rank in range(dist.get_world_size()):
+                _sync_all(device)
+                if rank == dist.get_rank():
+                    stage["host_profile"] = ba.host_profile(
+                        lambda: run.step(tokens, extras, a.micro_batch), a.host_profile, f"{label} rank {rank}"
+                    )
+                else:  # the other ranks run the same step (the pipeline needs them), unprofiled
+                    run.step(tokens, extras, a.micro_batch)
         stages = [None] * dist.get_world_size()
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         dist.all_gather_object(stages, dict(stage, peak_gib=peak))
@@ -196,6 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="one more step per variant under torch.profiler, per stage")
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one more step per variant and rank under cProfile: its N costliest functions by self time (a blocking "
+        "call shows as its wait)",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: hidden 256, 4 layers, a few tokens")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
