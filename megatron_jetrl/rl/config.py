@@ -73,6 +73,8 @@ def _coerce(value, hint, where: str):
         others = [a for a in args if a is not type(None) and typing.get_origin(a) is not typing.Literal]
         if words and others == [bool] and not isinstance(value, bool):
             raise ConfigError(f"{where} must be true, false or {' or '.join(map(str, words))}, got {value!r}")
+        if words and others == [int] and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{where} must be an integer or {' or '.join(map(str, words))}, got {value!r}")
         return _coerce(value, next(a for a in args if a is not type(None)), where)
     if origin is typing.Literal:
         return _coerce(value, str, where) if all(isinstance(a, str) for a in typing.get_args(hint)) else value

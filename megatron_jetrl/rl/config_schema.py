@@ -143,7 +143,8 @@ class JetRLConfig:
             arch = self.arch()  # architecture problems surface here, before anything is built
             self.rollout.check_positions(arch.max_position_embeddings)
             try:
-                self.parallel.stage_layers(arch.num_layers)
+                if self.parallel.pp_last_layers != "auto":  # (resolved before anything reads the split)
+                    self.parallel.stage_layers(arch.num_layers)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
@@ -327,12 +328,12 @@ class JetRLConfig:
                 "a GPU here, model.bf16_linear_weights)"
             )
         if self.parallel.pp > 1 and not self.parallel.pp_last_layers and self.model.hf_config:
-            last = balanced_last_layers(self.arch(), self.parallel.pp)
+            last = balanced_last_layers(self.arch(), self.parallel.pp, self.precision.train_fp8, self.rollout.max_new_tokens)
             if last:
                 out.append(
                     f"parallel.pp={self.parallel.pp} splits the layers evenly, but the last stage also runs the output layer "
                     "and the logprobs, about as much work as several layers (BENCHMARKS.md); "
-                    f"parallel.pp_last_layers={last} evens the stages by the GEMM count"
+                    f"parallel.pp_last_layers={last} (what auto gives here) evens the stages"
                 )
         return out
 
@@ -352,25 +353,34 @@ THIN_FP8_SHARD = 1024
 BENCHMARKS.md)."""
 
 
-def balanced_last_layers(arch, pp: int) -> int:
-    """The last stage's layer count (`parallel.pp_last_layers`) that makes the busiest pipeline stage cheapest, counting
-    a layer's linears and the output layer by their weights (the logprobs ride on the output layer); 0 when the even
-    split is already best."""
-    from megatron_jetrl.models.mapping import stage_layers
+FP8_LINEAR_SPEEDUP = 1.4
+"""How much faster a decoder layer's linears run in FP8 than in BF16, forward and backward (the four Qwen3-8B linears'
+measured ratio, rounded down: BENCHMARKS.md, the FP8 linear): `balanced_last_layers`' FP8 layer cost."""
+HEAD_OVERHEAD = 1.1
+"""The output layer's time (lm_head GEMM and log-softmax, forward and backward) over its GEMM's share of the FLOPs:
+its log-softmax passes over the logits. From the stage profiles of an 18-layer Qwen3-8B pipeline in two stages
+(BENCHMARKS.md, pipeline parallelism)."""
 
+
+def balanced_last_layers(arch, pp: int, fp8: bool = False, tokens: int = 0) -> int:
+    """The last stage's decoder layers (`parallel.pp_last_layers`, its `auto`) that make the busiest of `pp` stages
+    least busy, among the splits megatron takes (the others hold (layers - last) / (pp - 1) each); 0 when that is the
+    even split, and at pp 1.
+
+    Costs per token, forward and backward alike, in units of one BF16 linear weight: a decoder layer
+    `linear_params / r + heads x head_dim x tokens` (its GEMMs, `r` = `FP8_LINEAR_SPEEDUP` where it trains in FP8 (`fp8`),
+    and causal attention over sequences of `tokens`, the responses' length); the output layer `vocab x hidden x
+    HEAD_OVERHEAD` (BF16 in every mode). The last stage costs its layers plus the output layer, counted in layers."""
     if pp == 1:
         return 0
-    head = arch.vocab_size * arch.hidden_size / arch.linear_params  # the output layer, in layers
-
-    def busiest(last: int) -> float:
-        try:
-            layers = stage_layers(arch.num_layers, pp, last)
-        except ValueError:
-            return float("inf")
-        return max(max(layers[:-1]), layers[-1] + head)
-
-    best = min(range(arch.num_layers), key=lambda last: (busiest(last), last))
-    return best if busiest(best) < busiest(0) else 0
+    layer = arch.linear_params / (FP8_LINEAR_SPEEDUP if fp8 else 1.0) + arch.num_heads * arch.head_dim * tokens
+    head = arch.vocab_size * arch.hidden_size * HEAD_OVERHEAD / layer
+    layers = arch.num_layers
+    splits = [last for last in range(1, layers - pp + 2) if (layers - last) % (pp - 1) == 0]
+    if not splits:  # fewer layers than stages: `models.mapping.stage_layers` refuses it, naming the fix
+        return 0
+    best = min(splits, key=lambda last: (max((layers - last) // (pp - 1), last + head), abs(last - layers / pp)))
+    return 0 if layers % pp == 0 and best == layers // pp else best
 
 
 def _plain(value):

@@ -267,10 +267,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline parallel size: each stage holds a contiguous share of the decoder layers (the first also the embedding,
     the last the final norm, output layer and logprobs); every rank's engine holds the whole model."""
-    pp_last_layers: int = 0
+    pp_last_layers: int | Literal["auto"] = 0
     """Decoder layers on the last pipeline stage; 0 splits them evenly. The last stage also runs the output layer and
     the logprobs, so fewer layers there even out the stages (megatron's `num_layers_in_last_pipeline_stage`; the other
-    stages split the rest evenly). `tools/profile_report.py` shows each stage's work: move layers until it is level."""
+    stages split the rest evenly). `auto`, resolved when the config loads (`rl.config_schema.balanced_last_layers`): the count
+    that leaves the busiest stage least busy, the output layer costed in decoder layers from the model's shapes, the
+    response length and whether the layers train in FP8 (FP8 layers are cheaper, so its last stage takes fewer); 0 at
+    pp 1. `tools/profile_report.py` shows each stage's work: move layers until it is level."""
     dp: int = 1
     """Data parallel size."""
     sequence_parallel: bool = False
@@ -313,9 +316,12 @@ class ParallelConfig:
             f"parallel.sp_chunks={self.sp_chunks} is the piece count of parallel.sp_overlap=chunks (here "
             f"{self.sp_overlap}): set parallel.sp_overlap=chunks, or leave sp_chunks at 4",
         )
-        _check(self.pp_last_layers >= 0, f"parallel.pp_last_layers must be >= 0 (0: an even split), got {self.pp_last_layers}")
         _check(
-            not self.pp_last_layers or self.pp > 1,
+            self.pp_last_layers == "auto" or (isinstance(self.pp_last_layers, int) and self.pp_last_layers >= 0),
+            f"parallel.pp_last_layers must be >= 0 (0: an even split) or auto, got {self.pp_last_layers!r}",
+        )
+        _check(
+            self.pp_last_layers in (0, "auto") or self.pp > 1,
             f"parallel.pp_last_layers={self.pp_last_layers} needs pipeline stages: set parallel.pp > 1 or pp_last_layers=0",
         )
 
@@ -323,6 +329,8 @@ class ParallelConfig:
         """Decoder layers per pipeline stage (`models.mapping.stage_layers`)."""
         from megatron_jetrl.models.mapping import stage_layers
 
+        if self.pp_last_layers == "auto":
+            raise ValueError("parallel.pp_last_layers=auto has no split until the config is resolved (rl.resolve)")
         return stage_layers(num_layers, self.pp, self.pp_last_layers)
 
     @property

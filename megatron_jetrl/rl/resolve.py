@@ -20,6 +20,8 @@ reads concrete values, and a resume compares resolved configs:
 * `precision.kv_scales` (auto, none, amax, running_max, fixed, engine): with an FP8 KV cache running_max under
   exact_logprobs, else engine; none with a BF16 cache (`PrecisionFlow.kv_scale_policy`). A trainer policy (amax,
   running_max, fixed) without exact_logprobs is refused: the trainer reads the amax in its exact-logprob attention.
+* `parallel.pp_last_layers` (auto, or a count): the last pipeline stage's decoder layers that leave the busiest stage
+  least busy (`config_schema.balanced_last_layers`); 0 (even) at pp 1.
 
 Two keys say `auto` and keep it, for they are policies, not values (`POLICIES`): `run.resume` (what to do with a run
 directory that holds checkpoints) and `precision.backend` outside a batch-invariant FP8 run, which `fp8.gemm.resolve_backend`
@@ -44,7 +46,7 @@ import dataclasses
 from collections.abc import Collection
 
 from megatron_jetrl.fp8.flow import TRAINER_KV_SCALES
-from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig, _plain
+from megatron_jetrl.rl.config_schema import ConfigError, JetRLConfig, _plain, balanced_last_layers
 
 BOOL_AUTOS = {"precision.exact_logprobs": True, "optim.distributed": False}
 """Bool-typed keys a raw config may set to `auto`: whether an absent key means `auto` too (exact_logprobs: a run
@@ -59,6 +61,7 @@ AUTO_KEYS = (
     "rollout.glue",
     "precision.exact_logprobs",
     "precision.kv_scales",
+    "parallel.pp_last_layers",
 )
 """The keys `resolve` decides, in the order it decides them (a later rule reads the earlier keys' values)."""
 
@@ -162,6 +165,15 @@ def _resolve(cfg: JetRLConfig, device: str | None, autos: set[str], done: list[s
             f"precision.kv_scales={cfg.precision.kv_scales}: the trainer reads the K/V amax in its exact-logprob "
             "attention, and precision.exact_logprobs is off here: set it true, or precision.kv_scales=engine"
         )
+    if cfg.parallel.pp_last_layers == "auto":
+        arch = _arch_or_none(cfg)
+        if arch is None:
+            raise ConfigError(
+                "parallel.pp_last_layers=auto costs the stages from the model's shapes, which this machine cannot read "
+                f"(model.path={cfg.model.path!r} has no config.json here): give the count, or run where the model is"
+            )
+        last = balanced_last_layers(arch, cfg.parallel.pp, cfg.precision.train_fp8, cfg.rollout.max_new_tokens)
+        put("parallel.pp_last_layers", last)
     return cfg
 
 

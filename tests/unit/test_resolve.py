@@ -16,6 +16,7 @@ import torch
 
 from megatron_jetrl.models.arch import ModelArch
 from megatron_jetrl.rl.config import ConfigError, config_from_dict, load_config, raw_data
+from megatron_jetrl.rl.config_schema import balanced_last_layers
 from megatron_jetrl.rl.resolve import AUTO_KEYS, POLICIES, resolve, resolve_saved, unresolved
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -36,6 +37,7 @@ VARIANTS = {  # overrides on top of preset + mode: as shipped, on whatever machi
         "rollout.glue=auto",
         "precision.exact_logprobs=auto",
         "optim.distributed=auto",
+        "parallel.pp_last_layers=auto",
     ],
 }
 
@@ -92,6 +94,10 @@ def expected(data: dict, cfg, device: str) -> dict:
     if kv == "auto":
         kv = ("running_max" if exact else "engine") if raw(data, "precision.kv_cache", "bf16") == "fp8" else "none"
     want["precision.kv_scales"] = kv
+    last = raw(data, "parallel.pp_last_layers", 0)  # config_schema.py: the split that leaves the busiest stage least busy
+    if last == "auto":
+        last = balanced_last_layers(cfg.arch(), cfg.parallel.pp, p.train_fp8, r.max_new_tokens)
+    want["parallel.pp_last_layers"] = last
     return want
 
 

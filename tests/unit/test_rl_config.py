@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_jetrl.rl.config import ConfigError, load_config, split_args
 
@@ -91,7 +93,7 @@ ND = "optim.distributed=false"  # (at parallel.dp=1 the preset's distributed opt
 def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
     """jetrl at TP 4 on Qwen3-8B (1024 hidden columns a rank) is noted with its measured cost and the layout that won;
     bf16 there, or TP 2, is not. An even pipeline split is noted with the last stage's count that evens the stages
-    by the GEMM count (`balanced_last_layers`); a given count, or PP 1, is not."""
+    (`balanced_last_layers`); a given count, or PP 1, is not."""
     from megatron_jetrl.rl.config_schema import balanced_last_layers
 
     tp4 = load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", ND]).notices()
@@ -104,13 +106,79 @@ def test_thin_fp8_shards_and_an_even_pipeline_split_are_noted_with_the_fix():
     assert load_config(E2E_8B, [*PP1, "parallel.tp=4", "rollout.tp=4", "precision.mode=bf16"]).notices() == []
     assert load_config(E2E_8B, [*PP1, "parallel.tp=2", "rollout.tp=2", ND]).notices() == []
     pp4 = load_config(E2E_8B, ["parallel.pp_last_layers=0", ND])  # an even split
-    assert [n.split("; ")[-1] for n in pp4.notices()] == ["parallel.pp_last_layers=6 evens the stages by the GEMM count"]
-    # 36 layers, the output layer worth 151936 * 4096 / 193e6 = 3.2 layers: 10 + 10 + 10 + (6 + 3.2) against 9 + 9 + 9 + 12.2
+    assert [n.split("; ")[-1] for n in pp4.notices()] == ["parallel.pp_last_layers=6 (what auto gives here) evens the stages"]
+    # 36 layers, the output layer worth 151936 * 4096 * 1.1 / 193e6 = 3.5 layers: 10 + 10 + 10 + (6 + 3.5) against 9 + 9 + 9 + 12.5
     assert balanced_last_layers(pp4.arch(), 4) == 6 and balanced_last_layers(pp4.arch(), 2) == 16
     assert balanced_last_layers(pp4.arch(), 1) == 0
     assert load_config(E2E_8B, [ND]).notices() == []  # e2e_8b itself: 6 on the last stage
     tiny = load_config(None, ["parallel.pp=2"])  # 2 layers: no other split exists
     assert balanced_last_layers(tiny.arch(), 2) == 0 and tiny.notices() == []
+
+
+def test_pp_last_layers_auto_resolves_to_the_balanced_split_and_is_recorded():
+    """`parallel.pp_last_layers: auto` resolves to `balanced_last_layers` of the run's model, pipeline, precision and
+    response length; the run records the count. At 18 Qwen3-8B layers in two stages at 1024 tokens the output layer
+    is worth 3.5 BF16 layers and 4.8 FP8 ones: 11 + 7 in both modes (measured at PP 2 on two H200s: jetrl's step
+    2632.6 ms at 10 + 8, 2518.2 ms at 11 + 7, BENCHMARKS.md)."""
+    auto = ["parallel.pp_last_layers=auto", ND]
+    pp4 = load_config(E2E_8B, auto)
+    assert pp4.parallel.pp_last_layers == 6 and "parallel.pp_last_layers" in pp4.resolved_autos()
+    assert pp4.to_dict()["parallel"]["pp_last_layers"] == 6
+    assert load_config(E2E_8B, [*auto, "parallel.pp=2"]).parallel.pp_last_layers == 16
+    half = [*auto, "parallel.pp=2", "model.hf_config.num_hidden_layers=18"]
+    assert load_config(E2E_8B, half).parallel.pp_last_layers == 7
+    assert load_config(E2E_8B, [*half, "precision.mode=bf16"]).parallel.pp_last_layers == 7
+    assert load_config(E2E_8B, [*auto, "parallel.pp=1"]).parallel.pp_last_layers == 0
+    with pytest.raises(ConfigError, match=r"parallel.pp_last_layers must be an integer or auto, got 'even'"):
+        load_config(E2E_8B, ["parallel.pp_last_layers=even"])
+    with pytest.raises(ConfigError, match=r"parallel.pp_last_layers must be >= 0 \(0: an even split\) or auto, got -1"):
+        load_config(E2E_8B, ["parallel.pp_last_layers=-1"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layers=st.integers(2, 96),
+    pp=st.integers(1, 16),
+    hidden=st.sampled_from([512, 1024, 4096, 8192]),
+    ffn=st.sampled_from([1024, 4096, 12288, 28672]),
+    vocab=st.sampled_from([32000, 151936]),
+    tokens=st.integers(0, 16384),
+)
+def test_the_balanced_split_is_one_megatron_takes_and_no_other_is_less_busy(layers, pp, hidden, ffn, vocab, tokens):
+    """For any model, pipeline and length: the count is a split `stage_layers` takes (0: even), no split megatron takes
+    has a less busy busiest stage, and FP8 layers (cheaper) never put more layers on the last stage than BF16 ones."""
+    from megatron_jetrl.models.arch import ModelArch
+    from megatron_jetrl.models.mapping import stage_layers
+    from megatron_jetrl.rl.config_schema import FP8_LINEAR_SPEEDUP, HEAD_OVERHEAD, balanced_last_layers
+
+    hf = dict(model_type="qwen3", hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+              num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 1024), head_dim=128, vocab_size=vocab)  # fmt: skip
+    arch = ModelArch.from_hf_config(hf)
+    got = {}
+    for fp8 in (False, True):
+        last = got[fp8] = balanced_last_layers(arch, pp, fp8, tokens)
+        if pp == 1:
+            assert last == 0
+            continue
+        layer = arch.linear_params / (FP8_LINEAR_SPEEDUP if fp8 else 1) + arch.num_heads * arch.head_dim * tokens
+        head = vocab * hidden * HEAD_OVERHEAD / layer
+
+        def busiest(n):
+            split = stage_layers(layers, pp, n)
+            return max(max(split[:-1]), split[-1] + head)
+
+        valid = []
+        for n in range(layers + 1):
+            try:
+                valid.append((busiest(n), n))
+            except ValueError:
+                pass
+        if not valid:  # fewer layers than stages
+            assert last == 0
+            continue
+        assert busiest(last) <= min(valid)[0] + 1e-9, (last, valid)
+    if pp > 1 and got[True] and got[False]:
+        assert got[True] <= got[False]
 
 
 def test_the_presets_shard_the_optimizer_only_over_data_parallel_ranks():

@@ -197,7 +197,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size; the pipeline's is the world size / tp")
     p.add_argument("--layers", type=int, default=18, help="decoder layers of the whole model")
-    p.add_argument("--pp-last-layers", type=int, default=0, help="layers of the last stage (parallel.pp_last_layers)")
+    p.add_argument(
+        "--pp-last-layers",
+        type=lambda v: v if v == "auto" else int(v),
+        default=0,
+        help="layers of the last stage (parallel.pp_last_layers: a count, 0 even, or auto)",
+    )
     p.add_argument("--seq", type=int, default=1088)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=32)
