@@ -17,7 +17,12 @@ from actor_helpers import spawn, tp_rank_config
 VOCAB, HIDDEN, SEQ, BATCH = 96, 128, 8, 3
 
 
-def _on_a_rank(sequence_parallel: bool, fuse: bool):
+def _on_a_rank(sequence_parallel: bool) -> dict:
+    """Both WGrad paths (fused into main_grad or not) on this rank."""
+    return {fuse: _compare(sequence_parallel, fuse) for fuse in (False, True)}
+
+
+def _compare(sequence_parallel: bool, fuse: bool):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_jetrl.actor.output_layer import TokenMajorOutputLayer, use_output_layer
@@ -63,13 +68,16 @@ def _on_a_rank(sequence_parallel: bool, fuse: bool):
 
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
-@pytest.mark.parametrize("fuse", [False, True])
-def test_token_major_logits_are_megatrons_without_the_copy(tp, sequence_parallel, fuse):
-    for r in spawn(tp, tp, 1, _on_a_rank, sequence_parallel, fuse):
+def test_token_major_logits_are_megatrons_without_the_copy(tp, sequence_parallel):
+    for r in (by_fuse[fuse] for by_fuse in spawn(tp, tp, 1, _on_a_rank, sequence_parallel) for fuse in (False, True)):
         assert r["logits"], r  # megatron's logits, to the bit
         assert r["copied"] == (True, False), r  # GPTModel's transpose copied megatron's logits, not these
         assert r["dx"] < 1e-6, r  # the same products, summed in the GEMM's order
         assert r["dw_err"] < 1e-5, r  # FP32 sums of SEQ x BATCH products
+
+
+def _both_built():
+    return [_built({}), _built({"batch_invariant": True})]
 
 
 def _built(options):
@@ -93,6 +101,6 @@ def _built(options):
 
 
 def test_the_actor_returns_the_output_layers_own_logits():
-    name, same, shape = spawn(1, 1, 1, _built, {})[0]
+    (name, same, shape), (batch_invariant, _, _) = spawn(1, 1, 1, _both_built)[0]
     assert name == "TokenMajorOutputLayer" and same and shape[:2] == (BATCH, SEQ)  # (the vocabulary padded)
-    assert spawn(1, 1, 1, _built, {"batch_invariant": True})[0][0] == "BatchInvariantColumnParallelLinear"
+    assert batch_invariant == "BatchInvariantColumnParallelLinear"
