@@ -71,7 +71,7 @@ class ActorOptions:
     bit for bit. Needs vLLM 0.26.0 importable."""
     logprob_graphs: bool = False
     """Local spec on CUDA: the forward-only logprob passes replay each decoder layer as a CUDA graph captured in the
-    pass (`actor.layer_graphs`; the eager forward's bytes, one host call a layer)."""
+    pass (`actor.layer_graphs`; the eager forward's bytes, one host call per layer)."""
     update_graphs: bool = False
     """Local spec on CUDA: a train step replays each decoder layer's forward and backward as CUDA graphs captured in the
     step, a copy per micro-batch a pipeline stage holds at once (`actor.layer_graphs`; the eager step's bytes and

@@ -179,7 +179,7 @@ class ModelConfig:
     (`rl.resolve`): release where it applies (`JetRLConfig.bf16_linears_released`), else keep."""
     cuda_graphs: Literal["none", "logprobs", "all"] = "none"
     """Which of the actor's decoder-layer calls replay CUDA graphs captured in the call (`actor.layer_graphs`): the
-    eager bytes and gradients, one host call a layer and direction instead of its few dozen launches. `logprobs`: the
+    eager bytes and gradients, one host call per layer and direction instead of its few dozen launches. `logprobs`: the
     forward-only logprob passes (the old and the reference logprobs); `all`: those and the update's forwards and
     backwards (a pipeline stage captures a copy for each micro-batch it holds at once); `none`: eager. Local spec on a GPU, not batch-invariant, `precision.check_finite`
     not `sync`. They pay where a layer's GPU work is shorter than the host work that issues it (narrow GEMMs: a TP

@@ -11,7 +11,7 @@
 #
 #   setup  DeepGEMM 2.5.0 (vLLM 0.26's bundle) -> /tmp/dg; Transformer Engine 2.20.2 (if .kits/te is here) ->
 #          /tmp/te-site through .kits/te/bin/build.sh (prebuilt extension, sm90 core, ends with check.sh);
-#          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a warm machine already has.        ~1-2 min
+#          .whl/*.whl (megatron-core ...) -> /tmp/mcore. Skips what a machine set up earlier has.        ~1-2 min
 #          Also loads carried DeepGEMM kernels (.cache/jit/deep_gemm_jit.tgz, tools/gpu/jit_cache.sh)
 #   graphs the actor's layers as CUDA graphs (model.cuda_graphs=all) against eager, bf16 and jetrl (exact logprobs off:
 #          SDPA attention, no vLLM kit): tools/bench/bench_actor.py, GRAPHS_LAYERS (8) Qwen3-8B layers,

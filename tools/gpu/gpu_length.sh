@@ -5,11 +5,11 @@
 #   bash tools/gpu/gpu_length.sh STAGE...      STAGE: sft | sft-more | modes | floor | plot     e.g. bash tools/gpu/gpu_length.sh sft modes plot
 #
 #   sft    the warm-start once, in bf16 (warmup.steps SFT steps, then one GRPO step at lr 1e-30 with the native engine,
-#          so the export is the SFT policy) -> $WORK/len_sft/export. Skipped when that export exists (a warm machine
-#          keeps /dev/shm between calls).
+#          so the export is the SFT policy) -> $WORK/len_sft/export. Skipped when that export exists (a machine that
+#          keeps /dev/shm between commands).
 #   sft-more  SFT_STEPS (default: the config's warmup.steps) more SFT steps from that export, on new examples (seed + round),
-#          into a new export that replaces it (~0.75 s per step on an H200): a longer warm-start over several calls of one
-#          warm machine, until the policy answers.
+#          into a new export that replaces it (~0.75 s per step on an H200): a longer warm-start over several commands on one
+#          machine, until the policy answers.
 #   modes  GRPO from that export in each mode of $MODES, rollout.engine=vllm, same seed, tools/gpu/gpu_grpo_run.sh per
 #          mode; the modes are dealt round-robin to the GPUs (CUDA_VISIBLE_DEVICES) and the GPUs run side by side
 #          -> $OUT/<gpu>/gpu_<mode>.metrics.jsonl and each GPU's table.md.

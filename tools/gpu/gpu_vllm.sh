@@ -17,7 +17,7 @@
 #   decode  tools/bench/bench_rollout.py (the native engine, FP8 and BF16) at the setting of bench's JSON (36 layers, prompt 256,
 #           512 new tokens, batches 64 128 256 unless BENCH_ARGS changed them: pass the same as NATIVE_ARGS), then
 #           tools/bench/rollout_report.py: native and vLLM (every bench_*.json) in one table -> $OUT/rollout_report.md. Run after bench with the same
-#           OUT (a warm machine keeps /tmp between calls: OUT=/tmp/gpu_vllm).
+#           OUT (a machine that keeps /tmp between commands: OUT=/tmp/gpu_vllm).
 #   report  tools/bench/rollout_report.py over $OUT/bench_*.json alone (no native run) -> $OUT/vllm_report.md: the decode
 #           rates and, for batches both shipped runs profiled (BENCH_ARGS="--profile-batch 128 256"), the FP8 ceiling
 #   grpo    tools/gpu/gpu_grpo_run.sh with rollout.engine=vllm, the three precision modes -> $OUT/vllm/
@@ -47,7 +47,7 @@
 # Carry: the kit's two calls carry one tarball each (61.1 and 61.5 MB) with .kits/vllm/{unpack.sh,SHA256SUMS}; with this
 # tree (~5.6 MB tracked, most of it docs/) that is over a call's 64 MiB, so leave docs/ out of those two calls
 # (`git rm -r -q --cached docs && echo /docs/ >> .git/info/exclude`, undone by `git reset -q -- docs` and removing the
-# line). Later calls on the warm machine carry [".whl", ".kits/vllm/unpack.sh", ".kits/vllm/SHA256SUMS"] (+ ".cache/jit"):
+# line). Later commands on that machine carry [".whl", ".kits/vllm/unpack.sh", ".kits/vllm/SHA256SUMS"] (+ ".cache/jit"):
 # this script checks the unpack is complete, installs .whl/ into /tmp/mcore and loads the carried DeepGEMM kernels.
 #   e.g.  OUT=$OUT RUNS="jetrl bf16" bash tools/gpu/gpu_vllm.sh tests bench jit-save
 set -uo pipefail
