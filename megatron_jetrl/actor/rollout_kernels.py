@@ -244,8 +244,8 @@ def persistent_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rollout_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemm=persistent_gemm, fuse=False, token_major=False
 ) -> torch.Tensor:
-    """A linear as vLLM computes it under `exact_logprobs`: `gemm`, then `+ bias` in the output dtype (`GemmLinear`:
-    `fuse`, `token_major`: `actor.output_layer.GemmLinear`)."""
+    """A linear as vLLM computes it under `exact_logprobs`: `gemm`, then `+ bias` in the output dtype (`fuse`,
+    `token_major`: `actor.output_layer.GemmLinear`)."""
     y = GemmLinear.apply(x, weight, gemm, fuse, token_major)
     return y if bias is None else y + bias
 

@@ -371,16 +371,22 @@ def balanced_last_layers(arch, pp: int, fp8: bool = False, tokens: int = 0) -> i
     `linear_params / r + heads x head_dim x tokens` (its GEMMs, `r` = `FP8_LINEAR_SPEEDUP` where it trains in FP8 (`fp8`),
     and causal attention over sequences of `tokens`, the responses' length); the output layer `vocab x hidden x
     HEAD_OVERHEAD` (BF16 in every mode). The last stage costs its layers plus the output layer, counted in layers."""
+    from megatron_jetrl.models.mapping import stage_layers
+
     if pp == 1:
         return 0
     layer = arch.linear_params / (FP8_LINEAR_SPEEDUP if fp8 else 1.0) + arch.num_heads * arch.head_dim * tokens
     head = arch.vocab_size * arch.hidden_size * HEAD_OVERHEAD / layer
-    layers = arch.num_layers
-    splits = [last for last in range(1, layers - pp + 2) if (layers - last) % (pp - 1) == 0]
-    if not splits:  # fewer layers than stages: `models.mapping.stage_layers` refuses it, naming the fix
-        return 0
-    best = min(splits, key=lambda last: (max((layers - last) // (pp - 1), last + head), abs(last - layers / pp)))
-    return 0 if layers % pp == 0 and best == layers // pp else best
+
+    def busiest(last: int) -> float:
+        try:
+            split = stage_layers(arch.num_layers, pp, last)
+        except ValueError:  # a split megatron refuses (with no split at all, `stage_layers` names the fix later)
+            return float("inf")
+        return max(max(split[:-1]), split[-1] + head)
+
+    even = arch.num_layers / pp  # ties go to the split nearest the even one, the even split (0) first
+    return min(range(arch.num_layers), key=lambda last: (busiest(last), abs((last or even) - even)))
 
 
 def _plain(value):
