@@ -6,7 +6,8 @@
 #
 #   setup     .whl/*.whl -> /tmp/mcore when megatron-core is missing; the vLLM kit must be unpacked (shared/kits/README.md);
 #             a carried .cache/jit/deep_gemm_jit.tgz -> the DeepGEMM caches (tools/gpu/jit_cache.sh load)
-#   warm      python -m megatron_jetrl.rl.warm_gemms for every layout of the later stages (the FP8 kernels they run)
+#   warm      python -m megatron_jetrl.rl.warm_gemms for the e2e layout, and for the pp stage's when it runs (the FP8
+#             kernels they run)
 #   e2e       one GRPO run per mode in $MODES at $LAYOUT (default: configs/e2e_8b.yaml's own, TP 1 x PP 4 split
 #             10 + 10 + 10 + 6 with rollout TP 1), responses of $LEN tokens
 #   pp        the same for each layout of $PP_LAYOUTS (';'-separated; default TP 2 x PP 2 with rollout TP 2: two engines,
@@ -104,7 +105,8 @@ for stage in "$@"; do
       bash tools/gpu/jit_cache.sh load
       nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader ;;
     warm)
-      IFS=';' read -r -a layouts <<<"${LAYOUT:-$E2E_LAYOUT};${PP_LAYOUTS:-parallel.tp=2 parallel.pp=2 rollout.tp=2}"
+      layouts=("${LAYOUT:-$E2E_LAYOUT}")  # the pp stage's layouts only when it runs
+      [[ " $* " == *" pp "* ]] && IFS=';' read -r -a more <<<"${PP_LAYOUTS:-parallel.tp=2 parallel.pp=2 rollout.tp=2}" && layouts+=("${more[@]}")
       for layout in "${layouts[@]}"; do
         python3 -m megatron_jetrl.rl.warm_gemms "${CONFIGS[@]}" precision.mode=jetrl $(length_args "$LEN") $ONE_STAGE $layout ${ARGS:-} 2>&1 \
           | grep -v -E "UserWarning|warnings.warn" | tail -4
