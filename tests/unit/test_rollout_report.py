@@ -173,11 +173,12 @@ def test_ceiling_needs_profiles_at_one_context(tmp_path, capsys):
     assert "ceiling" not in capsys.readouterr().out
 
 
-def kv_run(mode, kv, rate, at_once, kv_gb=40.0):
+def kv_run(mode, kv, rate, at_once, kv_gb=40.0, exact=False, pins=()):
     capacity = 36 if kv == "bf16" else 72
     linear = {"bf16": 2 * 6.95, "jetrl": 6.95 + 0.01}[mode]
     return {
         "mode": mode, "kv_cache": kv, "layers": 36, "prompt": 8, "new_tokens": 8192, "kv_gb": kv_gb, "device": "H200",
+        "exact_logprobs": exact, "pins": list(pins),
         "linear_GB": linear, "decode": {"32": {"best_tok_s": rate, "preemptions_per_run": 0, "at_once": at_once, "capacity": capacity}},
     }  # fmt: skip
 
@@ -194,9 +195,33 @@ def test_kv_table_compares_caches_with_the_bandwidth_ceiling(tmp_path):
     kv = 32 * 4104 * 36 * 2 * 8 * 128 * 2 / 1e9
     head = 151936 * 4096 * 2 / 1e9
     bf16, fp8 = 13.9 + head + kv, 6.96 + head + kv / 2
-    assert lines[4] == f"| bf16 | bf16 | 3,000 | 1.00x | 32 | 36 | 1.00x | 0 | {bf16:.1f} | 1.00x |"
-    assert lines[6] == f"| jetrl | fp8 | 5,400 | 1.80x | 32 | 72 | 2.00x | 0 | {fp8:.1f} | {bf16 / fp8:.2f}x |"
+    assert lines[4] == f"| bf16 | bf16 | none | 3,000 | 1.00x | 32 | 36 | 1.00x | 0 | {bf16:.1f} | 1.00x |"
+    assert lines[6] == f"| jetrl | fp8 | none | 5,400 | 1.80x | 32 | 72 | 2.00x | 0 | {fp8:.1f} | {bf16 / fp8:.2f}x |"
     assert tool.main(["--kv", *paths]) == 0
+
+
+def test_kv_table_puts_each_attention_pinning_in_its_own_row(tmp_path, capsys):
+    """Runs of one mode and cache that differ in their attention pins (exact logprobs, one pin alone, none) are rows
+    of their own against the one bf16 run; a second run of the same mode, cache and pins is refused, not dropped."""
+    paths = [
+        write(tmp_path, "a.json", kv_run("bf16", "bf16", 3000.0, 32)),
+        write(tmp_path, "b.json", kv_run("jetrl", "fp8", 5400.0, 32)),
+        write(tmp_path, "c.json", kv_run("jetrl", "fp8", 4500.0, 32, exact=True)),
+        write(tmp_path, "d.json", kv_run("jetrl", "fp8", 5100.0, 32, pins=["one-split"])),
+    ]
+    rows = tool.kv_table(paths).splitlines()[4:]
+    assert [r.split(" | ")[:5] for r in rows] == [
+        ["| bf16", "bf16", "none", "3,000", "1.00x"],
+        ["| jetrl", "fp8", "exact", "4,500", "1.50x"],
+        ["| jetrl", "fp8", "none", "5,400", "1.80x"],
+        ["| jetrl", "fp8", "one-split", "5,100", "1.70x"],
+    ]
+    again = write(tmp_path, "e.json", kv_run("jetrl", "fp8", 4400.0, 32, exact=True))
+    assert tool.main(["--kv", *paths, again]) == 2
+    assert "a second jetrl fp8 exact run" in capsys.readouterr().err
+    other_base = write(tmp_path, "f.json", kv_run("bf16", "bf16", 3100.0, 32, pins=["one-split"]))
+    assert tool.main(["--kv", *paths, other_base]) == 2
+    assert "against one bf16 run with a BF16 cache" in capsys.readouterr().err
 
 
 def test_kv_table_refuses_runs_of_other_settings(tmp_path, capsys):
@@ -213,4 +238,4 @@ def test_kv_table_gives_no_ratio_for_a_timed_run_that_compiled_kernels(tmp_path)
     cold["decode"]["32"]["compiled_in_timed_run"] = 12
     paths = [write(tmp_path, "a.json", kv_run("bf16", "bf16", 3025.0, 32)), write(tmp_path, "b.json", cold)]
     row = tool.kv_table(paths).splitlines()[5]
-    assert row.startswith("| jetrl | fp8 | 3,201 (not a rate: 12 kernels compiled inside) | n/a | 32 | 72 | 2.00x |"), row
+    assert row.startswith("| jetrl | fp8 | none | 3,201 (not a rate: 12 kernels compiled inside) | n/a | 32 | 72 | 2.00x |"), row

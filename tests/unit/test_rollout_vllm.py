@@ -393,6 +393,31 @@ def test_bench_vllm_at_rollout_tp_runs_under_torchrun_one_process_per_gpu(monkey
     assert "(this is 2 process(es))" in capsys.readouterr().err
 
 
+def test_bench_vllm_pins_its_attention_as_a_run_resolves_it():
+    """`--exact-logprobs auto` is what a run config of that mode, rollout TP and cache resolves; `--pins` applies one
+    exact-logprob pin alone, refused beside exact logprobs (which apply them all) and, for FA3's FP8 kernel choice,
+    without an FP8 cache. Each pin names a patch that exists."""
+    from pathlib import Path
+
+    bench = load_bench_vllm()
+    assert bench.attention_setting("jetrl", 1, "fp8", "auto", []) == (True, [])
+    assert bench.attention_setting("jetrl", 2, "bf16", "auto", []) == (True, [])
+    assert bench.attention_setting("jetrl", 4, "bf16", "auto", []) == (False, [])  # auto stays off above TP 2
+    assert bench.attention_setting("bf16", 1, "bf16", "auto", []) == (False, [])
+    assert bench.attention_setting("jetrl", 4, "bf16", "true", []) == (True, [])
+    assert bench.attention_setting("jetrl", 1, "fp8", "false", ["one-split"]) == (False, ["one-split"])
+    assert bench.attention_setting("jetrl", 1, "fp8", "false", ["fp8-tile"]) == (False, ["fp8-tile"])
+    with pytest.raises(ValueError, match="exact logprobs apply them all; add --exact-logprobs false"):
+        bench.attention_setting("jetrl", 1, "fp8", "auto", ["one-split"])
+    with pytest.raises(ValueError, match="needs --kv-cache fp8"):
+        bench.attention_setting("jetrl", 1, "bf16", "false", ["fp8-tile"])
+    patches = Path(__file__).resolve().parents[2] / "patches"
+    assert all((patches / f"{stem}.py").is_file() for stem in bench.PINS.values())
+    assert [bench.attention_label(r) for r in ({"exact_logprobs": True}, {"pins": ["one-split"]}, {})] == [
+        "exact", "one-split", "none"
+    ]  # fmt: skip
+
+
 def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():
     from megatron_jetrl.rollout.vllm_engine import resolve_glue
 

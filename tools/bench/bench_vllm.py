@@ -27,6 +27,11 @@ vocab 151936), random weights made on the device and quantized by the flow, as t
   tools/bench/rollout_report.py computes what FP8 weights can buy at that setting (its ceiling table).
 Needs the vLLM kit (shared/kits/README.md); tools/gpu/gpu_vllm.sh runs both modes and prints the table.
 
+The engine's attention is pinned as a run's would be: `--exact-logprobs auto` resolves as a run config of this mode,
+rollout TP and KV cache does (`rl.resolve`: on for jetrl at TP 1 and 2), and exact logprobs pin vLLM's attention to
+the actor's kernels (one KV split; with an FP8 cache FA3's two-warpgroup kernel and the trainer's K/V scales, here
+1.0). `--exact-logprobs false --pins one-split` (or `fp8-tile`) applies one pin alone, to see what each costs.
+
 `--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/bench/rollout_report.py
 puts each variant in its own column):
 * shipped: the engine as the trainer builds it (numerics pinned and checked; `rollout.glue: auto`, i.e. the trainer's
@@ -72,9 +77,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.fp8 import PrecisionFlow, QuantizedWeight  # noqa: E402
 from megatron_jetrl.models import ModelArch  # noqa: E402
+from megatron_jetrl.models.mapping import KV_SCALE_SUFFIXES  # noqa: E402
 from megatron_jetrl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.native import expected_tensors  # noqa: E402
 from tools.bench import common  # noqa: E402
+from tools.bench.rollout_report import attention_label  # noqa: E402
 
 QWEN3_8B = dict(common.QWEN3_8B, eos_token_id=151645)
 
@@ -85,6 +92,9 @@ def device_stream(arch: ModelArch, flow: PrecisionFlow, seed: int = 0) -> dict[s
     out = {}
     for name, (shape, dtype) in expected_tensors(arch, flow).items():
         if name.endswith(".weight_scale_inv"):
+            continue
+        if name.endswith(KV_SCALE_SUFFIXES):  # the trainer's Q/K/V scales (exact logprobs with an FP8 cache)
+            out[name] = torch.ones(shape, device="cuda", dtype=dtype)
             continue
         w = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
         w = w * (0.02 if len(shape) == 2 else 0.05) + (1.0 if "norm" in name else 0.0)
@@ -174,6 +184,29 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
             )
         return {"fused_quant": False}, True
     return {}, True
+
+
+PINS = {"one-split": "vllm_0_26_0_one_split_attention", "fp8-tile": "vllm_0_26_0_fp8_attention_tile"}
+"""--pins: the exact-logprob pins of vLLM's attention, each the patch that makes it."""
+
+
+def attention_setting(mode: str, tp: int, kv_cache: str, exact: str, pins: list[str]) -> tuple[bool, list[str]]:
+    """(exact_logprobs, pins to apply alone) of a run: `exact` auto resolves as a run config at this mode, rollout TP
+    and KV cache does (`rl.resolve`). ValueError for pins beside exact logprobs (which apply them all) or a tile pin
+    without an FP8 cache."""
+    if exact == "auto":
+        from megatron_jetrl.rl.config import load_config, split_args
+
+        model = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-8b-base.yaml")  # this model's heads
+        overrides = [f"precision.mode={mode}", "rollout.engine=vllm", f"rollout.tp={tp}", f"parallel.tp={tp}"]
+        on = load_config(*split_args([model, *overrides, f"precision.kv_cache={kv_cache}"])).precision.exact_logprobs
+    else:
+        on = exact == "true"
+    if pins and on:
+        raise ValueError(f"--pins {' '.join(pins)} applies pins alone: exact logprobs apply them all; add --exact-logprobs false")
+    if "fp8-tile" in pins and kv_cache != "fp8":
+        raise ValueError("--pins fp8-tile pins FA3's FP8 kernel: it needs --kv-cache fp8")
+    return on, list(pins)
 
 
 def sampling_seed(variant: str) -> int | None:
@@ -328,6 +361,21 @@ def main(argv=None) -> dict:
         help="the engine's KV cache (precision.kv_cache; fp8 with vLLM's own scales: the kernels a run with the "
         "trainer's scales runs, without the exact-logprob pins)",
     )
+    ap.add_argument(
+        "--exact-logprobs",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="precision.exact_logprobs of the engine's flow (auto: as a run at this mode, TP and cache resolves it; "
+        "on, vLLM's attention is pinned to the actor's kernels)",
+    )
+    ap.add_argument(
+        "--pins",
+        nargs="+",
+        default=[],
+        choices=sorted(PINS),
+        help="with --exact-logprobs false: these pins of vLLM's attention alone (one KV split; FA3's FP8 kernel "
+        "choice), to see what each costs",
+    )
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
     ap.add_argument(
@@ -361,6 +409,7 @@ def main(argv=None) -> dict:
         )
     try:
         extra, verify = variant_settings(a.variant, a.mode)
+        exact, pins = attention_setting(a.mode, a.tp, a.kv_cache, a.exact_logprobs, a.pins)
     except ValueError as e:
         ap.error(str(e))
     if a.eager and a.variant == "fused":
@@ -372,6 +421,7 @@ def main(argv=None) -> dict:
 
     import torch.distributed as dist
 
+    from megatron_jetrl.patching import load_patch
     from megatron_jetrl.rollout.colocated import ColocatedPool
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, write_model_dir
 
@@ -382,13 +432,20 @@ def main(argv=None) -> dict:
     dist.init_process_group("nccl", rank=rank, world_size=a.tp)
     if rank:  # every rank runs the engine; rank 0 speaks
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
-    flow = PrecisionFlow(a.mode, kv_cache=a.kv_cache, kv_scales="engine" if a.kv_cache == "fp8" else "none")
+    fp8_cache_scales = "fixed" if exact else "engine"  # the trainer's scales under exact logprobs, else vLLM's own
+    flow = PrecisionFlow(
+        a.mode, exact_logprobs=exact, kv_cache=a.kv_cache, kv_scales=fp8_cache_scales if a.kv_cache == "fp8" else "none"
+    )
+    for pin in pins:
+        load_patch(PINS[pin]).apply()
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
     arch = ModelArch.from_hf_config(config)
     res = {
         "mode": a.mode,
         "variant": a.variant,
         "kv_cache": a.kv_cache,
+        "exact_logprobs": exact,
+        "pins": pins,
         "kv_gb": a.kv_gb,
         "layers": a.layers,
         "tp": a.tp,
@@ -457,7 +514,7 @@ def main(argv=None) -> dict:
         }
         d = res["decode"][b]
         print(
-            f"[{a.mode} {a.variant} kv {a.kv_cache}] batch {b}: first {d['first_tok_s']:.0f} tok/s, best "
+            f"[{a.mode} {a.variant} kv {a.kv_cache} attention {attention_label(res)}] batch {b}: first {d['first_tok_s']:.0f} tok/s, best "
             f"{d['best_tok_s']:.0f} tok/s, {d['at_once']} of {b} held at full length (room for {d['capacity']}), {d['preemptions_per_run']:.0f} "
             "preemptions a run"
             + (

@@ -24,8 +24,8 @@ work, unreachable where it is below the floor. Steps are GPU-busy ms. At rollout
 torchrun) the same bound holds per rank: each reads its 1/k of the linears (`linear_GB` is that share), and the
 row-parallel all-reduces (the NCCL column) are the same work in both modes, so they lower the ceiling as attention does.
 
-KV cache (`--kv`, instead of `--vllm`): bench_vllm.py runs of one setting with `--kv-cache bf16` and `fp8`
-(tools/gpu/gpu_vllm.sh kv-rollout): tokens/s and the sequences the cache holds at once, each against bf16 with a BF16
+KV cache (`--kv`, instead of `--vllm`): bench_vllm.py runs of one setting with `--kv-cache bf16` and `fp8`, each with
+the attention pins it ran (exact logprobs, one pin alone, none; tools/gpu/gpu_vllm.sh kv-rollout): tokens/s and the sequences the cache holds at once, each against bf16 with a BF16
 cache (no ratio where a timed run compiled DeepGEMM kernels inside it), and the bandwidth ceiling of a decode step: the bytes it reads (the decoder's linear weights, the BF16 lm_head,
 and the KV cache of every sequence at the mean context, prompt + new / 2) in BF16 over the same in the run's precision.
 
@@ -38,6 +38,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def attention_label(run: dict) -> str:
+    """How a bench_vllm.py run's attention was pinned: `exact` (every exact-logprob pin), the pins it applied alone
+    (`one-split`, `fp8-tile`), or `none` (a result from before the field: none)."""
+    if run.get("exact_logprobs"):
+        return "exact"
+    return "+".join(run.get("pins") or ()) or "none"
 
 
 def load(path: str) -> dict:
@@ -207,8 +215,13 @@ def kv_table(paths: list[str]) -> str:
         r = load(path)
         if "decode" not in r or "kv_cache" not in r:
             raise ValueError(f"{path}: not a tools/bench/bench_vllm.py result with a kv_cache field")
-        runs[(r["mode"], r["kv_cache"])] = r
-    base = runs.get(("bf16", "bf16"))
+        key = (r["mode"], r["kv_cache"], attention_label(r))
+        if key in runs:
+            raise ValueError(f"{path}: a second {' '.join(key)} run; give one per mode, cache and attention")
+        runs[key] = r
+    base = next((r for (mode, kv, _), r in runs.items() if mode == kv == "bf16"), None)
+    if sum(mode == kv == "bf16" for mode, kv, _ in runs) > 1:
+        raise ValueError("--kv compares against one bf16 run with a BF16 cache; give one")
     if base is None:
         raise ValueError("--kv needs the bf16 run with a BF16 cache (bench_vllm.py --mode bf16 --kv-cache bf16)")
     keys = ("layers", "prompt", "new_tokens", "kv_gb")
@@ -228,12 +241,12 @@ def kv_table(paths: list[str]) -> str:
         f"{base['layers']} layers, {batch} sequences of {base['prompt']} + {base['new_tokens']} tokens, "
         f"{base['kv_gb']:g} GiB of KV cache, {base.get('device', '?')}",
         "",
-        "| mode | KV cache | tok/s | vs bf16 | held at once | sequences the cache holds | vs bf16 | preemptions a run | "
-        "GB read a decode step | ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | KV cache | attention pins | tok/s | vs bf16 | held at once | sequences the cache holds | vs bf16 | "
+        "preemptions a run | GB read a decode step | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     b0 = base["decode"][str(batch)]
-    for (mode, kv), r in sorted(runs.items(), key=lambda kv: (kv[0][0] != "bf16", kv[0][1])):
+    for (mode, kv, pins), r in sorted(runs.items(), key=lambda kv: (kv[0][0] != "bf16", kv[0][1], kv[0][2])):
         d = r["decode"][str(batch)]
         room = d.get("capacity")
         room_ratio = f"{room / b0['capacity']:.2f}x" if room and b0.get("capacity") else "n/a"
@@ -243,7 +256,7 @@ def kv_table(paths: list[str]) -> str:
             f" (not a rate: {d['compiled_in_timed_run']} kernels compiled inside)" if d.get("compiled_in_timed_run") else ""
         )
         lines.append(
-            f"| {mode} | {kv} | {rate} | {ratio} | {d.get('at_once')} | "
+            f"| {mode} | {kv} | {pins} | {rate} | {ratio} | {d.get('at_once')} | "
             f"{room} | {room_ratio} | "
             f"{d['preemptions_per_run']:.0f} | {step_gb(r):.1f} | {step_gb(base) / step_gb(r):.2f}x |"
         )
