@@ -1,16 +1,26 @@
 """FP8 attention as vLLM 0.26 runs it with an FP8 KV cache (FA3, e4m3 Q/K/V, per-tensor descales): which actor-side
 calls give the engine's bytes, what the quantizers compute, the backward's error, and the kernels' times.
 
-    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py
+    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py [--sections quant bytes backward speed decode]
+
+`decode`: one decode step's attention at the long-rollout runs' shape (an engine's 32 sequences at context 4160, and
+64 and 128 of them), BF16 and FP8 caches, each as vLLM launches it on its own (FA3's KV-split heuristic) and with the
+exact-logprob pins (one KV split; in FP8 also the two-warpgroup kernel's launch floor): what each pin costs.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from vllm import _custom_ops as ops
 from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 H, HK, D = 32, 8, 128
@@ -43,7 +53,7 @@ def paged_cache(k, v, lengths, page, k_scale, v_scale, dtype="fp8", shuffle=True
     return kc, vc, table
 
 
-def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=None, causal=True):
+def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=None, causal=True, num_splits=1):
     qd, kd, vd = descales if descales else (None, None, None)
     n = cu_q.numel() - 1
     ex = (lambda s: s.expand(n, HK)) if descales else (lambda s: None)
@@ -60,7 +70,7 @@ def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=
         softmax_scale=SCALE,
         causal=causal,
         fa_version=3,
-        num_splits=1,
+        num_splits=num_splits,
         return_softmax_lse=lse,
         q_descale=ex(qd) if descales else None,
         k_descale=ex(kd) if descales else None,
@@ -265,12 +275,57 @@ def speed():
         )
 
 
+def decode_pins(context: int = 4160, batches=(32, 64, 128)):
+    """One decode step's attention per batch: BF16 and FP8 caches, FA3's own split heuristic (num_splits 0) against
+    the exact-logprob pins (one split; FP8 also the launch floor `fp8_attention_min_q`), ms and TB/s of cache read."""
+    floor = fp8_attention_min_q(H, HK)
+    print(
+        f"== decode at context {context}: attention ms (cache TB/s); splits 0 = FA3's heuristic, pins = one split"
+        f" (FP8: + max_seqlen_q {floor})"
+    )
+    print("  batch | bf16 splits | bf16 one split | fp8 splits | fp8 one split | fp8 pins | fp8 pins vs bf16 pins")
+    for batch in batches:
+        lengths = [context] * batch
+        n = sum(lengths)
+        g = torch.Generator(device=dev).manual_seed(5)
+        k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
+        one = torch.tensor(1.0, device=dev)
+        lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        cq = cu([1] * batch)
+        cells = []
+        for dtype, runs in (("auto", ((0, 1), (1, 1))), ("fp8", ((0, 1), (1, 1), (1, floor)))):
+            kc, vc, table = paged_cache(k, v, lengths, 16, one, one, dtype=dtype, shuffle=False)
+            qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D) if dtype == "fp8" else q
+            d = (one, one, one) if dtype == "fp8" else None
+            gb = n * HK * D * 2 * (1 if dtype == "fp8" else 2) / 1e9
+            for splits, mq in runs:
+                ms = timed(lambda: fa(qq, kc, vc, cq, mq, lens, context, table, d, num_splits=splits))
+                cells.append((ms, gb / ms))
+            del kc, vc
+        row = " | ".join(f"{ms:.3f} ({rate:.2f})" for ms, rate in cells)
+        print(f"  {batch} | {row} | {cells[1][0] / cells[4][0]:.2f}x")
+
+
+SECTIONS = ("quant", "bytes", "backward", "speed", "decode")
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    sections = ap.parse_args().sections
     print(torch.cuda.get_device_name())
-    quantizers()
-    print("== FP8 FA3 bytes: actor-side calls against the engine's (elements differing)")
-    for lengths, page, chunk in (([700, 1500, 2048], 16, 512), ([4096, 777, 1200], 16, 1000), ([2100, 640, 900], 64, 128)):
-        print(f"  lengths {lengths} page {page} chunk {chunk}: {equality(lengths, page, chunk)}")
-    print("== backward (relative norm error)")
-    backward()
-    speed()
+    if "quant" in sections:
+        quantizers()
+    if "bytes" in sections:
+        print("== FP8 FA3 bytes: actor-side calls against the engine's (elements differing)")
+        for lengths, page, chunk in (([700, 1500, 2048], 16, 512), ([4096, 777, 1200], 16, 1000), ([2100, 640, 900], 64, 128)):
+            print(f"  lengths {lengths} page {page} chunk {chunk}: {equality(lengths, page, chunk)}")
+    if "backward" in sections:
+        print("== backward (relative norm error)")
+        backward()
+    if "speed" in sections:
+        speed()
+    if "decode" in sections:
+        decode_pins()
