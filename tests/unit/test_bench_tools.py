@@ -295,3 +295,35 @@ def test_bench_pipeline_report_reads_each_stage_and_bounds_1f1b(capsys):
     assert rows[0]["stages"][0]["compute_per_mb_ms"] == 10.0 and rows[0]["stages"][1]["compute_per_mb_ms"] == 7.5
     assert rows[0]["bound_1f1b_ms"] == 9 * 10.0 and rows[1]["bound_1f1b_ms"] == 9 * 7.5
     assert "jetrl vs bf16: step 1.25x, stage compute 1.33x, 1.50x, 1F1B bound 1.33x" in out
+
+
+def test_gpu_queue_outlives_its_command_and_packs_its_output_in_one_file(tmp_path):
+    """tools/gpu/queue.sh: `start` copies the checkout (not the kits or wheels) and runs the stages there in their own
+    process session, OUT pointing into the queue; a second start while it runs is refused; `poll` says running or done
+    with the stages' exit status, and packs the log, the stages and OUT into one tarball."""
+    import os
+    import tarfile
+
+    script = REPO / "tools" / "gpu" / "queue.sh"
+    checkout, queue, out = tmp_path / "checkout", tmp_path / "q", tmp_path / "out"
+    (checkout / ".kits").mkdir(parents=True)
+    (checkout / ".kits" / "big.tar.xz").write_bytes(b"kit")
+    wait = "for i in $(seq 600); do [ -f go ] && break; sleep 0.1; done"  # until the test lets it end (60 s at most)
+    (checkout / "stage.sh").write_text(f'echo "stage in $PWD"; echo made >"$OUT/result.txt"; {wait}; exit 3\n')
+    env = dict(os.environ, QUEUE_DIR=str(queue), OUT=str(out))
+    queue_sh = lambda *a: subprocess.run(["bash", str(script), *a], cwd=checkout, env=env, capture_output=True, text=True)  # noqa: E731
+    started = queue_sh("start", "bash stage.sh")
+    assert started.returncode == 0 and "queue: started" in started.stdout, started.stdout + started.stderr
+    assert (queue / "repo" / "stage.sh").is_file() and not (queue / "repo" / ".kits").exists()
+    again = queue_sh("start", "true")
+    assert again.returncode == 2 and "one is running" in again.stdout
+    assert "queue: running" in queue_sh("poll", "0").stdout
+    (queue / "repo" / "go").touch()
+    done = queue_sh("poll", "60")
+    assert "queue: done, exit 3" in done.stdout and f"stage in {queue / 'repo'}" in done.stdout, done.stdout
+    with tarfile.open(out / "queue.tgz") as tar:
+        names = tar.getnames()
+        assert {"out/result.txt", "log", "stages"} <= set(names), names
+        assert tar.extractfile("stages").read() == b"bash stage.sh\n"
+    assert queue_sh("start", "true").returncode == 0  # a finished queue gives way to the next
+    assert queue_sh("bogus").returncode == 2

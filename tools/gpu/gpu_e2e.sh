@@ -12,7 +12,8 @@
 #             10 + 10 + 10 + 6 with rollout TP 1), responses of $LEN tokens
 #   pp        the same for each layout of $PP_LAYOUTS (';'-separated; default TP 2 x PP 2 with rollout TP 2: two engines,
 #             each holding the whole model), modes $PP_MODES
-#   tests     tests/gpu/test_grpo_4gpu.py (sync bytes at TP 4 and TP 2 x PP 2, PP exactness, a killed stage)
+#   tests     tests/gpu/test_grpo_4gpu.py (sync bytes at TP 4 and TP 2 x PP 2, PP exactness, a killed stage), or the
+#             pytest arguments in $TESTS (TESTS="tests/gpu/test_exact_logprobs.py -k several_gpus": mismatch 0 at TP 4)
 #   jit-save  the DeepGEMM cache -> $OUT/deep_gemm_jit.tgz (tools/gpu/jit_cache.sh)
 # A layout names the keys it changes; every other parallel key is PP 1, even, DP 1 (LAYOUT="parallel.tp=4
 # rollout.tp=4" is TP 4 alone). Per run: <name>.log and <name>.metrics.jsonl in $OUT, and <name>.mem: every GPU's used
@@ -119,7 +120,7 @@ for stage in "$@"; do
     pp)
       IFS=';' read -r -a layouts <<<"${PP_LAYOUTS:-parallel.tp=2 parallel.pp=2 rollout.tp=2}"
       for layout in "${layouts[@]}"; do modes pp "$(tag_of "$layout")" "${PP_MODES:-bf16 jetrl}" $layout; done ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_grpo_4gpu.py --basetemp="$WORK/pytest" 2>&1 \
+    tests) python3 -m pytest -q -p no:cacheprovider -rA ${TESTS:-tests/gpu/test_grpo_4gpu.py} --basetemp="$WORK/pytest" 2>&1 \
              | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/tests_4gpu.log" | tail -40 ;;
     jit-save) bash tools/gpu/jit_cache.sh save "$OUT" ;;
     *) echo "unknown stage $stage (setup | warm | e2e | pp | tests | jit-save)"; exit 2 ;;
