@@ -275,6 +275,20 @@ def speed():
         )
 
 
+def fa3_unpacked(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales):
+    """`fa`'s paged causal launch with one split and GQA packing off (vLLM 0.26's Python wrapper always passes FA3's
+    heuristic, which packs a varlen batch): each query head its own CTA rows, where packing puts a KV head's query
+    heads in one tile. Its op's positional arguments as vllm_flash_attn.flash_attn_interface passes them."""
+    qd, kd, vd = descales if descales else (None, None, None)
+    n = cu_q.numel() - 1
+    ex = (lambda s: s.expand(n, HK)) if descales else (lambda s: None)
+    out, *_ = torch.ops._vllm_fa3_C.fwd(
+        q, kc, vc, None, None, None, None, cu_q, None, None, None, seqused, max_q, max_k, table, None, None, None, None,
+        None, ex(qd), ex(kd), ex(vd), SCALE, True, -1, -1, 0.0, True, None, 1, False, 0, None, 1, 0, None,
+    )  # fmt: skip
+    return out
+
+
 def decode_pins(context: int = 4160, batches=(32, 64, 128)):
     """One decode step's attention per batch: BF16 and FP8 caches, FA3's own split heuristic (num_splits 0) against
     the exact-logprob pins (one split; FP8 also the launch floor `fp8_attention_min_q`), ms and TB/s of cache read."""
@@ -283,7 +297,10 @@ def decode_pins(context: int = 4160, batches=(32, 64, 128)):
         f"== decode at context {context}: attention ms (cache TB/s); splits 0 = FA3's heuristic, pins = one split"
         f" (FP8: + max_seqlen_q {floor})"
     )
-    print("  batch | bf16 splits | bf16 one split | fp8 splits | fp8 one split | fp8 pins | fp8 pins vs bf16 pins")
+    print(
+        "  batch | bf16 splits | bf16 one split | fp8 splits | fp8 one split | fp8 pins | fp8 pins vs bf16 pins"
+        " | unpacked GQA: bf16 one split, fp8 pins (elements differing from packed)"
+    )
     for batch in batches:
         lengths = [context] * batch
         n = sum(lengths)
@@ -294,7 +311,7 @@ def decode_pins(context: int = 4160, batches=(32, 64, 128)):
         one = torch.tensor(1.0, device=dev)
         lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
         cq = cu([1] * batch)
-        cells = []
+        cells, unpacked = [], []
         for dtype, runs in (("auto", ((0, 1), (1, 1))), ("fp8", ((0, 1), (1, 1), (1, floor)))):
             kc, vc, table = paged_cache(k, v, lengths, 16, one, one, dtype=dtype, shuffle=False)
             qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D) if dtype == "fp8" else q
@@ -303,9 +320,17 @@ def decode_pins(context: int = 4160, batches=(32, 64, 128)):
             for splits, mq in runs:
                 ms = timed(lambda: fa(qq, kc, vc, cq, mq, lens, context, table, d, num_splits=splits))
                 cells.append((ms, gb / ms))
+            pinned = runs[-1][1]
+            try:  # the pinned launch without GQA packing: its time, and whether its bytes are the packed launch's
+                packed = fa(qq, kc, vc, cq, pinned, lens, context, table, d)
+                differ = int((fa3_unpacked(qq, kc, vc, cq, pinned, lens, context, table, d) != packed).sum())
+                ms = timed(lambda: fa3_unpacked(qq, kc, vc, cq, pinned, lens, context, table, d))
+                unpacked.append(f"{ms:.3f} ({gb / ms:.2f}; {differ})")
+            except (RuntimeError, TypeError) as e:  # another op signature: say so, keep the rest
+                unpacked.append(f"n/a ({str(e).splitlines()[0][:80]})")
             del kc, vc
         row = " | ".join(f"{ms:.3f} ({rate:.2f})" for ms, rate in cells)
-        print(f"  {batch} | {row} | {cells[1][0] / cells[4][0]:.2f}x")
+        print(f"  {batch} | {row} | {cells[1][0] / cells[4][0]:.2f}x | {' , '.join(unpacked)}")
 
 
 SECTIONS = ("quant", "bytes", "backward", "speed", "decode")
