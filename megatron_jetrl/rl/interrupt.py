@@ -34,7 +34,8 @@ class Interrupts:
     """This rank's signal handlers; `stop_requested` agrees over the ranks."""
 
     def __init__(self, run: RunContext):
-        self.signum: int | None = None
+        self.signum: int | None = None  # the signal the run stops on: this rank's, or one the ranks agreed on
+        self.received: int | None = None  # the first signal this rank got itself
         self.graceful = False  # the GRPO loop is running: stop at the end of the step
         self.run = run  # where an immediate stop says it stopped
         self.previous: dict = {}
@@ -53,8 +54,11 @@ class Interrupts:
                 pass
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is None and self.graceful:
-            self.signum = signum
+        # A second signal is this rank's own second one: the launcher passes each signal to every rank, one after the
+        # other, so a rank's first one may come after the ranks already agreed to stop on another rank's.
+        if self.received is None and self.graceful:
+            self.received = signum
+            self.signum = self.signum or signum
             return
         self.signum = self.signum or signum
         where = f"GRPO step {self.run.step}" if self.run.step is not None else (self.run.current or "start-up")
