@@ -28,7 +28,9 @@ def interrupts(monkeypatch):
 def test_before_the_loop_a_signal_stops_at_once(interrupts):
     interrupts.run.step = None
     interrupts._handle(signal.SIGINT, None)
-    assert interrupts.left == ["stopped at once during start-up: nothing saved since the newest checkpoint, where a restart resumes"]
+    assert interrupts.left == [
+        "stopped at once during start-up: nothing saved since the newest checkpoint, where a restart resumes"
+    ]
     assert interrupts.signum == signal.SIGINT
 
 
