@@ -1,7 +1,7 @@
 """FP8 attention as vLLM 0.26 runs it with an FP8 KV cache (FA3, e4m3 Q/K/V, per-tensor descales): which actor-side
 calls give the engine's bytes, what the quantizers compute, the backward's error, and the kernels' times.
 
-    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py [--sections quant bytes backward speed decode]
+    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py [--sections quant bytes backward speed decode pages]
 
 `decode`: one decode step's attention at the long-rollout runs' shape (an engine's 32 sequences at context 4160, and
 64 and 128 of them), BF16 and FP8 caches, each as vLLM launches it on its own (FA3's KV-split heuristic) and with the
@@ -333,7 +333,55 @@ def decode_pins(context: int = 4160, batches=(32, 64, 128)):
         print(f"  {batch} | {row} | {cells[1][0] / cells[4][0]:.2f}x | {' , '.join(unpacked)}")
 
 
-SECTIONS = ("quant", "bytes", "backward", "speed", "decode")
+def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors=(17, 33, 65)):
+    """FA3's FP8 decode by the cache's page size and the launch's `max_seqlen_q`: FA3 loads a paged K/V with TMA only
+    where `page % kBlockN == 0` and `max_seqlen_q * heads / kv_heads > kBlockM`, otherwise row by row. Per page size
+    and floor: ms (cache TB/s) of one decode step at `batch` x `context` with one split, and the elements in which a
+    paged decode (five positions of three sequences) differs from the actor's contiguous causal forward."""
+    print(f"== pages: FP8 decode, one split, {batch} x ctx {context}: ms (TB/s) / elements differing from the actor's forward")
+    g = torch.Generator(device=dev).manual_seed(6)
+    n = batch * context
+    k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+    v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+    q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
+    one = torch.tensor(1.0, device=dev)
+    lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
+    qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D)
+    gb = n * HK * D * 2 / 1e9
+    # the bytes: three sequences, the actor's call (contiguous K/V, whole sequences) against paged decodes
+    lengths = [700, 1500, 2048]
+    m = sum(lengths)
+    qs_ = torch.randn(m, H, D, generator=g, device=dev).bfloat16() * 2
+    ks_ = torch.randn(m, HK, D, generator=g, device=dev).bfloat16() * 2
+    vs_ = torch.randn(m, HK, D, generator=g, device=dev).bfloat16()
+    sc = [torch.tensor(t.abs().max().item() / 448, device=dev) for t in (qs_, ks_, vs_)]
+    q8 = ops.scaled_fp8_quant(qs_.reshape(m, H * D), sc[0])[0].view(m, H, D)
+    cq = cu(lengths)
+    k8 = (ks_.float() / sc[1]).clamp(-448, 448).to(E4M3)
+    v8 = (vs_.float() / sc[2]).clamp(-448, 448).to(E4M3)
+    whole = fa(q8, k8, v8, cq, max(lengths), None, max(lengths), None, sc, cu_k=cq)
+    starts = cq[:-1].tolist()
+    print("  page | " + " | ".join(f"max_q {f}" for f in floors) + " | heuristic splits, max_q 1")
+    for page in sizes:
+        kc, vc, table = paged_cache(k, v, [context] * batch, page, one, one, shuffle=False)
+        kb, vb, tb = paged_cache(ks_, vs_, lengths, page, sc[1], sc[2])
+        cells = []
+        for floor in floors:
+            ms = timed(lambda: fa(qq, kc, vc, cu([1] * batch), floor, lens, context, table, (one, one, one)))
+            differ = 0
+            for back in (1, 2, 7, 100, 513):
+                pos = [x - back for x in lengths]
+                qd = torch.stack([q8[s + p] for s, p in zip(starts, pos)])
+                used = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev)
+                d = fa(qd, kb, vb, cu([1] * 3), floor, used, max(pos) + 1, tb, sc)
+                differ += int((d != torch.stack([whole[s + p] for s, p in zip(starts, pos)])).sum())
+            cells.append(f"{ms:.3f} ({gb / ms:.2f}) / {differ}")
+        ms = timed(lambda: fa(qq, kc, vc, cu([1] * batch), 1, lens, context, table, (one, one, one), num_splits=0))
+        print(f"  {page} | " + " | ".join(cells) + f" | {ms:.3f} ({gb / ms:.2f})")
+        del kc, vc, kb, vb
+
+
+SECTIONS = ("quant", "bytes", "backward", "speed", "decode", "pages")
 
 
 if __name__ == "__main__":
@@ -354,3 +402,5 @@ if __name__ == "__main__":
         speed()
     if "decode" in sections:
         decode_pins()
+    if "pages" in sections:
+        pages()
