@@ -1,7 +1,15 @@
 """FP8 attention as vLLM 0.26 runs it with an FP8 KV cache (FA3, e4m3 Q/K/V, per-tensor descales): which actor-side
 calls give the engine's bytes, what the quantizers compute, the backward's error, and the kernels' times.
 
-    source /tmp/vllm-site/env.sh && python3 tools/gpu/probe_fp8_attention.py [--sections quant bytes backward speed decode pages]
+    source /tmp/vllm-site/env.sh && PYTHONPATH=/tmp/mcore:$PYTHONPATH python3 tools/gpu/probe_fp8_attention.py \
+        [--sections quant bytes backward speed decode pages pieces]
+
+(/tmp/mcore: megatron-core, which `actor.rollout_kernels` imports, installed from .whl/ as tools/gpu/gpu_vllm.sh does.)
+
+`pages`: the pinned FP8 decode by the cache's page size (16 ... 448 tokens) and launch floor (17, 33, 65): FA3 loads
+a paged cache with TMA only at a page that is a multiple of its key tile; time and bytes against the actor's forward.
+`pieces`: the actor's forward cut into 16-query pieces so FA3 keeps its one-warpgroup kernel, as an unpinned decode
+does: whether its bytes are the decode's, and what the pieces cost the forward.
 
 `decode`: one decode step's attention at the long-rollout runs' shape (an engine's 32 sequences at context 4160, and
 64 and 128 of them), BF16 and FP8 caches, each as vLLM launches it on its own (FA3's KV-split heuristic) and with the
@@ -348,6 +356,7 @@ def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors
     lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
     qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D)
     gb = n * HK * D * 2 / 1e9
+    cq1 = cu([1] * batch)  # made once: a host-to-device copy inside the timed call would be timed too
     # the bytes: three sequences, the actor's call (contiguous K/V, whole sequences) against paged decodes
     lengths = [700, 1500, 2048]
     m = sum(lengths)
@@ -367,7 +376,7 @@ def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors
         kb, vb, tb = paged_cache(ks_, vs_, lengths, page, sc[1], sc[2])
         cells = []
         for floor in floors:
-            ms = timed(lambda: fa(qq, kc, vc, cu([1] * batch), floor, lens, context, table, (one, one, one)))
+            ms = timed(lambda: fa(qq, kc, vc, cq1, floor, lens, context, table, (one, one, one)))
             differ = 0
             for back in (1, 2, 7, 100, 513):
                 pos = [x - back for x in lengths]
@@ -376,12 +385,66 @@ def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors
                 d = fa(qd, kb, vb, cu([1] * 3), floor, used, max(pos) + 1, tb, sc)
                 differ += int((d != torch.stack([whole[s + p] for s, p in zip(starts, pos)])).sum())
             cells.append(f"{ms:.3f} ({gb / ms:.2f}) / {differ}")
-        ms = timed(lambda: fa(qq, kc, vc, cu([1] * batch), 1, lens, context, table, (one, one, one), num_splits=0))
+        ms = timed(lambda: fa(qq, kc, vc, cq1, 1, lens, context, table, (one, one, one), num_splits=0))
         print(f"  {page} | " + " | ".join(cells) + f" | {ms:.3f} ({gb / ms:.2f})")
         del kc, vc, kb, vb
 
 
-SECTIONS = ("quant", "bytes", "backward", "speed", "decode", "pages")
+def pieces(lengths=(700, 1500, 2048), piece: int = 16):
+    """The actor's causal forward as pieces of `piece` queries each (every piece a sequence of its own over the cache up to
+    its last query), launched at `max_seqlen_q` = piece so FA3 keeps its one-warpgroup kernel, against the engine's
+    unpinned paged decode (max_seqlen_q 1): elements differing, and the pieces' time against the whole forward's."""
+    g = torch.Generator(device=dev).manual_seed(7)
+    m = sum(lengths)
+    q = torch.randn(m, H, D, generator=g, device=dev).bfloat16() * 2
+    k = torch.randn(m, HK, D, generator=g, device=dev).bfloat16() * 2
+    v = torch.randn(m, HK, D, generator=g, device=dev).bfloat16()
+    sc = [torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v)]
+    q8 = ops.scaled_fp8_quant(q.reshape(m, H * D), sc[0])[0].view(m, H, D)
+    kc, vc, table = paged_cache(k, v, list(lengths), 16, sc[1], sc[2])
+    starts = cu(list(lengths))[:-1].tolist()
+    rows, ends, seqs = [], [], []
+    for i, (s0, n) in enumerate(zip(starts, lengths)):
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
+            rows.append(torch.arange(s0 + a, s0 + b, device=dev))
+            ends.append(b)
+            seqs.append(i)
+    flat = torch.cat(rows)
+    qp = q8[flat]
+    cqp = cu([len(r) for r in rows])
+    used = torch.tensor(ends, dtype=torch.int32, device=dev)
+    tp = table[torch.tensor(seqs, device=dev)].contiguous()
+    out = fa(qp, kc, vc, cqp, piece, used, max(lengths), tp, sc)
+    lens = torch.tensor(list(lengths), dtype=torch.int32, device=dev)
+    whole = fa(q8, kc, vc, cu(list(lengths)), max(lengths), lens, max(lengths), table, sc)
+    differ = {"pieces vs decode": 0, "whole (two warpgroups) vs decode": 0}
+    for back in (1, 2, 7, 100, 513):
+        pos = [x - back for x in lengths]
+        qd = torch.stack([q8[s + p] for s, p in zip(starts, pos)])
+        d = fa(
+            qd,
+            kc,
+            vc,
+            cu([1] * len(lengths)),
+            1,
+            torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev),
+            max(pos) + 1,
+            table,
+            sc,
+        )
+        idx = torch.tensor([s + p for s, p in zip(starts, pos)], device=dev)
+        where = torch.stack([(flat == i).nonzero()[0, 0] for i in idx])  # the token's row among the pieces' queries
+        differ["pieces vs decode"] += int((out[where] != d).sum())
+        differ["whole (two warpgroups) vs decode"] += int((whole[idx] != d).sum())
+    t_p = timed(lambda: fa(qp, kc, vc, cqp, piece, used, max(lengths), tp, sc))
+    t_w = timed(lambda: fa(q8, kc, vc, cu(list(lengths)), max(lengths), lens, max(lengths), table, sc))
+    print(
+        f"== pieces of {piece} queries (one warpgroup) vs decode at max_seqlen_q 1: {differ}; ms pieces {t_p:.3f}, whole {t_w:.3f}"
+    )
+
+
+SECTIONS = ("quant", "bytes", "backward", "speed", "decode", "pages", "pieces")
 
 
 if __name__ == "__main__":
@@ -404,3 +467,5 @@ if __name__ == "__main__":
         decode_pins()
     if "pages" in sections:
         pages()
+    if "pieces" in sections:
+        pieces()
