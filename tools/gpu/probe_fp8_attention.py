@@ -112,15 +112,19 @@ def quantizers():
         )
 
 
+def fp8_inputs(m: int, g: torch.Generator):
+    """`m` tokens of random q, k, v (BF16), their per-tensor amax scales `[q, k, v]` and q's E4M3 bytes as vLLM makes them."""
+    q = torch.randn(m, H, D, generator=g, device=dev).bfloat16() * 2
+    k = torch.randn(m, HK, D, generator=g, device=dev).bfloat16() * 2
+    v = torch.randn(m, HK, D, generator=g, device=dev).bfloat16()
+    sc = [torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v)]
+    return q, k, v, sc, ops.scaled_fp8_quant(q.reshape(m, H * D), sc[0])[0].view(m, H, D)
+
+
 def equality(lengths, page, chunk):
     g = torch.Generator(device=dev).manual_seed(2)
     n = sum(lengths)
-    q = torch.randn(n, H, D, generator=g, device=dev).bfloat16() * 2
-    k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16() * 2
-    v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-    qs, ks, vs = (torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v))
-    q8, _ = ops.scaled_fp8_quant(q.reshape(n, H * D), qs)
-    q8 = q8.view(n, H, D)
+    q, k, v, (qs, ks, vs), q8 = fp8_inputs(n, g)
     kc, vc, table = paged_cache(k, v, lengths, page, ks, vs)
     cq = cu(lengths)
     L = max(lengths)
@@ -360,11 +364,7 @@ def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors
     # the bytes: three sequences, the actor's call (contiguous K/V, whole sequences) against paged decodes
     lengths = [700, 1500, 2048]
     m = sum(lengths)
-    qs_ = torch.randn(m, H, D, generator=g, device=dev).bfloat16() * 2
-    ks_ = torch.randn(m, HK, D, generator=g, device=dev).bfloat16() * 2
-    vs_ = torch.randn(m, HK, D, generator=g, device=dev).bfloat16()
-    sc = [torch.tensor(t.abs().max().item() / 448, device=dev) for t in (qs_, ks_, vs_)]
-    q8 = ops.scaled_fp8_quant(qs_.reshape(m, H * D), sc[0])[0].view(m, H, D)
+    _, ks_, vs_, sc, q8 = fp8_inputs(m, g)
     cq = cu(lengths)
     k8 = (ks_.float() / sc[1]).clamp(-448, 448).to(E4M3)
     v8 = (vs_.float() / sc[2]).clamp(-448, 448).to(E4M3)
@@ -396,11 +396,7 @@ def pieces(lengths=(700, 1500, 2048), piece: int = 16):
     unpinned paged decode (max_seqlen_q 1): elements differing, and the pieces' time against the whole forward's."""
     g = torch.Generator(device=dev).manual_seed(7)
     m = sum(lengths)
-    q = torch.randn(m, H, D, generator=g, device=dev).bfloat16() * 2
-    k = torch.randn(m, HK, D, generator=g, device=dev).bfloat16() * 2
-    v = torch.randn(m, HK, D, generator=g, device=dev).bfloat16()
-    sc = [torch.tensor(t.abs().max().item() / 448, device=dev) for t in (q, k, v)]
-    q8 = ops.scaled_fp8_quant(q.reshape(m, H * D), sc[0])[0].view(m, H, D)
+    _, k, v, sc, q8 = fp8_inputs(m, g)
     kc, vc, table = paged_cache(k, v, list(lengths), 16, sc[1], sc[2])
     starts = cu(list(lengths))[:-1].tolist()
     rows, ends, seqs = [], [], []
