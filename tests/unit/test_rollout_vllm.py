@@ -416,24 +416,6 @@ def test_bench_vllm_pins_its_attention_as_a_run_resolves_it():
     assert [bench.attention_label(r) for r in ({"exact_logprobs": True}, {"pins": ["one-split"]}, {})] == [
         "exact", "one-split", "none"
     ]  # fmt: skip
-    assert bench.attention_label({"exact_logprobs": True, "kv_block_size": 224, "fp8_min_q": 33}) == "exact, pages 224, min q 33"
-
-
-def test_bench_vllm_page_size_and_fp8_floor_are_checked():
-    """`--kv-block-size` takes vLLM FlashAttention's pages (multiples of 16); `--fp8-min-q` raises the floor of the tile
-    pin, so it needs an FP8 cache and that pin (exact logprobs, or `--pins fp8-tile`)."""
-    bench = load_bench_vllm()
-    bench.check_pages(224, 33, "fp8", True, [])
-    bench.check_pages(None, 33, "fp8", False, ["fp8-tile"])
-    bench.check_pages(448, None, "bf16", False, [])
-    for size in (8, 100, 0):
-        with pytest.raises(ValueError, match=f"--kv-block-size {size}: .*multiple of 16"):
-            bench.check_pages(size, None, "fp8", True, [])
-    for cache, exact, pins in (("bf16", True, []), ("fp8", False, []), ("fp8", False, ["one-split"])):
-        with pytest.raises(ValueError, match="--fp8-min-q 33 raises the floor.*needs --kv-cache fp8"):
-            bench.check_pages(None, 33, cache, exact, pins)
-    with pytest.raises(ValueError, match="--fp8-min-q must be >= 1"):
-        bench.check_pages(None, 0, "fp8", True, [])
 
 
 def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():

@@ -31,10 +31,6 @@ The engine's attention is pinned as a run's would be: `--exact-logprobs auto` re
 rollout TP and KV cache does (`rl.resolve`: on for jetrl at TP 1 and 2), and exact logprobs pin vLLM's attention to
 the actor's kernels (one KV split; with an FP8 cache FA3's two-warpgroup kernel and the trainer's K/V scales, here
 1.0). `--exact-logprobs false --pins one-split` (or `fp8-tile`) applies one pin alone, to see what each costs.
-`--kv-block-size N` gives the engine's cache pages of N tokens (vLLM's default 16) and `--fp8-min-q Q` launches FA3's
-FP8 forward with `max_seqlen_q` at least Q (the tile pin's floor, `actor.rollout_kernels.fp8_attention_min_q`): FA3
-loads a paged cache with TMA only where the page is a multiple of its key tile and the launch's packed query rows
-exceed its query tile (tools/gpu/probe_fp8_attention.py --sections pages has the kernel alone).
 
 `--variant` measures what a setting would buy, in the same process layout (the JSON records it; tools/bench/rollout_report.py
 puts each variant in its own column):
@@ -192,19 +188,6 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
 
 PINS = {"one-split": "vllm_0_26_0_one_split_attention", "fp8-tile": "vllm_0_26_0_fp8_attention_tile"}
 """--pins: the exact-logprob pins of vLLM's attention, each the patch that makes it."""
-
-
-def check_pages(block_size: int | None, min_q: int | None, kv_cache: str, exact: bool, pins: list[str]) -> None:
-    """ValueError for a page size vLLM's FlashAttention refuses, or an FP8 launch floor without the pin it raises."""
-    if block_size is not None and (block_size < 16 or block_size % 16):
-        raise ValueError(f"--kv-block-size {block_size}: vLLM's FlashAttention takes pages of a multiple of 16 tokens")
-    if min_q is not None and not (kv_cache == "fp8" and (exact or "fp8-tile" in pins)):
-        raise ValueError(
-            f"--fp8-min-q {min_q} raises the floor of FA3's FP8 launch: it needs --kv-cache fp8 and that floor "
-            "(--exact-logprobs true, or --pins fp8-tile)"
-        )
-    if min_q is not None and min_q < 1:
-        raise ValueError(f"--fp8-min-q must be >= 1, got {min_q}")
 
 
 def attention_setting(mode: str, tp: int, kv_cache: str, exact: str, pins: list[str]) -> tuple[bool, list[str]]:
@@ -393,13 +376,6 @@ def main(argv=None) -> dict:
         help="with --exact-logprobs false: these pins of vLLM's attention alone (one KV split; FA3's FP8 kernel "
         "choice), to see what each costs",
     )
-    ap.add_argument("--kv-block-size", type=int, default=None, help="tokens a page of the engine's cache (vLLM's default: 16)")
-    ap.add_argument(
-        "--fp8-min-q",
-        type=int,
-        default=None,
-        help="FA3's FP8 launch with max_seqlen_q at least this (default: the tile pin's, fp8_attention_min_q)",
-    )
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--variant", default="shipped", choices=VARIANTS, help="see the module docstring (default: shipped)")
     ap.add_argument(
@@ -434,7 +410,6 @@ def main(argv=None) -> dict:
     try:
         extra, verify = variant_settings(a.variant, a.mode)
         exact, pins = attention_setting(a.mode, a.tp, a.kv_cache, a.exact_logprobs, a.pins)
-        check_pages(a.kv_block_size, a.fp8_min_q, a.kv_cache, exact, pins)
     except ValueError as e:
         ap.error(str(e))
     if a.eager and a.variant == "fused":
@@ -461,12 +436,6 @@ def main(argv=None) -> dict:
     flow = PrecisionFlow(
         a.mode, exact_logprobs=exact, kv_cache=a.kv_cache, kv_scales=fp8_cache_scales if a.kv_cache == "fp8" else "none"
     )
-    if a.fp8_min_q is not None:  # read by the tile pin when it applies (below, or in the engine under exact logprobs)
-        from megatron_jetrl.actor import rollout_kernels
-
-        rollout_kernels.fp8_attention_min_q = lambda heads, kv_heads: a.fp8_min_q
-    if a.kv_block_size is not None:
-        extra["block_size"] = a.kv_block_size
     for pin in pins:
         load_patch(PINS[pin]).apply()
     config = dict(QWEN3_8B, num_hidden_layers=a.layers)
@@ -477,8 +446,6 @@ def main(argv=None) -> dict:
         "kv_cache": a.kv_cache,
         "exact_logprobs": exact,
         "pins": pins,
-        "kv_block_size": a.kv_block_size,
-        "fp8_min_q": a.fp8_min_q,
         "kv_gb": a.kv_gb,
         "layers": a.layers,
         "tp": a.tp,

@@ -42,14 +42,10 @@ from pathlib import Path
 
 def attention_label(run: dict) -> str:
     """How a bench_vllm.py run's attention was pinned: `exact` (every exact-logprob pin), the pins it applied alone
-    (`one-split`, `fp8-tile`), or `none` (a result from before the field: none); then the cache's page size and the
-    FP8 launch floor where the run set them (`exact, pages 224, min q 33`)."""
-    label = "exact" if run.get("exact_logprobs") else "+".join(run.get("pins") or ()) or "none"
-    if run.get("kv_block_size"):
-        label += f", pages {run['kv_block_size']}"
-    if run.get("fp8_min_q"):
-        label += f", min q {run['fp8_min_q']}"
-    return label
+    (`one-split`, `fp8-tile`), or `none` (a result from before the field: none)."""
+    if run.get("exact_logprobs"):
+        return "exact"
+    return "+".join(run.get("pins") or ()) or "none"
 
 
 def load(path: str) -> dict:
