@@ -306,8 +306,8 @@ class JetRLConfig:
         ):
             out.append(
                 f"precision.exact_logprobs resolved to false at parallel.tp={self.parallel.tp}: above TP 2 it adds every "
-                "row-parallel linear's partial outputs in rank order on both sides (an all-gather and a sum in place of "
-                "each all-reduce, whose cost is not measured yet), so auto leaves it off; precision.exact_logprobs=true "
+                "row-parallel linear's partial outputs in rank order on both sides (collectives and a sum in place of "
+                "each all-reduce, whose cost in a step is not measured yet), so auto leaves it off; precision.exact_logprobs=true "
                 "turns it on (train/rollout mismatch exactly 0)"
             )
         left_to_auto = self.model.bf16_linear_weights == "auto" or "model.bf16_linear_weights" in self.resolved_autos()

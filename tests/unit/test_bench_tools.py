@@ -1,4 +1,4 @@
-"""The FP8 benchmark tools (tools/bench/bench_fp8.py, bench_actor.py, bench_sp_overlap.py, bench_pipeline.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
+"""The FP8 benchmark tools (tools/bench/bench_fp8.py, bench_actor.py, bench_sp_overlap.py, bench_ordered_reduce.py, bench_pipeline.py, tools/gpu/gpu_fp8.sh) parse their arguments and refuse
 cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Nothing here asserts a time."""
 
 from __future__ import annotations
@@ -250,6 +250,22 @@ def test_bench_sp_overlap_tiny_checks_every_overlap_on_two_gloo_ranks(tmp_path):
             assert all(c["output_rel_err"] == 0.0 for c in row["check"].values()), (name, row["check"])
         assert all(row[v] > 0 for v in ("bf16", "bf16-local", "jetrl-none", "jetrl-ring", "jetrl-local")), row
     assert "| all four |" in r.stdout
+
+
+def test_bench_ordered_reduce_tiny_gives_every_rank_the_same_rank_order_bytes(tmp_path):
+    """The rank-order TP sum's smoke run on 3 gloo ranks (shares that do not split evenly): the actor's all-to-all sum,
+    vLLM's all-gathered one and torch's adds give the same bytes on every rank, NCCL's stand-in sums in its own order."""
+    r, report = tiny_on_ranks("tools/bench/bench_ordered_reduce.py", 3, tmp_path / "ordered.json")
+    assert report["world"] == 3 and len(report["rows"]) == 2
+    for row in report["rows"].values():
+        assert row["check"]["same"] and row["check"]["as_rank0"], row["check"]
+        assert all(row[v] > 0 for v in ("nccl", "gather-torch", "gather", "ordered")), row
+        assert row["check"]["nccl_max_rel"] < 0.02, row["check"]  # another order: within BF16 rounding of the sum
+    assert "same on every rank" in r.stdout and "DIFFER" not in r.stdout
+
+
+def test_bench_ordered_reduce_needs_torchrun():
+    one_line(run(sys.executable, "tools/bench/bench_ordered_reduce.py", "--tiny"), 2, "torchrun")
 
 
 def test_bench_pipeline_needs_torchrun_and_a_gpu():

@@ -45,6 +45,15 @@ def test_ordered_sum_adds_in_rank_order_in_fp32_and_rounds_once(world, n, seed, 
         assert torch.equal(ordered_sum(parts), ordered_sum(parts.clone()))
 
 
+def _gathered(x, group):
+    """Every rank's `x` stacked in rank order: `[world, *x.shape]`."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
+
+
 def _on_a_tp4_rank():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -58,12 +67,21 @@ def _on_a_tp4_rank():
     from megatron_jetrl.models.ordered_reduce import OrderedAllReduce, ordered_all_reduce
 
     group = ps.get_tensor_model_parallel_group()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     g = torch.Generator().manual_seed(7 + rank)
     x = (torch.randn(5, 3, 64, generator=g) * 10 ** torch.linspace(-2, 2, 64)).to(torch.bfloat16)
-    parts = torch.empty(world, *x.shape, dtype=x.dtype)
-    dist.all_gather_into_tensor(parts.view(-1, *x.shape[1:]), x, group=group)
+    parts = _gathered(x, group)
     summed = ordered_all_reduce(x, group)
+    three = dist.new_group([0, 1, 2])  # (every rank makes the group; ranks 0-2 sum over it)
+    shapes = {}  # shape -> whether every (group, dtype) summed it as the gathered partials' ordered_sum, to the bit
+    for shape in [(5, 3, 64), (7, 13), (1,), (0, 4), (3, 4096)]:
+        shapes[shape] = True
+        for grp, dtype in ((group, torch.bfloat16), (group, torch.float32), (three, torch.bfloat16)):
+            if grp is three and rank > 2:
+                continue
+            y = (torch.randn(shape, generator=g) * 100).to(dtype)
+            got = ordered_all_reduce(y, grp)
+            shapes[shape] &= got.shape == y.shape and got.dtype == dtype and torch.equal(got, ordered_sum(_gathered(y, grp)))
     leaf = x.clone().requires_grad_(True)
     OrderedAllReduce.apply(leaf, group).backward(torch.ones_like(x))
 
@@ -82,6 +100,7 @@ def _on_a_tp4_rank():
         refused = str(e)
     return {
         "ordered": torch.equal(summed, ordered_sum(parts)),
+        "shapes": shapes,
         "summed": summed,
         "grad_passes": torch.equal(leaf.grad, torch.ones_like(x)),
         "logprobs": logprobs,
@@ -97,6 +116,14 @@ def tp4():
 def test_every_rank_gets_the_rank_order_sum(tp4):
     assert all(r["ordered"] and r["grad_passes"] for r in tp4)
     assert all(torch.equal(r["summed"], tp4[0]["summed"]) for r in tp4)
+
+
+def test_the_reduce_scatter_and_gather_sum_is_the_gathered_partials_sum_at_any_size(tp4):
+    """`ordered_all_reduce` moves a ring all-reduce's bytes (each rank sums its share, then the shares are gathered),
+    yet its every element is the one `ordered_sum` of all the gathered partials gives (vLLM's way), over 4 and over 3
+    ranks, for sizes that do not split evenly, one element and none."""
+    for r in tp4:
+        assert all(r["shapes"].values()), r["shapes"]
 
 
 def test_the_actor_at_tp4_sums_its_row_parallel_outputs_in_rank_order(tp4):

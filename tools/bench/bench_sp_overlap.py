@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.bench.common import QWEN3_8B, TINY, sync  # noqa: E402
+from tools.bench.common import QWEN3_8B, TINY, median_ms, sync  # noqa: E402
 
 OVERLAPS = ("none", "chunks2", "chunks4", "ring")
 
@@ -126,26 +124,6 @@ def check(results: dict, kind: str) -> dict:
     return out
 
 
-def time_step(step, device, reps: int) -> float:
-    """Median ms of `step()` over `reps`, after 3 warm-up calls."""
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4352, help="tokens of the micro-batch, split over the ranks")
@@ -190,7 +168,7 @@ def main() -> int:
                 if mode == "jetrl" and overlap is not None:
                     y, dx = step()
                     checked[label] = (y, dx, w.main_grad.clone())
-                row[label if mode == "bf16" or overlap is None else f"jetrl-{label}"] = time_step(step, device, reps)
+                row[label if mode == "bf16" or overlap is None else f"jetrl-{label}"] = median_ms(step, device, reps)
         row["check"] = check(checked, "column" if kind == "column" else "row")
         report["linears"][name] = row
         sync(device)

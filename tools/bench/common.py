@@ -1,8 +1,9 @@
 """What the benchmarks share: the Qwen3-8B shapes they time (and a tiny stand-in for CPU smoke runs), and a timer that
-ends with a device sync. Imported as `tools.bench.common` (each benchmark puts the repository on sys.path first)."""
+ends with a device sync, and one that takes a median. Imported as `tools.bench.common` (each benchmark puts the repository on sys.path first)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -37,3 +38,24 @@ def timed(device: torch.device, fn):
     out = fn()
     sync(device)
     return time.perf_counter() - t0, out
+
+
+def median_ms(step, device: torch.device, reps: int) -> float:
+    """Median ms of `step()` over `reps` calls, after 3 warm-up calls: CUDA events around each call on the GPU (the
+    current stream's work), the host's clock on the CPU."""
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)

@@ -4,7 +4,7 @@
 # (SLURM cannot be started on the device machine: it has no network to install it. The sbatch scripts in
 # launch/slurm run the same launchers with the same environment; CI runs them under a real slurmctld on CPU.)
 #
-#   bash tools/gpu/gpu_multi.sh STAGE...      STAGE: setup | tests | overlap | pipeline | sweep | vllm     e.g. bash tools/gpu/gpu_multi.sh setup sweep
+#   bash tools/gpu/gpu_multi.sh STAGE...      STAGE: setup | tests | overlap | ordered | pipeline | sweep | vllm     e.g. bash tools/gpu/gpu_multi.sh setup sweep
 #
 #   setup  .whl/*.whl (megatron-core, math-verify) -> /tmp/mcore; DeepGEMM -> /tmp/dg, from .kits/deep_gemm when carried,
 #          else the copy the vLLM kit bundles (/tmp/vllm-site/vllm/third_party/deep_gemm, the same files).
@@ -12,6 +12,8 @@
 #          tests/gpu/test_actor_tp_gpu.py (megatron TP 2 on both GPUs against TP 1).
 #   overlap tools/bench/bench_sp_overlap.py on every GPU (one TP group, sequence parallel): megatron's BF16 linears against
 #          the FP8 ones with each parallel.sp_overlap, checked against none first -> $OUT/sp_overlap.json
+#   ordered tools/bench/bench_ordered_reduce.py on every GPU: the rank-order TP sum of exact logprobs (the actor's and
+#          vLLM's) against NCCL's all-reduce, per call, checked first -> $OUT/ordered_reduce.json
 #   pipeline tools/bench/bench_pipeline.py, one pipeline stage per GPU: the update of $PIPE_LAYERS (18) Qwen3-8B layers,
 #          the last stage $PIPE_LAST (8) of them, 32 micro-batches of 4 x 1088 tokens, bf16 against jetrl (exact logprobs
 #          off: no vLLM), each stage's profiled timeline; then the first stage's layer count as one GPU's whole step
@@ -41,9 +43,9 @@ WORK=${WORK:-/dev/shm/jetrl_multi}
 STEPS=${STEPS:-4}
 CONFIG=configs/gpu_8b_shapes.yaml
 mkdir -p "$OUT" "$WORK"
-[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_multi.sh STAGE... (setup | tests | overlap | pipeline | sweep | vllm)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash tools/gpu/gpu_multi.sh STAGE... (setup | tests | overlap | ordered | pipeline | sweep | vllm)"; exit 2; }
 for stage in "$@"; do
-  case $stage in setup|tests|overlap|pipeline|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | overlap | pipeline | sweep | vllm)"; exit 2 ;; esac
+  case $stage in setup|tests|overlap|ordered|pipeline|sweep|vllm) ;; *) echo "unknown stage $stage (setup | tests | overlap | ordered | pipeline | sweep | vllm)"; exit 2 ;; esac
 done
 T_END=$(( $(date +%s) + ${TOTAL_TIMEOUT:-570} ))
 left() { local s=$(( T_END - $(date +%s) - 5 )); [ "$s" -lt 1 ] && s=1; [ "$1" -lt "$s" ] && echo "$1" || echo "$s"; }
@@ -102,6 +104,9 @@ for stage in "$@"; do
     overlap)
       with_dg timeout -k 15 "$(left 300)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_sp_overlap.py \
         --json "$OUT/sp_overlap.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sp_overlap.log" | tail -15 ;;
+    ordered)
+      timeout -k 15 "$(left 200)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_ordered_reduce.py \
+        --json "$OUT/ordered_reduce.json" 2>&1 | grep -v -E "UserWarning|warnings.warn|deprecated|return func" | tee "$OUT/ordered_reduce.log" | tail -10 ;;
     pipeline)
       n=$(nvidia-smi -L | wc -l); shape=(--seq 1088 --micro-batch 4 --micro-batches 32 --override precision.exact_logprobs=false)
       with_dg timeout -k 15 "$(left 360)" torchrun --nproc-per-node="$n" tools/bench/bench_pipeline.py --layers "${PIPE_LAYERS:-18}" \
