@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.bench.common import median_ms  # noqa: E402
+from tools.bench.common import agreed_exit, median_ms  # noqa: E402
 
 VARIANTS = ("nccl", "gather-torch", "gather", "ordered")
 
@@ -118,13 +118,7 @@ def main() -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=1)
-    flags = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    dist.destroy_process_group()
-    if not flags.item():
-        print(f"rank {rank}: the rank-order sums differ (see check)", file=sys.stderr)
-        return 1
-    return 0
+    return agreed_exit(ok, device, "the rank-order sums differ (see check)")
 
 
 def print_table(report: dict) -> None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.bench.common import QWEN3_8B, TINY, median_ms, sync  # noqa: E402
+from tools.bench.common import QWEN3_8B, TINY, agreed_exit, median_ms, sync  # noqa: E402
 
 OVERLAPS = ("none", "chunks2", "chunks4", "ring")
 
@@ -178,13 +178,7 @@ def main() -> int:
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=1)
     ok = all(c["ok"] for r in report["linears"].values() for c in r["check"].values())
-    flags = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    dist.destroy_process_group()
-    if not flags.item():
-        print(f"rank {rank}: an overlap's result differs from none's (see check)", file=sys.stderr)
-        return 1
-    return 0
+    return agreed_exit(ok, device, "an overlap's result differs from none's (see check)")
 
 
 def print_table(report: dict) -> None:

@@ -59,3 +59,19 @@ def median_ms(step, device: torch.device, reps: int) -> float:
             step()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def agreed_exit(ok: bool, device: torch.device, failure: str) -> int:
+    """A multi-rank benchmark's end: every rank's check agreed over the default group (0 only if all passed), the group
+    destroyed, `failure` printed by each rank whose check failed; the exit code."""
+    import sys
+
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if not ok:
+        print(f"rank {rank}: {failure}", file=sys.stderr)
+    return 0 if flags.item() else 1
