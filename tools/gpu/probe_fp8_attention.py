@@ -2,7 +2,7 @@
 calls give the engine's bytes, what the quantizers compute, the backward's error, and the kernels' times.
 
     source /tmp/vllm-site/env.sh && PYTHONPATH=/tmp/mcore:$PYTHONPATH python3 tools/gpu/probe_fp8_attention.py \
-        [--sections quant bytes backward speed decode pages pieces]
+        [--sections quant bytes backward speed decode pages pieces aot]
 
 (/tmp/mcore: megatron-core, which `actor.rollout_kernels` imports, installed from .whl/ as tools/gpu/gpu_vllm.sh does.)
 
@@ -10,6 +10,10 @@ calls give the engine's bytes, what the quantizers compute, the backward's error
 a paged cache with TMA only at a page that is a multiple of its key tile; time and bytes against the actor's forward.
 `pieces`: the actor's forward cut into 16-query pieces so FA3 keeps its one-warpgroup kernel, as an unpinned decode
 does: whether its bytes are the decode's, and what the pieces cost the forward.
+
+`aot`: the decode launched with and without the scheduler metadata vLLM makes ahead of time once a step (which its
+batch-invariant mode, and so the one-split pin, turns off): what that costs, and whether the pinned launch keeps its
+bytes with it.
 
 `decode`: one decode step's attention at the long-rollout runs' shape (an engine's 32 sequences at context 4160, and
 64 and 128 of them), BF16 and FP8 caches, each as vLLM launches it on its own (FA3's KV-split heuristic) and with the
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.vllm_flash_attn import flash_attn_varlen_func
+from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q  # noqa: E402
@@ -61,7 +65,7 @@ def paged_cache(k, v, lengths, page, k_scale, v_scale, dtype="fp8", shuffle=True
     return kc, vc, table
 
 
-def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=None, causal=True, num_splits=1):
+def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=None, causal=True, num_splits=1, meta=None):
     qd, kd, vd = descales if descales else (None, None, None)
     n = cu_q.numel() - 1
     ex = (lambda s: s.expand(n, HK)) if descales else (lambda s: None)
@@ -83,6 +87,7 @@ def fa(q, kc, vc, cu_q, max_q, seqused, max_k, table, descales, lse=False, cu_k=
         q_descale=ex(qd) if descales else None,
         k_descale=ex(kd) if descales else None,
         v_descale=ex(vd) if descales else None,
+        scheduler_metadata=meta,
     )
 
 
@@ -439,7 +444,57 @@ def pieces(lengths=(700, 1500, 2048), piece: int = 16):
     )
 
 
-SECTIONS = ("quant", "bytes", "backward", "speed", "decode", "pages", "pieces")
+def aot(context: int = 4160, batches=(32, 64, 128)):
+    """vLLM's engine launches FA3 with scheduler metadata made ahead of time, once a step for every layer
+    (`get_scheduler_metadata` in the metadata builder), except in batch-invariant mode, which the one-split pin borrows:
+    each launch then prepares its own schedule. The other sections launch without it. Per batch at the decode shape:
+    ms per layer's launch without and with the metadata (its making timed apart: once a step), unpinned (FA3's
+    splits) and pinned (one split; FP8 with the launch floor, the metadata made for the floored launch), and the
+    elements in which the pinned launch with metadata differs from the one without (0: the pins could keep it)."""
+    floor = fp8_attention_min_q(H, HK)
+    print(f"== aot: decode at context {context}, ms per launch without / with ahead-of-time scheduler metadata")
+    print("  batch | cache | splits: without, with | pins: without, with, elements differing | making the metadata")
+    for batch in batches:
+        g = torch.Generator(device=dev).manual_seed(7)
+        n = batch * context
+        k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+        q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
+        one = torch.tensor(1.0, device=dev)
+        lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
+        cq = cu([1] * batch)
+        for dtype in ("auto", "fp8"):
+            kc, vc, table = paged_cache(k, v, [context] * batch, 16, one, one, dtype=dtype, shuffle=False)
+            fp8 = dtype == "fp8"
+            qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D) if fp8 else q
+            d = (one, one, one) if fp8 else None
+            pinned_q = floor if fp8 else 1
+
+            def meta(max_q, splits):
+                return get_scheduler_metadata(
+                    batch, max_q, context, H, HK, D, lens, qkv_dtype=E4M3 if fp8 else torch.bfloat16,
+                    cu_seqlens_q=cq, page_size=16, causal=True, num_splits=splits,
+                )  # fmt: skip
+
+            cells = []
+            for max_q, splits in ((1, 0), (pinned_q, 1)):
+                m = meta(max_q, splits)
+                without = timed(lambda: fa(qq, kc, vc, cq, max_q, lens, context, table, d, num_splits=splits))
+                with_meta = timed(lambda: fa(qq, kc, vc, cq, max_q, lens, context, table, d, num_splits=splits, meta=m))
+                cells.append(f"{without:.3f}, {with_meta:.3f}")
+            m = meta(pinned_q, 1)
+            differ = int(
+                (
+                    fa(qq, kc, vc, cq, pinned_q, lens, context, table, d, meta=m)
+                    != fa(qq, kc, vc, cq, pinned_q, lens, context, table, d)
+                ).sum()
+            )
+            making = timed(lambda: meta(pinned_q, 1))
+            print(f"  {batch} | {'fp8' if fp8 else 'bf16'} | {cells[0]} | {cells[1]}, {differ} | {making:.3f}")
+            del kc, vc
+
+
+SECTIONS = ("quant", "bytes", "backward", "speed", "decode", "pages", "pieces", "aot")
 
 
 if __name__ == "__main__":
@@ -464,3 +519,5 @@ if __name__ == "__main__":
         pages()
     if "pieces" in sections:
         pieces()
+    if "aot" in sections:
+        aot()
