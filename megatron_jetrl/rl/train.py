@@ -175,10 +175,17 @@ def finish(s, last_saved) -> int:
         rows = read_metrics(cfg.run.directory / "metrics.jsonl")
         (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))
         print(format_summary(rows))
+        print(f"  run directory    {cfg.run.directory}: {', '.join(written(cfg.run.directory))}")
     dist.barrier()
     leave_together()
     run_lock.release(cfg.run.directory)
     return 0
+
+
+def written(directory) -> list[str]:
+    """What a finished run leaves in its directory, in the order the README's "Run directory" lists it."""
+    names = ("metrics.jsonl", "tb/", "checkpoints/", "export/", "summary.json", "config.yaml")
+    return [name for name in names if (directory / name.rstrip("/")).exists()]
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def run(tmp_path_factory) -> Path:
     r = launch(out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "not installed" not in r.stderr  # megatron's TE/Apex warnings are not shown on CPU
+    listed = "metrics.jsonl, tb/, checkpoints/, export/, summary.json, config.yaml"
+    assert f"  run directory    {out}: {listed}" in r.stdout.splitlines(), r.stdout[-2000:]
     return out
 
 
