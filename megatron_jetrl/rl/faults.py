@@ -255,7 +255,7 @@ def report(exc: BaseException, tb=None) -> str:
             line += " (out of space)" if full else " (nearly full: out of space?)"
     if cfg is not None:
         try:
-            from megatron_jetrl.rl.session import latest_checkpoint
+            from megatron_jetrl.rl.checkpoints import latest_checkpoint
 
             ckpt = latest_checkpoint(cfg)
             line += f"; newest complete checkpoint: {ckpt} (a restart resumes there)" if ckpt else "; no complete checkpoint yet"

@@ -25,7 +25,7 @@ require_train_extras("megatron_jetrl.rl.train")  # a bare `pip install .`: one l
 
 from megatron_jetrl.actor.logprobs import response_start  # noqa: E402
 from megatron_jetrl.actor.parallel import group_device
-from megatron_jetrl.rl import faults, preflight, run_lock
+from megatron_jetrl.rl import checkpoints, faults, preflight, run_lock
 from megatron_jetrl.rl import session as sess
 from megatron_jetrl.rl.config import ConfigError, load_config, sections_help, split_args
 from megatron_jetrl.rl.context import RunContext
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.run.device_type() == "cuda" and int(os.environ["RANK"]) == 0:
                 CompileProgress(cache_dirs(cfg.run.jit_cache_dir)).start()  # a cold machine compiles kernels: say so
             s = sess.build_session(cfg, run)
-            state = sess.resume(s)
+            state = checkpoints.resume(s)
             if s.is_main:  # only now: a refused run leaves its directory as it was
-                sess.write_config(cfg)
+                checkpoints.write_config(cfg)
                 if previous is not None:
                     print(previous.resume_message(cfg), file=sys.stderr)
                 if taken:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             sft_warm_start(s)
             sess.freeze_reference(s)
     if cfg.run.steps == 0:  # the warm-start alone: its checkpoint and export are what GRPO runs start from
-        return finish(s, sess.save(s, 0, warmup_done=True) if cfg.run.checkpoint and state is None else None)
+        return finish(s, checkpoints.save(s, 0, warmup_done=True) if cfg.run.checkpoint and state is None else None)
     with run.phase("start-up"):
         sess.start_pool(s)
     if cfg.run.profile_step is not None:  # first: it marks the row the others write
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             run.end_step(row)  # the metrics file, the progress bar, the profiler's report
         if cfg.run.checkpoint and (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps):
             with run.phase("save"):
-                last_saved = sess.save(s, step + 1, warmup_done=True)
+                last_saved = checkpoints.save(s, step + 1, warmup_done=True)
         if interrupts.stop_requested(group_device(None)):
             return stop(s, interrupts, step, last_saved)
     run.end()  # the metrics file and the progress bar close
@@ -153,7 +153,7 @@ def stop(s, interrupts: Interrupts, step: int, last_saved) -> int:
     run.end()
     with run.phase("stop"):
         if cfg.run.checkpoint and (last_saved is None or last_saved.name != f"step_{step + 1:06d}"):
-            last_saved = sess.save(s, step + 1, warmup_done=True)
+            last_saved = checkpoints.save(s, step + 1, warmup_done=True)
         saved = (
             f"checkpoint {last_saved}: a restart resumes at step {step + 1} of {cfg.run.steps}"
             if cfg.run.checkpoint
@@ -170,7 +170,7 @@ def finish(s, last_saved) -> int:
     cfg = s.cfg
     if cfg.run.export:
         with s.run.phase("export"):
-            sess.export(s, last_saved or sess.latest_checkpoint(cfg))
+            checkpoints.export(s, last_saved or checkpoints.latest_checkpoint(cfg))
     if s.is_main:
         rows = read_metrics(cfg.run.directory / "metrics.jsonl")
         (cfg.run.directory / "summary.json").write_text(json.dumps(summarize(rows), indent=1))

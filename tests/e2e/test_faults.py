@@ -161,7 +161,7 @@ def comparable(row: dict) -> dict:
 
 
 def latest(out: Path) -> Path | None:
-    from megatron_jetrl.rl.session import STATE_FILE
+    from megatron_jetrl.rl.run_state import STATE_FILE
 
     done = sorted(
         p
@@ -639,7 +639,8 @@ def _cfg(out: Path, *overrides):
 
 
 def test_half_written_checkpoints_are_never_picked_up(tmp_path):
-    from megatron_jetrl.rl.session import STATE_FILE, latest_checkpoint
+    from megatron_jetrl.rl.checkpoints import latest_checkpoint
+    from megatron_jetrl.rl.run_state import STATE_FILE
 
     cfg = _cfg(tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
@@ -677,9 +678,9 @@ def _actor(cfg, mode: str = "jetrl"):
 
 @pytest.fixture(scope="module")
 def saved(one_rank, tmp_path_factory):
-    """A tiny actor with its optimizer, saved as checkpoints/step_000001 the way session.save does it."""
+    """A tiny actor with its optimizer, saved as checkpoints/step_000001 the way checkpoints.save does it."""
     from megatron_jetrl.actor.checkpoint import save_checkpoint
-    from megatron_jetrl.rl.session import STATE_FILE
+    from megatron_jetrl.rl.run_state import STATE_FILE
 
     out = tmp_path_factory.mktemp("saved") / "run"
     cfg = _cfg(out, "loss.kl_coef=0")
@@ -692,8 +693,8 @@ def saved(one_rank, tmp_path_factory):
 
 
 def _resume(saved, tmp_path, damage, *overrides):
-    """Copy the saved run, damage it, and resume it the way the trainer does (session.resume)."""
-    from megatron_jetrl.rl import session
+    """Copy the saved run, damage it, and resume it the way the trainer does (checkpoints.resume)."""
+    from megatron_jetrl.rl import checkpoints
 
     out = tmp_path / "run"
     shutil.copytree(saved.out, out)
@@ -707,7 +708,7 @@ def _resume(saved, tmp_path, damage, *overrides):
         sampler=SimpleNamespace(load_state_dict=lambda state: None),
         kv_scales=None,
     )
-    return session.resume(s)
+    return checkpoints.resume(s)
 
 
 def _flip(path: Path, where: float = 0.5) -> None:
@@ -722,7 +723,7 @@ def test_resume_of_an_intact_checkpoint(saved, tmp_path):
 
 def _newer(out: Path, step: int = 2) -> Path:
     """A copy of step_000001 as a newer checkpoint (its trainer state at `step`)."""
-    from megatron_jetrl.rl.session import STATE_FILE
+    from megatron_jetrl.rl.run_state import STATE_FILE
 
     newer = out / "checkpoints" / f"step_{step:06d}"
     shutil.copytree(out / "checkpoints" / "step_000001", newer)
@@ -743,7 +744,7 @@ def _newer(out: Path, step: int = 2) -> Path:
     ids=["truncated shard", "deleted optimizer state", "damaged trainer state"],
 )
 def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(saved, tmp_path, capsys, damage, why):
-    from megatron_jetrl.rl import session
+    from megatron_jetrl.rl import checkpoints
     from megatron_jetrl.rl.run_state import previous_run
 
     out = tmp_path / "run"
@@ -761,7 +762,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(s
         sampler=SimpleNamespace(load_state_dict=lambda state: None),
         kv_scales=None,
     )
-    assert session.resume(s)["step"] == 1
+    assert checkpoints.resume(s)["step"] == 1
     err = capsys.readouterr().err
     assert re.search(
         rf"note: skipped the damaged checkpoint step_000002 \({why}.*\); kept aside as "
@@ -769,7 +770,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_keeps_it_aside(s
         err,
     ), err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002.damaged"]
-    assert session.latest_checkpoint(cfg) == out / "checkpoints" / "step_000001"
+    assert checkpoints.latest_checkpoint(cfg) == out / "checkpoints" / "step_000001"
 
 
 def test_a_finished_run_with_a_sound_final_checkpoint_is_complete(saved, tmp_path):
@@ -885,7 +886,7 @@ def test_a_full_disk_names_the_file_being_written(saved, tmp_path):
 
 
 def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_path, monkeypatch):
-    from megatron_jetrl.rl import session
+    from megatron_jetrl.rl import checkpoints
     from megatron_jetrl.rl.config import ConfigError
 
     (tmp_path / "blocked").mkdir()
@@ -893,17 +894,17 @@ def test_checkpoint_directory_is_checked_before_the_first_step(one_rank, tmp_pat
     with pytest.raises(
         ConfigError, match=r"cannot write checkpoints to .*blocked/checkpoints \(.*\): make it writable or set run.out_dir"
     ):
-        session.check_output_space(_cfg(tmp_path / "blocked"))
+        checkpoints.check_output_space(_cfg(tmp_path / "blocked"))
     ck = tmp_path / "full" / "checkpoints" / "step_000001"
     ck.mkdir(parents=True)
     (ck / "trainer_state.json").write_text("{}")
     (ck / "tp00_pp000.safetensors").write_bytes(bytes(3 << 20))
-    session.check_output_space(_cfg(tmp_path / "full"))
-    monkeypatch.setattr(session.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    checkpoints.check_output_space(_cfg(tmp_path / "full"))
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
     with pytest.raises(
         ConfigError, match=r"checkpoints has 1.0 MiB free but a checkpoint takes 3.0 MiB \(step_000001\): free space"
     ):
-        session.check_output_space(_cfg(tmp_path / "full"))
+        checkpoints.check_output_space(_cfg(tmp_path / "full"))
 
 
 # ---- in-process: NaN/Inf in train_step --------------------------------------------------------------------

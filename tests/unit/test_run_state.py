@@ -10,9 +10,9 @@ import json
 import pytest
 
 from megatron_jetrl.rl import train
+from megatron_jetrl.rl.checkpoints import prune_checkpoints
 from megatron_jetrl.rl.config import ConfigError, load_config
 from megatron_jetrl.rl.run_state import previous_run
-from megatron_jetrl.rl.session import prune_checkpoints
 
 
 def finished_run(tmp_path, step=3, *overrides, summary=True):
@@ -136,9 +136,9 @@ def test_keep_checkpoints_is_validated_and_pruning_keeps_the_newest(tmp_path):
 
 
 def test_the_output_check_creates_no_checkpoints_folder(tmp_path, monkeypatch):
-    from megatron_jetrl.rl import session
+    from megatron_jetrl.rl import checkpoints
 
-    monkeypatch.setattr(session.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(checkpoints.dist, "get_rank", lambda: 0)
     cfg = load_config(None, [f"run.out_dir={tmp_path / 'fresh'}"])
-    session.check_output_space(cfg)
+    checkpoints.check_output_space(cfg)
     assert not (tmp_path / "fresh").exists() and list(tmp_path.iterdir()) == []
