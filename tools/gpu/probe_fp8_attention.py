@@ -126,6 +126,18 @@ def fp8_inputs(m: int, g: torch.Generator):
     return q, k, v, sc, ops.scaled_fp8_quant(q.reshape(m, H * D), sc[0])[0].view(m, H, D)
 
 
+def decode_inputs(batch: int, context: int, seed: int):
+    """A decode step's random BF16 inputs: K and V of `batch` sequences of `context` tokens, one query each, the scale
+    1.0 and the sequences' lengths on the device."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    n = batch * context
+    k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+    v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
+    q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
+    lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
+    return k, v, q, torch.tensor(1.0, device=dev), lens
+
+
 def equality(lengths, page, chunk):
     g = torch.Generator(device=dev).manual_seed(2)
     n = sum(lengths)
@@ -321,12 +333,7 @@ def decode_pins(context: int = 4160, batches=(32, 64, 128)):
     for batch in batches:
         lengths = [context] * batch
         n = sum(lengths)
-        g = torch.Generator(device=dev).manual_seed(5)
-        k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-        v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-        q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
-        one = torch.tensor(1.0, device=dev)
-        lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        k, v, q, one, lens = decode_inputs(batch, context, 5)
         cq = cu([1] * batch)
         cells, unpacked = [], []
         for dtype, runs in (("auto", ((0, 1), (1, 1))), ("fp8", ((0, 1), (1, 1), (1, floor)))):
@@ -358,11 +365,7 @@ def pages(context: int = 4160, batch: int = 32, sizes=(16, 64, 224, 448), floors
     print(f"== pages: FP8 decode, one split, {batch} x ctx {context}: ms (TB/s) / elements differing from the actor's forward")
     g = torch.Generator(device=dev).manual_seed(6)
     n = batch * context
-    k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-    v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-    q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
-    one = torch.tensor(1.0, device=dev)
-    lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
+    k, v, q, one, lens = decode_inputs(batch, context, 6)
     qq = ops.scaled_fp8_quant(q.reshape(batch, -1), one)[0].view(batch, H, D)
     gb = n * HK * D * 2 / 1e9
     cq1 = cu([1] * batch)  # made once: a host-to-device copy inside the timed call would be timed too
@@ -455,13 +458,7 @@ def aot(context: int = 4160, batches=(32, 64, 128)):
     print(f"== aot: decode at context {context}, ms per launch without / with ahead-of-time scheduler metadata")
     print("  batch | cache | splits: without, with | pins: without, with, elements differing | making the metadata")
     for batch in batches:
-        g = torch.Generator(device=dev).manual_seed(7)
-        n = batch * context
-        k = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-        v = torch.randn(n, HK, D, generator=g, device=dev).bfloat16()
-        q = torch.randn(batch, H, D, generator=g, device=dev).bfloat16()
-        one = torch.tensor(1.0, device=dev)
-        lens = torch.tensor([context] * batch, dtype=torch.int32, device=dev)
+        k, v, q, one, lens = decode_inputs(batch, context, 7)
         cq = cu([1] * batch)
         for dtype in ("auto", "fp8"):
             kc, vc, table = paged_cache(k, v, [context] * batch, 16, one, one, dtype=dtype, shuffle=False)
