@@ -4,6 +4,7 @@ cleanly where they cannot run: exit 2 and one line on stderr, no traceback. Noth
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -264,8 +265,12 @@ def test_bench_ordered_reduce_tiny_gives_every_rank_the_same_rank_order_bytes(tm
     assert "same on every rank" in r.stdout and "DIFFER" not in r.stdout
 
 
-def test_bench_ordered_reduce_needs_torchrun():
-    one_line(run(sys.executable, "tools/bench/bench_ordered_reduce.py", "--tiny"), 2, "torchrun")
+def test_bench_ordered_reduce_needs_torchrun_and_a_gpu_for_graphs():
+    tool = (sys.executable, "tools/bench/bench_ordered_reduce.py")
+    one_line(run(*tool, "--tiny"), 2, "torchrun")
+    as_a_rank = dict(os.environ, WORLD_SIZE="1", RANK="0")  # what torchrun sets: the refusal comes before any group
+    r = subprocess.run([*tool, "--tiny", "--graphs"], cwd=REPO, env=as_a_rank, capture_output=True, text=True, timeout=300)
+    one_line(r, 2, "--graphs", "GPU")
 
 
 def test_bench_pipeline_needs_torchrun_and_a_gpu():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the rank-order TP sum of exact logprobs costs against NCCL's all-reduce, per call, at the sizes it runs.
 
-    torchrun --nproc-per-node=4 tools/bench/bench_ordered_reduce.py [--rows 32 256 1088 4352 8320] [--reps 50] [--json PATH]
+    torchrun --nproc-per-node=4 tools/bench/bench_ordered_reduce.py [--rows 32 256 1088 4352 8320] [--graphs] [--json PATH]
     torchrun --nproc-per-node=2 tools/bench/bench_ordered_reduce.py --tiny          # CPU smoke run (gloo)
 
 One group of all ranks; each rank holds a random BF16 `[rows, --hidden]` partial output (Qwen3-8B's row-parallel
@@ -14,8 +14,9 @@ linears: hidden 4096; a decode step's rows, a micro-batch's tokens). Variants (`
 
 Before timing, the three rank-order variants are checked on every rank: the same bytes as each other and as rank 0's
 (`nccl` is reported by how many of its elements differ from them, and by its largest difference against the largest
-sum). Times are medians over `--reps` calls, CUDA events on each rank's stream, eager (vLLM replays its decode in
-CUDA graphs, which removes the host's share at small sizes); printed in us with the ratio to `nccl`.
+sum). Times are medians over `--reps` calls, CUDA events on each rank's stream, printed in us with the ratio to
+`nccl`: eager calls, or with `--graphs` each variant captured once in a CUDA graph and replayed (as vLLM replays its
+decode steps, and the actor's layers under `model.cuda_graphs`: the host's share at small sizes gone).
 """
 
 from __future__ import annotations
@@ -84,11 +85,29 @@ def check(x: torch.Tensor, run: dict, group) -> dict:
     }
 
 
+def graphed(fn):
+    """`fn`'s launches captured once in a CUDA graph (after a warm-up call on the capture's stream); its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[32, 256, 1088, 4352, 8320], help="tokens per call")
     p.add_argument("--hidden", type=int, default=4096, help="the row-parallel linears' output width (Qwen3-8B: 4096)")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time each variant as a CUDA graph's replay (vLLM replays its decode steps so: no host time in the call)",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: gloo, rows 3 and 41 of width 97 (uneven shares), 2 reps")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -97,20 +116,28 @@ def main() -> int:
     if min(a.rows) < 1 or a.hidden < 1 or a.reps < 1:
         p.error(f"--rows, --hidden and --reps must be >= 1, got {a.rows}, {a.hidden}, {a.reps}")
     cuda = torch.cuda.is_available() and not a.tiny
+    if a.graphs and not cuda:
+        p.error("--graphs captures CUDA graphs: it needs a GPU (and no --tiny)")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows, hidden, reps = ([3, 41], 97, 2) if a.tiny else (a.rows, a.hidden, a.reps)
-    report = {"world": world, "hidden": hidden, "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": {}}
+    report = {
+        "world": world,
+        "hidden": hidden,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "graphs": a.graphs,
+        "rows": {},
+    }
     for m in rows:
         g = torch.Generator(device=device).manual_seed(1000 + rank)
         x = (torch.randn(m, hidden, generator=g, device=device) * 4).to(torch.bfloat16)
         run = steps(x, group)
         row = {"check": check(x, run, group), "mb": x.numel() * x.element_size() / 1e6}
         for variant in VARIANTS:
-            row[variant] = 1e3 * median_ms(run[variant], device, reps)
+            row[variant] = 1e3 * median_ms(graphed(run[variant]) if a.graphs else run[variant], device, reps)
         report["rows"][m] = row
     ok = all(r["check"]["same"] and r["check"]["as_rank0"] for r in report["rows"].values())
     if rank == 0:
@@ -122,7 +149,10 @@ def main() -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"TP sum over {report['world']} ranks ({report['device']}), BF16 rows of {report['hidden']}, us per call (x nccl)")
+    how = "CUDA graph replays" if report["graphs"] else "eager calls"
+    print(
+        f"TP sum over {report['world']} ranks ({report['device']}), BF16 rows of {report['hidden']}, us per call (x nccl), {how}"
+    )
     print("| rows | MB | " + " | ".join(VARIANTS) + " | rank-order bytes | nccl vs them |")
     print("|---" * (len(VARIANTS) + 4) + "|")
     for m, row in report["rows"].items():

@@ -13,7 +13,8 @@
 #   overlap tools/bench/bench_sp_overlap.py on every GPU (one TP group, sequence parallel): megatron's BF16 linears against
 #          the FP8 ones with each parallel.sp_overlap, checked against none first -> $OUT/sp_overlap.json
 #   ordered tools/bench/bench_ordered_reduce.py on every GPU: the rank-order TP sum of exact logprobs (the actor's and
-#          vLLM's) against NCCL's all-reduce, per call, checked first -> $OUT/ordered_reduce.json
+#          vLLM's) against NCCL's all-reduce, per call, checked first; eager, then as CUDA graph replays (vLLM's decode)
+#          -> $OUT/ordered_reduce_{eager,graphs}.json
 #   pipeline tools/bench/bench_pipeline.py, one pipeline stage per GPU: the update of $PIPE_LAYERS (18) Qwen3-8B layers,
 #          the last stage $PIPE_LAST (8) of them, 32 micro-batches of 4 x 1088 tokens, bf16 against jetrl (exact logprobs
 #          off: no vLLM), each stage's profiled timeline; then the first stage's layer count as one GPU's whole step
@@ -105,8 +106,12 @@ for stage in "$@"; do
       with_dg timeout -k 15 "$(left 300)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_sp_overlap.py \
         --json "$OUT/sp_overlap.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/sp_overlap.log" | tail -15 ;;
     ordered)
-      timeout -k 15 "$(left 200)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_ordered_reduce.py \
-        --json "$OUT/ordered_reduce.json" 2>&1 | grep -v -E "UserWarning|warnings.warn|deprecated|return func" | tee "$OUT/ordered_reduce.log" | tail -10 ;;
+      for how in eager graphs; do
+        extra=(); [ "$how" = graphs ] && extra=(--graphs)
+        timeout -k 15 "$(left 150)" torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" tools/bench/bench_ordered_reduce.py \
+          "${extra[@]}" --json "$OUT/ordered_reduce_$how.json" 2>&1 | grep -v -E "UserWarning|warnings.warn|deprecated|return func" \
+          | tee "$OUT/ordered_reduce_$how.log" | tail -10
+      done ;;
     pipeline)
       n=$(nvidia-smi -L | wc -l); shape=(--seq 1088 --micro-batch 4 --micro-batches 32 --override precision.exact_logprobs=false)
       with_dg timeout -k 15 "$(left 360)" torchrun --nproc-per-node="$n" tools/bench/bench_pipeline.py --layers "${PIPE_LAYERS:-18}" \
