@@ -28,26 +28,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_jetrl.fp8 import kernels  # noqa: E402
 from megatron_jetrl.fp8.gemm import blockwise_gemm, gemm_emulated  # noqa: E402
 from megatron_jetrl.fp8.quant import quantize_blockwise  # noqa: E402
+from tools.bench.common import graphed  # noqa: E402
 
 H, I, KV = 4096, 12288, 1024
 SHAPES = [("q", H, H), ("k", KV, H), ("v", KV, H), ("o", H, H), ("gate", I, H), ("up", I, H), ("down", H, I)]
 
 
 def graph_ms(fn, reps=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
+    replay = graphed(fn)
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        g.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps

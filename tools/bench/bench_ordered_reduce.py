@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.bench.common import agreed_exit, median_ms  # noqa: E402
+from tools.bench.common import agreed_exit, graphed, median_ms  # noqa: E402
 
 VARIANTS = ("nccl", "gather-torch", "gather", "ordered")
 
@@ -83,19 +83,6 @@ def check(x: torch.Tensor, run: dict, group) -> dict:
         "nccl_differ": float((nccl != first).float().mean()),
         "nccl_max_rel": float((nccl.float() - first.float()).abs().max() / first.float().abs().max().clamp_min(1e-30)),
     }
-
-
-def graphed(fn):
-    """`fn`'s launches captured once in a CUDA graph (after a warm-up call on the capture's stream); its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> int:

@@ -75,3 +75,16 @@ def agreed_exit(ok: bool, device: torch.device, failure: str) -> int:
     if not ok:
         print(f"rank {rank}: {failure}", file=sys.stderr)
     return 0 if flags.item() else 1
+
+
+def graphed(fn):
+    """`fn`'s launches captured once in a CUDA graph (after a warm-up call on the capture's stream); its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
