@@ -26,14 +26,14 @@ import functools
 
 import torch
 
+from megatron_jetrl.fp8.kernels import triton_available
+
 BLOCK = 1024
 """Elements per program of the CUDA sum."""
 
 
 def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     """`parts[world, ...]` summed over dim 0 in index order, in FP32, rounded once to `parts.dtype`."""
-    from megatron_jetrl.fp8.kernels import triton_available
-
     if parts.is_cuda and triton_available():
         out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
         if out.numel():

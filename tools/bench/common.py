@@ -4,6 +4,7 @@ ends with a device sync, and one that takes a median. Imported as `tools.bench.c
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -64,8 +65,6 @@ def median_ms(step, device: torch.device, reps: int) -> float:
 def agreed_exit(ok: bool, device: torch.device, failure: str) -> int:
     """A multi-rank benchmark's end: every rank's check agreed over the default group (0 only if all passed), the group
     destroyed, `failure` printed by each rank whose check failed; the exit code."""
-    import sys
-
     import torch.distributed as dist
 
     flags = torch.tensor([int(ok)], device=device)
