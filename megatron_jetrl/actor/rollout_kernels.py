@@ -22,8 +22,8 @@ the same bytes in the actor (teacher-forced over whole sequences, micro-batch af
   contiguous or a paged K/V, on chunking or on the batch, but FA3 picks a one-warpgroup kernel when the launch's
   `max_seqlen_q * heads / kv_heads <= 64` (a decode batch), whose FP8 bytes differ from the two-warpgroup kernel of a
   prefill in about 1 output in 12 (H200, Qwen3-8B heads). Both sides therefore launch with `max_seqlen_q` at least
-  `fp8_attention_min_q` (patches/vllm_0_26_0_fp8_attention_tile.py in vLLM), which costs a decode step nothing
-  measurable. `FA3Attention(kv_fp8=True)` holds the layer's scales (`kv_scale`, set by the trainer and shipped at
+  `fp8_attention_min_q` (patches/vllm_0_26_0_fp8_attention_tile.py in vLLM); what that costs FP8 decode is
+  measured in BENCHMARKS.md (FP8 KV cache). `FA3Attention(kv_fp8=True)` holds the layer's scales (`kv_scale`, set by the trainer and shipped at
   sync) and the amax its forwards saw (`kv_amax`, the next scales' input: `rl.kv_scales`);
 - lm_head: cuBLAS picks its kernel by the number of rows, and promises nothing about them. Both sides call
   DeepGEMM's BF16 GEMM (`lm_head_gemm`): no split-K on Hopper, so a row's bytes do not depend on the rows beside it
