@@ -10,14 +10,17 @@ from `cu_seqlens_q`.
 
 The change: the FlashAttention backend module's `flash_attn_varlen_func` is wrapped so that an FP8 query launches
 with `max_seqlen_q` at least `actor.rollout_kernels.fp8_attention_min_q(heads, kv_heads)`, the least at which FA3
-takes the two-warpgroup kernel; BF16 calls pass through unchanged. The actor launches with the same floor. Apply
-before the engine captures its CUDA graphs. `VllmEngine` applies it under `exact_logprobs` with an FP8 KV cache.
+takes the two-warpgroup kernel; BF16 calls pass through unchanged. The actor launches with the same floor. The
+module's `get_scheduler_metadata` (the ahead-of-time schedule the metadata builder makes once a step, whose tiles
+follow from `max_seqlen_q`) gets the same floor for an FP8 `qkv_dtype`, so that a schedule made ahead of time is the
+floored launch's. Apply before the engine captures its CUDA graphs. `VllmEngine` applies it under `exact_logprobs` with an FP8 KV cache.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
 from megatron_jetrl.patching import load_patch
 
@@ -27,7 +30,10 @@ MODULE = "vllm.v1.attention.backends.flash_attn"
 
 def applied() -> bool:
     """Whether vLLM's FlashAttention backend launches FP8 attention through this patch."""
-    return getattr(importlib.import_module(MODULE).flash_attn_varlen_func, "jetrl_fp8_tile", False)
+    module = importlib.import_module(MODULE)
+    return all(
+        getattr(getattr(module, f, None), "jetrl_fp8_tile", False) for f in ("flash_attn_varlen_func", "get_scheduler_metadata")
+    )
 
 
 def apply() -> bool:
@@ -50,6 +56,19 @@ def apply() -> bool:
             max_seqlen_q = max(max_seqlen_q, fp8_attention_min_q(q.shape[-2], k.shape[-2]))
         return launch(q, k, v, max_seqlen_q, *args, **kwargs)
 
-    two_warpgroups.jetrl_fp8_tile = True
+    make = module.get_scheduler_metadata
+    signature = inspect.signature(make)
+
+    @functools.wraps(make)
+    def two_warpgroup_schedule(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["qkv_dtype"] == torch.float8_e4m3fn:
+            a["max_seqlen_q"] = max(a["max_seqlen_q"], fp8_attention_min_q(a["num_heads_q"], a["num_heads_kv"]))
+        return make(*bound.args, **bound.kwargs)
+
+    two_warpgroups.jetrl_fp8_tile = two_warpgroup_schedule.jetrl_fp8_tile = True
     module.flash_attn_varlen_func = two_warpgroups
+    module.get_scheduler_metadata = two_warpgroup_schedule
     return True

@@ -5,6 +5,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from megatron_jetrl.actor.provider import ActorOptions
 from megatron_jetrl.fp8 import PrecisionFlow
@@ -40,24 +41,102 @@ def test_the_engine_is_built_without_cascade_attention(tmp_path):
     assert "disable_cascade_attn" not in llm_kwargs(tmp_path, PrecisionFlow("bf16"))
 
 
+def get_scheduler_metadata(  # vllm_flash_attn 0.26.0's signature; returns what it was asked for
+    batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+    qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None, cache_leftpad=None,
+    page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1), has_softcap=False, num_splits=0,
+    pack_gqa=None, sm_margin=0,
+):  # fmt: skip
+    return {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "qkv_dtype": qkv_dtype, "num_splits": num_splits}
+
+
+class MetadataBuilder:
+    """`FlashAttentionMetadataBuilder` as far as the patches touch it: `build` hands the launches `max_num_splits`
+    (FA3's heuristics: 0) and the schedule the module's `get_scheduler_metadata` made ahead of time."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        schedule = sys.modules[PATCH_MODULE].get_scheduler_metadata(
+            batch_size=4, max_seqlen_q=1, max_seqlen_k=4160, num_heads_q=32, num_heads_kv=8, headdim=128,
+            cache_seqlens=None, qkv_dtype=common_attn_metadata, num_splits=0,
+        )  # fmt: skip
+        return types.SimpleNamespace(max_num_splits=0, scheduler_metadata=schedule)
+
+
+PATCH_MODULE = "vllm.v1.attention.backends.flash_attn"
+
+
 @pytest.fixture
 def flash_attn_module(monkeypatch):
-    """A stand-in for vLLM 0.26.0's `vllm.v1.attention.backends.flash_attn`, which reads `envs.VLLM_BATCH_INVARIANT`."""
+    """A stand-in for vLLM 0.26.0's `vllm.v1.attention.backends.flash_attn`: it reads `envs.VLLM_BATCH_INVARIANT`,
+    launches `flash_attn_varlen_func` and makes the ahead-of-time schedule with `get_scheduler_metadata` in its
+    metadata builder."""
     patch = load_patch("vllm_0_26_0_one_split_attention")
+    assert patch.MODULE == load_patch("vllm_0_26_0_fp8_attention_tile").MODULE == PATCH_MODULE
     envs = types.SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_USE_V2_MODEL_RUNNER=True)
     mod = types.ModuleType(patch.MODULE)
     mod.envs = envs
+    mod.get_scheduler_metadata = get_scheduler_metadata
+    mod.flash_attn_varlen_func = lambda q, k, v, max_seqlen_q, **kw: max_seqlen_q
+    mod.FlashAttentionMetadataBuilder = type("FlashAttentionMetadataBuilder", (MetadataBuilder,), {})
     monkeypatch.setitem(sys.modules, patch.MODULE, mod)
+    monkeypatch.setattr(load_patch("vllm_0_26_0_seeded_sampling"), "installed_version", lambda: "0.26.0")
     return patch, mod, envs
 
 
-def test_the_one_split_patch_sets_batch_invariance_for_the_attention_backend_alone(flash_attn_module, monkeypatch):
+def test_the_one_split_patch_sets_batch_invariance_for_the_attention_backend_alone(flash_attn_module):
     patch, mod, envs = flash_attn_module
-    monkeypatch.setattr(load_patch("vllm_0_26_0_seeded_sampling"), "installed_version", lambda: "0.26.0")
-    assert not patch.applied()
-    assert patch.apply() and patch.apply() and patch.applied()
+    assert not patch.applied() and patch.form() is None
+    assert patch.apply() and patch.apply() and patch.applied() and patch.form() == "per-launch"
     assert mod.envs.VLLM_BATCH_INVARIANT is True and envs.VLLM_BATCH_INVARIANT is False  # vllm.envs itself untouched
     assert mod.envs.VLLM_USE_V2_MODEL_RUNNER is True and mod.envs._envs is envs  # every other name is vLLM's
+    assert mod.get_scheduler_metadata is get_scheduler_metadata  # the builder makes no schedule in this form
+    with pytest.raises(RuntimeError, match="already runs one KV split per-launch; .* cannot switch to ahead-of-time"):
+        patch.apply(ahead_of_time=True)
+
+
+def test_the_one_split_patch_ahead_of_time_asks_every_schedule_and_launch_for_one_split(flash_attn_module):
+    """The ahead-of-time form leaves `vllm.envs` alone (the builder keeps its schedule); the schedule is asked for one
+    split whether `num_splits` came by name, by position or not at all, and every build hands the launches one."""
+    patch, mod, envs = flash_attn_module
+    assert patch.apply(ahead_of_time=True) and patch.apply(ahead_of_time=True) and patch.form() == "ahead-of-time"
+    assert mod.envs is envs and envs.VLLM_BATCH_INVARIANT is False
+    make = mod.get_scheduler_metadata
+    assert make(4, 1, 4160, 32, 8, 128, None, num_splits=0)["num_splits"] == 1
+    assert make(4, 1, 4160, 32, 8, 128, None, torch.bfloat16, *[None] * 4, 16, 0, True, (-1, -1), False, 7)["num_splits"] == 1
+    assert make(batch_size=4, max_seqlen_q=1, max_seqlen_k=9, num_heads_q=32, num_heads_kv=8, headdim=128,
+                cache_seqlens=None)["num_splits"] == 1  # fmt: skip
+    built = mod.FlashAttentionMetadataBuilder().build(0, torch.bfloat16)
+    assert built.max_num_splits == 1 and built.scheduler_metadata["num_splits"] == 1
+    with pytest.raises(RuntimeError, match="already runs one KV split ahead-of-time"):
+        patch.apply()
+
+
+@pytest.mark.parametrize("one_split_first", [True, False])
+def test_the_fp8_tile_patch_floors_the_launch_and_the_schedule_made_for_it(flash_attn_module, one_split_first):
+    """With an FP8 query the launch and its ahead-of-time schedule both get `max_seqlen_q` at least the two-warpgroup
+    floor (a schedule for another tile than the launch's would not be the launch's); BF16 passes through. Either order
+    of the two patches gives both changes, and each patch still reads as applied."""
+    from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q
+
+    one_split, mod, _ = flash_attn_module
+    tile = load_patch("vllm_0_26_0_fp8_attention_tile")
+    steps = [lambda: one_split.apply(ahead_of_time=True), tile.apply]
+    assert not tile.applied()
+    for step in steps if one_split_first else steps[::-1]:
+        step()
+    assert tile.applied() and tile.apply() and one_split.form() == "ahead-of-time"
+    floor = fp8_attention_min_q(32, 8)
+    assert floor > 1
+    q8, q16, k = (
+        torch.zeros(1, heads, 128, dtype=d) for heads, d in ((32, torch.float8_e4m3fn), (32, torch.bfloat16), (8, torch.bfloat16))
+    )
+    assert mod.flash_attn_varlen_func(q8, k, k, 1) == floor and mod.flash_attn_varlen_func(q8, k, k, 3 * floor) == 3 * floor
+    assert mod.flash_attn_varlen_func(q16, k, k, 1) == 1
+    fp8 = mod.FlashAttentionMetadataBuilder().build(0, torch.float8_e4m3fn)
+    assert fp8.scheduler_metadata == {"batch_size": 4, "max_seqlen_q": floor, "qkv_dtype": torch.float8_e4m3fn, "num_splits": 1}
+    assert fp8.max_num_splits == 1
+    bf16 = mod.FlashAttentionMetadataBuilder().build(0, torch.bfloat16).scheduler_metadata
+    assert bf16["max_seqlen_q"] == 1 and bf16["num_splits"] == 1
 
 
 def test_the_one_split_patch_refuses_another_vllm(flash_attn_module, monkeypatch):

@@ -42,10 +42,11 @@ from pathlib import Path
 
 def attention_label(run: dict) -> str:
     """How a bench_vllm.py run's attention was pinned: `exact` (every exact-logprob pin), the pins it applied alone
-    (`one-split`, `fp8-tile`), or `none` (a result from before the field: none)."""
-    if run.get("exact_logprobs"):
-        return "exact"
-    return "+".join(run.get("pins") or ()) or "none"
+    (`one-split`, `fp8-tile`), or `none` (a result from before the field: none); a --variant other than shipped
+    follows (`exact, aot-schedule`)."""
+    label = "exact" if run.get("exact_logprobs") else "+".join(run.get("pins") or ()) or "none"
+    variant = run.get("variant", "shipped")
+    return label if variant == "shipped" else f"{label}, {variant}"
 
 
 def load(path: str) -> dict:

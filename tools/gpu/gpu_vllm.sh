@@ -30,8 +30,9 @@
 #           (default 220: a fresh machine's first engine spends ~90 s in DeepGEMM's JIT). Extra args: DIAG_ARGS
 #   kv-rollout  the FP8 KV cache in the rollout: bench_vllm.py as one engine of the long-rollout runs (KV_LAYERS 36 layers,
 #           KV_BATCH 32 sequences of 8 + KV_LEN 8192 tokens, KV_GB 40 GiB of cache, one timed run) in bf16, jetrl and jetrl
-#           with an FP8 cache (KV_RUNS, MODE:CACHE[:PINS] each; PINS the attention's exact-logprob pins: absent as a run
-#           resolves them (jetrl: exact), exact, none, one-split or fp8-tile alone) -> kv_rollout_*.json and a table:
+#           with an FP8 cache (KV_RUNS, MODE:CACHE[:PINS[:VARIANT]] each; PINS the attention's exact-logprob pins: empty or
+#           absent as a run resolves them (jetrl: exact), exact, none, one-split or fp8-tile alone; VARIANT bench_vllm.py's
+#           --variant, e.g. jetrl:fp8::aot-schedule) -> kv_rollout_*.json and a table:
 #           tok/s, ratios, sequences held at once and the cache's room for them, the bandwidth ceiling (~3 min a run on an
 #           H200; what the pins cost: KV_RUNS="bf16:bf16 jetrl:fp8 jetrl:fp8:none jetrl:fp8:one-split jetrl:fp8:fp8-tile").
 #           KV_PROMPT (8) and KV_ARGS (to bench_vllm.py) too: KV_PROMPT=4096 KV_LEN=128 KV_ARGS="--profile-batch 32"
@@ -103,11 +104,12 @@ for stage in "$@"; do
       done ;;
     kv-rollout)
       for run in ${KV_RUNS:-bf16:bf16 jetrl:bf16 jetrl:fp8}; do
-        IFS=: read -r mode cache pins <<<"$run"
+        IFS=: read -r mode cache pins variant <<<"$run"
         case ${pins:-auto} in  # the attention pins: as a run resolves them, all (exact), none, or one alone
           auto) attention=() ;; exact) attention=(--exact-logprobs true) ;; none) attention=(--exact-logprobs false) ;;
           *) attention=(--exact-logprobs false --pins "$pins") ;;
         esac
+        [ -n "${variant:-}" ] && attention+=(--variant "$variant")
         timeout "${KV_TIMEOUT:-300}" python3 tools/bench/bench_vllm.py --mode "$mode" --kv-cache "$cache" "${attention[@]}" \
           --layers "${KV_LAYERS:-36}" --batches "${KV_BATCH:-32}" --prompt "${KV_PROMPT:-8}" --new "${KV_LEN:-8192}" --reps 0 \
           --sync-reps 1 --kv-gb "${KV_GB:-40}" ${KV_ARGS:-} --json "$OUT/kv_rollout_${run//:/_}.json" 2>&1 \
