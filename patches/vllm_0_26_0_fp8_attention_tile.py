@@ -11,9 +11,11 @@ from `cu_seqlens_q`.
 The change: the FlashAttention backend module's `flash_attn_varlen_func` is wrapped so that an FP8 query launches
 with `max_seqlen_q` at least `actor.rollout_kernels.fp8_attention_min_q(heads, kv_heads)`, the least at which FA3
 takes the two-warpgroup kernel; BF16 calls pass through unchanged. The actor launches with the same floor. The
-module's `get_scheduler_metadata` (the ahead-of-time schedule the metadata builder makes once a step, whose tiles
-follow from `max_seqlen_q`) gets the same floor for an FP8 `qkv_dtype`, so that a schedule made ahead of time is the
-floored launch's. Apply before the engine captures its CUDA graphs. `VllmEngine` applies it under `exact_logprobs` with an FP8 KV cache.
+module's `get_scheduler_metadata` (the schedule the metadata builder makes ahead of time, once a step, whose tiles
+follow from `max_seqlen_q`) gets the same floor for an FP8 `qkv_dtype`, so that such a schedule is the floored
+launch's: the one-split pin turns it off, but the tile pin alone (tools/bench/bench_vllm.py --pins fp8-tile) keeps
+it. Apply before the engine captures its CUDA graphs. `VllmEngine` applies it under `exact_logprobs` with an FP8 KV
+cache.
 """
 
 from __future__ import annotations

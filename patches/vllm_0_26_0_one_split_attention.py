@@ -1,4 +1,4 @@
-"""vLLM 0.26.0: FlashAttention with one KV split, without the process-wide batch-invariant mode.
+"""vLLM 0.26.0: FlashAttention with one KV split and no ahead-of-time scheduler, without the process-wide batch-invariant mode.
 
 Why: `precision.exact_logprobs` needs vLLM's attention to give a query the same bytes in whatever batch it runs: FA3
 with one KV split (`actor.rollout_kernels`). vLLM 0.26.0 does that only in its batch-invariant mode
@@ -16,21 +16,14 @@ the cascade kernels' `num_splits=1`). `apply()` gives that one module a view of 
 `VLLM_BATCH_INVARIANT` is true; every other name resolves in `vllm.envs` itself. Apply before the engine builds its
 attention layers. Cascade attention is turned off by the engine's arguments (`disable_cascade_attn`), which is what
 the batch-invariant mode does too. `VllmEngine` applies it under `exact_logprobs` with an FP8 rollout and reads the
-result back from every attention layer at start-up.
-
-The batch-invariant view also turns off the metadata builder's ahead-of-time FA3 schedule (`aot_schedule`), made once
-a step for all layers: each launch then prepares its own (an allocation and a preparing kernel per layer and step).
-`apply(ahead_of_time=True)` is the other form, which keeps it: no view of `vllm.envs`; the module's
-`get_scheduler_metadata` asks for one split, and `FlashAttentionMetadataBuilder.build` hands the launches
-`max_num_splits = 1` (FA3 with one split computes the same bytes whichever of the two schedules it runs:
-tools/gpu/probe_fp8_attention.py --sections aot). A process runs one form.
+result back from every attention layer at start-up. Each launch then prepares its own FA3 schedule instead of the one
+the builder would make ahead of time once a step: the same bytes, and no time measured either way (kernel and
+engine, BENCHMARKS.md: FP8 KV cache), so the patch keeps the simple form.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 import types
 
 from megatron_jetrl.patching import load_patch
@@ -52,58 +45,16 @@ class _OneSplitEnvs(types.ModuleType):
         return getattr(self._envs, name)
 
 
-def form() -> str | None:
-    """How vLLM's FlashAttention backend runs with one KV split through this patch: `per-launch` (the batch-invariant
-    view: no ahead-of-time schedule), `ahead-of-time`, or None (not applied)."""
-    module = importlib.import_module(MODULE)
-    if isinstance(module.envs, _OneSplitEnvs):
-        return "per-launch"
-    if getattr(getattr(module, "get_scheduler_metadata", None), "jetrl_one_split", False):
-        return "ahead-of-time"
-    return None
-
-
 def applied() -> bool:
-    """Whether vLLM's FlashAttention backend runs with one KV split through this patch (either form)."""
-    return form() is not None
+    """Whether vLLM's FlashAttention backend runs with one KV split through this patch."""
+    module = importlib.import_module(MODULE)
+    return isinstance(module.envs, _OneSplitEnvs)
 
 
-def apply(ahead_of_time: bool = False) -> bool:
-    """Give vLLM 0.26.0's FlashAttention backend one KV split, in the form asked for (see above). Raises
-    `VllmVersionError` for another vLLM and RuntimeError for the other form than the one applied; safe to call again."""
+def apply() -> bool:
+    """Give vLLM 0.26.0's FlashAttention backend one KV split. Raises `VllmVersionError` for another vLLM; safe to call again."""
     load_patch("vllm_0_26_0_seeded_sampling").require_vllm("vllm_0_26_0_one_split_attention", f"reads {MODULE}", TARGET_VERSION)
     module = importlib.import_module(MODULE)
-    wanted = "ahead-of-time" if ahead_of_time else "per-launch"
-    found = form()
-    if found == wanted:
-        return True
-    if found is not None:
-        raise RuntimeError(
-            f"vLLM's FlashAttention backend already runs one KV split {found}; this process cannot switch to {wanted}: "
-            "build engines of one form per process"
-        )
-    if not ahead_of_time:
+    if not isinstance(module.envs, _OneSplitEnvs):
         module.envs = _OneSplitEnvs(module.envs)
-        return True
-    make = module.get_scheduler_metadata
-    signature = inspect.signature(make)
-
-    @functools.wraps(make)
-    def one_split_schedule(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["num_splits"] = 1
-        return make(*bound.args, **bound.kwargs)
-
-    one_split_schedule.jetrl_one_split = True
-    builder = module.FlashAttentionMetadataBuilder
-    build = builder.build
-
-    @functools.wraps(build)
-    def build_one_split(self, *args, **kwargs):
-        metadata = build(self, *args, **kwargs)
-        metadata.max_num_splits = 1
-        return metadata
-
-    builder.build = build_one_split
-    module.get_scheduler_metadata = one_split_schedule
     return True

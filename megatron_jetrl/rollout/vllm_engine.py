@@ -634,7 +634,6 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         verify_numerics: bool = True,
         glue: str = "auto",
         fused_quant: bool = True,
-        aot_schedule: bool = False,
         **llm_extra,
     ):
         """`verify_numerics=False` skips `check_numerics` and records what vLLM chose: only for benchmarks of vLLM's
@@ -642,9 +641,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         `glue` (`resolve_glue`): with the trainer's, vLLM runs the trainer's RMSNorm and RoPE (`rollout.vllm_glue`)
         and the engine refuses to start unless layer 0's modules then return the trainer's bytes. `fused_quant`
         (with the trainer's glue, FP8 rollout, FP32 scales; `rollout.vllm_fused_quant`): the norms and SiLU also write
-        the FP8 input of the linear after them (`vllm_glue.configure`), checked the same way. `aot_schedule` (exact
-        logprobs, FP8 rollout): the one KV split kept with vLLM's ahead-of-time FA3 schedule
-        (patches/vllm_0_26_0_one_split_attention.py's two forms; one per process)."""
+        the FP8 input of the linear after them (`vllm_glue.configure`), checked the same way."""
         problem = vllm_problem("cuda" if torch.cuda.is_available() else "cpu")
         if problem:
             raise RuntimeError(problem)
@@ -659,7 +656,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         load_patch("vllm_0_26_0_seeded_sampling").apply()  # seeded requests' noise in one kernel, not one per request
 
         if flow.exact_logprobs and flow.rollout_fp8:  # (a BF16 rollout runs vLLM's batch-invariant mode: flow.vllm_env)
-            load_patch("vllm_0_26_0_one_split_attention").apply(ahead_of_time=aot_schedule)
+            load_patch("vllm_0_26_0_one_split_attention").apply()
         if flow.exact_logprobs and flow.kv_cache == "fp8":
             load_patch("vllm_0_26_0_fp8_attention_tile").apply()
         if flow.exact_logprobs and tp > 2:  # the actor sums its row-parallel outputs in rank order too
@@ -740,12 +737,8 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
         impls = {name: m.impl for name, m in self.model.named_modules() if hasattr(m, "impl") and hasattr(m, "kv_cache")}
         config = self.llm.llm_engine.vllm_config
         method = type(getattr(self.model.lm_head, "quant_method", None)).__name__
+        one_split = bool(impls) and all(getattr(i, "batch_invariant_enabled", False) for i in impls.values())
         from megatron_jetrl.patching import load_patch
-
-        schedule = load_patch("vllm_0_26_0_one_split_attention").form() if self.flow.rollout_fp8 else None
-        one_split = bool(impls) and (
-            schedule == "ahead-of-time" or all(getattr(i, "batch_invariant_enabled", False) for i in impls.values())
-        )
 
         ordered = self.tp <= 2 or load_patch("vllm_0_26_0_ordered_all_reduce").applied()
         problems = exact_problems(
@@ -765,9 +758,7 @@ class VllmEngine:  # pragma: no cover - needs vLLM and a GPU (tests/gpu/test_vll
             "attention": sorted({type(i).__name__ for i in impls.values()}),
             "layers": len(impls),
             "lm_head": method,
-            "one_split": "process-wide batch-invariant mode"
-            if not self.flow.rollout_fp8
-            else f"attention backend only, {schedule}",
+            "one_split": "process-wide batch-invariant mode" if not self.flow.rollout_fp8 else "attention backend only",
             "all_reduce": "rank order" if self.tp > 2 else "two partial sums (any order)" if self.tp == 2 else "none",
         }
 

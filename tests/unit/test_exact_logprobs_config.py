@@ -85,46 +85,28 @@ def flash_attn_module(monkeypatch):
 
 def test_the_one_split_patch_sets_batch_invariance_for_the_attention_backend_alone(flash_attn_module):
     patch, mod, envs = flash_attn_module
-    assert not patch.applied() and patch.form() is None
-    assert patch.apply() and patch.apply() and patch.applied() and patch.form() == "per-launch"
+    assert not patch.applied()
+    assert patch.apply() and patch.apply() and patch.applied()
     assert mod.envs.VLLM_BATCH_INVARIANT is True and envs.VLLM_BATCH_INVARIANT is False  # vllm.envs itself untouched
     assert mod.envs.VLLM_USE_V2_MODEL_RUNNER is True and mod.envs._envs is envs  # every other name is vLLM's
-    assert mod.get_scheduler_metadata is get_scheduler_metadata  # the builder makes no schedule in this form
-    with pytest.raises(RuntimeError, match="already runs one KV split per-launch; .* cannot switch to ahead-of-time"):
-        patch.apply(ahead_of_time=True)
+    assert (
+        mod.get_scheduler_metadata is get_scheduler_metadata and mod.FlashAttentionMetadataBuilder.build is MetadataBuilder.build
+    )
 
 
-def test_the_one_split_patch_ahead_of_time_asks_every_schedule_and_launch_for_one_split(flash_attn_module):
-    """The ahead-of-time form leaves `vllm.envs` alone (the builder keeps its schedule); the schedule is asked for one
-    split whether `num_splits` came by name, by position or not at all, and every build hands the launches one."""
-    patch, mod, envs = flash_attn_module
-    assert patch.apply(ahead_of_time=True) and patch.apply(ahead_of_time=True) and patch.form() == "ahead-of-time"
-    assert mod.envs is envs and envs.VLLM_BATCH_INVARIANT is False
-    make = mod.get_scheduler_metadata
-    assert make(4, 1, 4160, 32, 8, 128, None, num_splits=0)["num_splits"] == 1
-    assert make(4, 1, 4160, 32, 8, 128, None, torch.bfloat16, *[None] * 4, 16, 0, True, (-1, -1), False, 7)["num_splits"] == 1
-    assert make(batch_size=4, max_seqlen_q=1, max_seqlen_k=9, num_heads_q=32, num_heads_kv=8, headdim=128,
-                cache_seqlens=None)["num_splits"] == 1  # fmt: skip
-    built = mod.FlashAttentionMetadataBuilder().build(0, torch.bfloat16)
-    assert built.max_num_splits == 1 and built.scheduler_metadata["num_splits"] == 1
-    with pytest.raises(RuntimeError, match="already runs one KV split ahead-of-time"):
-        patch.apply()
-
-
-@pytest.mark.parametrize("one_split_first", [True, False])
-def test_the_fp8_tile_patch_floors_the_launch_and_the_schedule_made_for_it(flash_attn_module, one_split_first):
-    """With an FP8 query the launch and its ahead-of-time schedule both get `max_seqlen_q` at least the two-warpgroup
-    floor (a schedule for another tile than the launch's would not be the launch's); BF16 passes through. Either order
-    of the two patches gives both changes, and each patch still reads as applied."""
+@pytest.mark.parametrize("one_split", [True, False])
+def test_the_fp8_tile_patch_floors_the_launch_and_the_schedule_made_for_it(flash_attn_module, one_split):
+    """With an FP8 query the launch and the schedule the builder makes ahead of time (when the one-split pin does not
+    turn it off, e.g. the tile pin alone in tools/bench/bench_vllm.py --pins) both get `max_seqlen_q` at least the
+    two-warpgroup floor: a schedule for another tile than the launch's would not be the launch's. BF16 passes through."""
     from megatron_jetrl.actor.rollout_kernels import fp8_attention_min_q
 
-    one_split, mod, _ = flash_attn_module
+    split_patch, mod, _ = flash_attn_module
     tile = load_patch("vllm_0_26_0_fp8_attention_tile")
-    steps = [lambda: one_split.apply(ahead_of_time=True), tile.apply]
     assert not tile.applied()
-    for step in steps if one_split_first else steps[::-1]:
-        step()
-    assert tile.applied() and tile.apply() and one_split.form() == "ahead-of-time"
+    if one_split:
+        split_patch.apply()
+    assert tile.apply() and tile.applied() and tile.apply() and split_patch.applied() == one_split
     floor = fp8_attention_min_q(32, 8)
     assert floor > 1
     q8, q16, k = (
@@ -133,10 +115,9 @@ def test_the_fp8_tile_patch_floors_the_launch_and_the_schedule_made_for_it(flash
     assert mod.flash_attn_varlen_func(q8, k, k, 1) == floor and mod.flash_attn_varlen_func(q8, k, k, 3 * floor) == 3 * floor
     assert mod.flash_attn_varlen_func(q16, k, k, 1) == 1
     fp8 = mod.FlashAttentionMetadataBuilder().build(0, torch.float8_e4m3fn)
-    assert fp8.scheduler_metadata == {"batch_size": 4, "max_seqlen_q": floor, "qkv_dtype": torch.float8_e4m3fn, "num_splits": 1}
-    assert fp8.max_num_splits == 1
-    bf16 = mod.FlashAttentionMetadataBuilder().build(0, torch.bfloat16).scheduler_metadata
-    assert bf16["max_seqlen_q"] == 1 and bf16["num_splits"] == 1
+    assert fp8.scheduler_metadata == {"batch_size": 4, "max_seqlen_q": floor, "qkv_dtype": torch.float8_e4m3fn, "num_splits": 0}
+    assert mod.FlashAttentionMetadataBuilder().build(0, torch.bfloat16).scheduler_metadata["max_seqlen_q"] == 1
+    assert mod.get_scheduler_metadata(4, 2 * floor, 9, 32, 8, 128, None, torch.float8_e4m3fn)["max_seqlen_q"] == 2 * floor
 
 
 def test_the_one_split_patch_refuses_another_vllm(flash_attn_module, monkeypatch):

@@ -58,9 +58,6 @@ puts each variant in its own column):
   a prompt samples the same tokens whichever engine serves it) vLLM 0.26's V1 sampler draws each request's noise in a
   Python loop, one kernel per request and step (`random_sample` in `v1/sample/ops/topk_topp_sampler.py`): whether that
   host work is what holds FP8 decode back once its GPU time is shorter than BF16's;
-* aot-schedule (jetrl only): under exact logprobs, the one KV split kept with vLLM's ahead-of-time FA3 schedule (made
-  once a step for all layers) instead of each launch preparing its own (`VllmEngine(aot_schedule=True)`,
-  patches/vllm_0_26_0_one_split_attention.py); the same bytes, checked by tools/gpu/probe_fp8_attention.py --sections aot.
 """
 
 from __future__ import annotations
@@ -161,9 +158,7 @@ def copy_rate_gbps(nbytes: int = 4 << 30) -> float:
     return rate
 
 
-VARIANTS = (
-    "shipped", "unfused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "triton-gemm", "unseeded", "aot-schedule",
-)  # fmt: skip
+VARIANTS = ("shipped", "unfused-quant", "vllm-glue", "fused", "triton-attn", "cutlass-gemm", "triton-gemm", "unseeded")
 
 
 def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
@@ -186,13 +181,6 @@ def variant_settings(variant: str, mode: str) -> tuple[dict, bool]:
         return {"linear_backend": "triton", "fused_quant": False}, True  # its linears do not take the fused norm's bytes
     if variant == "vllm-glue":
         return {"glue": "vllm"}, True
-    if variant == "aot-schedule":
-        if mode != "jetrl":
-            raise ValueError(
-                "--variant aot-schedule changes how an FP8 rollout's attention keeps one KV split (a BF16 one runs "
-                "vLLM's batch-invariant mode): it applies to --mode jetrl only"
-            )
-        return {"aot_schedule": True}, True
     if variant == "unfused-quant":
         if mode != "jetrl":
             raise ValueError(
