@@ -14,14 +14,14 @@ Numerics are pinned, then checked at start-up, because vLLM's defaults change th
 - compiled graphs keep the `quant_fp8` custom op (the CUDA kernel `per_token_group_fp8_quant`, equal to
   `quantize_blockwise` byte for byte) and no RMSNorm/SiLU/attention+quant fusion: vLLM's `forward_native`
   and the fused kernels floor the scale at 1/(448*512) instead of flooring amax at 1e-10.
-`check_numerics` reads back the kernel of every FP8 linear, the E8M0 switch, the compile passes, and runs the
+`check_numerics` (`rollout.vllm_checks`) reads back the kernel of every FP8 linear, the E8M0 switch, the compile passes, and runs the
 kernels' own activation quantizer on a probe against ours; any difference refuses the engine, naming it.
 vLLM's own RMSNorm and RoPE round unlike the trainer's (a fifth of their outputs); `glue="trainer"` (the default,
 `resolve_glue`) registers the trainer's (`rollout.vllm_glue`) and probes them at start-up the same way.
 
 Weights never leave the device. The engine starts on dummy weights (`load_format="dummy"`, a config-only
 model directory) and every sync -- the first included -- writes the trainer's FP8 bytes, scales and BF16
-tensors straight into vLLM's parameters: `copy_plan` maps each HF tensor to a slice of a fused vLLM
+tensors straight into vLLM's parameters: `copy_plan` (`rollout.vllm_params`) maps each HF tensor to a slice of a fused vLLM
 parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj, this rank's TP piece, vocab rows), after checking that
 the live parameter has the checkpoint layout (with E8M0 off, vLLM's DeepGEMM post-processing keeps it) and
 that every vLLM parameter is covered (a level-2 sleep discards them all). An update is validated whole before
@@ -34,29 +34,28 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_jetrl.fp8 import PrecisionFlow, quantize_blockwise
+from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout.engine import Completion, RequestOutput, SamplingParams, request_seeds_for
-from megatron_jetrl.rollout.native import SCALE_SUFFIX, WeightUpdateError, collect_batch, expected_tensors, validate_weights
+from megatron_jetrl.rollout.native import WeightUpdateError, collect_batch, expected_tensors, validate_weights
 from megatron_jetrl.rollout.sampling import sample_seed
 from megatron_jetrl.rollout.sync import Phases
+from megatron_jetrl.rollout.vllm_checks import (
+    UNFUSED,
+    EngineConformanceError,
+    check_kv_cache,
+    check_numerics,
+    exact_problems,
+    fp8_kernels,
+)
+from megatron_jetrl.rollout.vllm_params import apply_plan, attention_layers, copy_plan, kv_scale_params, sync_scale_floats
 
 VLLM_VERSION = "0.26.0"
 INSTALL = f"pip install vllm=={VLLM_VERSION}"
-ALLOWED_KERNELS = ("DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
-"""Block-FP8 linear kernels whose activation quantizer is `QuantFP8` per 1x128 group (ours, byte for byte)."""
-UNFUSED = {"fuse_norm_quant": False, "fuse_act_quant": False, "fuse_attn_quant": False, "fuse_allreduce_rms": False}
-
-
-class EngineConformanceError(RuntimeError):
-    """vLLM would not run the precision flow's forward (a kernel, switch or quantizer differs)."""
-
-
 # ---- availability and environment -------------------------------------------------------------------
 
 
@@ -245,370 +244,6 @@ def parse_output(output) -> RequestOutput:
             lps.append(float(entry[tok].logprob))
         result.completions.append(Completion(ids, lps, c.finish_reason or "length", c.stop_reason, c.text or None))
     return result
-
-
-# ---- HF name -> vLLM parameter ----------------------------------------------------------------------
-
-_STACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def _is_vocab(hf_name: str) -> bool:
-    return "embed_tokens" in hf_name or hf_name.startswith("lm_head")
-
-
-def vllm_target(arch: ModelArch, hf_name: str, tp_rank: int = 0, tp_size: int = 1):
-    """Where an HF tensor lands in vLLM's model on one TP rank.
-
-    Returns `(vllm_name, shard_id, split_dim, dst_offset)`: vLLM's fused parameter name and its
-    stacked shard id (vLLM's `stacked_params_mapping`), the dim this rank slices (0 column-parallel and
-    vocab-parallel, 1 row-parallel, None replicated), and the row offset of this rank's slice inside the fused
-    parameter (in rows for weights and biases, in 128-row blocks for `weight_scale_inv`).
-    """
-    parts = hf_name.split(".")
-    module = parts[-2] if parts[-1] in ("weight", "bias", "weight_scale_inv") else None
-    if module in _STACKED:
-        fused, shard = _STACKED[module]
-        unit = 128 if hf_name.endswith(SCALE_SUFFIX) else 1
-        hd = arch.head_dim
-        q_local, kv_local = arch.num_heads * hd // tp_size, arch.num_kv_heads * hd // tp_size
-        inter_local = arch.intermediate_size // tp_size
-        offset = {"q": 0, "k": q_local, "v": q_local + kv_local, 0: 0, 1: inter_local}[shard] // unit
-        return hf_name.replace(module, fused), shard, 0, offset
-    if module in _ROW_PARALLEL and not hf_name.endswith(".bias"):
-        return hf_name, None, 1, 0
-    if _is_vocab(hf_name):
-        return hf_name, None, 0, 0
-    return hf_name, None, None, 0
-
-
-def rank_piece(
-    arch: ModelArch, hf_name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, rows_per_rank: int | None = None
-) -> torch.Tensor:
-    """This rank's slice of a full HF tensor (a view; FP8 blocks never straddle ranks: `check_fp8_tp`).
-
-    Vocab-parallel tensors (embedding, lm_head) take rows `[rank * rows_per_rank, ...)` of the vocabulary,
-    `rows_per_rank` being vLLM's padded per-rank row count; the last ranks may hold fewer real rows (or none).
-    """
-    _, _, dim, _ = vllm_target(arch, hf_name, tp_rank, tp_size)
-    if _is_vocab(hf_name):
-        per = rows_per_rank or -(-tensor.shape[0] // tp_size)
-        start = min(tp_rank * per, tensor.shape[0])
-        return tensor[start : min(start + per, tensor.shape[0])]
-    if dim is None or tp_size == 1:
-        return tensor
-    if tensor.shape[dim] % tp_size:
-        raise ValueError(f"{hf_name}: dim {dim} of {tuple(tensor.shape)} does not split into TP={tp_size}")
-    return tensor.chunk(tp_size, dim=dim)[tp_rank]
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one HF tensor goes on this rank: rows `[row, row + rows)` of vLLM parameter `param`."""
-
-    param: str
-    row: int
-    rows: int
-
-
-def copy_plan(
-    arch: ModelArch, flow: PrecisionFlow, params: dict[str, torch.Tensor], tp_rank: int = 0, tp_size: int = 1
-) -> dict[str, Slot]:
-    """HF name -> `Slot` for every tensor of the trainer's stream, checked against vLLM's live parameters.
-
-    Refuses (EngineConformanceError, every problem named) when a parameter is missing, has another dtype, width
-    or layout (e.g. scales re-laid out for another kernel), or when a vLLM parameter would not be written whole.
-    """
-    plan, problems, covered = {}, [], {}
-    for hf_name, (shape, dtype) in expected_tensors(arch, flow).items():
-        target, _, _, offset = vllm_target(arch, hf_name, tp_rank, tp_size)
-        param = params.get(target)
-        if param is None:
-            if hf_name.startswith("lm_head") and arch.tie_word_embeddings:
-                continue  # tied: vLLM's lm_head is the embedding
-            problems.append(f"{hf_name}: vLLM has no parameter {target}")
-            continue
-        per = param.shape[0] if _is_vocab(hf_name) else None
-        piece = rank_piece(arch, hf_name, torch.empty(shape, dtype=dtype, device="meta"), tp_rank, tp_size, per)
-        if param.dtype != dtype or tuple(param.shape[1:]) != tuple(piece.shape[1:]) or not param.is_contiguous():
-            problems.append(
-                f"{target}: vLLM holds {tuple(param.shape)} {param.dtype} (contiguous={param.is_contiguous()}); "
-                f"{hf_name} needs rows of {tuple(piece.shape[1:])} {dtype}"
-            )
-            continue
-        if offset + piece.shape[0] > param.shape[0]:
-            problems.append(f"{target}: {param.shape[0]} rows cannot take {hf_name} at row {offset} (+{piece.shape[0]})")
-            continue
-        plan[hf_name] = Slot(target, offset, piece.shape[0])
-        covered[target] = covered.get(target, 0) + piece.shape[0]
-    for name, param in params.items():
-        vocab = _is_vocab(name)
-        if name not in covered:
-            problems.append(f"{name}: no tensor of the trainer's stream writes this vLLM parameter")
-        elif covered[name] != param.shape[0] and not vocab:
-            problems.append(f"{name}: the stream writes {covered[name]} of its {param.shape[0]} rows")
-    if problems:
-        raise EngineConformanceError(
-            "vLLM's parameters do not take the trainer's tensors as they are (was a setting "
-            "changed that re-lays out weights, e.g. VLLM_USE_DEEP_GEMM_E8M0?):\n  - " + "\n  - ".join(problems[:20])
-        )
-    return plan
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-def apply_plan(
-    arch: ModelArch,
-    plan: dict[str, Slot],
-    params: dict[str, torch.Tensor],
-    batch: dict[str, torch.Tensor],
-    tp_rank: int = 0,
-    tp_size: int = 1,
-) -> list[str]:
-    """Copy every tensor of a validated batch into its slot, then compare the bytes; the names that differ."""
-    checks = []
-    for name, tensor in batch.items():
-        slot = plan.get(name)
-        if slot is None:
-            continue  # lm_head of a tied model
-        param = params[slot.param]
-        piece = rank_piece(arch, name, tensor, tp_rank, tp_size, param.shape[0] if _is_vocab(name) else None)
-        dst = param.data.narrow(0, slot.row, slot.rows)
-        dst.copy_(piece)
-        checks.append((name, (_bits(dst) != _bits(piece)).any()))
-    if not checks:
-        return []
-    differ = torch.stack([c for _, c in checks]).tolist()  # one host sync for the whole model
-    return [name for (name, _), bad in zip(checks, differ, strict=True) if bad]
-
-
-# ---- numerics read back from the running engine ------------------------------------------------------
-
-
-def fp8_kernels(model) -> dict[str, object]:
-    """Module name -> the block-FP8 linear kernel object vLLM chose for it."""
-    return {
-        name: m.quant_method.fp8_linear
-        for name, m in model.named_modules()
-        if hasattr(getattr(m, "quant_method", None), "fp8_linear")
-    }
-
-
-def kernel_problems(kernels: dict[str, object], flow: PrecisionFlow) -> list[str]:
-    """Every FP8 linear must run an allowed kernel whose activation quantizer is the CUDA `QuantFP8` op, with
-    UE8M0 scales exactly when the flow's scale mode is ue8m0."""
-    if flow.rollout_fp8 and not kernels:
-        return ["no block-FP8 linear found in the vLLM model (was the checkpoint's quantization_config read?)"]
-    problems = []
-    for name, kernel in kernels.items():
-        subs = [getattr(kernel, "base", None), getattr(kernel, "fallback", None)]
-        for k in [s for s in subs if s is not None] or [kernel]:
-            cls = type(k).__name__
-            quant = getattr(k, "quant_fp8", None)
-            if cls not in ALLOWED_KERNELS or not getattr(k, "apply_input_quant", True) or quant is None:
-                problems.append(
-                    f"{name}: kernel {cls} (allowed: {', '.join(ALLOWED_KERNELS)}; a kernel that quantizes "
-                    "activations itself changes the bytes: set VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0)"
-                )
-                continue
-            if bool(getattr(quant, "use_ue8m0", False)) != (flow.scale_mode == "ue8m0"):
-                problems.append(
-                    f"{name}: {cls} quantizes activations with use_ue8m0={quant.use_ue8m0} but the flow's "
-                    f"scale_mode is {flow.scale_mode!r} (VLLM_USE_DEEP_GEMM_E8M0 must be "
-                    f"{flow.vllm_env().get('VLLM_USE_DEEP_GEMM_E8M0')})"
-                )
-            method = getattr(getattr(quant, "_forward_method", None), "__name__", "forward_cuda")
-            if method != "forward_cuda":
-                problems.append(
-                    f"{name}: the activation quantizer runs {method} (vLLM's torch version floors the scale "
-                    "at 1/(448*512)): keep compilation_config custom_ops=['+quant_fp8']"
-                )
-    return problems[:20]
-
-
-def pass_problems(pass_config) -> list[str]:
-    """Compile passes that fuse quantization into other kernels (their own scale floor and rounding) must be off."""
-    return [
-        f"compilation pass {k}={getattr(pass_config, k, None)} (must be False: the fused kernel quantizes its own way)"
-        for k in UNFUSED
-        if getattr(pass_config, k, False)
-    ]
-
-
-def probe_tensor(device, dtype=torch.bfloat16, rows: int = 16, groups: int = 8, seed: int = 0) -> torch.Tensor:
-    """Activations that test the quantizer's edges: a zero group, tiny groups, huge ones, rounding ties."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, groups * 128, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
-    x[0, :128] = 0.0  # amax 0: the eps floor
-    x[1, 128:256] *= 1e-12  # amax below eps * 448
-    x[2, 256:384] = 1e-30
-    x[3, 384:512] = torch.tensor([448.0, 1.0625, -1.1875, 2.125, 3.25, 0.01171875] * 22)[:128]  # s = 1: e4m3 ties
-    x[4, 512:640] = 60000.0 * torch.sign(torch.randn(128, generator=g))
-    return x.to(dtype).to(device)
-
-
-def probe_problems(quant_fp8, flow: PrecisionFlow, x: torch.Tensor) -> list[str]:
-    """vLLM's activation quantizer (the kernel's own `QuantFP8`) against `quantize_blockwise` on `x`."""
-    q, s = quant_fp8(x)
-    q_ref, s_ref = quantize_blockwise(x, (1, 128), flow.scale_mode, eps=flow.eps)
-    rows, groups = q_ref.shape[0], s_ref.shape[1]
-    s = s.float()[:rows, :groups] if s.shape[0] >= rows else s.float().t()[:rows, :groups]
-    problems = []
-    if not torch.equal(q[:rows].view(torch.uint8), q_ref.view(torch.uint8)):
-        bad = (q[:rows].view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:3].tolist()
-        problems.append(f"activation bytes differ from quantize_blockwise at (row, col) {bad}")
-    if not torch.equal(s.contiguous(), s_ref.float()):
-        bad = (s.contiguous() != s_ref.float()).nonzero()[:3].tolist()
-        problems.append(f"activation scales differ from quantize_blockwise at (row, group) {bad}")
-    return problems
-
-
-def exact_problems(
-    attention_impls: dict[str, object],
-    one_split: bool,
-    cascade_disabled: bool,
-    glue: str,
-    lm_head_method: str,
-    v2_runner: bool = True,
-    ordered_reduce: bool = True,
-) -> list[str]:
-    """Under `precision.exact_logprobs`, what in a running engine would compute other bytes than the actor's
-    `rollout_kernels`: attention with more than one KV split or not FA3, cascade attention, vLLM's own RMSNorm/RoPE,
-    an lm_head without the actor's GEMM, a model runner whose logprob kernel the actor does not call, and above TP 2 a
-    TP all-reduce that does not add in rank order (`ordered_reduce` False)."""
-    problems = []
-    if not ordered_reduce:
-        problems.append(
-            "vLLM's TP all-reduce would add the partial sums in an order of its own (patches/vllm_0_26_0_ordered_all_reduce.py "
-            "did not take effect before the engine started): let VllmEngine build the engine"
-        )
-    if not v2_runner:
-        problems.append(
-            "vLLM runs its V1 model runner, whose sampler computes logprobs with another kernel than the one "
-            "the actor calls (the V2 runner's compute_token_logprobs): keep VLLM_USE_V2_MODEL_RUNNER=1"
-        )
-    if not one_split:
-        problems.append(
-            "vLLM's attention may split the KV cache (neither patches/vllm_0_26_0_one_split_attention.py nor "
-            "VLLM_BATCH_INVARIANT=1 took effect before the attention layers were built): create the engine, "
-            "or call rl.session.pin_vllm_environment, before anything imports vllm"
-        )
-    if not cascade_disabled:
-        problems.append(
-            "cascade attention is on (a shared prefix's attention merged from two kernels): build the engine "
-            "with disable_cascade_attn=True"
-        )
-    for name, impl in list(attention_impls.items())[:3]:
-        cls, version = type(impl).__name__, getattr(impl, "vllm_flash_attn_version", None)
-        if cls != "FlashAttentionImpl" or version != 3:
-            problems.append(
-                f"{name}: attention {cls} (FlashAttention version {version}); the actor computes FlashAttention "
-                "3's bytes: leave vLLM's default attention backend on Hopper"
-            )
-    if glue != "trainer":
-        problems.append(
-            f"rollout.glue resolved to {glue!r}: vLLM's own RMSNorm and RoPE round unlike the actor's; use "
-            "rollout.glue=auto or trainer (a llama3 scaled RoPE cannot)"
-        )
-    if lm_head_method != "TrainerLMHeadMethod":
-        problems.append(
-            f"the lm_head runs {lm_head_method}, not the actor's lm_head GEMM (rollout.vllm_glue.use_trainer_lm_head "
-            "takes an unquantized lm_head only)"
-        )
-    return problems
-
-
-def check_numerics(model, flow: PrecisionFlow, pass_config, *, compiled: bool) -> dict:
-    """Everything the flow pins, read back from the engine; raises EngineConformanceError naming what differs."""
-    kernels = fp8_kernels(model)
-    problems = kernel_problems(kernels, flow) if flow.rollout_fp8 else []
-    if flow.rollout_fp8 and compiled:
-        problems += pass_problems(pass_config)
-    probed = 0
-    if flow.rollout_fp8 and not problems:
-        device = next(model.parameters()).device
-        for kernel in {type(k).__name__: k for k in kernels.values()}.values():
-            problems += probe_problems(kernel.quant_fp8, flow, probe_tensor(device))
-            probed += 1
-    if problems:
-        raise EngineConformanceError("vLLM would not run the precision flow's forward:\n  - " + "\n  - ".join(problems))
-    return {"kernels": sorted({type(k).__name__ for k in kernels.values()}), "fp8_linears": len(kernels), "probed": probed}
-
-
-def attention_layers(model) -> dict[str, object]:
-    """HF layer prefix (`model.layers.N.self_attn`) -> vLLM's attention layer (`.attn`) of that decoder layer."""
-    return {name.removesuffix(".attn"): m for name, m in model.named_modules() if name.endswith("self_attn.attn")}
-
-
-def kv_scale_params(layers: dict[str, object]) -> dict[str, torch.Tensor]:
-    """The mapping table's HF names of the FP8 KV cache's scales -> one-element views of the buffers vLLM's attention
-    quantizes with and descales by (`_q_scale`, `_k_scale`, `_v_scale`)."""
-    return {f"{prefix}.attn.{t}_scale": getattr(layer, f"_{t}_scale").view(1) for prefix, layer in layers.items() for t in "qkv"}
-
-
-def sync_scale_floats(layers: dict[str, object]) -> None:
-    """vLLM keeps host copies of the scales beside the buffers (read by backends other than FA3): set them too."""
-    values = torch.stack([getattr(layer, f"_{t}_scale") for layer in layers.values() for t in "qkv"]).tolist()
-    for i, layer in enumerate(layers.values()):
-        layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = values[3 * i : 3 * i + 3]
-        layer._k_scale_cpu.fill_(layer._k_scale_float)
-        layer._v_scale_cpu.fill_(layer._v_scale_float)
-
-
-def kv_cache_problems(layers: dict[str, object], flow: PrecisionFlow, tile_patched: bool) -> list[str]:
-    """What in a running engine's attention layers differs from the flow's KV cache: the cache dtype, who computes the
-    scales, and under `exact_logprobs` with an FP8 cache, a query not quantized with the layer's scale, FA3's FP8 launch
-    not pinned to one kernel (patches/vllm_0_26_0_fp8_attention_tile.py)."""
-    problems = []
-    fp8 = flow.kv_cache == "fp8"
-    for name, layer in list(layers.items())[:3]:
-        dtype = getattr(layer, "kv_cache_dtype", None)
-        if str(dtype).startswith("fp8") != fp8:
-            problems.append(f"{name}: vLLM's KV cache dtype is {dtype!r}, the flow's precision.kv_cache is {flow.kv_cache!r}")
-            continue
-        if not fp8:
-            continue
-        engine = bool(getattr(layer, "calculate_kv_scales", False))
-        if engine and flow.kv_scale_policy != "engine":
-            problems.append(
-                f"{name}: vLLM computes its own K/V scales (calculate_kv_scales), the trainer's "
-                f"({flow.kv_scale_policy}) would be overwritten: start the engine with calculate_kv_scales=False"
-            )
-        if flow.exact_logprobs and getattr(layer, "query_quant", None) is None:
-            problems.append(
-                f"{name}: vLLM's attention does not quantize the query with the layer's q scale (no query_quant), "
-                "so its FP8 attention is not the actor's: use the FlashAttention 3 backend"
-            )
-    if fp8 and flow.exact_logprobs and not tile_patched:
-        problems.append(
-            "FA3's FP8 forward would pick its kernel by the batch (patches/vllm_0_26_0_fp8_attention_tile.py did not "
-            "take effect before the engine started)"
-        )
-    return problems
-
-
-def check_kv_cache(layers: dict[str, object], flow: PrecisionFlow) -> dict:
-    """`kv_cache_problems` of a running engine; any refuses it."""
-    tile = False
-    if flow.exact_logprobs and flow.kv_cache == "fp8":
-        from megatron_jetrl.patching import load_patch
-
-        tile = load_patch("vllm_0_26_0_fp8_attention_tile").applied()
-    problems = kv_cache_problems(layers, flow, tile)
-    if problems:
-        raise EngineConformanceError("vLLM's KV cache is not the flow's:\n  - " + "\n  - ".join(problems))
-    return {"dtype": flow.kv_cache, "scales": flow.kv_scale_policy, "layers": len(layers)}
 
 
 # ---- the engine -------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def vllm_bytes(engine, arch_, expected: dict[str, torch.Tensor]) -> dict[str, tu
     """For every HF tensor a `VllmEngine` holds (its copy plan): `(equal bytes, bytes)` of this rank's piece of
     `expected[name]` against vLLM's live parameter slice, read back from vLLM's parameters (not the sync's own
     check). A dtype width or shape that differs counts as no byte equal."""
-    from megatron_jetrl.rollout.vllm_engine import rank_piece
+    from megatron_jetrl.rollout.vllm_params import rank_piece
 
     out = {}
     for hf_name, slot in engine.plan.items():

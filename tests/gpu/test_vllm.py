@@ -87,7 +87,8 @@ def prompts(n=6, vocab=1000, seed=0):
 
 def test_startup_conformance_is_read_back_from_the_engine(setup):
     from megatron_jetrl.fp8 import PrecisionFlow
-    from megatron_jetrl.rollout.vllm_engine import EngineConformanceError, check_numerics, copy_plan
+    from megatron_jetrl.rollout.vllm_checks import EngineConformanceError, check_numerics
+    from megatron_jetrl.rollout.vllm_params import copy_plan
 
     engine, arch, flow = setup
     print("numerics:", engine.numerics)

@@ -11,7 +11,8 @@ from megatron_jetrl.actor.provider import ActorOptions
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.patching import load_patch
 from megatron_jetrl.rl.config import ConfigError, load_config
-from megatron_jetrl.rollout.vllm_engine import engine_env, exact_problems, llm_kwargs
+from megatron_jetrl.rollout.vllm_checks import exact_problems
+from megatron_jetrl.rollout.vllm_engine import engine_env, llm_kwargs
 
 GPU = ["configs/gpu_1p5b.yaml"]
 ON = ["precision.exact_logprobs=true", "rollout.engine=vllm"]

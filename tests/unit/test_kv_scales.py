@@ -18,16 +18,9 @@ from megatron_jetrl.models.mapping import KV_SCALE, from_hf, model_entries, to_h
 from megatron_jetrl.rl import kv_scales as kv
 from megatron_jetrl.rollout.colocated import kv_bytes_per_token, kv_cache_need, sequences_at_once
 from megatron_jetrl.rollout.native import expected_tensors, validate_weights
-from megatron_jetrl.rollout.vllm_engine import (
-    EngineConformanceError,
-    apply_plan,
-    copy_plan,
-    kv_cache_problems,
-    kv_scale_params,
-    llm_kwargs,
-    sync_scale_floats,
-    write_model_dir,
-)
+from megatron_jetrl.rollout.vllm_checks import EngineConformanceError, kv_cache_problems
+from megatron_jetrl.rollout.vllm_engine import llm_kwargs, write_model_dir
+from megatron_jetrl.rollout.vllm_params import apply_plan, copy_plan, kv_scale_params, sync_scale_floats
 
 FP8_KV = PrecisionFlow("jetrl", exact_logprobs=True, kv_cache="fp8")
 

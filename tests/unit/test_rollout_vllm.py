@@ -12,25 +12,24 @@ from test_rollout_native import BF16, JETRL, bf16_state, live_stream, tiny_confi
 from megatron_jetrl.fp8 import PrecisionFlow
 from megatron_jetrl.models import ModelArch
 from megatron_jetrl.rollout import SamplingParams
-from megatron_jetrl.rollout.vllm_engine import (
+from megatron_jetrl.rollout.vllm_checks import (
     UNFUSED,
-    VLLM_VERSION,
     EngineConformanceError,
-    apply_plan,
-    copy_plan,
-    engine_env,
     kernel_problems,
-    llm_kwargs,
-    parse_output,
     pass_problems,
-    pin_environment,
     probe_problems,
     probe_tensor,
-    rank_piece,
+)
+from megatron_jetrl.rollout.vllm_engine import (
+    VLLM_VERSION,
+    engine_env,
+    llm_kwargs,
+    parse_output,
+    pin_environment,
     sampling_kwargs,
-    vllm_target,
     write_model_dir,
 )
+from megatron_jetrl.rollout.vllm_params import apply_plan, copy_plan, rank_piece, vllm_target
 
 
 def test_vllm_is_not_imported_by_the_rollout_package():
