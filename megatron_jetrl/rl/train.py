@@ -56,39 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     run = RunContext()
     interrupts = Interrupts(run)  # Ctrl-C / SIGUSR1: stop at the end of the step, checkpointed (rl/interrupt.py)
     interrupts.install()
-    cfg = None
-    try:  # a ConfigError (also one found once the process group exists: device, checkpoints) is a clean exit 2
-        with run.phase("start-up"):
-            cfg = load_config(*split_args(args))
-            previous = preflight.check(cfg)  # machine, inputs and run directory, before anything is written or started
-            if previous is not None and previous.complete(cfg):
-                if int(os.environ.get("RANK", "0")) == 0:
-                    print(previous.complete_message(cfg))
-                interrupts.restore()
-                return 0
-            taken = run_lock.acquire(cfg.run.directory) if os.environ.get("RANK", "0") == "0" else None  # one run a directory
-            sess.init_distributed(cfg)
-            faults.watch(cfg, run)  # heartbeat + one-line failure report naming rank/step/phase
-            run.load_plugins()
-            if cfg.run.device_type() == "cuda" and int(os.environ["RANK"]) == 0:
-                CompileProgress(cache_dirs(cfg.run.jit_cache_dir)).start()  # a cold machine compiles kernels: say so
-            s = sess.build_session(cfg, run)
-            state = checkpoints.resume(s)
-            if s.is_main:  # only now: a refused run leaves its directory as it was
-                checkpoints.write_config(cfg)
-                if previous is not None:
-                    print(previous.resume_message(cfg), file=sys.stderr)
-                if taken:
-                    print(f"note: {taken}", file=sys.stderr)
-                for notice in cfg.notices():
-                    print(f"note: {notice}", file=sys.stderr)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        faults.record_failure(f"config error: {e}")
-        if cfg is not None:
-            run_lock.release(cfg.run.directory)
-        interrupts.restore()
-        return 2
+    started = start_up(args, run, interrupts)
+    if isinstance(started, int):
+        return started
+    s, state = started
+    cfg = s.cfg
     start = state["step"] if state else 0
     if state is None:
         with run.phase("warm-start"):
@@ -144,6 +116,46 @@ def main(argv: list[str] | None = None) -> int:
     run.end()  # the metrics file and the progress bar close
     interrupts.restore()
     return finish(s, last_saved)
+
+
+def start_up(args: list[str], run: RunContext, interrupts: Interrupts):
+    """The config, the preflight, the process group, the failure watch and the session, resumed from the newest
+    checkpoint: `(session, resumed state or None)`, or the exit code of a run that ends here (0: already complete,
+    2: a ConfigError, also one found once the process group exists: device, checkpoints)."""
+    cfg = None
+    try:
+        with run.phase("start-up"):
+            cfg = load_config(*split_args(args))
+            previous = preflight.check(cfg)  # machine, inputs and run directory, before anything is written or started
+            if previous is not None and previous.complete(cfg):
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print(previous.complete_message(cfg))
+                interrupts.restore()
+                return 0
+            taken = run_lock.acquire(cfg.run.directory) if os.environ.get("RANK", "0") == "0" else None  # one run a directory
+            sess.init_distributed(cfg)
+            faults.watch(cfg, run)  # heartbeat + one-line failure report naming rank/step/phase
+            run.load_plugins()
+            if cfg.run.device_type() == "cuda" and int(os.environ["RANK"]) == 0:
+                CompileProgress(cache_dirs(cfg.run.jit_cache_dir)).start()  # a cold machine compiles kernels: say so
+            s = sess.build_session(cfg, run)
+            state = checkpoints.resume(s)
+            if s.is_main:  # only now: a refused run leaves its directory as it was
+                checkpoints.write_config(cfg)
+                if previous is not None:
+                    print(previous.resume_message(cfg), file=sys.stderr)
+                if taken:
+                    print(f"note: {taken}", file=sys.stderr)
+                for notice in cfg.notices():
+                    print(f"note: {notice}", file=sys.stderr)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        faults.record_failure(f"config error: {e}")
+        if cfg is not None:
+            run_lock.release(cfg.run.directory)
+        interrupts.restore()
+        return 2
+    return s, state
 
 
 def stop(s, interrupts: Interrupts, step: int, last_saved) -> int:
