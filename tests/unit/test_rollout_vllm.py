@@ -415,6 +415,8 @@ def test_bench_vllm_pins_its_attention_as_a_run_resolves_it():
     assert [bench.attention_label(r) for r in ({"exact_logprobs": True}, {"pins": ["one-split"]}, {})] == [
         "exact", "one-split", "none"
     ]  # fmt: skip
+    variants = ({"exact_logprobs": True, "variant": "unseeded"}, {"pins": ["one-split", "fp8-tile"], "variant": "shipped"})
+    assert [bench.attention_label(r) for r in variants] == ["exact, unseeded", "one-split+fp8-tile"]  # a --kv table row each
 
 
 def test_glue_auto_is_the_trainers_unless_the_rope_is_scaled():
